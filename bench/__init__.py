@@ -1,0 +1,1 @@
+"""Benchmarks: run as `python -m bench.<name>`; figures go to bench/README.md."""

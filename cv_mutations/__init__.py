@@ -1,0 +1,54 @@
+"""cv_mutations: typed workspace ops with an `OpIdEnvelope`, and the pure reducers that apply them.
+
+See DESIGN §3. Everything here is pure: no I/O, no clock, no asyncio.
+"""
+
+from cv_mutations.envelope import META_MAX_BYTES, OpIdEnvelope
+from cv_mutations.fingerprint import canonical_json, fingerprint
+from cv_mutations.ids import (
+    is_valid_sub_doc,
+    is_valid_workspace_id,
+    new_op_id,
+)
+from cv_mutations.ops import (
+    OP_ADAPTER,
+    OP_TYPES,
+    InvalidOp,
+    NodeDelete,
+    NodeIncrement,
+    NodeInsert,
+    NodeMove,
+    NodeUpdate,
+    Op,
+    parse_op,
+)
+from cv_mutations.reducers import REJECTION_CODES, OpRejected, Undo, apply_op
+from cv_mutations.state import ROOT, InvalidState, Node, SubDocState
+
+__all__ = [
+    "META_MAX_BYTES",
+    "OP_ADAPTER",
+    "OP_TYPES",
+    "REJECTION_CODES",
+    "ROOT",
+    "InvalidOp",
+    "InvalidState",
+    "Node",
+    "NodeDelete",
+    "NodeIncrement",
+    "NodeInsert",
+    "NodeMove",
+    "NodeUpdate",
+    "Op",
+    "OpIdEnvelope",
+    "OpRejected",
+    "SubDocState",
+    "Undo",
+    "apply_op",
+    "canonical_json",
+    "fingerprint",
+    "is_valid_sub_doc",
+    "is_valid_workspace_id",
+    "new_op_id",
+    "parse_op",
+]

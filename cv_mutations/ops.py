@@ -1,0 +1,160 @@
+"""The op models (DESIGN §3): frozen pydantic models in one union discriminated on `type`.
+
+Parsing never applies anything; it only says whether an op is well-formed. Whether it *fits* the
+current state (does the node exist, would the move make a cycle) is the reducers' job.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import (
+    Field,
+    JsonValue,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from cv_mutations.envelope import OpIdEnvelope
+from cv_mutations.ids import NodeId
+
+__all__ = [
+    "OP_ADAPTER",
+    "OP_TYPES",
+    "FieldName",
+    "InvalidOp",
+    "NodeDelete",
+    "NodeIncrement",
+    "NodeInsert",
+    "NodeMove",
+    "NodeUpdate",
+    "Op",
+    "parse_op",
+]
+
+FieldName = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+
+
+class NodeInsert(OpIdEnvelope):
+    """Insert a new leaf `node_id` under `parent_id` at `index` (appended when omitted)."""
+
+    type: Literal["node.insert"] = "node.insert"
+    node_id: NodeId
+    parent_id: NodeId
+    index: Annotated[int, Field(ge=0)] | None = None
+    fields: dict[FieldName, JsonValue] = Field(default_factory=dict)
+
+
+class NodeMove(OpIdEnvelope):
+    """Move `node_id` (with its subtree) to position `index` among `parent_id`'s children.
+
+    `index` counts the new parent's children *after* the node has been taken out, so moving a node
+    within its own parent behaves like "remove, then insert at index".
+    """
+
+    type: Literal["node.move"] = "node.move"
+    node_id: NodeId
+    parent_id: NodeId
+    index: Annotated[int, Field(ge=0)]
+
+
+class NodeDelete(OpIdEnvelope):
+    """Delete `node_id` and its whole subtree."""
+
+    type: Literal["node.delete"] = "node.delete"
+    node_id: NodeId
+
+
+class NodeUpdate(OpIdEnvelope):
+    """Set and/or remove fields of `node_id`. `unset` of an absent field is a no-op."""
+
+    type: Literal["node.update"] = "node.update"
+    node_id: NodeId
+    set: dict[FieldName, JsonValue] = Field(default_factory=dict)
+    unset: list[FieldName] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _set_and_unset_are_disjoint(self) -> NodeUpdate:
+        both = set(self.set).intersection(self.unset)
+        if both:
+            raise ValueError(f"fields both set and unset: {sorted(both)}")
+        return self
+
+
+class NodeIncrement(OpIdEnvelope):
+    """Add `by` to the numeric field `field` of `node_id` (an absent field counts as 0).
+
+    Deliberately not idempotent: a double apply is visible, which is how tests catch one.
+    """
+
+    type: Literal["node.increment"] = "node.increment"
+    node_id: NodeId
+    field: FieldName
+    by: int | float = 1
+
+    @field_validator("by")
+    @classmethod
+    def _by_is_finite(cls, value: int | float) -> int | float:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError("by must be a finite number")
+        return value
+
+
+Op = Annotated[
+    NodeInsert | NodeMove | NodeDelete | NodeUpdate | NodeIncrement,
+    Field(discriminator="type"),
+]
+
+#: The one adapter that parses any op; building it once keeps parsing cheap on the hot path.
+OP_ADAPTER: Final[TypeAdapter[Op]] = TypeAdapter(Op)
+
+OP_TYPES: Final = ("node.insert", "node.move", "node.delete", "node.update", "node.increment")
+
+
+class InvalidOp(ValueError):
+    """An op that is not well-formed. `code` is stable and travels to clients as-is.
+
+    Codes: `unknown_op_type` (missing or unknown `type`), `invalid_id` (an id breaks its pattern),
+    `invalid_field` (wrong type, missing or extra field, or a broken constraint).
+    """
+
+    def __init__(self, code: str, message: str, errors: list[dict[str, Any]] | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.errors = errors or []
+
+
+_ID_FIELDS: Final = frozenset({"op_id", "node_id", "parent_id"})
+
+
+def _classify(exc: ValidationError) -> InvalidOp:
+    errors = exc.errors(include_url=False, include_context=False, include_input=False)
+    first = errors[0] if errors else {"type": "", "loc": (), "msg": str(exc)}
+    kinds = {e["type"] for e in errors}
+    if kinds & {"union_tag_invalid", "union_tag_not_found"}:
+        code = "unknown_op_type"
+    elif any(
+        e["type"] == "string_pattern_mismatch" and e["loc"] and e["loc"][-1] in _ID_FIELDS
+        for e in errors
+    ):
+        code = "invalid_id"
+    else:
+        code = "invalid_field"
+    loc = ".".join(str(part) for part in first["loc"])
+    message = f"{loc}: {first['msg']}" if loc else str(first["msg"])
+    return InvalidOp(code, message, [dict(e) for e in errors])
+
+
+def parse_op(data: object) -> Op:
+    """Validate a decoded JSON value (a dict) into an `Op`, or raise `InvalidOp`."""
+    if not isinstance(data, dict):
+        raise InvalidOp("invalid_field", "an op must be a JSON object")
+    try:
+        return OP_ADAPTER.validate_python(data)
+    except ValidationError as exc:
+        raise _classify(exc) from None

@@ -1,0 +1,80 @@
+"""JSON Schema export: `python -m cv_mutations.schema --write` regenerates `schemas/`.
+
+The checked-in files are the contract for non-Python clients; a test fails when they drift from
+the models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from cv_mutations.ops import OP_ADAPTER, NodeDelete, NodeIncrement, NodeInsert, NodeMove, NodeUpdate
+
+__all__ = ["SCHEMA_DIR", "render_schemas"]
+
+SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
+
+_MODELS: dict[str, type[BaseModel]] = {
+    "node.insert": NodeInsert,
+    "node.move": NodeMove,
+    "node.delete": NodeDelete,
+    "node.update": NodeUpdate,
+    "node.increment": NodeIncrement,
+}
+
+
+def _with_id(schema: dict[str, Any], name: str) -> dict[str, Any]:
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": f"https://cv-workspace.dev/schemas/{name}",
+        **schema,
+    }
+
+
+def render_schemas() -> dict[str, str]:
+    """File name → file text for every op and for the union."""
+    files: dict[str, Any] = {}
+    for op_type, model in _MODELS.items():
+        name = f"{op_type}.schema.json"
+        files[name] = _with_id(model.model_json_schema(mode="validation"), name)
+    files["op.schema.json"] = _with_id(OP_ADAPTER.json_schema(mode="validation"), "op.schema.json")
+    return {name: json.dumps(body, indent=2, sort_keys=True) + "\n" for name, body in files.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cv_mutations.schema", description=__doc__)
+    parser.add_argument("--write", action="store_true", help="write the schemas into schemas/")
+    parser.add_argument("--check", action="store_true", help="exit 1 if schemas/ is out of date")
+    parser.add_argument("--dir", type=Path, default=SCHEMA_DIR)
+    args = parser.parse_args(argv)
+    rendered = render_schemas()
+    if args.write:
+        args.dir.mkdir(parents=True, exist_ok=True)
+        for stale in set(p.name for p in args.dir.glob("*.schema.json")) - set(rendered):
+            (args.dir / stale).unlink()
+        for name, text in rendered.items():
+            (args.dir / name).write_text(text, encoding="utf-8")
+        return 0
+    if args.check:
+        drift = [
+            name
+            for name, text in rendered.items()
+            if not (args.dir / name).exists() or (args.dir / name).read_text("utf-8") != text
+        ]
+        if drift:
+            print(f"schemas out of date: {drift}; run python -m cv_mutations.schema --write")
+            return 1
+        return 0
+    json.dump({k: json.loads(v) for k, v in rendered.items()}, sys.stdout, indent=2)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,124 @@
+"""Sub-doc state: an ordered tree under the fixed root `"root"` (DESIGN §3).
+
+The state is mutated in place by the reducers; nothing here copies the tree, because a whole-tree
+copy per op is what makes a growing document slow.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from pydantic import JsonValue
+
+__all__ = ["ROOT", "InvalidState", "Node", "SubDocState"]
+
+ROOT: Final = "root"
+
+
+class InvalidState(ValueError):
+    """A serialized state that breaks the tree invariants."""
+
+
+@dataclass(slots=True)
+class Node:
+    parent: str | None
+    children: list[str] = field(default_factory=list)
+    fields: dict[str, JsonValue] = field(default_factory=dict)
+
+
+class SubDocState:
+    """The nodes of one sub-doc, keyed by id. Invariants (checked by `check()`):
+
+    every node is reachable from the root exactly once, parent and children agree, and there is
+    no cycle.
+    """
+
+    __slots__ = ("nodes",)
+
+    def __init__(self, nodes: dict[str, Node]) -> None:
+        self.nodes = nodes
+
+    @classmethod
+    def empty(cls) -> SubDocState:
+        return cls({ROOT: Node(parent=None)})
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SubDocState):
+            return NotImplemented
+        return self.nodes == other.nodes
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    # -- JSON ------------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON form `{"nodes": {id: {"parent", "children", "fields"}}}` (copies, not views)."""
+        return {
+            "nodes": {
+                node_id: {
+                    "parent": node.parent,
+                    "children": list(node.children),
+                    "fields": json.loads(json.dumps(node.fields)),
+                }
+                for node_id, node in self.nodes.items()
+            }
+        }
+
+    def dumps(self) -> str:
+        """Compact, key-sorted JSON text: equal states give equal bytes."""
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, data: object) -> SubDocState:
+        """Rebuild a state from its JSON form; raises `InvalidState` if the tree is broken."""
+        if not isinstance(data, dict) or not isinstance(data.get("nodes"), dict):
+            raise InvalidState('state must be {"nodes": {...}}')
+        nodes: dict[str, Node] = {}
+        for node_id, raw in data["nodes"].items():
+            if not isinstance(raw, dict) or set(raw) != {"parent", "children", "fields"}:
+                raise InvalidState(f"node {node_id!r} must have exactly parent, children, fields")
+            parent, children, fields = raw["parent"], raw["children"], raw["fields"]
+            if parent is not None and not isinstance(parent, str):
+                raise InvalidState(f"node {node_id!r}: parent must be a string or null")
+            if not isinstance(children, list) or not all(isinstance(c, str) for c in children):
+                raise InvalidState(f"node {node_id!r}: children must be a list of ids")
+            if not isinstance(fields, dict):
+                raise InvalidState(f"node {node_id!r}: fields must be an object")
+            nodes[node_id] = Node(parent=parent, children=list(children), fields=dict(fields))
+        state = cls(nodes)
+        state.check()
+        return state
+
+    @classmethod
+    def loads(cls, text: str | bytes) -> SubDocState:
+        return cls.from_json(json.loads(text))
+
+    # -- invariants ------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise `InvalidState` unless every node is reachable from the root exactly once."""
+        root = self.nodes.get(ROOT)
+        if root is None or root.parent is not None:
+            raise InvalidState("the root must exist and have no parent")
+        seen: set[str] = set()
+        stack = [ROOT]
+        while stack:
+            node_id = stack.pop()
+            if node_id in seen:
+                raise InvalidState(f"node {node_id!r} is reachable twice (cycle or shared child)")
+            seen.add(node_id)
+            for child in self.nodes[node_id].children:
+                child_node = self.nodes.get(child)
+                if child_node is None:
+                    raise InvalidState(f"child {child!r} of {node_id!r} does not exist")
+                if child_node.parent != node_id:
+                    raise InvalidState(f"{child!r} is under {node_id!r} but names another parent")
+                stack.append(child)
+        if len(seen) != len(self.nodes):
+            orphans = sorted(set(self.nodes) - seen)[:5]
+            raise InvalidState(f"nodes not reachable from the root: {orphans}")

@@ -1,0 +1,47 @@
+"""Server configuration. Every constant comes from DESIGN §10 and can be overridden."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ServerConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything `create_app` needs. Tests shrink the durations; nothing else should."""
+
+    #: Embedded SQLite file (the default backend).
+    db_path: Path | None = None
+    #: PostgreSQL DSN (the scale-out backend); wins over `db_path` when set.
+    database_url: str | None = None
+    #: HMAC secret for bearer tokens; read from (or created in) the database when None.
+    token_secret: bytes | None = None
+
+    # -- request limits (DESIGN §11) --
+    max_body_bytes: int = 1024 * 1024
+    max_ops_per_request: int = 1000
+    max_ws_frame_bytes: int = 1024 * 1024
+    #: Live ops a subscriber may have queued before it is closed (4008) to resume by catch-up.
+    subscriber_queue_limit: int = 10_000
+    #: Page size of catch-up reads.
+    catchup_page: int = 1000
+    #: Ops between two state snapshots (a cache of the log; bounds restart replay time).
+    snapshot_every: int = 1000
+
+    # -- queue (DESIGN §10, seed 003) --
+    lease_seconds: float = 120.0
+    heartbeat_seconds: float = 60.0
+    failure_backoff_seconds: float = 30.0
+    max_dequeues: int = 5
+    waiter_deadline_seconds: float = 60.0
+    sweep_seconds: float = 5.0
+    blob_retention_seconds: float = 24 * 3600.0
+    idempotency_retention_seconds: float = 24 * 3600.0
+
+    # -- compute lock (DESIGN §10, seed 000) --
+    compute_lock_ttl_seconds: float = 60.0
+
+    # -- shutdown (seed 004) --
+    drain_seconds: float = 25.0

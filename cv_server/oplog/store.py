@@ -1,0 +1,121 @@
+"""The op-log storage seam: domain verbs every backend implements (SQLite, PostgreSQL).
+
+Every backend passes the same contract suite (`tests/contract/oplog_contract.py`).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cv_mutations import Op, SubDocState
+
+__all__ = ["Committed", "IncomingOp", "LogEntry", "OpLogStore", "Outcome", "Rejected"]
+
+
+@dataclass(frozen=True, slots=True)
+class IncomingOp:
+    """One op as the server received it: parsed, plus what dedupe needs.
+
+    `raw` is the JSON object as received (stored in the log and sent to subscribers verbatim);
+    `fingerprint` is `cv_mutations.fingerprint(raw)`.
+    """
+
+    op: Op
+    raw: dict[str, Any]
+    fingerprint: str
+
+    @property
+    def op_id(self) -> str | None:
+        return self.op.op_id
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """The op is in the log at `clock`. `duplicate` is true when this answer is a replay."""
+
+    op_id: str | None
+    clock: int
+    duplicate: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op_id": self.op_id, "clock": self.clock, "duplicate": self.duplicate}
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """The op was not applied. Reducer rejections are recorded and replayed verbatim on retry
+    (`duplicate: true`); `op_id_reuse` and `atomic_aborted` are answers, never recorded."""
+
+    op_id: str | None
+    code: str
+    message: str
+    duplicate: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "op_id": self.op_id,
+            "error": {"code": self.code, "message": self.message},
+            "duplicate": self.duplicate,
+        }
+
+
+Outcome = Committed | Rejected
+
+
+@dataclass(frozen=True, slots=True)
+class LogEntry:
+    """A committed op as subscribers see it."""
+
+    clock: int
+    op_id: str | None
+    op: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"clock": self.clock, "op_id": self.op_id, "op": self.op}
+
+
+class OpLogStore(abc.ABC):
+    """The op-log of every sub-doc of every workspace.
+
+    Rules every implementation keeps (DESIGN §4):
+    - dedupe on `(workspace_id, sub_doc, op_id)`: same fingerprint → the stored outcome with
+      `duplicate=True`; different fingerprint → `Rejected(code="op_id_reuse")`, nothing applied;
+    - clocks per sub-doc start at 0 and grow by 1 per committed op, with no gap;
+    - ops of one `append` commit in their order; a rejected op does not stop the others unless
+      `atomic=True`, in which case nothing of the batch is applied: the failing op gets its
+      rejection (recorded), the others `atomic_aborted` (not recorded);
+    - `append` returns only after the batch is durable; only then may anyone publish it.
+    """
+
+    @abc.abstractmethod
+    async def append(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        ops: Sequence[IncomingOp],
+        *,
+        atomic: bool = False,
+    ) -> tuple[list[Outcome], list[LogEntry]]:
+        """Dedupe, apply and commit `ops`; return one outcome per op (in order) and the log
+        entries this call newly committed (what must be broadcast)."""
+
+    @abc.abstractmethod
+    async def read_since(
+        self, workspace_id: str, sub_doc: str, since: int, limit: int
+    ) -> tuple[int, list[LogEntry]]:
+        """The head clock and at most `limit` committed entries with clock > `since`, in order."""
+
+    @abc.abstractmethod
+    async def get_state(self, workspace_id: str, sub_doc: str) -> tuple[int, SubDocState]:
+        """The head clock and a private copy of the state at that clock."""
+
+    @abc.abstractmethod
+    async def head(self, workspace_id: str, sub_doc: str) -> int:
+        """The clock of the last committed op (0 for a sub-doc never written)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Finish in-flight appends and release resources."""

@@ -1,0 +1,275 @@
+"""The embedded SQLite engine every store shares: one writer thread with group commit, reads on
+other connections, nothing blocking the event loop (DESIGN §9; STYLE: datasette/sqlite-utils).
+
+Why one writer for every store: SQLite allows one writer at a time anyway. Funnelling every write
+through one thread turns lock contention into a queue, and lets the thread commit many waiting
+jobs in **one** transaction (group commit): one fsync for the lot, which is what makes
+`synchronous=FULL` affordable.
+
+Each job runs inside its own SAVEPOINT, so a job that raises is rolled back alone and the others in
+the group still commit. Jobs may register undo callbacks for in-memory caches they changed; those
+run if the job's savepoint or the whole group's COMMIT fails, so caches never run ahead of disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import sqlite_utils
+
+__all__ = ["SQLiteDatabase", "Transaction"]
+
+T = TypeVar("T")
+
+#: How long a connection waits for SQLite's own lock before failing (only readers and a second
+#: process can contend; our writes are already serialised by the writer thread).
+_BUSY_TIMEOUT_MS = 5000
+
+
+@dataclass
+class Transaction:
+    """Handed to a write job: the writer's connection, plus undo registration."""
+
+    conn: sqlite3.Connection
+    db: sqlite_utils.Database
+    _undos: list[Callable[[], None]] = field(default_factory=list)
+
+    def on_rollback(self, undo: Callable[[], None]) -> None:
+        """Register `undo` to run (LIFO) if this job's writes do not reach disk."""
+        self._undos.append(undo)
+
+    def execute(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
+        return self.conn.execute(sql, params)
+
+    def executemany(self, sql: str, rows: Any) -> sqlite3.Cursor:
+        return self.conn.executemany(sql, rows)
+
+
+@dataclass
+class _Job(Generic[T]):
+    fn: Callable[[Transaction], T]
+    future: asyncio.Future[T]
+    loop: asyncio.AbstractEventLoop
+
+
+_STOP = object()
+
+
+def _connect(path: str, *, readonly: bool = False) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+    conn.execute("PRAGMA foreign_keys = ON")
+    if readonly:
+        conn.execute("PRAGMA query_only = ON")
+    else:
+        conn.execute("PRAGMA journal_mode = WAL")
+        # An acknowledged write is on disk: the promise of the product, not a tuning knob.
+        conn.execute("PRAGMA synchronous = FULL")
+    return conn
+
+
+class SQLiteDatabase:
+    """Open with `await SQLiteDatabase.open(path, schema=...)`; close with `await db.close()`.
+
+    `write(fn)` runs `fn(tx)` on the writer thread inside a group transaction and resolves once the
+    group has committed (durably). `read(fn)` runs `fn(conn)` on a reader connection.
+    """
+
+    def __init__(self, path: str | Path, *, max_group: int = 512, readers: int = 2) -> None:
+        self.path = str(path)
+        self.max_group = max_group
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        self._readers = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="sqlite-read")
+        self._local = threading.local()
+        self._reader_conns: list[sqlite3.Connection] = []
+        self._reader_lock = threading.Lock()
+        self._closed = False
+        self.groups_committed = 0
+        self.jobs_committed = 0
+
+    @classmethod
+    async def open(
+        cls,
+        path: str | Path,
+        *,
+        schema: Callable[[sqlite_utils.Database], None] | None = None,
+        max_group: int = 512,
+        readers: int = 2,
+    ) -> SQLiteDatabase:
+        """Create the file if needed, apply `schema` (idempotent) and start the writer thread."""
+        self = cls(path, max_group=max_group, readers=readers)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._writer = threading.Thread(
+            target=self._run_writer,
+            args=(schema, started, asyncio.get_running_loop()),
+            name="sqlite-writer",
+            daemon=True,
+        )
+        self._writer.start()
+        await started
+        return self
+
+    # -- public API ------------------------------------------------------------------------------
+
+    async def write(self, fn: Callable[[Transaction], T]) -> T:
+        """Run `fn` in the next group transaction; return its result once committed to disk.
+
+        `fn` runs on the writer thread: it must not touch the event loop, and must not block on
+        anything but SQLite. If it raises, its own writes are rolled back and the error re-raised
+        here; other jobs of the group are unaffected.
+        """
+        if self._closed:
+            raise RuntimeError("database is closed")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._jobs.put(_Job(fn, future, loop))
+        return await future
+
+    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run `fn(conn)` on a read-only connection in a reader thread (sees committed data)."""
+        if self._closed:
+            raise RuntimeError("database is closed")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._readers, self._run_read, fn)
+
+    async def close(self) -> None:
+        """Finish every queued write, then stop the threads and close the connections."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(_STOP)
+        if self._writer is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._writer.join)
+        self._readers.shutdown(wait=True)
+        with self._reader_lock:
+            for conn in self._reader_conns:
+                conn.close()
+            self._reader_conns.clear()
+
+    # -- threads ---------------------------------------------------------------------------------
+
+    def _run_read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = _connect(self.path, readonly=True)
+            self._local.conn = conn
+            with self._reader_lock:
+                self._reader_conns.append(conn)
+        return fn(conn)
+
+    def _run_writer(
+        self,
+        schema: Callable[[sqlite_utils.Database], None] | None,
+        started: asyncio.Future[None],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        try:
+            conn = _connect(self.path)
+            db = sqlite_utils.Database(conn)
+            if schema is not None:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    schema(db)
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+                conn.execute("COMMIT")
+        except BaseException as exc:
+            loop.call_soon_threadsafe(started.set_exception, exc)
+            return
+        loop.call_soon_threadsafe(started.set_result, None)
+        try:
+            self._writer_loop(conn, db)
+        finally:
+            conn.close()
+
+    def _writer_loop(self, conn: sqlite3.Connection, db: sqlite_utils.Database) -> None:
+        stopping = False
+        while not stopping:
+            first = self._jobs.get()
+            if first is _STOP:
+                break
+            group: list[_Job[Any]] = [first]
+            # Everything already waiting joins this transaction: that is the group commit.
+            while len(group) < self.max_group:
+                try:
+                    nxt = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is _STOP:
+                    stopping = True
+                    break
+                group.append(nxt)
+            self._commit_group(conn, db, group)
+
+    def _commit_group(
+        self, conn: sqlite3.Connection, db: sqlite_utils.Database, group: list[_Job[Any]]
+    ) -> None:
+        outcomes: list[tuple[_Job[Any], bool, Any]] = []
+        committed_undos: list[Callable[[], None]] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            for job in group:
+                outcomes.append((job, False, exc))
+            self._resolve(outcomes)
+            return
+        for index, job in enumerate(group):
+            tx = Transaction(conn, db)
+            conn.execute(f"SAVEPOINT job{index}")
+            try:
+                result = job.fn(tx)
+            except BaseException as exc:  # the job's error belongs to its caller
+                conn.execute(f"ROLLBACK TO job{index}")
+                conn.execute(f"RELEASE job{index}")
+                for undo in reversed(tx._undos):
+                    undo()
+                outcomes.append((job, False, exc))
+            else:
+                conn.execute(f"RELEASE job{index}")
+                committed_undos.extend(tx._undos)
+                outcomes.append((job, True, result))
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            for undo in reversed(committed_undos):
+                undo()
+            outcomes = [(job, False, exc if ok else value) for job, ok, value in outcomes]
+        else:
+            self.groups_committed += 1
+            self.jobs_committed += sum(1 for _, ok, _ in outcomes if ok)
+        self._resolve(outcomes)
+
+    @staticmethod
+    def _resolve(outcomes: list[tuple[_Job[Any], bool, Any]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Job[Any], bool, Any]]] = {}
+        for item in outcomes:
+            by_loop.setdefault(item[0].loop, []).append(item)
+        for loop, items in by_loop.items():
+            # One wake-up per loop per group, not one per job.
+            with contextlib.suppress(RuntimeError):  # loop already closed: nobody is waiting
+                loop.call_soon_threadsafe(_settle, items)
+
+
+def _settle(items: list[tuple[_Job[Any], bool, Any]]) -> None:
+    for job, ok, value in items:
+        if job.future.done():  # the caller was cancelled; the write itself still happened
+            continue
+        if ok:
+            job.future.set_result(value)
+        else:
+            job.future.set_exception(value)

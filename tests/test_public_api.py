@@ -1,0 +1,40 @@
+"""The documented public names (DESIGN §12) are exported, and the pure cores import no I/O."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import cv_mutations
+
+DESIGN_NAMES = {
+    "OpIdEnvelope",
+    "NodeInsert",
+    "NodeMove",
+    "NodeDelete",
+    "NodeUpdate",
+    "NodeIncrement",
+    "Op",
+    "parse_op",
+    "SubDocState",
+    "apply_op",
+    "OpRejected",
+    "new_op_id",
+    "fingerprint",
+}
+
+
+def test_cv_mutations_exports_the_documented_names() -> None:
+    assert set(cv_mutations.__all__) >= DESIGN_NAMES
+    for name in cv_mutations.__all__:
+        assert hasattr(cv_mutations, name), name
+
+
+def test_cv_mutations_imports_no_io_framework() -> None:
+    code = (
+        "import sys, cv_mutations; "
+        "bad = [m for m in ('asyncio', 'aiohttp', 'websockets', 'sqlite3') if m in sys.modules]; "
+        "print(','.join(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
