@@ -1,0 +1,103 @@
+"""`create_app(config)`: the aiohttp application factory (STYLE: aiohttp)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from cv_server import http_docs, http_socket
+from cv_server.backends import open_stores
+from cv_server.config import ServerConfig
+from cv_server.hub import Connection, Hub
+from cv_server.keys import CONFIG, CONNECTIONS, HUB, METRICS, SECRET, STATE, STORES, ServerState
+from cv_server.metrics import Metrics
+from cv_server.problems import Problem, problem_response
+
+__all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def problems_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as problem+json with a stable code; nothing takes the server down."""
+    try:
+        return await handler(request)
+    except Problem as problem:
+        return problem_response(problem)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return problem_response(Problem(413, "body_too_large", exc.text or ""))
+    except web.HTTPNotFound:
+        return problem_response(Problem(404, "not_found", f"no route for {request.path}"))
+    except web.HTTPMethodNotAllowed:
+        return problem_response(Problem(405, "method_not_allowed", request.method))
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return problem_response(Problem(500, "internal", "unexpected server error"))
+
+
+async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
+    stores = await open_stores(app[CONFIG])
+    app[STORES] = stores
+    app[SECRET] = stores.secret
+    hub = Hub(stores.oplog)
+    app[HUB] = hub
+    app[METRICS].gauges["cv_ws_connections"] = lambda: len(app[CONNECTIONS])
+    app[METRICS].gauges["cv_subscriptions"] = lambda: hub.subscriber_count
+    app[STATE].ready = True
+    yield
+    app[STATE].ready = False
+    # In-flight commits finished before cleanup (the runner waited for handlers); now flush.
+    await stores.close()
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    """Stop accepting work and close every socket with 1001 (going away)."""
+    app[STATE].shutting_down = True
+    app[STATE].ready = False
+    connections = app[CONNECTIONS]
+    for conn in list(connections):
+        conn.close(1001, b"server shutting down")
+
+
+routes = web.RouteTableDef()
+
+
+@routes.get("/healthz")
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+@routes.get("/readyz")
+async def readyz(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if not state.ready or state.shutting_down:
+        raise Problem(503, "unavailable", "not ready")
+    return web.json_response({"status": "ready"})
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(text=request.app[METRICS].render(), content_type="text/plain")
+
+
+def create_app(config: ServerConfig) -> web.Application:
+    """Build the application. Stores open in `cleanup_ctx`, i.e. when the app starts."""
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[problems_middleware])
+    app[CONFIG] = config
+    app[STATE] = ServerState()
+    app[METRICS] = Metrics()
+    connections: set[Connection] = set()
+    app[CONNECTIONS] = connections
+    app.cleanup_ctx.append(_stores_ctx)
+    app.on_shutdown.append(_on_shutdown)
+    app.add_routes(routes)
+    app.add_routes(http_docs.routes)
+    app.add_routes(http_socket.routes)
+    return app

@@ -1,0 +1,98 @@
+"""Gap-free, duplicate-free delivery to one subscriber (DESIGN §5). Pure: no I/O, no asyncio.
+
+A subscription is registered *before* its catch-up read, so every op committed after the read
+began arrives live; live ops that arrive during catch-up wait in `pending`. Delivery is keyed on
+the clock: an op at or below `last` was already sent (skip it), one at `last + 1` is next (send
+it), anything higher means something is missing (a lost notification, another instance's commit,
+a publish overtaken by a later one) — so the subscription goes back to reading the log, which is
+the source of truth. Nothing is ever re-applied; at worst a subscriber re-reads.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["Cursor", "Frame"]
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One committed op, already encoded as the websocket text frame every subscriber gets."""
+
+    clock: int
+    text: str
+
+
+class Cursor:
+    """Where one subscriber stands. Feed it frames; it returns the frames to send, in order."""
+
+    __slots__ = ("last", "live", "pending")
+
+    def __init__(self, since: int) -> None:
+        self.last = since
+        #: False while reading the log (initially and after a gap); live frames then wait.
+        self.live = False
+        self.pending: deque[Frame] = deque()
+
+    def offer(self, frames: Iterable[Frame]) -> list[Frame]:
+        """Live frames from a commit. Returns what to send now; may switch to catch-up mode
+        (check `live` afterwards: False means the caller must read the log)."""
+        if not self.live:
+            self.pending.extend(frames)
+            return []
+        out: list[Frame] = []
+        iterator = iter(frames)
+        for frame in iterator:
+            if frame.clock <= self.last:
+                continue
+            if frame.clock == self.last + 1:
+                out.append(frame)
+                self.last = frame.clock
+                continue
+            # A gap: whatever follows waits until the log has filled it.
+            self.live = False
+            self.pending.append(frame)
+            self.pending.extend(iterator)
+            break
+        return out
+
+    def from_log(self, frames: Iterable[Frame]) -> list[Frame]:
+        """Frames read from the log (in clock order, all > the `since` of the read)."""
+        out: list[Frame] = []
+        for frame in frames:
+            if frame.clock == self.last + 1:
+                out.append(frame)
+                self.last = frame.clock
+            elif frame.clock > self.last + 1:
+                raise AssertionError(f"log read skipped from {self.last} to {frame.clock}")
+        return out
+
+    def behind(self, head: int) -> bool:
+        """Another instance committed up to `head` (a notification without the ops): if that is
+        news to a live cursor, switch to catch-up. Returns True when the caller must read."""
+        if self.live and head > self.last:
+            self.live = False
+            return True
+        return False
+
+    def go_live(self) -> tuple[list[Frame], bool]:
+        """After the log read reached its head: flush what arrived meanwhile.
+
+        Returns (frames to send, live). If `live` is False a gap remains and the caller must read
+        the log again before trying once more.
+        """
+        out: list[Frame] = []
+        while self.pending:
+            frame = self.pending[0]
+            if frame.clock <= self.last:
+                self.pending.popleft()
+            elif frame.clock == self.last + 1:
+                self.pending.popleft()
+                out.append(frame)
+                self.last = frame.clock
+            else:
+                return out, False
+        self.live = True
+        return out, True

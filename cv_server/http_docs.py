@@ -1,0 +1,78 @@
+"""HTTP routes of the op-log (DESIGN §5): apply ops, read state, read ops since a clock."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from cv_server.inputs import check_ids, decode_json, parse_apply_body
+from cv_server.keys import CONFIG, HUB, METRICS, STORES
+from cv_server.oplog import IncomingOp, Outcome
+from cv_server.problems import Problem
+from cv_server.security import authorize
+
+__all__ = ["commit_and_publish", "routes"]
+
+routes = web.RouteTableDef()
+
+
+async def commit_and_publish(
+    app: web.Application, workspace_id: str, sub_doc: str, ops: list[IncomingOp], atomic: bool
+) -> list[Outcome]:
+    """Commit, and only once the commit is durable, publish (DESIGN §4 step 4).
+
+    Shielded by callers: a client that hangs up mid-request must not cancel the publish of a
+    commit that happened anyway.
+    """
+    outcomes, entries = await app[STORES].oplog.append(workspace_id, sub_doc, ops, atomic=atomic)
+    app[HUB].publish(workspace_id, sub_doc, entries)
+    app[METRICS].record_outcomes(outcomes)
+    return outcomes
+
+
+@routes.post("/v1/workspaces/{ws}/docs/{sub_doc}/ops")
+async def post_ops(request: web.Request) -> web.Response:
+    workspace_id, sub_doc = request.match_info["ws"], request.match_info["sub_doc"]
+    check_ids(workspace_id, sub_doc)
+    authorize(request, workspace_id)
+    config = request.app[CONFIG]
+    ops, atomic = parse_apply_body(decode_json(await request.read()), config.max_ops_per_request)
+    outcomes = await asyncio.shield(
+        commit_and_publish(request.app, workspace_id, sub_doc, ops, atomic)
+    )
+    return web.json_response({"results": [outcome.to_json() for outcome in outcomes]})
+
+
+@routes.get("/v1/workspaces/{ws}/docs/{sub_doc}")
+async def get_doc(request: web.Request) -> web.Response:
+    workspace_id, sub_doc = request.match_info["ws"], request.match_info["sub_doc"]
+    check_ids(workspace_id, sub_doc)
+    authorize(request, workspace_id)
+    clock, state = await request.app[STORES].oplog.get_state(workspace_id, sub_doc)
+    return web.json_response({"clock": clock, "state": state.to_json()})
+
+
+def _int_param(request: web.Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise Problem(400, "invalid_field", f"{name} must be an integer") from None
+    if not low <= value <= high:
+        raise Problem(400, "invalid_field", f"{name} must be between {low} and {high}")
+    return value
+
+
+@routes.get("/v1/workspaces/{ws}/docs/{sub_doc}/ops")
+async def get_ops(request: web.Request) -> web.Response:
+    workspace_id, sub_doc = request.match_info["ws"], request.match_info["sub_doc"]
+    check_ids(workspace_id, sub_doc)
+    authorize(request, workspace_id)
+    page = request.app[CONFIG].catchup_page
+    since = _int_param(request, "since", 0, 0, 2**62)
+    limit = _int_param(request, "limit", page, 1, page)
+    head, entries = await request.app[STORES].oplog.read_since(workspace_id, sub_doc, since, limit)
+    return web.json_response({"clock": head, "ops": [entry.to_json() for entry in entries]})

@@ -1,0 +1,165 @@
+"""The workspace websocket (DESIGN §5): subscribe / unsubscribe / apply, acks and live ops.
+
+Applies to one sub-doc from one connection commit in the order they arrived (each waits for the
+previous one); applies to different sub-docs run concurrently and meet in the group commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from aiohttp import WSMsgType, web
+
+from cv_mutations import is_valid_sub_doc, is_valid_workspace_id
+from cv_server.http_docs import commit_and_publish
+from cv_server.hub import Connection, Subscription
+from cv_server.inputs import decode_json, parse_apply_body
+from cv_server.keys import CONFIG, CONNECTIONS, HUB, STATE
+from cv_server.problems import Problem
+from cv_server.security import authenticate
+
+__all__ = ["CLOSE_FORBIDDEN", "CLOSE_UNAUTHORIZED", "routes"]
+
+log = logging.getLogger(__name__)
+routes = web.RouteTableDef()
+
+CLOSE_UNAUTHORIZED = 4001
+CLOSE_FORBIDDEN = 4003
+
+
+class _Session:
+    """One authenticated socket on one workspace."""
+
+    def __init__(self, app: web.Application, conn: Connection, workspace_id: str) -> None:
+        self.app = app
+        self.conn = conn
+        self.workspace_id = workspace_id
+        self.config = app[CONFIG]
+        self._tails: dict[str, asyncio.Task[None]] = {}
+
+    def error(self, code: str, message: str, req: Any = None, **extra: Any) -> None:
+        frame: dict[str, Any] = {"type": "error", "code": code, "message": message, **extra}
+        if req is not None:
+            frame["req"] = req
+        self.conn.send_json(frame)
+
+    def handle(self, text: str) -> None:
+        req: Any = None
+        try:
+            frame = decode_json(text)
+            if not isinstance(frame, dict):
+                raise Problem(400, "malformed_json", "a frame must be a JSON object")
+            req = frame.get("req")
+            kind = frame.get("type")
+            sub_doc = frame.get("sub_doc")
+            if not isinstance(sub_doc, str) or not is_valid_sub_doc(sub_doc):
+                raise Problem(422, "invalid_id", "sub_doc must match [a-z0-9_.-]{1,64}")
+            if kind == "subscribe":
+                since = frame.get("since", 0)
+                if not isinstance(since, int) or isinstance(since, bool) or since < 0:
+                    raise Problem(400, "invalid_field", "since must be a non-negative integer")
+                self.subscribe(sub_doc, since)
+            elif kind == "unsubscribe":
+                old = self.conn.subscriptions.pop(sub_doc, None)
+                if old is not None:
+                    old.stop()
+            elif kind == "apply":
+                body = {k: v for k, v in frame.items() if k in ("ops", "atomic")}
+                ops, atomic = parse_apply_body(body, self.config.max_ops_per_request)
+                self.apply(sub_doc, req, ops, atomic)
+            else:
+                raise Problem(400, "unknown_message_type", f"unknown frame type {kind!r}")
+        except Problem as problem:
+            self.error(problem.code, problem.detail, req, **problem.extra)
+
+    def subscribe(self, sub_doc: str, since: int) -> None:
+        old = self.conn.subscriptions.pop(sub_doc, None)
+        if old is not None:
+            old.stop()
+        sub = Subscription(
+            self.app[HUB],
+            self.conn,
+            self.workspace_id,
+            sub_doc,
+            since,
+            page=self.config.catchup_page,
+            pending_limit=self.config.subscriber_queue_limit,
+        )
+        self.conn.subscriptions[sub_doc] = sub
+        sub.start()
+
+    def apply(self, sub_doc: str, req: Any, ops: Any, atomic: bool) -> None:
+        previous = self._tails.get(sub_doc)
+
+        async def run() -> None:
+            if previous is not None:
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(previous)
+            try:
+                outcomes = await asyncio.shield(
+                    commit_and_publish(self.app, self.workspace_id, sub_doc, ops, atomic)
+                )
+            except Exception:
+                log.exception("apply failed on %s/%s", self.workspace_id, sub_doc)
+                self.error("internal", "the ops were not committed; retry", req)
+                return
+            self.conn.send_json(
+                {"type": "ack", "req": req, "results": [o.to_json() for o in outcomes]}
+            )
+
+        task = asyncio.create_task(run())
+        self._tails[sub_doc] = task
+        task.add_done_callback(lambda t: self._forget(sub_doc, t))
+
+    def _forget(self, sub_doc: str, task: asyncio.Task[None]) -> None:
+        if self._tails.get(sub_doc) is task:
+            del self._tails[sub_doc]
+
+    async def wait_applies(self) -> None:
+        tails = list(self._tails.values())
+        if tails:
+            await asyncio.gather(*tails, return_exceptions=True)
+
+
+@routes.get("/v1/workspaces/{ws}/socket")
+async def socket(request: web.Request) -> web.WebSocketResponse:
+    app = request.app
+    config = app[CONFIG]
+    workspace_id = request.match_info["ws"]
+    ws = web.WebSocketResponse(max_msg_size=config.max_ws_frame_bytes, autoping=True)
+    close_code: int | None = None
+    reason = b""
+    try:
+        claims = authenticate(request, allow_query=True)
+        if not is_valid_workspace_id(workspace_id) or not claims.allows(workspace_id):
+            close_code, reason = CLOSE_FORBIDDEN, b"forbidden workspace"
+    except Problem as problem:
+        close_code, reason = CLOSE_UNAUTHORIZED, problem.detail.encode()[:120]
+    if app[STATE].shutting_down:
+        raise Problem(503, "unavailable", "the server is shutting down")
+    await ws.prepare(request)
+    if close_code is not None:
+        await ws.close(code=close_code, message=reason)
+        return ws
+
+    conn = Connection(ws, config.subscriber_queue_limit)
+    session = _Session(app, conn, workspace_id)
+    app[CONNECTIONS].add(conn)
+    try:
+        async for msg in ws:
+            if msg.type == WSMsgType.TEXT:
+                session.handle(msg.data)
+            elif msg.type == WSMsgType.BINARY:
+                session.error("malformed_json", "frames must be JSON text")
+            if conn.closing:
+                break
+    finally:
+        app[CONNECTIONS].discard(conn)
+        # Acks may no longer reach the client, but the commits themselves finish: the client
+        # replays and the server answers from the dedupe record.
+        await session.wait_applies()
+        await conn.aclose()
+    return ws

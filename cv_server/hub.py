@@ -1,0 +1,237 @@
+"""Broadcast of committed ops to websocket subscribers (DESIGN §5): the asyncio shell around
+`fanout.Cursor`.
+
+Every connection has one writer task draining a bounded queue of frames, so a slow subscriber only
+ever slows itself: when its queue passes `subscriber_queue_limit` it is closed with 4008 and
+resumes by catch-up when it reconnects. Each committed op is encoded once, whatever the number of
+subscribers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any, Final
+
+from aiohttp import web
+
+from cv_server.fanout import Cursor, Frame
+from cv_server.oplog import LogEntry, OpLogStore
+
+__all__ = ["CLOSE_TOO_SLOW", "Connection", "Hub", "Subscription", "encode_entry"]
+
+log = logging.getLogger(__name__)
+
+#: Close code for a subscriber that fell too far behind; it reconnects and catches up.
+CLOSE_TOO_SLOW: Final = 4008
+
+
+def encode_entry(sub_doc: str, entry: LogEntry) -> Frame:
+    text = json.dumps(
+        {
+            "type": "op",
+            "sub_doc": sub_doc,
+            "clock": entry.clock,
+            "op_id": entry.op_id,
+            "op": entry.op,
+        },
+        separators=(",", ":"),
+    )
+    return Frame(entry.clock, text)
+
+
+class Connection:
+    """The sending half of one websocket: a bounded frame queue and the task that drains it."""
+
+    def __init__(self, ws: web.WebSocketResponse, limit: int) -> None:
+        self.ws = ws
+        self.limit = limit
+        self._queue: deque[str] = deque()
+        self._ready = asyncio.Event()
+        self._closing = False
+        self._writer = asyncio.create_task(self._drain())
+        self.subscriptions: dict[str, Subscription] = {}
+
+    def send(self, text: str) -> bool:
+        """Queue a frame. False (and the connection closes with 4008) when over the limit."""
+        if self._closing:
+            return False
+        if len(self._queue) >= self.limit:
+            self.too_slow()
+            return False
+        self._queue.append(text)
+        self._ready.set()
+        return True
+
+    def send_json(self, body: dict[str, object]) -> bool:
+        return self.send(json.dumps(body, separators=(",", ":")))
+
+    def too_slow(self) -> None:
+        self.close(CLOSE_TOO_SLOW, b"subscriber too far behind; reconnect and catch up")
+
+    def close(self, code: int, message: bytes = b"") -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._queue.clear()
+        for subscription in list(self.subscriptions.values()):
+            subscription.stop()
+        self._writer.cancel()
+        task = asyncio.create_task(self.ws.close(code=code, message=message))
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    async def _drain(self) -> None:
+        try:
+            while True:
+                await self._ready.wait()
+                self._ready.clear()
+                while self._queue:
+                    await self.ws.send_str(self._queue.popleft())
+        except (ConnectionResetError, RuntimeError):  # peer gone; the reader side cleans up
+            self._closing = True
+
+    async def aclose(self) -> None:
+        for subscription in list(self.subscriptions.values()):
+            subscription.stop()
+        self._writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._writer
+
+
+_background: set[asyncio.Task[Any]] = set()
+
+
+class Subscription:
+    """One connection's subscription to one sub-doc: catch-up from the log, then live."""
+
+    def __init__(
+        self,
+        hub: Hub,
+        conn: Connection,
+        workspace_id: str,
+        sub_doc: str,
+        since: int,
+        *,
+        page: int,
+        pending_limit: int,
+    ) -> None:
+        self.hub = hub
+        self.conn = conn
+        self.workspace_id = workspace_id
+        self.sub_doc = sub_doc
+        self.cursor = Cursor(since)
+        self.page = page
+        self.pending_limit = pending_limit
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        # Register before the first log read: see fanout's docstring.
+        self.hub._add(self)
+        self._task = asyncio.create_task(self._run())
+
+    def stop(self) -> None:
+        self.hub._remove(self)
+        if self._task is not None:
+            self._task.cancel()
+
+    # Called synchronously by the hub, in commit order.
+    def on_frames(self, frames: list[Frame]) -> None:
+        for frame in self.cursor.offer(frames):
+            if not self.conn.send(frame.text):
+                return
+        if not self.cursor.live:
+            if len(self.cursor.pending) > self.pending_limit:
+                self.conn.too_slow()
+                return
+            self._wake.set()
+
+    def on_head(self, head: int) -> None:
+        if self.cursor.behind(head):
+            self._wake.set()
+
+    async def _run(self) -> None:
+        store = self.hub.store
+        synced = False
+        try:
+            while True:
+                while True:
+                    _, entries = await store.read_since(
+                        self.workspace_id, self.sub_doc, self.cursor.last, self.page
+                    )
+                    frames = (encode_entry(self.sub_doc, entry) for entry in entries)
+                    for frame in self.cursor.from_log(frames):
+                        if not self.conn.send(frame.text):
+                            return
+                    if len(entries) < self.page:
+                        break
+                out, live = self.cursor.go_live()
+                for frame in out:
+                    if not self.conn.send(frame.text):
+                        return
+                if not live:
+                    continue
+                if not synced:
+                    synced = True
+                    self.conn.send_json(
+                        {"type": "synced", "sub_doc": self.sub_doc, "clock": self.cursor.last}
+                    )
+                self._wake.clear()
+                await self._wake.wait()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a failing read must not leave a silent, stuck subscriber
+            log.exception("subscription %s/%s failed", self.workspace_id, self.sub_doc)
+            self.conn.close(1011, b"subscription failed; reconnect")
+
+
+class Hub:
+    """Topic registry: (workspace_id, sub_doc) → live subscriptions."""
+
+    def __init__(self, store: OpLogStore) -> None:
+        self.store = store
+        self._topics: dict[tuple[str, str], set[Subscription]] = {}
+        self.on_publish: list[Callable[[str, str, list[LogEntry]], None]] = []
+
+    @property
+    def subscriber_count(self) -> int:
+        return sum(len(subs) for subs in self._topics.values())
+
+    def publish(self, workspace_id: str, sub_doc: str, entries: Iterable[LogEntry]) -> None:
+        """Call right after the commit that produced `entries`, never before."""
+        entries = list(entries)
+        if not entries:
+            return
+        for hook in self.on_publish:
+            hook(workspace_id, sub_doc, entries)
+        subs = self._topics.get((workspace_id, sub_doc))
+        if not subs:
+            return
+        frames = [encode_entry(sub_doc, entry) for entry in entries]
+        for sub in list(subs):
+            sub.on_frames(frames)
+
+    def notify_head(self, workspace_id: str, sub_doc: str, head: int) -> None:
+        """Another instance committed up to `head`: subscribers that are behind catch up."""
+        for sub in list(self._topics.get((workspace_id, sub_doc), ())):
+            sub.on_head(head)
+
+    def _add(self, sub: Subscription) -> None:
+        self._topics.setdefault((sub.workspace_id, sub.sub_doc), set()).add(sub)
+
+    def _remove(self, sub: Subscription) -> None:
+        key = (sub.workspace_id, sub.sub_doc)
+        subs = self._topics.get(key)
+        if subs is not None:
+            subs.discard(sub)
+            if not subs:
+                del self._topics[key]

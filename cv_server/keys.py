@@ -1,0 +1,33 @@
+"""Typed application state (`web.AppKey`), in one place so every module agrees on it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from cv_server.config import ServerConfig
+
+if TYPE_CHECKING:
+    from cv_server.backends import Stores
+    from cv_server.hub import Connection, Hub
+    from cv_server.metrics import Metrics
+
+__all__ = ["CONFIG", "CONNECTIONS", "HUB", "METRICS", "SECRET", "STATE", "STORES"]
+
+
+class ServerState:
+    """Lifecycle flags readiness depends on."""
+
+    def __init__(self) -> None:
+        self.ready = False
+        self.shutting_down = False
+
+
+CONFIG = web.AppKey("config", ServerConfig)
+STORES: web.AppKey[Stores] = web.AppKey("stores")
+HUB: web.AppKey[Hub] = web.AppKey("hub")
+METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
+SECRET = web.AppKey("secret", bytes)
+STATE = web.AppKey("state", ServerState)
+CONNECTIONS: web.AppKey[set[Connection]] = web.AppKey("connections")

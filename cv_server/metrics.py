@@ -1,0 +1,42 @@
+"""Counters for `/metrics` (Prometheus text exposition format)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from cv_server.oplog import Committed, Outcome
+
+__all__ = ["Metrics"]
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.ops_committed = 0
+        self.ops_duplicate = 0
+        self.ops_rejected = 0
+        self.ws_too_slow = 0
+        self.gauges: dict[str, Callable[[], float]] = {}
+
+    def record_outcomes(self, outcomes: Iterable[Outcome]) -> None:
+        for outcome in outcomes:
+            if outcome.duplicate:
+                self.ops_duplicate += 1
+            elif isinstance(outcome, Committed):
+                self.ops_committed += 1
+            else:
+                self.ops_rejected += 1
+
+    def render(self) -> str:
+        lines = [
+            "# TYPE cv_ops_committed_total counter",
+            f"cv_ops_committed_total {self.ops_committed}",
+            "# TYPE cv_ops_duplicate_total counter",
+            f"cv_ops_duplicate_total {self.ops_duplicate}",
+            "# TYPE cv_ops_rejected_total counter",
+            f"cv_ops_rejected_total {self.ops_rejected}",
+            "# TYPE cv_ws_closed_too_slow_total counter",
+            f"cv_ws_closed_too_slow_total {self.ws_too_slow}",
+        ]
+        for name, read in sorted(self.gauges.items()):
+            lines += [f"# TYPE {name} gauge", f"{name} {read()}"]
+        return "\n".join(lines) + "\n"

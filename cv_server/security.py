@@ -1,0 +1,41 @@
+"""Bearer-token checks for routes and the socket (DESIGN §11)."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from cv_server.auth import TokenClaims, TokenError, verify_token
+from cv_server.keys import SECRET
+from cv_server.problems import Problem
+
+__all__ = ["authenticate", "authorize", "bearer_token"]
+
+
+def bearer_token(request: web.Request, *, allow_query: bool = False) -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() == "bearer" and token:
+        return token.strip()
+    if allow_query:  # browsers cannot set headers on a websocket handshake
+        return request.query.get("token")
+    return None
+
+
+def authenticate(request: web.Request, *, allow_query: bool = False) -> TokenClaims:
+    token = bearer_token(request, allow_query=allow_query)
+    if token is None:
+        raise Problem(401, "unauthorized", "a bearer token is required")
+    try:
+        return verify_token(request.app[SECRET], token, now=time.time())
+    except TokenError as exc:
+        raise Problem(401, "unauthorized", str(exc)) from None
+
+
+def authorize(request: web.Request, workspace_id: str) -> TokenClaims:
+    """Authenticate and check the token grants `workspace_id`; raises 401/403 problems."""
+    claims = authenticate(request)
+    if not claims.allows(workspace_id):
+        raise Problem(403, "forbidden_workspace", f"the token does not grant {workspace_id!r}")
+    return claims
