@@ -1,0 +1,90 @@
+"""Running the real `cv-server` process for acceptance tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+__all__ = ["ServerProcess", "free_port", "mint_cli_token"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def mint_cli_token(db: Path, workspace: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "cv_server.cli", "token", "--db", str(db), "--workspace", workspace],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return out.stdout.strip()
+
+
+class ServerProcess:
+    """`cv-server serve` on a fixed loopback port, so a restart keeps the same URL."""
+
+    def __init__(self, db: Path, port: int, log: Path) -> None:
+        self.db = db
+        self.port = port
+        self.log = log
+        self.proc: subprocess.Popen[str] | None = None
+        self._log_file: IO[str] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30) -> None:
+        self._close_files()
+        self._log_file = self.log.open("a")
+        args = ["serve", "--db", str(self.db), "--port", str(self.port), "--log-level", "WARNING"]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cv_server.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=self._log_file,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        line = self.proc.stdout.readline()  # blocks until the server printed it is listening
+        if "listening on" not in line or time.monotonic() > deadline:
+            self.proc.kill()
+            raise RuntimeError(f"server did not start: {line!r}; see {self.log}")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self._close_files()
+
+    def terminate(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=60)
+        self._close_files()
+        return code
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self._close_files()
+
+    def _close_files(self) -> None:
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None

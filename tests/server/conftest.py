@@ -1,0 +1,43 @@
+"""Fixtures for integration tests through real HTTP and websockets on loopback."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from cv_server import ServerConfig, create_app
+from cv_server.auth import mint_token
+
+SECRET = b"integration-test-secret-0123456789"
+
+ClientFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
+
+
+def token_for(*workspaces: str) -> str:
+    return mint_token(SECRET, list(workspaces), now=time.time())
+
+
+def auth(*workspaces: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token_for(*workspaces)}"}
+
+
+@pytest.fixture
+def make_config(tmp_path: Path) -> Callable[..., ServerConfig]:
+    def make(**overrides: Any) -> ServerConfig:
+        values: dict[str, Any] = {"db_path": tmp_path / "cv.db", "token_secret": SECRET}
+        values.update(overrides)
+        return ServerConfig(**values)
+
+    return make
+
+
+@pytest.fixture
+async def client(
+    aiohttp_client: ClientFactory, make_config: Callable[..., ServerConfig]
+) -> TestClient[Any, Any]:
+    return await aiohttp_client(create_app(make_config()))

@@ -1,0 +1,69 @@
+"""Small helpers shared by the server integration tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp.test_utils import TestClient
+
+from cv_mutations import new_op_id
+from tests.server.conftest import auth
+
+WS = "ws1"
+
+
+def insert(node_id: str, parent: str = "root", op_id: str | None = None) -> dict[str, Any]:
+    return {"type": "node.insert", "node_id": node_id, "parent_id": parent, "op_id": op_id}
+
+
+def increment(node_id: str = "n", by: int = 1, op_id: str | None = None) -> dict[str, Any]:
+    op: dict[str, Any] = {"type": "node.increment", "node_id": node_id, "field": "count", "by": by}
+    op["op_id"] = op_id or new_op_id()
+    return op
+
+
+async def post_ops(
+    client: TestClient[Any, Any],
+    ops: list[dict[str, Any]],
+    *,
+    sub_doc: str = "tree",
+    workspace: str = WS,
+    atomic: bool | None = None,
+    status: int = 200,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"ops": ops}
+    if atomic is not None:
+        body["atomic"] = atomic
+    resp = await client.post(
+        f"/v1/workspaces/{workspace}/docs/{sub_doc}/ops", json=body, headers=auth(workspace)
+    )
+    assert resp.status == status, await resp.text()
+    result: dict[str, Any] = await resp.json(content_type=None)
+    return result
+
+
+async def get_doc(
+    client: TestClient[Any, Any], sub_doc: str = "tree", workspace: str = WS
+) -> dict[str, Any]:
+    resp = await client.get(f"/v1/workspaces/{workspace}/docs/{sub_doc}", headers=auth(workspace))
+    assert resp.status == 200, await resp.text()
+    result: dict[str, Any] = await resp.json()
+    return result
+
+
+async def get_ops(
+    client: TestClient[Any, Any], since: int = 0, sub_doc: str = "tree", workspace: str = WS
+) -> dict[str, Any]:
+    resp = await client.get(
+        f"/v1/workspaces/{workspace}/docs/{sub_doc}/ops",
+        params={"since": since},
+        headers=auth(workspace),
+    )
+    assert resp.status == 200, await resp.text()
+    result: dict[str, Any] = await resp.json()
+    return result
+
+
+async def counter(client: TestClient[Any, Any], node_id: str = "n", sub_doc: str = "tree") -> Any:
+    doc = await get_doc(client, sub_doc)
+    return doc["state"]["nodes"][node_id]["fields"].get("count")

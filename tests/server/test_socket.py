@@ -1,0 +1,144 @@
+"""The websocket: gap-free, duplicate-free subscriptions; acks; slow subscribers cut off."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import ClientWebSocketResponse, WSMsgType
+from aiohttp.test_utils import TestClient
+
+from cv_server import ServerConfig, create_app
+from cv_server.hub import CLOSE_TOO_SLOW
+from tests.server.conftest import ClientFactory, auth
+from tests.server.helpers import get_ops, insert, post_ops
+
+SOCKET = "/v1/workspaces/ws1/socket"
+
+
+async def _collect(ws: ClientWebSocketResponse, sub_doc: str, until_clock: int) -> list[int]:
+    """Clocks of `op` frames received for `sub_doc` until `until_clock` arrives."""
+    clocks: list[int] = []
+    async with asyncio.timeout(30):
+        while not clocks or clocks[-1] < until_clock:
+            frame = await ws.receive_json()
+            if frame["type"] == "op" and frame["sub_doc"] == sub_doc:
+                clocks.append(frame["clock"])
+    return clocks
+
+
+async def test_subscribers_joining_at_random_clocks_during_writes_see_each_clock_once_in_order(
+    client: TestClient[Any, Any],
+) -> None:
+    rng = random.Random(7)
+    writers, per_writer = 8, 40
+    total = writers * per_writer
+    committed = 0
+    progress = asyncio.Condition()
+
+    async def writer(w: int) -> None:
+        nonlocal committed
+        for i in range(per_writer):
+            await post_ops(client, [insert(f"w{w}-{i}")])
+            async with progress:
+                committed += 1
+                progress.notify_all()
+
+    async def subscriber() -> tuple[int, list[int]]:
+        join_at = rng.randint(1, total - 20)  # join at a random point of the write stream
+        async with progress:
+            await progress.wait_for(lambda: committed >= join_at)
+        head = (await get_ops(client))["clock"]
+        since = rng.randint(0, head)
+        ws = await client.ws_connect(SOCKET, headers=auth("ws1"))
+        await ws.send_json({"type": "subscribe", "sub_doc": "tree", "since": since})
+        clocks = await _collect(ws, "tree", total)
+        await ws.close()
+        return since, clocks
+
+    results = await asyncio.gather(
+        *(subscriber() for _ in range(12)), *(writer(w) for w in range(writers))
+    )
+    for since, clocks in results[:12]:  # type: ignore[misc]
+        assert clocks == list(range(since + 1, total + 1))
+
+
+async def test_synced_marks_the_end_of_catch_up(client: TestClient[Any, Any]) -> None:
+    await post_ops(client, [insert(f"n{i}") for i in range(5)])
+    ws = await client.ws_connect(SOCKET, headers=auth("ws1"))
+    await ws.send_json({"type": "subscribe", "sub_doc": "tree", "since": 2})
+    frames = [await ws.receive_json(timeout=5) for _ in range(4)]
+    assert [f.get("clock") for f in frames] == [3, 4, 5, 5]
+    assert frames[-1] == {"type": "synced", "sub_doc": "tree", "clock": 5}
+    await post_ops(client, [insert("live")])
+    live = await ws.receive_json(timeout=5)
+    assert (live["type"], live["clock"], live["op"]["node_id"]) == ("op", 6, "live")
+    await ws.close()
+
+
+async def test_pipelined_applies_to_one_sub_doc_commit_in_the_order_sent(
+    client: TestClient[Any, Any],
+) -> None:
+    ws = await client.ws_connect(SOCKET, headers=auth("ws1"))
+    for req in range(50):
+        ops = [insert(f"n{req}")]
+        await ws.send_json({"type": "apply", "sub_doc": "tree", "req": req, "ops": ops})
+    acks: dict[int, Any] = {}
+    async with asyncio.timeout(10):
+        while len(acks) < 50:
+            frame = await ws.receive_json()
+            assert frame["type"] == "ack"
+            acks[frame["req"]] = frame["results"][0]["clock"]
+    assert [acks[req] for req in range(50)] == list(range(1, 51))
+    await ws.close()
+
+
+async def test_ops_of_other_sub_docs_and_workspaces_are_not_delivered(
+    client: TestClient[Any, Any],
+) -> None:
+    ws = await client.ws_connect(SOCKET, headers=auth("ws1"))
+    await ws.send_json({"type": "subscribe", "sub_doc": "tree", "since": 0})
+    assert (await ws.receive_json(timeout=5))["type"] == "synced"
+    await post_ops(client, [insert("elsewhere")], sub_doc="other")
+    await post_ops(client, [insert("other-tenant")], workspace="ws2")
+    await post_ops(client, [insert("mine")])
+    frame = await ws.receive_json(timeout=5)
+    assert (frame["sub_doc"], frame["op"]["node_id"]) == ("tree", "mine")
+    await ws.close()
+
+
+async def test_a_subscriber_that_stops_reading_is_closed_with_4008_and_others_carry_on(
+    aiohttp_client: ClientFactory, make_config: Callable[..., ServerConfig]
+) -> None:
+    client = await aiohttp_client(create_app(make_config(subscriber_queue_limit=20)))
+    stalled = await client.ws_connect(SOCKET, headers=auth("ws1"), max_msg_size=0)
+    healthy = await client.ws_connect(SOCKET, headers=auth("ws1"))
+    for ws in (stalled, healthy):
+        await ws.send_json({"type": "subscribe", "sub_doc": "tree", "since": 0})
+        assert (await ws.receive_json(timeout=5))["type"] == "synced"
+    # Big ops fill the stalled socket's kernel buffers quickly; then its queue passes the limit.
+    blob = "x" * 50_000
+    total = 300
+    seen: list[int] = []
+
+    async def read_healthy() -> None:
+        while len(seen) < total:
+            frame = await healthy.receive_json(timeout=30)
+            seen.append(frame["clock"])
+
+    reader = asyncio.create_task(read_healthy())
+    for i in range(total):
+        op = {"type": "node.insert", "node_id": f"n{i}", "parent_id": "root", "fields": {"b": blob}}
+        await post_ops(client, [op])
+    await asyncio.wait_for(reader, 30)
+    assert seen == list(range(1, total + 1))
+    # Now drain the stalled socket: it was cut off with 4008 along the way.
+    async with asyncio.timeout(30):
+        while True:
+            msg = await stalled.receive()
+            if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSED, WSMsgType.CLOSING):
+                break
+    assert stalled.close_code == CLOSE_TOO_SLOW
+    await healthy.close()
