@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from cv_server import http_docs, http_socket
-from cv_server.backends import open_stores
+from cv_server import http_docs, http_queue, http_socket
+from cv_server.backends import Stores, open_stores
 from cv_server.config import ServerConfig
 from cv_server.hub import Connection, Hub
-from cv_server.keys import CONFIG, CONNECTIONS, HUB, METRICS, SECRET, STATE, STORES, ServerState
+from cv_server.keys import (
+    CONFIG,
+    CONNECTIONS,
+    HUB,
+    METRICS,
+    SECRET,
+    STATE,
+    STORES,
+    WAITERS,
+    ServerState,
+)
 from cv_server.metrics import Metrics
 from cv_server.problems import Problem, problem_response
+from cv_server.waiters import Waiters
 
 __all__ = ["create_app"]
 
@@ -50,11 +64,33 @@ async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
     app[HUB] = hub
     app[METRICS].gauges["cv_ws_connections"] = lambda: len(app[CONNECTIONS])
     app[METRICS].gauges["cv_subscriptions"] = lambda: hub.subscriber_count
+    config = app[CONFIG]
+    waiters = Waiters(stores.queue, sweep_seconds=config.sweep_seconds)
+    waiters.start()
+    app[WAITERS] = waiters
+    app[METRICS].gauges["cv_request_waiters"] = lambda: waiters.count
+    reaper = asyncio.create_task(_reap_forever(stores, config.reap_seconds))
     app[STATE].ready = True
     yield
     app[STATE].ready = False
+    reaper.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await reaper
+    await waiters.close()
     # In-flight commits finished before cleanup (the runner waited for handlers); now flush.
     await stores.close()
+
+
+async def _reap_forever(stores: Stores, every: float) -> None:
+    """Delete expired idempotency keys and blobs (seed 004: on a schedule, not by index alone)."""
+    while True:
+        await asyncio.sleep(every)
+        try:
+            now = time.time()
+            await stores.idempotency.sweep(now, limit=10_000)
+            await stores.blobs.sweep(now, limit=10_000)
+        except Exception:  # a failed sweep is retried next time; it must never stop the server
+            log.exception("reaping expired keys and blobs failed")
 
 
 async def _on_shutdown(app: web.Application) -> None:
@@ -100,4 +136,5 @@ def create_app(config: ServerConfig) -> web.Application:
     app.add_routes(routes)
     app.add_routes(http_docs.routes)
     app.add_routes(http_socket.routes)
+    app.add_routes(http_queue.routes)
     return app

@@ -9,8 +9,18 @@ import sqlite_utils
 
 from cv_server import meta
 from cv_server.config import ServerConfig
+from cv_server.locks import sqlite as locks_sqlite
+from cv_server.locks.store import ComputeLockStore
 from cv_server.oplog import OpLogStore
 from cv_server.oplog import sqlite as oplog_sqlite
+from cv_server.queue import (
+    BlobStore,
+    IdempotencyStore,
+    QueueStore,
+    blobs_sqlite,
+    idempotency_sqlite,
+)
+from cv_server.queue import sqlite as queue_sqlite
 from cv_server.sqlite_db import SQLiteDatabase
 
 __all__ = ["Stores", "open_sqlite_database", "open_stores"]
@@ -18,7 +28,13 @@ __all__ = ["Stores", "open_sqlite_database", "open_stores"]
 
 @dataclass
 class Stores:
+    """Every store of one server, on one backend."""
+
     oplog: OpLogStore
+    queue: QueueStore
+    idempotency: IdempotencyStore
+    blobs: BlobStore
+    locks: ComputeLockStore
     secret: bytes
     _closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
@@ -30,6 +46,10 @@ class Stores:
 def _sqlite_schema(db: sqlite_utils.Database) -> None:
     meta.create_schema(db)
     oplog_sqlite.create_schema(db)
+    queue_sqlite.create_schema(db)
+    idempotency_sqlite.create_schema(db)
+    blobs_sqlite.create_schema(db)
+    locks_sqlite.create_schema(db)
 
 
 async def open_sqlite_database(path: str) -> SQLiteDatabase:
@@ -43,5 +63,20 @@ async def open_stores(config: ServerConfig) -> Stores:
         raise ValueError("ServerConfig needs db_path (SQLite) or database_url (PostgreSQL)")
     db = await open_sqlite_database(str(config.db_path))
     oplog = oplog_sqlite.SQLiteOpLogStore(db, snapshot_every=config.snapshot_every)
+    queue = queue_sqlite.SQLiteQueueStore(db)
+    idempotency = idempotency_sqlite.SQLiteIdempotencyStore(
+        db, retention=config.idempotency_retention_seconds
+    )
+    blobs = blobs_sqlite.SQLiteBlobStore(db, retention=config.blob_retention_seconds)
+    locks = locks_sqlite.SQLiteComputeLockStore(db)
     secret = config.token_secret or await meta.sqlite_token_secret(db)
-    return Stores(oplog=oplog, secret=secret, _closers=[db.close, oplog.close])
+    return Stores(
+        oplog=oplog,
+        queue=queue,
+        idempotency=idempotency,
+        blobs=blobs,
+        locks=locks,
+        secret=secret,
+        # Closed in reverse: the stores first (finishing queued writes), the database last.
+        _closers=[db.close, locks.close, blobs.close, idempotency.close, queue.close, oplog.close],
+    )

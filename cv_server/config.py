@@ -38,6 +38,10 @@ class ServerConfig:
     waiter_deadline_seconds: float = 60.0
     sweep_seconds: float = 5.0
     blob_retention_seconds: float = 24 * 3600.0
+    #: Expired blobs and idempotency keys are reaped this often (seed 003: hourly).
+    reap_seconds: float = 3600.0
+    #: A result whose JSON is larger than this goes to the blob store; the row keeps a reference.
+    blob_threshold_bytes: int = 64 * 1024
     idempotency_retention_seconds: float = 24 * 3600.0
 
     # -- compute lock (DESIGN §10, seed 000) --

@@ -12,8 +12,9 @@ if TYPE_CHECKING:
     from cv_server.backends import Stores
     from cv_server.hub import Connection, Hub
     from cv_server.metrics import Metrics
+    from cv_server.waiters import Waiters
 
-__all__ = ["CONFIG", "CONNECTIONS", "HUB", "METRICS", "SECRET", "STATE", "STORES"]
+__all__ = ["CONFIG", "CONNECTIONS", "HUB", "METRICS", "SECRET", "STATE", "STORES", "WAITERS"]
 
 
 class ServerState:
@@ -30,4 +31,5 @@ HUB: web.AppKey[Hub] = web.AppKey("hub")
 METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
 SECRET = web.AppKey("secret", bytes)
 STATE = web.AppKey("state", ServerState)
+WAITERS: web.AppKey[Waiters] = web.AppKey("waiters")
 CONNECTIONS: web.AppKey[set[Connection]] = web.AppKey("connections")

@@ -35,8 +35,17 @@ _TITLES: Final = {
 class Problem(Exception):
     """An HTTP error answer. `extra` members are added to the problem document."""
 
-    def __init__(self, status: int, code: str, detail: str = "", **extra: Any) -> None:
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        detail: str = "",
+        *,
+        headers: dict[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
         super().__init__(f"{code}: {detail}")
+        self.headers = headers
         self.status = status
         self.code = code
         self.detail = detail
@@ -53,10 +62,10 @@ class Problem(Exception):
         }
 
 
-def problem_response(problem: Problem, headers: dict[str, str] | None = None) -> web.Response:
+def problem_response(problem: Problem) -> web.Response:
     return web.Response(
         status=problem.status,
         text=json.dumps(problem.to_json()),
         content_type="application/problem+json",
-        headers=headers,
+        headers=problem.headers,
     )

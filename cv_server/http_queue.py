@@ -1,0 +1,374 @@
+"""HTTP routes of the work queue (layer 1, DESIGN §5, §7; seed 003): enqueue, poll, SSE stream,
+blobs, the worker verbs (claim / heartbeat / complete / fail) and the operator verbs.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any
+
+from aiohttp import web
+
+from cv_mutations import is_valid_workspace_id
+from cv_server.inputs import check_ids, decode_json
+from cv_server.keys import CONFIG, STORES, WAITERS
+from cv_server.problems import Problem
+from cv_server.queue import (
+    Enqueued,
+    InProgress,
+    KeyCompletion,
+    Mismatch,
+    NewRequest,
+    Owned,
+    ProcessRequest,
+    QueueError,
+    Replay,
+    StoredResponse,
+    deterministic_request_id,
+    random_request_id,
+    request_fingerprint,
+)
+from cv_server.security import authenticate, authorize
+
+__all__ = ["routes"]
+
+routes = web.RouteTableDef()
+
+_ERROR_STATUS = {
+    "not_found": 404,
+    "lease_lost": 409,
+    "invalid_transition": 409,
+    "request_id_conflict": 409,
+    "idempotency_key_lost": 409,
+}
+
+
+def _queue_problem(exc: QueueError) -> Problem:
+    return Problem(_ERROR_STATUS.get(exc.code, 409), exc.code, exc.message)
+
+
+async def _json_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
+    raw = await request.read()
+    body = decode_json(raw) if raw else {}
+    if not isinstance(body, dict):
+        raise Problem(400, "malformed_json", "body must be a JSON object")
+    return raw, body
+
+
+def _opt_str(body: dict[str, Any], name: str, *, max_len: int = 256) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= max_len:
+        raise Problem(422, "invalid_field", f"{name} must be a string of 1..{max_len} chars")
+    return value
+
+
+def _stream_url(row: ProcessRequest) -> str:
+    return f"/v1/workspaces/{row.workspace_id}/requests/{row.request_id}/stream"
+
+
+def _enqueue_answer(enqueued: Enqueued) -> dict[str, Any]:
+    row = enqueued.row
+    return {
+        "request_id": row.request_id,
+        "status": row.status,
+        "coalesced": enqueued.coalesced,
+        "stream_url": _stream_url(row),
+    }
+
+
+def _new_request(workspace_id: str, body: dict[str, Any]) -> tuple[NewRequest, bool]:
+    unknown = set(body) - {
+        "stage",
+        "job_id",
+        "branch_path",
+        "input",
+        "worker_class",
+        "deterministic",
+        "max_dequeues",
+        "rerun",
+    }
+    if unknown:
+        raise Problem(422, "invalid_field", f"unknown members: {sorted(unknown)}")
+    stage = _opt_str(body, "stage", max_len=64)
+    if stage is None:
+        raise Problem(422, "invalid_field", "stage is required")
+    job_id = _opt_str(body, "job_id")
+    branch_path = _opt_str(body, "branch_path", max_len=1024)
+    deterministic = body.get("deterministic", job_id is not None)
+    rerun = body.get("rerun", False)
+    if not isinstance(deterministic, bool) or not isinstance(rerun, bool):
+        raise Problem(422, "invalid_field", "deterministic and rerun must be booleans")
+    # seed 000: where the stage declares it, re-enqueueing must not fork the work.
+    request_id = (
+        deterministic_request_id(workspace_id, job_id, branch_path, stage)
+        if deterministic
+        else random_request_id(secrets.token_hex(20))
+    )
+    extra: dict[str, Any] = {}
+    if "max_dequeues" in body:
+        max_dequeues = body["max_dequeues"]
+        if not isinstance(max_dequeues, int) or isinstance(max_dequeues, bool) or max_dequeues < 1:
+            raise Problem(422, "invalid_field", "max_dequeues must be a positive integer")
+        extra["max_dequeues"] = max_dequeues
+    try:
+        req = NewRequest(
+            workspace_id=workspace_id,
+            stage=stage,
+            request_id=request_id,
+            input=body.get("input"),
+            job_id=job_id,
+            branch_path=branch_path,
+            worker_class=_opt_str(body, "worker_class", max_len=64),
+            **extra,
+        )
+    except ValueError as exc:
+        raise Problem(422, "invalid_field", str(exc)) from None
+    return req, rerun
+
+
+@routes.post("/v1/workspaces/{ws}/requests")
+async def enqueue(request: web.Request) -> web.Response:
+    workspace_id = request.match_info["ws"]
+    check_ids(workspace_id)
+    authorize(request, workspace_id)
+    raw, body = await _json_body(request)
+    req, rerun = _new_request(workspace_id, body)
+    stores = request.app[STORES]
+    now = time.time()
+    key = request.headers.get("Idempotency-Key")
+    if key is None:
+        try:
+            enqueued = await stores.queue.enqueue(req, now, rerun=rerun)
+        except QueueError as exc:
+            raise _queue_problem(exc) from None
+        return web.json_response(_enqueue_answer(enqueued), status=202)
+
+    if not 0 < len(key) <= 255:
+        raise Problem(422, "invalid_field", "Idempotency-Key must be 1..255 chars")
+    # seed 004: fingerprint of the raw bytes as received, scoped to the workspace.
+    fingerprint = request_fingerprint("POST", request.path_qs, raw)
+    begun = await stores.idempotency.begin(workspace_id, key, fingerprint, now)
+    if isinstance(begun, Replay):
+        return web.json_response(
+            begun.body, status=begun.status_code, headers={"Idempotency-Replayed": "true"}
+        )
+    if isinstance(begun, InProgress):
+        raise Problem(
+            409,
+            "idempotency_key_in_progress",
+            "the first request with this key is still running",
+            headers={"Retry-After": "1"},
+        )
+    if isinstance(begun, Mismatch):
+        raise Problem(422, "idempotency_key_reuse", "the key was used for a different request")
+    assert isinstance(begun, Owned)
+    completion = KeyCompletion[Enqueued](
+        workspace_id, key, fingerprint, lambda e: StoredResponse(202, _enqueue_answer(e))
+    )
+    try:
+        enqueued = await stores.queue.enqueue(req, now, rerun=rerun, idempotency=completion)
+    except BaseException as exc:
+        await stores.idempotency.abandon(workspace_id, key, time.time())
+        if isinstance(exc, QueueError):
+            raise _queue_problem(exc) from None
+        raise
+    return web.json_response(_enqueue_answer(enqueued), status=202)
+
+
+async def _row(request: web.Request) -> ProcessRequest:
+    workspace_id, request_id = request.match_info["ws"], request.match_info["id"]
+    check_ids(workspace_id)
+    authorize(request, workspace_id)
+    row = await request.app[STORES].queue.get(workspace_id, request_id)
+    if row is None:
+        raise Problem(404, "not_found", f"no request {request_id!r} in {workspace_id!r}")
+    return row
+
+
+@routes.get("/v1/workspaces/{ws}/requests/{id}")
+async def get_request(request: web.Request) -> web.Response:
+    return web.json_response((await _row(request)).to_json())
+
+
+def _sse(event: str, data: Any) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+@routes.get("/v1/workspaces/{ws}/requests/{id}/stream")
+async def stream_request(request: web.Request) -> web.StreamResponse:
+    """SSE: `queued` (if not finished), then `done` (the row) or `error` TIMEOUT at the deadline.
+
+    The result lives on the row, so a dropped stream simply reconnects (or polls) without loss.
+    """
+    row = await _row(request)
+    config = request.app[CONFIG]
+    try:
+        timeout = float(request.query.get("timeout", config.waiter_deadline_seconds))
+    except ValueError:
+        raise Problem(400, "invalid_field", "timeout must be a number of seconds") from None
+    timeout = max(0.0, min(timeout, config.waiter_deadline_seconds))
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    if not row.is_finished:
+        await response.write(_sse("queued", row.to_json()))
+        latest = await request.app[WAITERS].wait(row.workspace_id, row.request_id, timeout)
+        row = latest or row
+    if row.is_finished:
+        await response.write(_sse("done", row.to_json()))
+    else:  # seed 003: the deadline only ends the wait; the work goes on, the row keeps its result
+        await response.write(
+            _sse("error", {"code": "TIMEOUT", "request_id": row.request_id, "status": row.status})
+        )
+    await response.write_eof()
+    return response
+
+
+@routes.get("/v1/workspaces/{ws}/blobs/{ref}")
+async def get_blob(request: web.Request) -> web.Response:
+    workspace_id = request.match_info["ws"]
+    check_ids(workspace_id)
+    authorize(request, workspace_id)
+    data = await request.app[STORES].blobs.get(workspace_id, request.match_info["ref"], time.time())
+    if data is None:
+        raise Problem(404, "not_found", "no such blob (or it expired)")
+    return web.Response(body=data, content_type="application/octet-stream")
+
+
+# -- workers ---------------------------------------------------------------------------------------
+
+
+@routes.post("/v1/queue/claim")
+async def claim(request: web.Request) -> web.Response:
+    claims = authenticate(request)
+    _, body = await _json_body(request)
+    classes = body.get("worker_classes")
+    worker_id = _opt_str(body, "worker_id") or "anonymous"
+    if (
+        not isinstance(classes, list)
+        or not classes
+        or not all(isinstance(c, str) and 0 < len(c) <= 64 for c in classes)
+    ):
+        raise Problem(422, "invalid_field", "worker_classes must be a non-empty list of names")
+    workspaces = None if "*" in claims.workspaces else sorted(claims.workspaces)
+    config = request.app[CONFIG]
+    row = await request.app[STORES].queue.claim(
+        classes, worker_id, config.lease_seconds, time.time(), workspace_ids=workspaces
+    )
+    if row is None:
+        return web.Response(status=204)
+    return web.json_response({"request": row.to_json(include_claim_token=True)})
+
+
+def _claim_token(body: dict[str, Any]) -> str:
+    token = body.get("claim_token")
+    if not isinstance(token, str) or not token:
+        raise Problem(422, "invalid_field", "claim_token is required")
+    return token
+
+
+@routes.post("/v1/workspaces/{ws}/requests/{id}/heartbeat")
+async def heartbeat(request: web.Request) -> web.Response:
+    row = await _row(request)
+    _, body = await _json_body(request)
+    config = request.app[CONFIG]
+    try:
+        row = await request.app[STORES].queue.heartbeat(
+            row.request_id, _claim_token(body), config.lease_seconds, time.time()
+        )
+    except QueueError as exc:
+        raise _queue_problem(exc) from None
+    return web.json_response({"lease_expires_at": row.lease_expires_at})
+
+
+@routes.post("/v1/workspaces/{ws}/requests/{id}/complete")
+async def complete(request: web.Request) -> web.Response:
+    row = await _row(request)
+    _, body = await _json_body(request)
+    token = _claim_token(body)
+    result, error = body.get("result"), body.get("error")
+    cache = body.get("cache")
+    if cache not in (None, "hit", "miss"):
+        raise Problem(422, "invalid_field", 'cache must be "hit", "miss" or absent')
+    stores, config = request.app[STORES], request.app[CONFIG]
+    blob_ref = None
+    encoded = json.dumps(result, separators=(",", ":")).encode()
+    if len(encoded) > config.blob_threshold_bytes:  # seed 003: claim check for big payloads
+        blob_ref = await stores.blobs.put(row.workspace_id, encoded, time.time())
+        result = None
+    try:
+        done = await stores.queue.complete(
+            row.request_id,
+            token,
+            result,
+            time.time(),
+            error=error,
+            blob_ref=blob_ref,
+            cache=cache,
+            telemetry=body.get("telemetry"),
+        )
+    except QueueError as exc:
+        raise _queue_problem(exc) from None
+    return web.json_response({"status": done.status})
+
+
+@routes.post("/v1/workspaces/{ws}/requests/{id}/fail")
+async def fail(request: web.Request) -> web.Response:
+    row = await _row(request)
+    _, body = await _json_body(request)
+    config = request.app[CONFIG]
+    try:
+        after = await request.app[STORES].queue.fail(
+            row.request_id,
+            _claim_token(body),
+            body.get("error"),
+            config.failure_backoff_seconds,
+            time.time(),
+        )
+    except QueueError as exc:
+        raise _queue_problem(exc) from None
+    return web.json_response({"status": after.status, "available_at": after.available_at})
+
+
+# -- operators -------------------------------------------------------------------------------------
+
+
+@routes.get("/v1/queue/requests")
+async def list_requests(request: web.Request) -> web.Response:
+    claims = authenticate(request)
+    status = request.query.get("status")
+    if status not in (None, "pending", "in_progress", "done", "poison"):
+        raise Problem(422, "invalid_field", "status must be pending|in_progress|done|poison")
+    workspace_id = request.query.get("workspace")
+    if workspace_id is None and "*" not in claims.workspaces:
+        raise Problem(403, "forbidden_workspace", "name a workspace (?workspace=) you may touch")
+    if workspace_id is not None:
+        if not is_valid_workspace_id(workspace_id):
+            raise Problem(422, "invalid_id", "bad workspace id")
+        if not claims.allows(workspace_id):
+            raise Problem(403, "forbidden_workspace", f"the token does not grant {workspace_id!r}")
+    try:
+        limit = min(int(request.query.get("limit", "100")), 1000)
+    except ValueError:
+        raise Problem(400, "invalid_field", "limit must be an integer") from None
+    rows = await request.app[STORES].queue.list(
+        status=status,  # type: ignore[arg-type]
+        workspace_id=workspace_id,
+        limit=limit,
+    )
+    return web.json_response({"requests": [row.to_json() for row in rows]})
+
+
+@routes.post("/v1/workspaces/{ws}/requests/{id}/replay")
+async def replay(request: web.Request) -> web.Response:
+    row = await _row(request)
+    try:
+        after = await request.app[STORES].queue.replay_poison(row.request_id, time.time())
+    except QueueError as exc:
+        raise _queue_problem(exc) from None
+    return web.json_response(after.to_json())

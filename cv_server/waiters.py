@@ -1,0 +1,86 @@
+"""Waiting for a request's outcome (seed 003 "reply pump"): push on completion, plus a sweep.
+
+A waiter registers *before* its first read of the row (the done-before-listen race), is woken by
+the queue's post-commit announcements, and — because an announcement can be missed (another
+instance, a dropped LISTEN connection) — every `sweep_seconds` all waiters re-read their rows.
+A waiter's deadline only ends the wait, never the work: the result stays on the row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from cv_server.queue import ProcessRequest, QueueStore, RequestEvent
+
+__all__ = ["Waiters"]
+
+
+class Waiters:
+    def __init__(self, store: QueueStore, *, sweep_seconds: float) -> None:
+        self.store = store
+        self.sweep_seconds = sweep_seconds
+        self._events: dict[str, set[asyncio.Event]] = {}
+        self._unlisten = store.add_listener(self._on_event)
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def close(self) -> None:
+        self._unlisten()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        for events in self._events.values():
+            for event in events:
+                event.set()
+
+    @property
+    def count(self) -> int:
+        return sum(len(events) for events in self._events.values())
+
+    def _on_event(self, event: RequestEvent) -> None:
+        if event.status in ("done", "poison"):
+            for waiter in self._events.get(event.request_id, ()):
+                waiter.set()
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_seconds)
+            for events in list(self._events.values()):
+                for waiter in events:
+                    waiter.set()
+
+    @contextlib.asynccontextmanager
+    async def _registered(self, request_id: str) -> AsyncIterator[asyncio.Event]:
+        event = asyncio.Event()
+        self._events.setdefault(request_id, set()).add(event)
+        try:
+            yield event
+        finally:
+            events = self._events.get(request_id)
+            if events is not None:
+                events.discard(event)
+                if not events:
+                    del self._events[request_id]
+
+    async def wait(
+        self, workspace_id: str, request_id: str, patience: float
+    ) -> ProcessRequest | None:
+        """The finished row, or the latest row once `patience` seconds passed (None if unknown)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + patience
+        async with self._registered(request_id) as event:
+            while True:
+                event.clear()  # clear before reading: a completion after the read sets it again
+                row = await self.store.get(workspace_id, request_id)
+                if row is None or row.is_finished:
+                    return row
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return row
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), remaining)
