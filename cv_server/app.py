@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from cv_server import http_docs, http_queue, http_socket
+from cv_server import http_docs, http_locks, http_queue, http_socket
 from cv_server.backends import Stores, open_stores
 from cv_server.config import ServerConfig
 from cv_server.hub import Connection, Hub
@@ -137,4 +137,5 @@ def create_app(config: ServerConfig) -> web.Application:
     app.add_routes(http_docs.routes)
     app.add_routes(http_socket.routes)
     app.add_routes(http_queue.routes)
+    app.add_routes(http_locks.routes)
     return app
