@@ -73,9 +73,10 @@ class Connection:
     def too_slow(self) -> None:
         self.close(CLOSE_TOO_SLOW, b"subscriber too far behind; reconnect and catch up")
 
-    def close(self, code: int, message: bytes = b"") -> None:
+    def close(self, code: int, message: bytes = b"") -> asyncio.Task[bool] | None:
+        """Start closing with `code`; returns the closing task (None if already closing)."""
         if self._closing:
-            return
+            return None
         self._closing = True
         self._queue.clear()
         for subscription in list(self.subscriptions.values()):
@@ -84,6 +85,7 @@ class Connection:
         task = asyncio.create_task(self.ws.close(code=code, message=message))
         _background.add(task)
         task.add_done_callback(_background.discard)
+        return task
 
     @property
     def closing(self) -> bool:
