@@ -1,0 +1,104 @@
+"""The compute-lock storage seam (layer 2, DESIGN §8, seed 000): domain verbs every backend
+implements. Every backend passes the same contract suite (`tests/contract/locks_contract.py`).
+
+A compute lock dedupes one expensive call *inside* a stage run (an LLM call per column), keyed on
+`(workspace_id, job_id, task)`. It is workspace-internal by construction: the workspace is part of
+the key, so two workspaces never contend (seed 000 anti-pattern: the queue, not this lock, is the
+cross-workspace coordinator).
+
+Time is a parameter (`now`, epoch seconds) and so is the TTL: callers pass
+`ServerConfig.compute_lock_ttl_seconds` (60 s, DESIGN §10); the stores read no clock.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+
+__all__ = ["AcquireOutcome", "Acquired", "ComputeLockStore", "LockInfo", "Locked", "check_ttl"]
+
+
+@dataclass(frozen=True, slots=True)
+class Acquired:
+    """The caller holds the lock until `expires_at`; `token` is what `release` must present."""
+
+    token: str
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Locked:
+    """Someone else holds a live lock on the key (seed 000: "someone else is on it"): the caller
+    should wait for the broadcast of that holder's write rather than compute."""
+
+    holder: str | None
+    expires_at: float
+
+
+AcquireOutcome = Acquired | Locked
+
+
+@dataclass(frozen=True, slots=True)
+class LockInfo:
+    """A live lock, for inspection (`get`)."""
+
+    workspace_id: str
+    job_id: str
+    task: str
+    holder: str
+    token: str
+    acquired_at: float
+    expires_at: float
+
+
+def check_ttl(ttl: float) -> None:
+    """Reject a TTL that would create a lock already expired (or never expiring)."""
+    if not (ttl > 0 and math.isfinite(ttl)):
+        raise ValueError(f"compute lock ttl must be a positive finite number of seconds: {ttl!r}")
+
+
+class ComputeLockStore(abc.ABC):
+    """Compute locks of every workspace.
+
+    Rules every implementation keeps (DESIGN §8, seed 000):
+    - `acquire` is an atomic insert-or-ignore on `(workspace_id, job_id, task)`: of any number of
+      concurrent acquirers of a free key, exactly one gets `Acquired`;
+    - a lock with `expires_at <= now` is dead: the next acquisition of its key deletes it and takes
+      the key, in the same transaction, so a crashed worker blocks a key for at most one TTL;
+      the same transaction also deletes a bounded batch of other dead rows, so keys nobody asks
+      for again do not accumulate;
+    - every acquisition mints a fresh token; only that token releases the lock, so a holder that
+      outran its TTL can never release the lock of whoever took the key over.
+    """
+
+    @abc.abstractmethod
+    async def acquire(
+        self, workspace_id: str, job_id: str, task: str, holder: str, ttl: float, now: float
+    ) -> AcquireOutcome:
+        """Take the lock for `ttl` seconds from `now`, or report who holds it.
+
+        Call before the expensive call; on `Acquired`, double-check that the result is still
+        missing, compute, then `release` with the token. On `Locked`, do not compute.
+        Raises `ValueError` if `ttl` is not a positive finite number.
+        """
+
+    @abc.abstractmethod
+    async def release(
+        self, workspace_id: str, job_id: str, task: str, token: str, now: float
+    ) -> bool:
+        """Delete the lock if it carries `token`; True if it did.
+
+        False means the caller no longer held the key (it expired and was taken over, or was
+        already released): nothing is changed. A lock of ours that expired but that nobody took
+        over is still deleted (True): no one else can have held the key in between, since taking
+        it over replaces the token. `now` drives the same bounded sweep of dead rows as `acquire`.
+        """
+
+    @abc.abstractmethod
+    async def get(self, workspace_id: str, job_id: str, task: str, now: float) -> LockInfo | None:
+        """The live lock on the key at `now`, or None (a dead lock counts as free)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release the store's own resources (a shared database is closed by its owner)."""

@@ -1,0 +1,1 @@
+"""One abstract contract suite per storage interface, run against every backend."""

@@ -1,0 +1,208 @@
+"""The compute-lock contract (DESIGN §8, seed 000), written once and run against every backend.
+
+A backend's test class subclasses `LocksContract` and overrides the `store` fixture.
+Time is passed explicitly, so expiry is tested without waiting on any clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+
+import pytest
+
+from cv_server.locks import Acquired, ComputeLockStore, Locked
+
+WS = "ws-1"
+JOB = "job-1"
+TASK = "eval:salary"
+TTL = 60.0
+CONCURRENT_ACQUIRERS = 50
+
+
+class LocksContract:
+    """Every `ComputeLockStore` keeps these rules."""
+
+    @pytest.fixture
+    async def store(self) -> AsyncIterator[ComputeLockStore]:
+        raise NotImplementedError("a backend's test class provides the store")
+        yield  # noqa: PT022 - an async generator, like the overrides
+
+    async def acquired(
+        self,
+        store: ComputeLockStore,
+        holder: str,
+        now: float,
+        *,
+        ws: str = WS,
+        job: str = JOB,
+        task: str = TASK,
+        ttl: float = TTL,
+    ) -> Acquired:
+        outcome = await store.acquire(ws, job, task, holder, ttl, now)
+        assert isinstance(outcome, Acquired), outcome
+        return outcome
+
+    # -- mutual exclusion -------------------------------------------------------------------------
+
+    async def test_exactly_one_of_many_concurrent_acquirers_gets_the_lock(
+        self, store: ComputeLockStore
+    ) -> None:
+        outcomes = await asyncio.gather(
+            *(
+                store.acquire(WS, JOB, TASK, f"worker-{i}", TTL, 100.0)
+                for i in range(CONCURRENT_ACQUIRERS)
+            )
+        )
+        winners = [o for o in outcomes if isinstance(o, Acquired)]
+        losers = [o for o in outcomes if isinstance(o, Locked)]
+        assert len(winners) == 1
+        assert len(losers) == CONCURRENT_ACQUIRERS - 1
+        lock = await store.get(WS, JOB, TASK, 100.0)
+        assert lock is not None
+        assert lock.token == winners[0].token
+        assert {o.holder for o in losers} == {lock.holder}
+        assert {o.expires_at for o in losers} == {winners[0].expires_at}
+
+    async def test_exactly_one_of_many_concurrent_acquirers_takes_over_an_expired_lock(
+        self, store: ComputeLockStore
+    ) -> None:
+        await self.acquired(store, "crashed", 0.0, ttl=10.0)
+        outcomes = await asyncio.gather(
+            *(
+                store.acquire(WS, JOB, TASK, f"worker-{i}", TTL, 10.0)
+                for i in range(CONCURRENT_ACQUIRERS)
+            )
+        )
+        winners = [o for o in outcomes if isinstance(o, Acquired)]
+        assert len(winners) == 1
+        lock = await store.get(WS, JOB, TASK, 10.0)
+        assert lock is not None
+        assert lock.token == winners[0].token
+        assert lock.holder != "crashed"
+
+    async def test_a_live_lock_is_refused_with_its_holder_and_expiry(
+        self, store: ComputeLockStore
+    ) -> None:
+        first = await self.acquired(store, "alice", 0.0)
+        assert first.expires_at == pytest.approx(TTL)
+        outcome = await store.acquire(WS, JOB, TASK, "bob", TTL, TTL - 0.001)
+        assert outcome == Locked(holder="alice", expires_at=first.expires_at)
+
+    async def test_a_lock_is_dead_at_its_expiry_time(self, store: ComputeLockStore) -> None:
+        first = await self.acquired(store, "alice", 0.0)
+        assert await store.get(WS, JOB, TASK, first.expires_at) is None
+        second = await self.acquired(store, "bob", first.expires_at)
+        assert second.token != first.token
+
+    # -- expiry and release -----------------------------------------------------------------------
+
+    async def test_an_expired_lock_is_taken_over_and_the_old_holder_cannot_release_it(
+        self, store: ComputeLockStore
+    ) -> None:
+        old = await self.acquired(store, "crashed", 0.0, ttl=10.0)
+        new = await self.acquired(store, "bob", 10.5)
+        assert await store.release(WS, JOB, TASK, old.token, 11.0) is False
+        lock = await store.get(WS, JOB, TASK, 11.0)
+        assert lock is not None
+        assert (lock.holder, lock.token) == ("bob", new.token)
+        assert await store.acquire(WS, JOB, TASK, "carol", TTL, 11.0) == Locked(
+            holder="bob", expires_at=new.expires_at
+        )
+
+    async def test_release_by_a_non_holder_is_refused(self, store: ComputeLockStore) -> None:
+        held = await self.acquired(store, "alice", 0.0)
+        assert await store.release(WS, JOB, TASK, "not-the-token", 1.0) is False
+        assert await store.release(WS, JOB, "another-task", held.token, 1.0) is False
+        assert await store.release("ws-2", JOB, TASK, held.token, 1.0) is False
+        lock = await store.get(WS, JOB, TASK, 1.0)
+        assert lock is not None
+        assert lock.token == held.token
+        assert isinstance(await store.acquire(WS, JOB, TASK, "bob", TTL, 1.0), Locked)
+
+    async def test_after_release_the_key_is_free(self, store: ComputeLockStore) -> None:
+        held = await self.acquired(store, "alice", 0.0)
+        assert await store.release(WS, JOB, TASK, held.token, 1.0) is True
+        assert await store.get(WS, JOB, TASK, 1.0) is None
+        again = await self.acquired(store, "bob", 1.0)
+        assert again.token != held.token
+        # The first holder's token died with its release: it cannot free bob's lock.
+        assert await store.release(WS, JOB, TASK, held.token, 2.0) is False
+        assert await store.get(WS, JOB, TASK, 2.0) is not None
+
+    async def test_a_holder_may_release_its_own_expired_lock_that_nobody_took_over(
+        self, store: ComputeLockStore
+    ) -> None:
+        held = await self.acquired(store, "slow", 0.0, ttl=1.0)
+        assert await store.release(WS, JOB, TASK, held.token, 5.0) is True
+        await self.acquired(store, "bob", 5.0)
+
+    async def test_get_reports_the_live_lock(self, store: ComputeLockStore) -> None:
+        assert await store.get(WS, JOB, TASK, 0.0) is None
+        held = await self.acquired(store, "alice", 3.0, ttl=7.0)
+        lock = await store.get(WS, JOB, TASK, 4.0)
+        assert lock is not None
+        assert (lock.workspace_id, lock.job_id, lock.task) == (WS, JOB, TASK)
+        assert (lock.holder, lock.token) == ("alice", held.token)
+        assert lock.acquired_at == pytest.approx(3.0)
+        assert lock.expires_at == pytest.approx(10.0) == held.expires_at
+
+    @pytest.mark.parametrize("ttl", [0.0, -1.0, math.inf, math.nan])
+    async def test_a_ttl_that_is_not_positive_and_finite_is_refused(
+        self, store: ComputeLockStore, ttl: float
+    ) -> None:
+        with pytest.raises(ValueError, match="ttl"):
+            await store.acquire(WS, JOB, TASK, "alice", ttl, 0.0)
+        assert await store.get(WS, JOB, TASK, 0.0) is None
+
+    # -- key scope --------------------------------------------------------------------------------
+
+    async def test_different_workspaces_with_the_same_job_and_task_do_not_contend(
+        self, store: ComputeLockStore
+    ) -> None:
+        # seed 000: the lock is workspace-internal; it never coordinates across workspaces.
+        a = await self.acquired(store, "alice", 0.0, ws="ws-a")
+        b = await self.acquired(store, "bob", 0.0, ws="ws-b")
+        assert a.token != b.token
+        assert await store.release("ws-b", JOB, TASK, a.token, 1.0) is False
+        assert await store.release("ws-a", JOB, TASK, a.token, 1.0) is True
+        lock = await store.get("ws-b", JOB, TASK, 1.0)
+        assert lock is not None
+        assert lock.holder == "bob"
+
+    async def test_different_tasks_and_jobs_do_not_contend(self, store: ComputeLockStore) -> None:
+        keys = [(JOB, "eval:salary"), (JOB, "eval:remote"), ("job-2", "eval:salary")]
+        outcomes = await asyncio.gather(
+            *(store.acquire(WS, job, task, f"w-{job}-{task}", TTL, 0.0) for job, task in keys)
+        )
+        assert all(isinstance(o, Acquired) for o in outcomes)
+        for job, task in keys:
+            lock = await store.get(WS, job, task, 0.0)
+            assert lock is not None
+            assert lock.holder == f"w-{job}-{task}"
+
+    # -- cleaning ---------------------------------------------------------------------------------
+
+    async def test_an_acquisition_deletes_expired_rows_of_other_keys(
+        self, store: ComputeLockStore
+    ) -> None:
+        dead = [f"dead-{i}" for i in range(5)]
+        for task in dead:
+            await self.acquired(store, "crashed", 0.0, task=task, ttl=1.0)
+        live = await self.acquired(store, "alive", 0.0, task="live", ttl=100.0)
+        await self.acquired(store, "bob", 5.0, task="unrelated")
+        # Asked at a time when they were alive: only deleted rows read as absent.
+        for task in dead:
+            assert await store.get(WS, JOB, task, 0.0) is None
+        lock = await store.get(WS, JOB, "live", 0.0)
+        assert lock is not None
+        assert lock.token == live.token
+
+    async def test_a_release_deletes_expired_rows_of_other_keys(
+        self, store: ComputeLockStore
+    ) -> None:
+        await self.acquired(store, "crashed", 0.0, task="dead", ttl=1.0)
+        held = await self.acquired(store, "alice", 0.0, task="mine", ttl=100.0)
+        assert await store.release(WS, JOB, "mine", held.token, 5.0) is True
+        assert await store.get(WS, JOB, "dead", 0.0) is None
