@@ -226,19 +226,21 @@ class SQLiteDatabase:
                 outcomes.append((job, False, exc))
             self._resolve(outcomes)
             return
-        for index, job in enumerate(group):
+        for job in group:
             tx = Transaction(conn, db)
-            conn.execute(f"SAVEPOINT job{index}")
+            # One savepoint name for every job (each is released before the next starts):
+            # distinct names would overflow sqlite3's statement cache and re-prepare each time.
+            conn.execute("SAVEPOINT job")
             try:
                 result = job.fn(tx)
             except BaseException as exc:  # the job's error belongs to its caller
-                conn.execute(f"ROLLBACK TO job{index}")
-                conn.execute(f"RELEASE job{index}")
+                conn.execute("ROLLBACK TO job")
+                conn.execute("RELEASE job")
                 for undo in reversed(tx._undos):
                     undo()
                 outcomes.append((job, False, exc))
             else:
-                conn.execute(f"RELEASE job{index}")
+                conn.execute("RELEASE job")
                 committed_undos.extend(tx._undos)
                 outcomes.append((job, True, result))
         try:

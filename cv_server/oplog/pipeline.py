@@ -1,0 +1,235 @@
+"""The commit pipeline of one sub-doc, without I/O (DESIGN §4; STYLE: sans-I/O core).
+
+A backend calls `plan_commit` inside its write transaction with:
+
+- the cached state and head clock of the sub-doc (the state is mutated in place),
+- the incoming ops of one `append`,
+- what the log already holds for their op_ids (`recorded`, looked up with `op_ids_to_look_up`),
+
+and gets back a `CommitPlan`: one outcome per op, the log rows and rejections to write, the new
+head clock, and the undo functions that take the state back to where it was. The backend writes
+the rows in the same transaction and calls `plan.revert()` if that transaction does not reach
+disk, so its cache never runs ahead of the log.
+
+Rules (DESIGN §3, §4):
+
+- an op whose op_id has an outcome (recorded, or decided earlier in the same batch) is a
+  duplicate: same fingerprint → that outcome again with `duplicate=True`; different fingerprint →
+  `op_id_reuse`, nothing applied, nothing recorded;
+- otherwise the reducer runs: rejected → the rejection is recorded under the op_id (consuming no
+  clock); applied → clock + 1 and a new log row;
+- an op without op_id is never deduped (applied once per send) and its rejection is not recorded;
+- `atomic=True`: the first op whose outcome is a rejection of any kind (reducer, recorded, reuse)
+  fails the batch. Nothing the batch applied stays: every applied op is undone (LIFO) and answered
+  `atomic_aborted`, as is every op after the failure that was not already decided by the log.
+  Only a fresh reducer rejection of the failing op is recorded. Ops that were decided before this
+  batch keep their stored outcomes (a committed op is committed; saying otherwise would make a
+  client believe an applied op was not).
+
+Why a recorded rejection fails an atomic batch too: a retry of an atomic batch whose op 2 was
+rejected must not now commit ops 1 and 3 on their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from cv_mutations import Node, OpRejected, SubDocState, Undo, apply_op
+from cv_server.oplog.store import Committed, IncomingOp, LogEntry, Outcome, Rejected
+
+__all__ = [
+    "ATOMIC_ABORTED",
+    "OP_ID_REUSE",
+    "CommitPlan",
+    "NewRejection",
+    "Recorded",
+    "RecordedCommit",
+    "RecordedRejection",
+    "copy_state",
+    "op_ids_to_look_up",
+    "plan_commit",
+]
+
+#: Answer codes the pipeline itself produces (never recorded).
+OP_ID_REUSE: Final = "op_id_reuse"
+ATOMIC_ABORTED: Final = "atomic_aborted"
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedCommit:
+    """The log holds this op_id at `clock`."""
+
+    clock: int
+    fingerprint: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedRejection:
+    """The log holds a rejection for this op_id."""
+
+    code: str
+    message: str
+    fingerprint: str
+
+
+Recorded = RecordedCommit | RecordedRejection
+
+
+@dataclass(frozen=True, slots=True)
+class NewRejection:
+    """A reducer rejection to record, so a retry of the op gets it again."""
+
+    op_id: str
+    fingerprint: str
+    code: str
+    message: str
+
+
+@dataclass(slots=True)
+class CommitPlan:
+    """What one `append` decided. Write `entries` (with `fingerprints`) and `rejections` in one
+    transaction, then answer `outcomes`; if that transaction fails, call `revert()`."""
+
+    outcomes: list[Outcome]
+    #: The log rows to insert, in clock order: also what to broadcast once durable.
+    entries: list[LogEntry]
+    #: `fingerprints[i]` is the fingerprint of `entries[i]`.
+    fingerprints: list[str]
+    rejections: list[NewRejection]
+    #: Undo functions of the ops still applied to the state, in apply order.
+    undos: list[Undo]
+    #: The head clock after the batch (the head before it if nothing was applied).
+    clock: int
+    #: The head clock before the batch.
+    base_clock: int
+
+    def revert(self) -> None:
+        """Take the state back to where it was before `plan_commit` (LIFO)."""
+        while self.undos:
+            self.undos.pop()()
+
+
+def op_ids_to_look_up(ops: Iterable[IncomingOp]) -> list[str]:
+    """The distinct op_ids of `ops`, in first-seen order: what the backend must look up."""
+    distinct: dict[str, None] = {}
+    for incoming in ops:
+        op_id = incoming.op.op_id
+        if op_id is not None:
+            distinct[op_id] = None
+    return list(distinct)
+
+
+def _replay(outcome: Outcome) -> Outcome:
+    if type(outcome) is Committed:
+        return Committed(outcome.op_id, outcome.clock, True)
+    assert isinstance(outcome, Rejected)
+    return Rejected(outcome.op_id, outcome.code, outcome.message, True)
+
+
+def _reuse(op_id: str) -> Rejected:
+    return Rejected(op_id, OP_ID_REUSE, f"op_id {op_id!r} was already used for a different op")
+
+
+_ABORTED_MESSAGE: Final = "not applied: another op of the atomic batch was rejected"
+
+
+def plan_commit(
+    state: SubDocState,
+    clock: int,
+    ops: Sequence[IncomingOp],
+    recorded: Mapping[str, Recorded],
+    *,
+    atomic: bool = False,
+) -> CommitPlan:
+    """Decide every op of one `append` against `state` (at head `clock`), mutating `state`.
+
+    `recorded` maps op_id → what the log already holds for it (only the op_ids of `ops` matter).
+    Returns the plan; the state now reflects exactly the plan's `entries`.
+    """
+    # op_id → (fingerprint, outcome, decided by this batch's reducer run). Seeded from the log;
+    # every op_id decided below joins it, so a repeat inside the batch is a duplicate too.
+    known: dict[str, tuple[str, Outcome, bool]] = {}
+    for recorded_id, record in recorded.items():
+        stored: Outcome
+        if isinstance(record, RecordedCommit):
+            stored = Committed(recorded_id, record.clock)
+        else:
+            stored = Rejected(recorded_id, record.code, record.message)
+        known[recorded_id] = (record.fingerprint, stored, False)
+    base_clock = clock
+    outcomes: list[Outcome] = []
+    entries: list[LogEntry] = []
+    fingerprints: list[str] = []
+    rejections: list[NewRejection] = []
+    undos: list[Undo] = []
+    # Indexes of outcomes reporting an op this batch applied: what an atomic abort rewrites.
+    applied_here: list[int] = []
+    failed = False
+    for index, incoming in enumerate(ops):
+        op = incoming.op
+        op_id = op.op_id
+        fingerprint = incoming.fingerprint
+        outcome: Outcome
+        seen = None if op_id is None else known.get(op_id)
+        if seen is not None:
+            assert op_id is not None
+            if seen[0] != fingerprint:
+                outcome = _reuse(op_id)
+            else:
+                outcome = _replay(seen[1])
+                if seen[2] and type(outcome) is Committed:
+                    applied_here.append(index)
+        elif failed:
+            # All-or-nothing: after the failure of an atomic batch nothing more is applied.
+            outcome = Rejected(op_id, ATOMIC_ABORTED, _ABORTED_MESSAGE)
+        else:
+            try:
+                undo = apply_op(state, op)
+            except OpRejected as exc:
+                outcome = Rejected(op_id, exc.code, exc.message)
+                if op_id is not None:
+                    rejections.append(NewRejection(op_id, fingerprint, exc.code, exc.message))
+                    known[op_id] = (fingerprint, outcome, True)
+            else:
+                undos.append(undo)
+                clock += 1
+                entries.append(LogEntry(clock, op_id, incoming.raw))
+                fingerprints.append(fingerprint)
+                outcome = Committed(op_id, clock)
+                if op_id is not None:
+                    known[op_id] = (fingerprint, outcome, True)
+                applied_here.append(index)
+        outcomes.append(outcome)
+        if atomic and not failed and type(outcome) is Rejected:
+            failed = True
+    if failed:
+        while undos:
+            undos.pop()()
+        entries.clear()
+        fingerprints.clear()
+        clock = base_clock
+        for index in applied_here:
+            outcomes[index] = Rejected(outcomes[index].op_id, ATOMIC_ABORTED, _ABORTED_MESSAGE)
+    return CommitPlan(outcomes, entries, fingerprints, rejections, undos, clock, base_clock)
+
+
+def _copy_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _copy_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_copy_json(item) for item in value]
+    return value  # str, int, float, bool, None are immutable
+
+
+def copy_state(state: SubDocState) -> SubDocState:
+    """A deep copy sharing nothing mutable with `state` (cheaper than a JSON round trip)."""
+    return SubDocState(
+        {
+            node_id: Node(
+                parent=node.parent, children=list(node.children), fields=_copy_json(node.fields)
+            )
+            for node_id, node in state.nodes.items()
+        }
+    )

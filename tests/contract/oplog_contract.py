@@ -1,0 +1,514 @@
+"""The op-log contract (DESIGN §3, §4; seed 000 layer 3), written once, run against every backend.
+
+A backend's test class subclasses `OpLogContract` and overrides two fixtures:
+
+- `store`: a fresh, empty store whose snapshots are taken every `SNAPSHOT_EVERY` ops;
+- `reopen`: an async callable that closes a store and opens a new one on the same data (what a
+  server restart does), closing whatever it opened at teardown.
+
+`node.increment` is deliberately not idempotent: a field's value counts how many times an op was
+applied, which is how these tests see a double apply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, ClassVar
+
+import pytest
+
+from cv_mutations import fingerprint, new_op_id, parse_op
+from cv_server.oplog import Committed, IncomingOp, LogEntry, OpLogStore, Rejected
+
+WS = "ws-1"
+DOC = "tree"
+
+Reopen = Callable[[OpLogStore], Awaitable[OpLogStore]]
+
+_node_ids = itertools.count()
+
+
+def incoming(raw: dict[str, Any]) -> IncomingOp:
+    return IncomingOp(op=parse_op(raw), raw=raw, fingerprint=fingerprint(raw))
+
+
+def increment(
+    op_id: str | None = None, *, node: str = "root", field: str = "n", by: int = 1
+) -> IncomingOp:
+    raw: dict[str, Any] = {"type": "node.increment", "node_id": node, "field": field, "by": by}
+    if op_id is not None:
+        raw["op_id"] = op_id
+    return incoming(raw)
+
+
+def insert(node: str, parent: str = "root", op_id: str | None = None) -> IncomingOp:
+    raw: dict[str, Any] = {"type": "node.insert", "node_id": node, "parent_id": parent}
+    if op_id is not None:
+        raw["op_id"] = op_id
+    return incoming(raw)
+
+
+def fresh_node() -> str:
+    return f"n{next(_node_ids)}"
+
+
+async def field_value(
+    store: OpLogStore, node: str = "root", field: str = "n", ws: str = WS, doc: str = DOC
+) -> Any:
+    _, state = await store.get_state(ws, doc)
+    return state.nodes[node].fields.get(field)
+
+
+async def all_entries(store: OpLogStore, ws: str = WS, doc: str = DOC) -> list[LogEntry]:
+    _, entries = await store.read_since(ws, doc, 0, 1_000_000)
+    return entries
+
+
+async def append_one(
+    store: OpLogStore, op: IncomingOp, ws: str = WS, doc: str = DOC
+) -> Committed | Rejected:
+    outcomes, _ = await store.append(ws, doc, [op])
+    assert len(outcomes) == 1
+    return outcomes[0]
+
+
+class OpLogContract:
+    """Every `OpLogStore` keeps these rules."""
+
+    #: Small, so a handful of ops crosses several snapshots.
+    SNAPSHOT_EVERY: ClassVar[int] = 4
+
+    @pytest.fixture
+    async def store(self) -> AsyncIterator[OpLogStore]:
+        raise NotImplementedError("a backend's test class provides the store")
+        yield  # noqa: PT022  # pragma: no cover - an async generator, like the overrides
+
+    @pytest.fixture
+    async def reopen(self) -> AsyncIterator[Reopen]:
+        raise NotImplementedError("a backend's test class provides reopen")
+        yield  # noqa: PT022  # pragma: no cover
+
+    # -- dedupe ----------------------------------------------------------------------------------
+
+    async def test_the_same_op_appended_twice_is_applied_once(self, store: OpLogStore) -> None:
+        op_id = new_op_id()
+        first, first_entries = await store.append(WS, DOC, [increment(op_id)])
+        second, second_entries = await store.append(WS, DOC, [increment(op_id)])
+        assert first == [Committed(op_id=op_id, clock=1, duplicate=False)]
+        assert second == [Committed(op_id=op_id, clock=1, duplicate=True)]
+        assert [e.clock for e in first_entries] == [1]
+        assert second_entries == []
+        assert await store.head(WS, DOC) == 1
+        assert await field_value(store) == 1
+
+    async def test_many_concurrent_appends_of_one_op_id_apply_it_once(
+        self, store: OpLogStore
+    ) -> None:
+        op_id = new_op_id()
+        results = await asyncio.gather(
+            *(store.append(WS, DOC, [increment(op_id)]) for _ in range(50))
+        )
+        outcomes = [outcomes[0] for outcomes, _ in results]
+        assert all(isinstance(o, Committed) and o.clock == 1 for o in outcomes)
+        assert sum(1 for o in outcomes if not o.duplicate) == 1
+        assert sum(len(entries) for _, entries in results) == 1
+        assert await store.head(WS, DOC) == 1
+        assert await field_value(store) == 1
+
+    async def test_a_changed_op_under_a_used_op_id_is_refused_as_reuse_and_not_applied(
+        self, store: OpLogStore
+    ) -> None:
+        op_id = new_op_id()
+        await append_one(store, increment(op_id, by=1))
+        reused, entries = await store.append(WS, DOC, [increment(op_id, by=5)])
+        assert len(reused) == 1
+        assert isinstance(reused[0], Rejected)
+        assert reused[0].code == "op_id_reuse"
+        assert reused[0].op_id == op_id
+        assert entries == []
+        assert await store.head(WS, DOC) == 1
+        assert await field_value(store) == 1
+        # The original op still answers with its own outcome.
+        assert await append_one(store, increment(op_id, by=1)) == Committed(op_id, 1, True)
+
+    async def test_a_changed_op_under_a_rejected_op_id_is_refused_as_reuse(
+        self, store: OpLogStore
+    ) -> None:
+        op_id = new_op_id()
+        rejected = await append_one(store, insert("a", parent="missing", op_id=op_id))
+        assert isinstance(rejected, Rejected)
+        assert rejected.code == "parent_not_found"
+        reused = await append_one(store, insert("a", parent="root", op_id=op_id))
+        assert isinstance(reused, Rejected)
+        assert reused.code == "op_id_reuse"
+        assert await store.head(WS, DOC) == 0
+        _, state = await store.get_state(WS, DOC)
+        assert "a" not in state.nodes
+
+    async def test_a_retried_rejected_op_gets_the_same_rejection_even_if_it_would_now_succeed(
+        self, store: OpLogStore
+    ) -> None:
+        op_id = new_op_id()
+        first = await append_one(store, insert("child", parent="parent", op_id=op_id))
+        assert isinstance(first, Rejected)
+        assert first.code == "parent_not_found"
+        assert not first.duplicate
+        assert isinstance(await append_one(store, insert("parent")), Committed)
+        retried = await append_one(store, insert("child", parent="parent", op_id=op_id))
+        assert retried == Rejected(op_id, first.code, first.message, duplicate=True)
+        _, state = await store.get_state(WS, DOC)
+        assert "child" not in state.nodes
+        assert await store.head(WS, DOC) == 1
+
+    async def test_the_same_op_id_twice_in_one_batch_is_applied_once(
+        self, store: OpLogStore
+    ) -> None:
+        op_id = new_op_id()
+        outcomes, entries = await store.append(WS, DOC, [increment(op_id), increment(op_id)])
+        assert outcomes == [Committed(op_id, 1, False), Committed(op_id, 1, True)]
+        assert [e.clock for e in entries] == [1]
+        assert await field_value(store) == 1
+
+    async def test_a_changed_op_under_an_op_id_used_earlier_in_the_batch_is_refused(
+        self, store: OpLogStore
+    ) -> None:
+        op_id = new_op_id()
+        outcomes, _ = await store.append(WS, DOC, [increment(op_id, by=1), increment(op_id, by=2)])
+        assert outcomes[0] == Committed(op_id, 1, False)
+        assert isinstance(outcomes[1], Rejected)
+        assert outcomes[1].code == "op_id_reuse"
+        assert await field_value(store) == 1
+
+    async def test_ops_without_op_id_are_applied_on_every_send(self, store: OpLogStore) -> None:
+        first = await append_one(store, increment())
+        second = await append_one(store, increment())
+        assert first == Committed(None, 1, False)
+        assert second == Committed(None, 2, False)
+        assert await field_value(store) == 2
+
+    # -- batches ---------------------------------------------------------------------------------
+
+    async def test_the_ops_of_a_batch_commit_in_order_with_gap_free_clocks(
+        self, store: OpLogStore
+    ) -> None:
+        await append_one(store, increment())
+        ops = [insert(f"node-{i}", op_id=new_op_id()) for i in range(10)]
+        outcomes, entries = await store.append(WS, DOC, ops)
+        assert outcomes == [Committed(op.op_id, 2 + i) for i, op in enumerate(ops)]
+        assert [(e.clock, e.op_id, e.op) for e in entries] == [
+            (2 + i, op.op_id, op.raw) for i, op in enumerate(ops)
+        ]
+        _, state = await store.get_state(WS, DOC)
+        assert state.nodes["root"].children == [f"node-{i}" for i in range(10)]
+
+    async def test_a_rejected_op_consumes_no_clock_and_does_not_stop_the_others(
+        self, store: OpLogStore
+    ) -> None:
+        ops = [insert("a", op_id=new_op_id()), insert("a", op_id=new_op_id()), insert("b")]
+        outcomes, entries = await store.append(WS, DOC, ops)
+        assert outcomes[0] == Committed(ops[0].op_id, 1)
+        assert isinstance(outcomes[1], Rejected)
+        assert outcomes[1].code == "node_exists"
+        assert outcomes[2] == Committed(None, 2)
+        assert [e.clock for e in entries] == [1, 2]
+        assert await store.head(WS, DOC) == 2
+
+    async def test_an_empty_batch_commits_nothing(self, store: OpLogStore) -> None:
+        assert await store.append(WS, DOC, []) == ([], [])
+        assert await store.head(WS, DOC) == 0
+
+    async def test_an_atomic_batch_that_fits_commits_every_op(self, store: OpLogStore) -> None:
+        ops = [insert("a", op_id=new_op_id()), insert("b", parent="a"), increment(node="b")]
+        outcomes, entries = await store.append(WS, DOC, ops, atomic=True)
+        assert outcomes == [Committed(op.op_id, i + 1) for i, op in enumerate(ops)]
+        assert len(entries) == 3
+        assert await field_value(store, node="b") == 1
+
+    async def test_an_atomic_batch_with_a_rejected_op_applies_nothing(
+        self, store: OpLogStore
+    ) -> None:
+        await append_one(store, insert("keep"))
+        _, before = await store.get_state(WS, DOC)
+        first, failing, last = new_op_id(), new_op_id(), new_op_id()
+        ops = [
+            insert("a", op_id=first),
+            increment(node="a"),
+            insert("x", parent="missing", op_id=failing),
+            insert("z", op_id=last),
+        ]
+        outcomes, entries = await store.append(WS, DOC, ops, atomic=True)
+        assert entries == []
+        assert [o.code if isinstance(o, Rejected) else o for o in outcomes] == [
+            "atomic_aborted",
+            "atomic_aborted",
+            "parent_not_found",
+            "atomic_aborted",
+        ]
+        assert [o.op_id for o in outcomes] == [first, None, failing, last]
+        assert await store.head(WS, DOC) == 1
+        assert (await store.get_state(WS, DOC)) == (1, before)
+        assert [e.clock for e in await all_entries(store)] == [1]
+        # The failing op's rejection was recorded; the aborted ops' outcomes were not.
+        retried = await append_one(store, insert("x", parent="missing", op_id=failing))
+        assert isinstance(retried, Rejected)
+        assert (retried.code, retried.duplicate) == ("parent_not_found", True)
+        assert await append_one(store, insert("a", op_id=first)) == Committed(first, 2)
+
+    async def test_a_retried_atomic_batch_fails_the_same_way_after_the_state_changed(
+        self, store: OpLogStore
+    ) -> None:
+        ops = [insert("a", op_id=new_op_id()), insert("c", parent="b", op_id=new_op_id())]
+        await store.append(WS, DOC, ops, atomic=True)
+        await append_one(store, insert("b"))  # the failing op would now fit
+        outcomes, entries = await store.append(WS, DOC, ops, atomic=True)
+        assert entries == []
+        assert isinstance(outcomes[0], Rejected)
+        assert outcomes[0].code == "atomic_aborted"
+        assert isinstance(outcomes[1], Rejected)
+        assert (outcomes[1].op_id, outcomes[1].code, outcomes[1].duplicate) == (
+            ops[1].op_id,
+            "parent_not_found",
+            True,
+        )
+        assert await store.head(WS, DOC) == 1
+
+    async def test_a_repeat_inside_a_failed_atomic_batch_is_aborted_with_its_first(
+        self, store: OpLogStore
+    ) -> None:
+        op_id = new_op_id()
+        ops = [increment(op_id), increment(op_id), insert("x", parent="missing")]
+        outcomes, entries = await store.append(WS, DOC, ops, atomic=True)
+        assert [o.code for o in outcomes if isinstance(o, Rejected)] == [
+            "atomic_aborted",
+            "atomic_aborted",
+            "parent_not_found",
+        ]
+        assert entries == []
+        assert await store.head(WS, DOC) == 0
+        # Not recorded: sent again on its own, the op applies.
+        assert await append_one(store, increment(op_id)) == Committed(op_id, 1)
+
+    async def test_ops_committed_before_keep_their_outcome_inside_a_failed_atomic_batch(
+        self, store: OpLogStore
+    ) -> None:
+        done = new_op_id()
+        await append_one(store, increment(done))
+        ops = [increment(done), insert("x", parent="missing"), increment(new_op_id())]
+        outcomes, entries = await store.append(WS, DOC, ops, atomic=True)
+        assert outcomes[0] == Committed(done, 1, duplicate=True)
+        assert [o.code for o in outcomes[1:] if isinstance(o, Rejected)] == [
+            "parent_not_found",
+            "atomic_aborted",
+        ]
+        assert entries == []
+        assert await field_value(store) == 1
+
+    async def test_a_reused_op_id_fails_an_atomic_batch(self, store: OpLogStore) -> None:
+        op_id = new_op_id()
+        await append_one(store, increment(op_id, by=1))
+        outcomes, entries = await store.append(
+            WS, DOC, [increment(by=10), increment(op_id, by=2)], atomic=True
+        )
+        assert [o.code for o in outcomes if isinstance(o, Rejected)] == [
+            "atomic_aborted",
+            "op_id_reuse",
+        ]
+        assert entries == []
+        assert await field_value(store) == 1
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    async def test_read_since_pages_through_exactly_the_entries_after_since(
+        self, store: OpLogStore
+    ) -> None:
+        ops = [increment(new_op_id() if i % 2 else None, by=i) for i in range(25)]
+        for start in range(0, 25, 6):
+            await store.append(WS, DOC, ops[start : start + 6])
+        expected = [(i + 1, op.op_id, op.raw) for i, op in enumerate(ops)]
+        for since in (0, 1, 7, 24, 25, 30):
+            for limit in (1, 7, 100):
+                head, entries = await store.read_since(WS, DOC, since, limit)
+                assert head == 25
+                assert [(e.clock, e.op_id, e.op) for e in entries] == expected[
+                    since : since + limit
+                ]
+        paged: list[LogEntry] = []
+        since = 0
+        while True:
+            _, page = await store.read_since(WS, DOC, since, 4)
+            if not page:
+                break
+            paged.extend(page)
+            since = page[-1].clock
+        assert [(e.clock, e.op_id, e.op) for e in paged] == expected
+
+    async def test_a_sub_doc_never_written_has_clock_zero_and_an_empty_state(
+        self, store: OpLogStore
+    ) -> None:
+        assert await store.head(WS, "never") == 0
+        assert await store.read_since(WS, "never", 0, 10) == (0, [])
+        clock, state = await store.get_state(WS, "never")
+        assert clock == 0
+        assert state.to_json() == {
+            "nodes": {"root": {"parent": None, "children": [], "fields": {}}}
+        }
+
+    async def test_get_state_returns_a_private_copy(self, store: OpLogStore) -> None:
+        await store.append(
+            WS,
+            DOC,
+            [
+                incoming(
+                    {
+                        "type": "node.insert",
+                        "node_id": "a",
+                        "parent_id": "root",
+                        "fields": {"tags": ["x"], "deep": {"k": 1}},
+                    }
+                )
+            ],
+        )
+        clock, state = await store.get_state(WS, DOC)
+        expected = state.to_json()
+        tags, deep = state.nodes["a"].fields["tags"], state.nodes["a"].fields["deep"]
+        assert isinstance(tags, list)
+        assert isinstance(deep, dict)
+        tags.append("mutated")
+        deep["k"] = 2
+        state.nodes["a"].children.append("ghost")
+        state.nodes["root"].children.clear()
+        del state.nodes["a"]
+        again_clock, again = await store.get_state(WS, DOC)
+        assert (again_clock, again.to_json()) == (clock, expected)
+        # The store's own state was not touched either: ops still apply to the original tree.
+        assert isinstance(await append_one(store, increment(node="a")), Committed)
+
+    # -- scoping ---------------------------------------------------------------------------------
+
+    async def test_clocks_and_op_ids_are_scoped_per_workspace_and_sub_doc(
+        self, store: OpLogStore
+    ) -> None:
+        op_id = new_op_id()
+        scopes = [("ws-1", "tree"), ("ws-1", "jobs"), ("ws-2", "tree")]
+        for by, (ws, doc) in enumerate(scopes, start=1):
+            # A different op under the same op_id elsewhere is not a reuse: it is another op.
+            outcome = await append_one(store, increment(op_id, by=by), ws=ws, doc=doc)
+            assert outcome == Committed(op_id, 1, duplicate=False)
+        await append_one(store, increment(), ws="ws-1", doc="jobs")
+        assert [await store.head(ws, doc) for ws, doc in scopes] == [1, 2, 1]
+        assert [await field_value(store, ws=ws, doc=doc) for ws, doc in scopes] == [1, 3, 3]
+
+    async def test_a_rejection_recorded_in_one_workspace_does_not_answer_another(
+        self, store: OpLogStore
+    ) -> None:
+        op_id = new_op_id()
+        rejected = await append_one(store, insert("b", parent="a", op_id=op_id), ws="ws-1")
+        assert isinstance(rejected, Rejected)
+        await append_one(store, insert("a"), ws="ws-2")
+        applied = await append_one(store, insert("b", parent="a", op_id=op_id), ws="ws-2")
+        assert applied == Committed(op_id, 2)
+
+    # -- durability ------------------------------------------------------------------------------
+
+    async def answers_of(
+        self, store: OpLogStore, docs: list[str]
+    ) -> list[tuple[int, dict[str, Any], list[LogEntry]]]:
+        answers = []
+        for doc in docs:
+            clock, state = await store.get_state(WS, doc)
+            assert await store.head(WS, doc) == clock
+            answers.append((clock, state.to_json(), await all_entries(store, doc=doc)))
+        return answers
+
+    @pytest.mark.parametrize(
+        "history",
+        ["empty", "before_any_snapshot", "at_a_snapshot", "snapshots_then_more_log"],
+    )
+    async def test_a_reopened_store_answers_head_state_and_dedupe_identically(
+        self, store: OpLogStore, reopen: Reopen, history: str
+    ) -> None:
+        every = self.SNAPSHOT_EVERY
+        op_count = {
+            "empty": 0,
+            "before_any_snapshot": every - 1,
+            "at_a_snapshot": every,
+            "snapshots_then_more_log": 3 * every + 1,
+        }[history]
+        applied = [increment(new_op_id(), by=i + 1) for i in range(op_count)]
+        for op in applied:
+            await append_one(store, op)
+        await append_one(store, insert(fresh_node(), op_id=new_op_id()), doc="other")
+        rejected_op = insert("z", parent="missing", op_id=new_op_id())
+        rejection = await append_one(store, rejected_op)
+        before = await self.answers_of(store, [DOC, "other"])
+
+        store = await reopen(store)
+        assert await self.answers_of(store, [DOC, "other"]) == before
+        for i, op in enumerate(applied):
+            assert await append_one(store, op) == Committed(op.op_id, i + 1, duplicate=True)
+        assert isinstance(rejection, Rejected)
+        assert await append_one(store, rejected_op) == Rejected(
+            rejected_op.op_id, rejection.code, rejection.message, duplicate=True
+        )
+        assert await append_one(store, increment()) == Committed(None, op_count + 1)
+        assert await field_value(store) == sum(range(1, op_count + 1)) + 1
+
+    async def test_a_store_reopened_twice_keeps_counting_from_its_head(
+        self, store: OpLogStore, reopen: Reopen
+    ) -> None:
+        for round_ in range(3):
+            outcomes, _ = await store.append(WS, DOC, [increment() for _ in range(3)])
+            assert [o.clock for o in outcomes if isinstance(o, Committed)] == [
+                3 * round_ + 1,
+                3 * round_ + 2,
+                3 * round_ + 3,
+            ]
+            store = await reopen(store)
+        assert await field_value(store) == 9
+        assert [e.clock for e in await all_entries(store)] == list(range(1, 10))
+
+    # -- load ------------------------------------------------------------------------------------
+
+    async def test_many_concurrent_appenders_on_several_sub_docs_commit_every_op_once(
+        self, store: OpLogStore
+    ) -> None:
+        tasks, ops_per_task, docs = 20, 100, ["d0", "d1", "d2", "d3"]
+
+        async def appender(task: int) -> list[tuple[str, str, Committed]]:
+            """Sends its ops one by one; returns (sub_doc, op_id, outcome) per op."""
+            sent: list[tuple[str, str, Committed]] = []
+            for i in range(ops_per_task):
+                doc, op_id = docs[(task + i) % len(docs)], new_op_id()
+                op = increment(op_id, field=f"t{task}")
+                outcome = await append_one(store, op, doc=doc)
+                assert isinstance(outcome, Committed)
+                sent.append((doc, op_id, outcome))
+                if i % 10 == 0:  # a retry: answered from the log, never applied again
+                    again = await append_one(store, op, doc=doc)
+                    assert again == Committed(op_id, outcome.clock, duplicate=True)
+            return sent
+
+        results = await asyncio.wait_for(
+            asyncio.gather(*(appender(t) for t in range(tasks))), timeout=120
+        )
+        for doc in docs:
+            clock_of = {
+                op_id: outcome.clock
+                for result in results
+                for d, op_id, outcome in result
+                if d == doc
+            }
+            entries = await all_entries(store, doc=doc)
+            assert [e.clock for e in entries] == list(range(1, len(clock_of) + 1))
+            assert {str(e.op_id): e.clock for e in entries} == clock_of
+            assert await store.head(WS, doc) == len(clock_of)
+            _, state = await store.get_state(WS, doc)
+            for task, result in enumerate(results):
+                sent_here = sum(1 for d, _, _ in result if d == doc)
+                assert state.nodes["root"].fields.get(f"t{task}", 0) == sent_here
+            # Each task's ops to this sub-doc were committed in the order it sent them.
+            for result in results:
+                clocks = [outcome.clock for d, _, outcome in result if d == doc]
+                assert clocks == sorted(clocks)
