@@ -23,11 +23,12 @@ from cv_server.keys import (
     STATE,
     STORES,
     WAITERS,
+    WORK_SIGNALS,
     ServerState,
 )
 from cv_server.metrics import Metrics
 from cv_server.problems import Problem, problem_response
-from cv_server.waiters import Waiters
+from cv_server.waiters import Waiters, WorkSignals
 
 __all__ = ["create_app"]
 
@@ -68,6 +69,8 @@ async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
     waiters = Waiters(stores.queue, sweep_seconds=config.sweep_seconds)
     waiters.start()
     app[WAITERS] = waiters
+    signals = WorkSignals(stores.queue)
+    app[WORK_SIGNALS] = signals
     app[METRICS].gauges["cv_request_waiters"] = lambda: waiters.count
     reaper = asyncio.create_task(_reap_forever(stores, config.reap_seconds))
     app[STATE].ready = True
@@ -77,6 +80,7 @@ async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
     with contextlib.suppress(asyncio.CancelledError):
         await reaper
     await waiters.close()
+    signals.close()
     # In-flight commits finished before cleanup (the runner waited for handlers); now flush.
     await stores.close()
 

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from cv_mutations import is_valid_workspace_id
 from cv_server.inputs import check_ids, decode_json
-from cv_server.keys import CONFIG, STORES, WAITERS
+from cv_server.keys import CONFIG, STORES, WAITERS, WORK_SIGNALS
 from cv_server.problems import Problem
 from cv_server.queue import (
     Enqueued,
@@ -263,6 +263,24 @@ async def claim(request: web.Request) -> web.Response:
     if row is None:
         return web.Response(status=204)
     return web.json_response({"request": row.to_json(include_claim_token=True)})
+
+
+@routes.get("/v1/queue/pending")
+async def wait_for_work(request: web.Request) -> web.Response:
+    """Long poll for idle workers: 200 as soon as work of `worker_classes` (repeatable query
+    parameter) becomes pending in a workspace the token grants, 204 after `timeout` seconds
+    (at most the 2 s ceiling of the idle poll, seed 003)."""
+    claims = authenticate(request)
+    classes = frozenset(request.query.getall("worker_classes", []))
+    if not classes:
+        raise Problem(422, "invalid_field", "name at least one worker_classes")
+    try:
+        patience = float(request.query.get("timeout", "2"))
+    except ValueError:
+        raise Problem(400, "invalid_field", "timeout must be a number of seconds") from None
+    workspaces = None if "*" in claims.workspaces else frozenset(claims.workspaces)
+    woken = await request.app[WORK_SIGNALS].wait(classes, workspaces, max(0.0, min(patience, 2.0)))
+    return web.json_response({"pending": True}) if woken else web.Response(status=204)
 
 
 def _claim_token(body: dict[str, Any]) -> str:

@@ -12,9 +12,19 @@ if TYPE_CHECKING:
     from cv_server.backends import Stores
     from cv_server.hub import Connection, Hub
     from cv_server.metrics import Metrics
-    from cv_server.waiters import Waiters
+    from cv_server.waiters import Waiters, WorkSignals
 
-__all__ = ["CONFIG", "CONNECTIONS", "HUB", "METRICS", "SECRET", "STATE", "STORES", "WAITERS"]
+__all__ = [
+    "CONFIG",
+    "CONNECTIONS",
+    "HUB",
+    "METRICS",
+    "SECRET",
+    "STATE",
+    "STORES",
+    "WAITERS",
+    "WORK_SIGNALS",
+]
 
 
 class ServerState:
@@ -32,4 +42,5 @@ METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
 SECRET = web.AppKey("secret", bytes)
 STATE = web.AppKey("state", ServerState)
 WAITERS: web.AppKey[Waiters] = web.AppKey("waiters")
+WORK_SIGNALS: web.AppKey[WorkSignals] = web.AppKey("work_signals")
 CONNECTIONS: web.AppKey[set[Connection]] = web.AppKey("connections")

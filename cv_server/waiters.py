@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 from cv_server.queue import ProcessRequest, QueueStore, RequestEvent
 
-__all__ = ["Waiters"]
+__all__ = ["Waiters", "WorkSignals"]
 
 
 class Waiters:
@@ -84,3 +84,40 @@ class Waiters:
                     return row
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), remaining)
+
+
+class WorkSignals:
+    """Wakes idle workers early when claimable work appears (seed 003: the worker's idle poll
+    backs off 100 ms → 2 s; a push cuts that wait short). A missed push costs at most one poll."""
+
+    def __init__(self, store: QueueStore) -> None:
+        self._sleepers: set[tuple[frozenset[str], frozenset[str] | None, asyncio.Event]] = set()
+        self._unlisten = store.add_listener(self._on_event)
+
+    def close(self) -> None:
+        self._unlisten()
+        for _, _, event in self._sleepers:
+            event.set()
+
+    def _on_event(self, event: RequestEvent) -> None:
+        if event.status != "pending":
+            return
+        for classes, workspaces, sleeper in self._sleepers:
+            if event.worker_class in classes and (
+                workspaces is None or event.workspace_id in workspaces
+            ):
+                sleeper.set()
+
+    async def wait(
+        self, classes: frozenset[str], workspaces: frozenset[str] | None, patience: float
+    ) -> bool:
+        """True if work for `classes` became pending within `patience` seconds."""
+        entry = (classes, workspaces, asyncio.Event())
+        self._sleepers.add(entry)
+        try:
+            await asyncio.wait_for(entry[2].wait(), patience)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._sleepers.discard(entry)

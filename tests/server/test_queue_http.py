@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp.test_utils import TestClient
 
 from cv_server import ServerConfig, create_app
+from cv_server.keys import WORK_SIGNALS
 from tests.server.conftest import ClientFactory, auth
 
 REQUESTS = "/v1/workspaces/ws1/requests"
@@ -158,3 +159,22 @@ async def test_another_workspaces_requests_are_refused(client: TestClient[Any, A
         "/v1/queue/claim", json={"worker_classes": ["evaluate"]}, headers=auth("ws2")
     )
     assert claim.status == 204  # a ws2 worker never sees ws1's work
+
+
+async def test_an_idle_workers_long_poll_is_woken_by_new_work(client: TestClient[Any, Any]) -> None:
+    async def poll(worker_class: str) -> int:
+        resp = await client.get(
+            "/v1/queue/pending",
+            params={"worker_classes": worker_class, "timeout": "2"},
+            headers=auth("ws1"),
+        )
+        return resp.status
+
+    evaluate = asyncio.create_task(poll("evaluate"))
+    other = asyncio.create_task(poll("enrich"))
+    # Both polls must be registered before the work appears (the wait is for a state, not time).
+    while client.app is not None and len(client.app[WORK_SIGNALS]._sleepers) < 2:  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
+    await _enqueue(client, {"stage": "evaluate", "job_id": "J7"})
+    assert await asyncio.wait_for(evaluate, 5) == 200
+    assert await asyncio.wait_for(other, 5) == 204  # not its class: it times out
