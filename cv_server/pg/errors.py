@@ -1,0 +1,31 @@
+"""The PostgreSQL backend's exceptions: one hierarchy, each with a stable string `code`.
+
+Driver errors that callers must branch on are translated here (STYLE: eventsourcing), so code
+above the backend never imports asyncpg to understand what went wrong.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MigrationError", "NotifyPayloadTooLarge", "PostgresBackendError"]
+
+
+class PostgresBackendError(Exception):
+    """Base of every error the PostgreSQL backend raises on purpose."""
+
+    code: str = "postgres_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{self.code}: {message}")
+        self.message = message
+
+
+class MigrationError(PostgresBackendError):
+    """The migration files are inconsistent (duplicate or malformed versions) or one failed."""
+
+    code = "migration_failed"
+
+
+class NotifyPayloadTooLarge(PostgresBackendError):
+    """A NOTIFY payload reaches PostgreSQL's 8000-byte limit: send ids and clocks, not bodies."""
+
+    code = "notify_payload_too_large"

@@ -1,0 +1,364 @@
+"""The op-log on PostgreSQL, shared by several server instances (DESIGN §4, §9; issue 7).
+
+Same pure pipeline as SQLite (`cv_server.oplog.pipeline`); what changes is who else may write:
+
+- **Clocks under a row lock.** Each transaction first locks the sub-doc's head row
+  (`SELECT ... FOR UPDATE`): writers on every instance queue there instead of racing and
+  retrying, and whoever holds the lock owns the next clocks.
+- **Catch-up before apply.** Each instance caches (clock, state) per sub-doc. Holding the lock, it
+  compares its cached clock with the head and first applies the log entries it has not seen
+  (committed by other instances), so its state is the log's state before it plans anything.
+- **Group commit.** Appends to one sub-doc queue in a per-sub-doc lane; one task drains the lane,
+  committing every append waiting there in **one** transaction (one lock, one dedupe lookup,
+  one write statement, one COMMIT). Appends still commit in call order.
+- **Publish on commit.** The write statement NOTIFYs `workspace_id/sub_doc/clock` on `channel` in
+  the same transaction, so other instances hear of it only once it is readable; a lost
+  notification is covered by catch-up from the log (`read_since`), never by re-applying.
+
+If a transaction fails, the lane drops its cached copy (the plans may have mutated it) and the
+next use rebuilds it from the snapshot and the log: the cache never runs ahead of the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
+
+from cv_mutations import SubDocState
+from cv_server.config import ServerConfig
+from cv_server.oplog.pipeline import (
+    CommitPlan,
+    Recorded,
+    RecordedCommit,
+    RecordedRejection,
+    copy_state,
+    op_ids_to_look_up,
+    plan_commit,
+)
+from cv_server.oplog.store import IncomingOp, LogEntry, OpLogStore, Outcome
+from cv_server.pg import oplog_sql as sql
+from cv_server.pg.migrations import migrate
+from cv_server.pg.notifier import check_payload
+from cv_server.pg.pool import PostgresSettings, create_pool
+from cv_server.pg.retry import SerializationRetryPolicy, run_with_retry
+
+__all__ = [
+    "OPLOG_CHANNEL",
+    "OpLogCorrupted",
+    "PostgresOpLogStore",
+    "oplog_payload",
+    "parse_oplog_payload",
+]
+
+OpLogCorrupted = sql.OpLogCorrupted
+
+logger = logging.getLogger(__name__)
+
+#: The channel commits are announced on (payload: `oplog_payload`).
+OPLOG_CHANNEL: Final = "cv_oplog"
+
+_DEFAULTS: Final = ServerConfig()
+
+AppendResult = tuple[list[Outcome], list[LogEntry]]
+
+
+def oplog_payload(workspace_id: str, sub_doc: str, clock: int) -> str:
+    """`workspace_id/sub_doc/clock`: ids cannot contain `/` (DESIGN §3), and it stays tiny."""
+    return f"{workspace_id}/{sub_doc}/{clock}"
+
+
+def parse_oplog_payload(payload: str) -> tuple[str, str, int]:
+    """The (workspace_id, sub_doc, clock) a commit notification announces."""
+    workspace_id, sub_doc, clock = payload.split("/")
+    return workspace_id, sub_doc, int(clock)
+
+
+@dataclass(slots=True)
+class _Pending:
+    ops: list[IncomingOp]
+    atomic: bool
+    future: asyncio.Future[AppendResult]
+
+
+@dataclass(slots=True)
+class _Lane:
+    """Everything this instance holds for one sub-doc. `lock` guards `doc`."""
+
+    doc: sql.CachedSubDoc | None = None
+    pending: deque[_Pending] = field(default_factory=deque)
+    drainer: asyncio.Task[None] | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class PostgresOpLogStore(OpLogStore):
+    """`OpLogStore` on a PostgreSQL pool whose schema has the op-log migration applied.
+
+    `snapshot_every`: ops between two state snapshots (a snapshot is written by the transaction
+    whose clocks cross a multiple of it, whichever instance that is). `channel`: where commits
+    are announced. `max_group_ops`: ops one group transaction takes at most (an append is never
+    split; a single larger append still commits alone). Use `await PostgresOpLogStore.open(dsn)`
+    for a store that owns its pool and migrates the database.
+    """
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        *,
+        snapshot_every: int = _DEFAULTS.snapshot_every,
+        channel: str = OPLOG_CHANNEL,
+        max_group_ops: int = _DEFAULTS.max_ops_per_request,
+        retry_policy: SerializationRetryPolicy | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        owns_pool: bool = False,
+    ) -> None:
+        if snapshot_every < 1:
+            raise ValueError("snapshot_every must be at least 1")
+        if max_group_ops < 1:
+            raise ValueError("max_group_ops must be at least 1")
+        self.pool = pool
+        self.snapshot_every = snapshot_every
+        self.channel = channel
+        self.max_group_ops = max_group_ops
+        self._retry_policy = retry_policy
+        self._sleep = sleep
+        self._owns_pool = owns_pool
+        self._lanes: dict[tuple[str, str], _Lane] = {}
+        self._closed = False
+        #: Group transactions committed and appends they carried (for metrics and tests).
+        self.groups_committed = 0
+        self.appends_committed = 0
+
+    @classmethod
+    async def open(
+        cls,
+        dsn: str,
+        settings: PostgresSettings | None = None,
+        *,
+        snapshot_every: int = _DEFAULTS.snapshot_every,
+        channel: str = OPLOG_CHANNEL,
+        max_group_ops: int = _DEFAULTS.max_ops_per_request,
+    ) -> PostgresOpLogStore:
+        """Open a pool, apply pending migrations, and return a store that closes the pool."""
+        pool = await create_pool(dsn, settings)
+        try:
+            await migrate(pool)
+        except BaseException:
+            await pool.close()
+            raise
+        return cls(
+            pool,
+            snapshot_every=snapshot_every,
+            channel=channel,
+            max_group_ops=max_group_ops,
+            owns_pool=True,
+        )
+
+    # -- OpLogStore ------------------------------------------------------------------------------
+
+    async def append(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        ops: Sequence[IncomingOp],
+        *,
+        atomic: bool = False,
+    ) -> AppendResult:
+        self._check_open()
+        if not ops:
+            return [], []
+        key = (workspace_id, sub_doc)
+        lane = self._lane(key)
+        future: asyncio.Future[AppendResult] = asyncio.get_running_loop().create_future()
+        lane.pending.append(_Pending(list(ops), atomic, future))
+        if lane.drainer is None:
+            lane.drainer = asyncio.create_task(self._drain(key, lane), name=f"oplog-{key}")
+        # A caller cancelled here does not cancel the commit: its op may still be applied, and
+        # a retry under the same op_id then gets `duplicate: true` (seed 000).
+        return await future
+
+    async def read_since(
+        self, workspace_id: str, sub_doc: str, since: int, limit: int
+    ) -> tuple[int, list[LogEntry]]:
+        self._check_open()
+        async with self.pool.acquire() as conn:
+            head, rows = await sql.read_since(conn, workspace_id, sub_doc, since, limit)
+        return head, [LogEntry(clock, op_id, op) for clock, op_id, op in rows]
+
+    async def get_state(self, workspace_id: str, sub_doc: str) -> tuple[int, SubDocState]:
+        """The cached state, first brought up to the log's head (other instances may have
+        committed since this one last looked)."""
+        self._check_open()
+        key = (workspace_id, sub_doc)
+        lane = self._lane(key)
+        async with lane.lock, self.pool.acquire() as conn:
+            try:
+                if lane.doc is None:
+                    doc = await sql.load_sub_doc(conn, workspace_id, sub_doc)
+                    if doc.clock == 0:
+                        return 0, doc.state  # never written: not worth a cache entry
+                    lane.doc = doc
+                else:
+                    await sql.catch_up(conn, workspace_id, sub_doc, lane.doc)
+            except BaseException:
+                lane.doc = None
+                raise
+            return lane.doc.clock, copy_state(lane.doc.state)
+
+    async def head(self, workspace_id: str, sub_doc: str) -> int:
+        self._check_open()
+        async with self.pool.acquire() as conn:
+            return await sql.read_head(conn, workspace_id, sub_doc)
+
+    async def close(self) -> None:
+        """Finish every append queued before this call, then close the pool if this store
+        opened it."""
+        if self._closed:
+            return
+        self._closed = True
+        drainers = [lane.drainer for lane in self._lanes.values() if lane.drainer is not None]
+        if drainers:
+            await asyncio.gather(*drainers, return_exceptions=True)
+        self._lanes.clear()
+        if self._owns_pool:
+            await self.pool.close()
+
+    # -- lanes -----------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the op-log store is closed")
+
+    def _lane(self, key: tuple[str, str]) -> _Lane:
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = _Lane()
+        return lane
+
+    def _take_group(self, lane: _Lane) -> list[_Pending]:
+        group = [lane.pending.popleft()]
+        size = len(group[0].ops)
+        while lane.pending and size + len(lane.pending[0].ops) <= self.max_group_ops:
+            pending = lane.pending.popleft()
+            group.append(pending)
+            size += len(pending.ops)
+        return group
+
+    async def _drain(self, key: tuple[str, str], lane: _Lane) -> None:
+        try:
+            while lane.pending:
+                group = self._take_group(lane)
+                try:
+                    async with lane.lock:
+                        results = await run_with_retry(
+                            functools.partial(self._commit_group, key, lane, group),
+                            policy=self._retry_policy,
+                            sleep=self._sleep,
+                        )
+                except Exception as exc:
+                    for pending in group:
+                        if not pending.future.done():
+                            pending.future.set_exception(exc)
+                    continue
+                for pending, result in zip(group, results, strict=True):
+                    if not pending.future.done():
+                        pending.future.set_result(result)
+        finally:
+            # No await between the last `while` check and this line: an append that arrives
+            # after it sees `drainer is None` and starts a new drainer.
+            lane.drainer = None
+
+    # -- one group transaction -------------------------------------------------------------------
+
+    async def _commit_group(
+        self, key: tuple[str, str], lane: _Lane, group: list[_Pending]
+    ) -> list[AppendResult]:
+        workspace_id, sub_doc = key
+        try:
+            async with self.pool.acquire() as conn, conn.transaction():
+                head = await sql.lock_head(conn, workspace_id, sub_doc)
+                doc = await self._caught_up(conn, key, lane, head)
+                plans = await self._plan(conn, key, doc, group)
+                clock = plans[-1].clock
+                entries = [entry for plan in plans for entry in plan.entries]
+                fingerprints = [fp for plan in plans for fp in plan.fingerprints]
+                rejections = [rejection for plan in plans for rejection in plan.rejections]
+                if entries or rejections:
+                    payload = oplog_payload(workspace_id, sub_doc, clock) if entries else None
+                    if payload is not None:
+                        check_payload(payload)
+                    await sql.write_batch(
+                        conn,
+                        workspace_id,
+                        sub_doc,
+                        entries,
+                        fingerprints,
+                        rejections,
+                        clock,
+                        self.channel,
+                        payload,
+                    )
+                    if clock // self.snapshot_every > head // self.snapshot_every:
+                        await sql.write_snapshot(
+                            conn, workspace_id, sub_doc, sql.CachedSubDoc(clock, doc.state)
+                        )
+        except BaseException:
+            # The plans mutated the cached state; whatever the failure (even an unknown COMMIT
+            # outcome), rebuilding from the database is right.
+            lane.doc = None
+            raise
+        doc.clock = clock
+        self.groups_committed += 1
+        self.appends_committed += len(group)
+        return [(plan.outcomes, plan.entries) for plan in plans]
+
+    async def _caught_up(
+        self, conn: asyncpg.Connection, key: tuple[str, str], lane: _Lane, head: int
+    ) -> sql.CachedSubDoc:
+        """The lane's cached sub-doc at exactly `head` (call holding the head row lock)."""
+        workspace_id, sub_doc = key
+        doc = lane.doc
+        if doc is None or doc.clock > head:
+            lane.doc = None
+            doc = await sql.load_sub_doc(conn, workspace_id, sub_doc)
+        elif doc.clock < head:
+            await sql.catch_up(conn, workspace_id, sub_doc, doc)
+        if doc.clock != head:
+            raise OpLogCorrupted(f"{key}: the log ends at clock {doc.clock}, the head is {head}")
+        lane.doc = doc
+        return doc
+
+    async def _plan(
+        self,
+        conn: asyncpg.Connection,
+        key: tuple[str, str],
+        doc: sql.CachedSubDoc,
+        group: list[_Pending],
+    ) -> list[CommitPlan]:
+        """Run the pipeline for each append of the group, in order, on the cached state."""
+        workspace_id, sub_doc = key
+        op_ids = op_ids_to_look_up(op for pending in group for op in pending.ops)
+        recorded: dict[str, Recorded] = (
+            await sql.look_up(conn, workspace_id, sub_doc, op_ids) if op_ids else {}
+        )
+        plans: list[CommitPlan] = []
+        clock = doc.clock
+        for pending in group:
+            plan = plan_commit(doc.state, clock, pending.ops, recorded, atomic=pending.atomic)
+            plans.append(plan)
+            clock = plan.clock
+            # A later append of the same group sees this one's outcomes as already recorded.
+            for entry, fingerprint in zip(plan.entries, plan.fingerprints, strict=True):
+                if entry.op_id is not None:
+                    recorded[entry.op_id] = RecordedCommit(entry.clock, fingerprint)
+            for rejection in plan.rejections:
+                recorded[rejection.op_id] = RecordedRejection(
+                    rejection.code, rejection.message, rejection.fingerprint
+                )
+        return plans
