@@ -1,0 +1,74 @@
+"""The durable work queue (layer 1, DESIGN §7): stage requests, leased claims, poison, plus the
+idempotency keys of non-deterministic enqueues (seed 004 §1) and the result blob store (seed 003).
+
+Backend-neutral names live here; the SQLite implementations are in `cv_server.queue.sqlite`,
+`cv_server.queue.idempotency_sqlite` and `cv_server.queue.blobs_sqlite`.
+"""
+
+from cv_server.queue.blobs import BlobStore, new_blob_ref
+from cv_server.queue.errors import (
+    IdempotencyKeyLost,
+    InvalidTransition,
+    LeaseLost,
+    QueueError,
+    RequestIdConflict,
+    RequestNotFound,
+)
+from cv_server.queue.idempotency import (
+    BeginOutcome,
+    IdempotencyStore,
+    InProgress,
+    KeyCompletion,
+    Mismatch,
+    Owned,
+    Replay,
+    StoredResponse,
+    request_fingerprint,
+)
+from cv_server.queue.model import (
+    FINISHED_STATUSES,
+    LIVE_STATUSES,
+    CacheOutcome,
+    Completion,
+    Enqueued,
+    NewRequest,
+    ProcessRequest,
+    RequestEvent,
+    RequestStatus,
+    deterministic_request_id,
+    random_request_id,
+)
+from cv_server.queue.store import QueueListener, QueueStore
+
+__all__ = [
+    "FINISHED_STATUSES",
+    "LIVE_STATUSES",
+    "BeginOutcome",
+    "BlobStore",
+    "CacheOutcome",
+    "Completion",
+    "Enqueued",
+    "IdempotencyKeyLost",
+    "IdempotencyStore",
+    "InProgress",
+    "InvalidTransition",
+    "KeyCompletion",
+    "LeaseLost",
+    "Mismatch",
+    "NewRequest",
+    "Owned",
+    "ProcessRequest",
+    "QueueError",
+    "QueueListener",
+    "QueueStore",
+    "Replay",
+    "RequestEvent",
+    "RequestIdConflict",
+    "RequestNotFound",
+    "RequestStatus",
+    "StoredResponse",
+    "deterministic_request_id",
+    "new_blob_ref",
+    "random_request_id",
+    "request_fingerprint",
+]

@@ -1,0 +1,61 @@
+"""The work queue's exception hierarchy: one base class, one stable `code` per failure.
+
+The HTTP routes map `code` to a problem+json answer; the SDK maps it back to the same types.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "IdempotencyKeyLost",
+    "InvalidTransition",
+    "LeaseLost",
+    "QueueError",
+    "RequestIdConflict",
+    "RequestNotFound",
+]
+
+
+class QueueError(Exception):
+    """Base of every queue error; `code` is stable and travels on the wire."""
+
+    code: str = "queue_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class RequestNotFound(QueueError):
+    """No request with that id (in that workspace)."""
+
+    code = "not_found"
+
+
+class LeaseLost(QueueError):
+    """The caller's `claim_token` no longer holds the request: its lease lapsed and another worker
+    claimed it, or the request already finished. The caller must stop the stage's writes — it can
+    change nothing on the row (DESIGN §7: fenced by `claim_token`; River #1302)."""
+
+    code = "lease_lost"
+
+
+class InvalidTransition(QueueError):
+    """The verb does not apply to the request's current status (e.g. replaying a row that is not
+    poison)."""
+
+    code = "invalid_transition"
+
+
+class RequestIdConflict(QueueError):
+    """A request id already names a request of another workspace: ids are never shared across
+    tenants (deterministic ids hash the workspace in, so only a hand-made id can collide)."""
+
+    code = "request_id_conflict"
+
+
+class IdempotencyKeyLost(QueueError):
+    """The owner's idempotency key is no longer in progress under its fingerprint (it was
+    abandoned, or expired and taken over): the effect it was to describe is rolled back with it,
+    and the client's retry starts afresh."""
+
+    code = "idempotency_key_lost"

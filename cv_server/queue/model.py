@@ -1,0 +1,440 @@
+"""The work queue's rows and state machine (layer 1, DESIGN §7, seeds 000 and 003). Pure: no I/O,
+no clock, no randomness — `now`, tokens and ids are parameters, so every rule is testable alone
+and every backend (SQLite, PostgreSQL) applies the very same rules.
+
+Statuses: `pending → in_progress → done | poison`.
+
+    pending ──claim──▶ in_progress ──complete──▶ done   (a result, or an expected error: an answer)
+       ▲                  │  │
+       │◀──fail (backoff)─┘  └──fail / lease lapsed with dequeue_count ≥ max_dequeues──▶ poison
+       │◀──────────────── lease lapsed: claimable again as it stands (that IS the retry) ─┘
+       └──replay_poison (by hand) / rerun (on purpose) ◀── poison / done
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Final, Literal, NamedTuple
+
+from cv_server.config import ServerConfig
+from cv_server.queue.errors import InvalidTransition, LeaseLost, RequestIdConflict
+
+__all__ = [
+    "FINISHED_STATUSES",
+    "LIVE_STATUSES",
+    "CacheOutcome",
+    "Completion",
+    "Enqueued",
+    "NewRequest",
+    "ProcessRequest",
+    "RequestEvent",
+    "RequestStatus",
+    "Transition",
+    "check_cache",
+    "check_lease",
+    "claim",
+    "complete",
+    "decide_enqueue",
+    "deterministic_request_id",
+    "fail",
+    "fence",
+    "heartbeat",
+    "is_claimable",
+    "is_exhausted",
+    "new_row",
+    "poison_exhausted",
+    "random_request_id",
+    "replay_poison",
+]
+
+RequestStatus = Literal["pending", "in_progress", "done", "poison"]
+CacheOutcome = Literal["hit", "miss"]
+
+#: A request that may still run: an identical enqueue coalesces into it.
+LIVE_STATUSES: Final[tuple[RequestStatus, ...]] = ("pending", "in_progress")
+#: A request that will not run again unless someone asks on purpose (rerun, replay).
+FINISHED_STATUSES: Final[tuple[RequestStatus, ...]] = ("done", "poison")
+
+#: Prefix and version of the deterministic id recipe; bump the version if the recipe ever changes
+#: (a changed recipe would fork every request enqueued before the upgrade).
+_DETERMINISTIC_RECIPE: Final = "cv-request/v1"
+#: 160 bits of sha256 (40 hex chars): collision-free in practice, and the id stays short and
+#: within the `[A-Za-z0-9_-]{1,64}` id alphabet of DESIGN §3.
+_ID_HEX_CHARS: Final = 40
+
+_DEFAULT_MAX_DEQUEUES: Final = ServerConfig().max_dequeues
+
+
+def deterministic_request_id(
+    workspace_id: str, job_id: str | None, branch_path: str | None, stage: str
+) -> str:
+    """The id of "run `stage` on job `job_id` at `branch_path` in `workspace_id`" (seed 000).
+
+    Recipe (stable; changing it would fork requests already queued):
+    `"d_" + sha256(canonical JSON of ["cv-request/v1", workspace_id, job_id, branch_path, stage])`
+    truncated to 40 hex chars, where canonical JSON is `json.dumps(..., separators=(",", ":"),
+    ensure_ascii=False)` encoded as UTF-8. A JSON array, not a joined string, so no field can
+    bleed into the next (`("a|b", "c")` and `("a", "b|c")` differ) and `None` differs from `""`.
+    The input is deliberately not part of it: re-enqueueing the same stage must not fork.
+    """
+    parts = [_DETERMINISTIC_RECIPE, workspace_id, job_id, branch_path, stage]
+    canonical = json.dumps(parts, separators=(",", ":"), ensure_ascii=False)
+    return "d_" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:_ID_HEX_CHARS]
+
+
+def random_request_id(random_hex: str) -> str:
+    """The id of a request that must not coalesce with anything: `"r_"` + 40 random hex chars.
+
+    Pass `secrets.token_hex(20)`; randomness stays a parameter (STYLE: ids are injected).
+    """
+    if len(random_hex) != _ID_HEX_CHARS or any(c not in "0123456789abcdef" for c in random_hex):
+        raise ValueError(f"random_hex must be {_ID_HEX_CHARS} lowercase hex chars")
+    return "r_" + random_hex
+
+
+def check_lease(seconds: float, what: str = "lease") -> None:
+    """Refuse a lease (or backoff) that is negative, NaN or infinite: it would park a row forever
+    or make it claimable in the past."""
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"{what} must be a finite number of seconds >= 0: {seconds!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    """What an enqueuer asks for. `request_id` is `deterministic_request_id(...)` when the stage
+    declares re-enqueue must not fork, else `random_request_id(...)`.
+
+    `worker_class` defaults to the stage name, so a worker claims exactly the stages it can run.
+    """
+
+    workspace_id: str
+    stage: str
+    request_id: str
+    input: Any = None
+    job_id: str | None = None
+    branch_path: str | None = None
+    worker_class: str | None = None
+    max_dequeues: int = _DEFAULT_MAX_DEQUEUES
+
+    def __post_init__(self) -> None:
+        # A row that may be claimed zero times would be pending forever and never poisoned.
+        if self.max_dequeues < 1:
+            raise ValueError(f"max_dequeues must be >= 1: {self.max_dequeues!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessRequest:
+    """One row of `workspace_process_requests`.
+
+    `run` counts deliberate re-runs of the same request id (1 for the first): a stage derives its
+    write op_ids from `(request_id, run, write key)`, so attempts of one run dedupe their writes,
+    while a rerun on purpose writes again. `claim_token` stays on a finished row so that the
+    holder's retried `complete`/`fail` is answered, not refused; it is never shown to enqueuers
+    (`to_json()` leaves it out).
+    """
+
+    request_id: str
+    workspace_id: str
+    stage: str
+    job_id: str | None
+    branch_path: str | None
+    input: Any
+    worker_class: str
+    status: RequestStatus
+    run: int
+    claim_token: str | None
+    claimed_by: str | None
+    lease_expires_at: float | None
+    available_at: float
+    dequeue_count: int
+    max_dequeues: int
+    result: Any
+    error: Any
+    blob_ref: str | None
+    cache: CacheOutcome | None
+    created_at: float
+    claimed_at: float | None
+    finished_at: float | None
+    telemetry: Any
+
+    @property
+    def is_live(self) -> bool:
+        return self.status in LIVE_STATUSES
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in FINISHED_STATUSES
+
+    def to_json(self, *, include_claim_token: bool = False) -> dict[str, Any]:
+        """The row as JSON. The claim token is a capability: only its holder may see it."""
+        data = dataclasses.asdict(self)
+        if not include_claim_token:
+            del data["claim_token"]
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One `complete` of a batch: the holder's token and what the run produced (a result, or an
+    expected error payload; a large result as `blob_ref`; `cache` hit/miss; telemetry)."""
+
+    request_id: str
+    claim_token: str
+    result: Any = None
+    error: Any = None
+    blob_ref: str | None = None
+    cache: CacheOutcome | None = None
+    telemetry: Any = None
+
+    def __post_init__(self) -> None:
+        check_cache(self.cache)
+
+
+def check_cache(cache: object) -> None:
+    """`cache` says whether a TTL cache answered the run (seed 003): "hit", "miss" or None."""
+    if cache not in (None, "hit", "miss"):
+        raise ValueError(f"cache must be 'hit', 'miss' or None: {cache!r}")
+
+
+class Enqueued(NamedTuple):
+    """What `enqueue` answers: the row, and whether an existing one absorbed the request."""
+
+    row: ProcessRequest
+    coalesced: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEvent:
+    """A committed change of a request's status, as listeners see it.
+
+    Small on purpose (ids and status, never bodies): PostgreSQL carries it in a NOTIFY payload,
+    and a waiter re-reads the row with `get` (seed 003: notify, then SELECT the row).
+    """
+
+    workspace_id: str
+    request_id: str
+    status: RequestStatus
+    run: int
+    worker_class: str
+
+    @classmethod
+    def of(cls, row: ProcessRequest) -> RequestEvent:
+        return cls(row.workspace_id, row.request_id, row.status, row.run, row.worker_class)
+
+
+class Transition(NamedTuple):
+    """A verb's outcome: the row after it, and whether anything must be written."""
+
+    row: ProcessRequest
+    changed: bool
+
+
+# -- enqueue ---------------------------------------------------------------------------------------
+
+
+def new_row(req: NewRequest, now: float) -> ProcessRequest:
+    """The first run of `req`: pending and claimable from `now`."""
+    return ProcessRequest(
+        request_id=req.request_id,
+        workspace_id=req.workspace_id,
+        stage=req.stage,
+        job_id=req.job_id,
+        branch_path=req.branch_path,
+        input=req.input,
+        worker_class=req.worker_class or req.stage,
+        status="pending",
+        run=1,
+        claim_token=None,
+        claimed_by=None,
+        lease_expires_at=None,
+        available_at=now,
+        dequeue_count=0,
+        max_dequeues=req.max_dequeues,
+        result=None,
+        error=None,
+        blob_ref=None,
+        cache=None,
+        created_at=now,
+        claimed_at=None,
+        finished_at=None,
+        telemetry=None,
+    )
+
+
+def decide_enqueue(
+    existing: ProcessRequest | None, req: NewRequest, now: float, *, rerun: bool = False
+) -> tuple[Enqueued, bool]:
+    """Apply the enqueue rule; return the answer and whether the row must be written.
+
+    - no row: a new pending row (run 1);
+    - a live row (pending/in_progress): coalesce into it, whatever `rerun` says — re-opening work
+      in flight would fork it;
+    - a finished row (done/poison): return it as it stands (a plain re-enqueue of a deterministic
+      request is answered by its result; a poison row is replayed only by hand, seed 004), unless
+      `rerun=True`, which re-opens it on purpose as the next run with the new input, at the back
+      of the queue.
+    """
+    if existing is None:
+        return Enqueued(new_row(req, now), coalesced=False), True
+    if existing.workspace_id != req.workspace_id:
+        raise RequestIdConflict(f"request id {req.request_id!r} belongs to another workspace")
+    if existing.is_live or not rerun:
+        return Enqueued(existing, coalesced=True), False
+    reopened = dataclasses.replace(new_row(req, now), run=existing.run + 1)
+    return Enqueued(reopened, coalesced=False), True
+
+
+# -- claim -----------------------------------------------------------------------------------------
+
+
+def is_claimable(row: ProcessRequest, now: float) -> bool:
+    """Pending and available, or in progress with a lapsed lease (its worker died: the lease IS
+    the retry, seed 003)."""
+    if row.status == "pending":
+        return row.available_at <= now
+    if row.status == "in_progress":
+        return row.lease_expires_at is not None and row.lease_expires_at < now
+    return False
+
+
+def is_exhausted(row: ProcessRequest) -> bool:
+    """It was handed out `max_dequeues` times: never again (poison cutoff, seed 003)."""
+    return row.dequeue_count >= row.max_dequeues
+
+
+def claim(
+    row: ProcessRequest, *, claim_token: str, worker_id: str, lease: float, now: float
+) -> ProcessRequest:
+    """Hand `row` to `worker_id` until `now + lease` under a fresh `claim_token`.
+
+    The caller has checked `is_claimable` and not `is_exhausted` (a lapsed exhausted row goes to
+    `poison_exhausted` instead). The fresh token fences out the previous holder, if any.
+    """
+    check_lease(lease)
+    if not is_claimable(row, now) or is_exhausted(row):
+        raise InvalidTransition(f"request {row.request_id!r} is not claimable")
+    return dataclasses.replace(
+        row,
+        status="in_progress",
+        claim_token=claim_token,
+        claimed_by=worker_id,
+        claimed_at=now,
+        lease_expires_at=now + lease,
+        dequeue_count=row.dequeue_count + 1,
+    )
+
+
+def poison_exhausted(row: ProcessRequest, now: float) -> ProcessRequest:
+    """Park a row whose lease lapsed after its last allowed dequeue (its last worker died)."""
+    error = row.error
+    if error is None:
+        error = {
+            "code": "lease_lapsed",
+            "message": f"the lease lapsed on dequeue {row.dequeue_count} of {row.max_dequeues}",
+        }
+    return dataclasses.replace(
+        row, status="poison", lease_expires_at=None, error=error, finished_at=now
+    )
+
+
+# -- the holder's verbs (fenced by claim_token) -------------------------------------------------
+
+
+def fence(row: ProcessRequest, claim_token: str) -> None:
+    """Raise `LeaseLost` unless `claim_token` holds `row` right now.
+
+    A lapsed lease that nobody re-claimed still holds: no one else can have run the request in
+    between, since claiming replaces the token.
+    """
+    if row.status != "in_progress" or row.claim_token != claim_token:
+        raise LeaseLost(f"claim token does not hold request {row.request_id!r}")
+
+
+def heartbeat(row: ProcessRequest, claim_token: str, lease: float, now: float) -> ProcessRequest:
+    """Extend the holder's lease to `now + lease`."""
+    check_lease(lease)
+    fence(row, claim_token)
+    return dataclasses.replace(row, lease_expires_at=now + lease)
+
+
+def complete(
+    row: ProcessRequest,
+    claim_token: str,
+    result: Any,
+    now: float,
+    *,
+    error: Any = None,
+    blob_ref: str | None = None,
+    cache: CacheOutcome | None = None,
+    telemetry: Any = None,
+) -> Transition:
+    """Finish the run: `done` with its result — or with `error`, an expected error (bad input,
+    forbidden, not found) that is an answer, never retried (seed 003).
+
+    A holder's retried `complete` (its first answer was lost on the way) finds the row already
+    done under its own token and gets that row back unchanged.
+    """
+    if row.status == "done" and row.claim_token == claim_token:
+        return Transition(row, changed=False)
+    fence(row, claim_token)
+    check_cache(cache)
+    done = dataclasses.replace(
+        row,
+        status="done",
+        lease_expires_at=None,
+        result=result,
+        error=error,
+        blob_ref=blob_ref,
+        cache=cache,
+        telemetry=telemetry,
+        finished_at=now,
+    )
+    return Transition(done, changed=True)
+
+
+def fail(
+    row: ProcessRequest, claim_token: str, error: Any, backoff: float, now: float
+) -> Transition:
+    """An unexpected error: back to pending, claimable from `now + backoff` — or `poison` once the
+    row was dequeued `max_dequeues` times (parked, listed, replayed only by hand).
+
+    The error is kept on the row for diagnosis (seed 004: a DLQ stores the last error). A holder's
+    retried `fail` finds its own token still on the row and gets the row back unchanged.
+    """
+    check_lease(backoff, "backoff")
+    if row.status in ("pending", "poison") and row.claim_token == claim_token:
+        return Transition(row, changed=False)
+    fence(row, claim_token)
+    if is_exhausted(row):
+        parked = dataclasses.replace(
+            row, status="poison", lease_expires_at=None, error=error, finished_at=now
+        )
+        return Transition(parked, changed=True)
+    retry = dataclasses.replace(
+        row, status="pending", lease_expires_at=None, available_at=now + backoff, error=error
+    )
+    return Transition(retry, changed=True)
+
+
+# -- operator --------------------------------------------------------------------------------------
+
+
+def replay_poison(row: ProcessRequest, now: float) -> ProcessRequest:
+    """Put a poison row back in the queue by hand, with its dequeue budget reset (the fix is
+    presumed deployed). The last error stays for reference until the row finishes."""
+    if row.status != "poison":
+        raise InvalidTransition(f"request {row.request_id!r} is {row.status}, not poison")
+    return dataclasses.replace(
+        row,
+        status="pending",
+        claim_token=None,
+        claimed_by=None,
+        lease_expires_at=None,
+        available_at=now,
+        dequeue_count=0,
+        finished_at=None,
+    )

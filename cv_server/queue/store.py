@@ -1,0 +1,229 @@
+"""The work-queue storage seam (layer 1, DESIGN §7): domain verbs every backend implements.
+
+Every backend passes the same contract suite (`tests/contract/queue_contract.py`). The rules live
+in `cv_server.queue.model` (pure); a backend reads the row, applies the rule and writes the result
+in one transaction, or does the same in one SQL statement.
+
+Time is a parameter everywhere (`now`, epoch seconds) and so are the lease and the backoff:
+callers pass `ServerConfig.lease_seconds` (120 s) and `failure_backoff_seconds` (30 s).
+"""
+
+from __future__ import annotations
+
+import abc
+import builtins
+import logging
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Any
+
+from cv_server.queue.errors import QueueError
+from cv_server.queue.idempotency import KeyCompletion
+from cv_server.queue.model import (
+    CacheOutcome,
+    Completion,
+    Enqueued,
+    NewRequest,
+    ProcessRequest,
+    RequestEvent,
+    RequestStatus,
+)
+
+__all__ = ["QueueListener", "QueueStore"]
+
+logger = logging.getLogger(__name__)
+
+#: Called once per committed status change, on the event loop, after the commit.
+QueueListener = Callable[[RequestEvent], None]
+
+
+class QueueStore(abc.ABC):
+    """The durable queue of stage-level work of every workspace.
+
+    Rules every implementation keeps (DESIGN §7, seed 003):
+    - one `request_id` names one row: an identical live request coalesces, a finished one answers
+      a plain re-enqueue (`rerun=True` re-opens it on purpose);
+    - `claim` / `claim_many` hand each claimable row to exactly one caller, even under concurrent
+      claimers on several connections or processes; never a row dequeued `max_dequeues` times;
+    - `heartbeat`, `complete` and `fail` are fenced by the `claim_token` of the latest claim: any
+      other token raises `LeaseLost` and writes nothing;
+    - every committed status change (enqueue, claim, done, back to pending, poison, replay) is
+      announced to listeners after its commit, never before, so a listener that reads the row
+      sees the change. A caller cancelled mid-verb does not stop the write nor its announcement.
+    """
+
+    def __init__(self) -> None:
+        self._listeners: builtins.list[QueueListener] = []
+
+    # -- notifications ----------------------------------------------------------------------------
+
+    def add_listener(self, listener: QueueListener) -> Callable[[], None]:
+        """Call `listener(event)` after each committed status change; returns the unsubscriber.
+
+        A listener must be quick and must not raise (an error is logged and swallowed: a waiter's
+        bug must never break the queue). Waiters use it to wake on `done`/`poison`, workers to
+        wake on `pending`; both keep a periodic sweep (DESIGN §7) for a missed announcement.
+        On PostgreSQL the announcement also arrives from other instances (NOTIFY on commit).
+        """
+        self._listeners.append(listener)
+
+        def remove() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return remove
+
+    def _announce(self, events: Iterable[RequestEvent]) -> None:
+        """Backends call this after the commit that made `events` true."""
+        for event in events:
+            for listener in tuple(self._listeners):
+                try:
+                    listener(event)
+                except Exception:
+                    logger.exception("queue listener failed on %s", event)
+
+    # -- enqueuers --------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def enqueue(
+        self,
+        req: NewRequest,
+        now: float,
+        *,
+        rerun: bool = False,
+        idempotency: KeyCompletion[Enqueued] | None = None,
+    ) -> Enqueued:
+        """Add `req` (or coalesce into the row it names); return `(row, coalesced)`.
+
+        With `idempotency`, the key it names (owned by the caller through
+        `IdempotencyStore.begin`) is completed with `idempotency.respond(answer)` in the same
+        transaction as the enqueue (seed 004: the stored response and its effect commit together).
+        Raises `RequestIdConflict` if the id names a request of another workspace.
+        """
+
+    @abc.abstractmethod
+    async def get(self, workspace_id: str, request_id: str) -> ProcessRequest | None:
+        """The request, or None — also when it belongs to another workspace."""
+
+    @abc.abstractmethod
+    async def get_many(self, request_ids: Collection[str]) -> builtins.list[ProcessRequest]:
+        """The requests among `request_ids` that exist, in no particular order (the waiters'
+        periodic sweep re-reads all its rows at once). Not workspace-scoped: server-internal."""
+
+    @abc.abstractmethod
+    async def list(
+        self,
+        *,
+        status: RequestStatus | None = None,
+        workspace_id: str | None = None,
+        limit: int = 100,
+    ) -> builtins.list[ProcessRequest]:
+        """At most `limit` requests, oldest first, filtered by status and workspace (operators)."""
+
+    # -- workers ----------------------------------------------------------------------------------
+
+    async def claim(
+        self,
+        worker_classes: str | Sequence[str],
+        worker_id: str,
+        lease: float,
+        now: float,
+        *,
+        workspace_ids: Collection[str] | None = None,
+    ) -> ProcessRequest | None:
+        """Take the oldest claimable request of `worker_classes`, or None if there is none.
+
+        Claimable: pending with `available_at <= now`, or in progress with `lease_expires_at <
+        now`; "oldest" is by when it became claimable. The row comes back in progress under a
+        fresh `claim_token`, leased until `now + lease`, `dequeue_count` + 1. A lapsed row already
+        dequeued `max_dequeues` times turns to poison instead. `workspace_ids` restricts the claim
+        to the workspaces the worker's token may touch (None: all).
+        """
+        rows = await self.claim_many(
+            worker_classes, worker_id, lease, now, limit=1, workspace_ids=workspace_ids
+        )
+        return rows[0] if rows else None
+
+    @abc.abstractmethod
+    async def claim_many(
+        self,
+        worker_classes: str | Sequence[str],
+        worker_id: str,
+        lease: float,
+        now: float,
+        *,
+        limit: int,
+        workspace_ids: Collection[str] | None = None,
+    ) -> builtins.list[ProcessRequest]:
+        """Take up to `limit` claimable requests at once, oldest first, each under its own fresh
+        claim token (a worker runs them concurrently and may lose one lease without the others).
+        Same rules as `claim`; one transaction, so a batch costs one commit. Raises `ValueError`
+        if `limit < 1`."""
+
+    @abc.abstractmethod
+    async def heartbeat(
+        self, request_id: str, claim_token: str, lease: float, now: float
+    ) -> ProcessRequest:
+        """Extend the lease to `now + lease`; return the row.
+
+        Raises `LeaseLost` if `claim_token` no longer holds the request: stop the stage's writes.
+        Raises `RequestNotFound` for an unknown id.
+        """
+
+    async def complete(
+        self,
+        request_id: str,
+        claim_token: str,
+        result: Any,
+        now: float,
+        *,
+        error: Any = None,
+        blob_ref: str | None = None,
+        cache: CacheOutcome | None = None,
+        telemetry: Any = None,
+    ) -> ProcessRequest:
+        """Mark the request done with `result` (or the expected error `error`); return the row.
+
+        Call only after the stage's writes committed (seed 004: never ack before the work).
+        Raises `LeaseLost` / `RequestNotFound` like `heartbeat`; a retry by the same holder after
+        success returns the finished row unchanged.
+        """
+        completion = Completion(request_id, claim_token, result, error, blob_ref, cache, telemetry)
+        (outcome,) = await self.complete_many([completion], now)
+        if isinstance(outcome, QueueError):
+            raise outcome
+        return outcome
+
+    @abc.abstractmethod
+    async def complete_many(
+        self, completions: Sequence[Completion], now: float
+    ) -> builtins.list[ProcessRequest | QueueError]:
+        """Complete a batch in one transaction (one commit); one outcome per completion, in order:
+        the finished row, or the `LeaseLost` / `RequestNotFound` that `complete` would raise. A
+        refused completion changes nothing and does not stop the others."""
+
+    @abc.abstractmethod
+    async def fail(
+        self, request_id: str, claim_token: str, error: Any, backoff: float, now: float
+    ) -> ProcessRequest:
+        """Record an unexpected error: the row is pending again from `now + backoff`, or poison
+        if it was dequeued `max_dequeues` times. Raises like `heartbeat`."""
+
+    # -- operators --------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def replay_poison(self, request_id: str, now: float) -> ProcessRequest:
+        """Put a poison request back in the queue by hand, its dequeue count reset.
+
+        Raises `RequestNotFound`, or `InvalidTransition` if the request is not poison.
+        """
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release the store's own resources (a shared database is closed by its owner)."""
+
+
+def normalize_classes(worker_classes: str | Sequence[str]) -> tuple[str, ...]:
+    """`"a"` and `["a"]` mean the same; duplicates are dropped, order kept."""
+    if isinstance(worker_classes, str):
+        return (worker_classes,)
+    return tuple(dict.fromkeys(worker_classes))

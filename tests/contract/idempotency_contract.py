@@ -1,0 +1,129 @@
+"""The idempotency-key contract (seed 004 §1), written once and run against every backend.
+
+A backend's test class subclasses `IdempotencyContract` and overrides the `store` fixture, built
+with `RETENTION` as its retention. Time is passed explicitly: expiry needs no clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from cv_server.config import ServerConfig
+from cv_server.queue import (
+    IdempotencyKeyLost,
+    IdempotencyStore,
+    InProgress,
+    Mismatch,
+    Owned,
+    Replay,
+    StoredResponse,
+    request_fingerprint,
+)
+
+RETENTION = ServerConfig().idempotency_retention_seconds
+WS = "tenant-a"
+OTHER_WS = "tenant-b"
+KEY = "key-abc"
+FP = request_fingerprint("POST", "/v1/workspaces/tenant-a/requests", b'{"stage":"scrape"}')
+OTHER_FP = request_fingerprint("POST", "/v1/workspaces/tenant-a/requests", b'{"stage":"other"}')
+CONCURRENT = 40
+
+
+class IdempotencyContract:
+    """Every `IdempotencyStore` keeps these rules."""
+
+    @pytest.fixture
+    async def store(self) -> AsyncIterator[IdempotencyStore]:
+        raise NotImplementedError("a backend's test class provides the store")
+        yield  # noqa: PT022 - an async generator, like the overrides
+
+    async def test_the_first_request_owns_a_new_key(self, store: IdempotencyStore) -> None:
+        assert await store.begin(WS, KEY, FP, 1.0) == Owned()
+
+    async def test_exactly_one_of_many_concurrent_first_requests_owns_the_key(
+        self, store: IdempotencyStore
+    ) -> None:
+        outcomes = await asyncio.gather(*(store.begin(WS, KEY, FP, 1.0) for _ in range(CONCURRENT)))
+        assert outcomes.count(Owned()) == 1
+        assert outcomes.count(InProgress()) == CONCURRENT - 1
+
+    async def test_a_retry_while_the_first_request_runs_is_told_it_is_in_progress(
+        self, store: IdempotencyStore
+    ) -> None:
+        await store.begin(WS, KEY, FP, 1.0)
+        assert await store.begin(WS, KEY, FP, 2.0) == InProgress()
+
+    async def test_a_retry_after_completion_replays_the_stored_answer_verbatim(
+        self, store: IdempotencyStore
+    ) -> None:
+        body = {"request_id": "r_1", "status": "pending", "nested": {"é": [1, None]}}
+        await store.begin(WS, KEY, FP, 1.0)
+        await store.finish(WS, KEY, FP, StoredResponse(202, body), 2.0)
+        assert await store.begin(WS, KEY, FP, 3.0) == Replay(202, body)
+        assert await store.begin(WS, KEY, FP, 4.0) == Replay(202, body)
+
+    async def test_a_key_reused_for_another_request_is_a_mismatch_in_any_state(
+        self, store: IdempotencyStore
+    ) -> None:
+        await store.begin(WS, KEY, FP, 1.0)
+        assert await store.begin(WS, KEY, OTHER_FP, 2.0) == Mismatch()
+        await store.finish(WS, KEY, FP, StoredResponse(202, {"ok": 1}), 3.0)
+        assert await store.begin(WS, KEY, OTHER_FP, 4.0) == Mismatch()
+        assert await store.begin(WS, KEY, FP, 5.0) == Replay(202, {"ok": 1})
+
+    async def test_keys_are_scoped_to_the_workspace(self, store: IdempotencyStore) -> None:
+        await store.begin(WS, KEY, FP, 1.0)
+        await store.finish(WS, KEY, FP, StoredResponse(202, {"secret": "of tenant a"}), 2.0)
+        # Tenant B sends the same key with the very same bytes: it gets its own key, never A's
+        # stored answer.
+        assert await store.begin(OTHER_WS, KEY, FP, 3.0) == Owned()
+        await store.finish(OTHER_WS, KEY, FP, StoredResponse(201, {"mine": "b"}), 4.0)
+        assert await store.begin(OTHER_WS, KEY, FP, 5.0) == Replay(201, {"mine": "b"})
+        assert await store.begin(WS, KEY, FP, 5.0) == Replay(202, {"secret": "of tenant a"})
+
+    async def test_an_abandoned_key_lets_a_retry_run(self, store: IdempotencyStore) -> None:
+        await store.begin(WS, KEY, FP, 1.0)
+        assert await store.abandon(WS, KEY, 2.0)
+        assert await store.begin(WS, KEY, FP, 3.0) == Owned()
+
+    async def test_a_completed_key_is_never_abandoned(self, store: IdempotencyStore) -> None:
+        await store.begin(WS, KEY, FP, 1.0)
+        await store.finish(WS, KEY, FP, StoredResponse(202, {"ok": 1}), 2.0)
+        assert not await store.abandon(WS, KEY, 3.0)
+        assert not await store.abandon(WS, "never-used", 3.0)
+        assert await store.begin(WS, KEY, FP, 4.0) == Replay(202, {"ok": 1})
+
+    async def test_finishing_a_key_nobody_owns_is_refused(self, store: IdempotencyStore) -> None:
+        with pytest.raises(IdempotencyKeyLost):
+            await store.finish(WS, KEY, FP, StoredResponse(202, {}), 1.0)
+        await store.begin(WS, KEY, FP, 1.0)
+        with pytest.raises(IdempotencyKeyLost):  # owned under another fingerprint
+            await store.finish(WS, KEY, OTHER_FP, StoredResponse(202, {}), 2.0)
+        await store.finish(WS, KEY, FP, StoredResponse(202, {}), 2.0)
+        with pytest.raises(IdempotencyKeyLost):  # already completed
+            await store.finish(WS, KEY, FP, StoredResponse(500, {}), 3.0)
+        assert await store.begin(WS, KEY, FP, 4.0) == Replay(202, {})
+
+    async def test_a_key_expires_after_the_retention_even_before_the_sweep(
+        self, store: IdempotencyStore
+    ) -> None:
+        await store.begin(WS, KEY, FP, 0.0)
+        await store.finish(WS, KEY, FP, StoredResponse(202, {"old": 1}), 1.0)
+        assert await store.begin(WS, KEY, FP, RETENTION - 0.5) == Replay(202, {"old": 1})
+        # Retention counts from the first use; after it the key is free, whatever it held.
+        assert await store.begin(WS, KEY, OTHER_FP, RETENTION) == Owned()
+        assert await store.begin(WS, KEY, OTHER_FP, RETENTION + 1) == InProgress()
+
+    async def test_the_sweep_deletes_expired_keys_only(self, store: IdempotencyStore) -> None:
+        for i in range(5):
+            await store.begin(WS, f"old-{i}", FP, 0.0)
+        await store.begin(WS, "young", FP, 100.0)
+        assert await store.sweep(RETENTION, limit=2) == 2
+        assert await store.sweep(RETENTION) == 3
+        assert await store.sweep(RETENTION) == 0
+        assert await store.begin(WS, "young", FP, RETENTION) == InProgress()
+        with pytest.raises(ValueError, match="limit"):
+            await store.sweep(RETENTION, limit=-1)

@@ -1,0 +1,128 @@
+"""The work-queue contract on the embedded SQLite backend, plus what only SQLite can show."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import sqlite_utils
+
+from cv_server.config import ServerConfig
+from cv_server.queue import IdempotencyStore, QueueStore, RequestEvent, idempotency_sqlite, sqlite
+from cv_server.queue.idempotency_sqlite import SQLiteIdempotencyStore
+from cv_server.queue.sqlite import CLAIM_PROBES, TABLE, SQLiteQueueStore
+from cv_server.sqlite_db import SQLiteDatabase
+from tests.contract.queue_contract import LEASE, STAGE, WS, QueueContract, request
+
+CONFIG = ServerConfig()
+
+
+def schema(db: sqlite_utils.Database) -> None:
+    sqlite.create_schema(db)
+    idempotency_sqlite.create_schema(db)
+
+
+class TestSQLiteQueueStore(QueueContract):
+    @pytest.fixture
+    def db_path(self, tmp_path: Path) -> Path:
+        return tmp_path / "queue.db"
+
+    @pytest.fixture
+    async def database(self, db_path: Path) -> AsyncIterator[SQLiteDatabase]:
+        db = await SQLiteDatabase.open(db_path, schema=schema)
+        yield db
+        await db.close()
+
+    @pytest.fixture
+    async def store(self, database: SQLiteDatabase) -> AsyncIterator[QueueStore]:
+        store = SQLiteQueueStore(database)
+        yield store
+        await store.close()
+
+    @pytest.fixture
+    async def peer_store(self, store: QueueStore, db_path: Path) -> AsyncIterator[QueueStore]:
+        # A second database object on the same file: its own writer connection, as a second
+        # server process would have. SQLite's file lock is then all that keeps claims apart.
+        db = await SQLiteDatabase.open(db_path, schema=schema)
+        yield SQLiteQueueStore(db)
+        await db.close()
+
+    @pytest.fixture
+    async def idempotency_store(self, database: SQLiteDatabase) -> IdempotencyStore:
+        return SQLiteIdempotencyStore(database, retention=CONFIG.idempotency_retention_seconds)
+
+
+async def test_the_completion_is_on_disk_when_listeners_hear_of_it(tmp_path: Path) -> None:
+    path = tmp_path / "queue.db"
+    db = await SQLiteDatabase.open(path, schema=schema)
+    try:
+        store = SQLiteQueueStore(db)
+        on_disk: list[tuple[str, str]] = []
+
+        def listener(event: RequestEvent) -> None:
+            # A brand-new connection sees only committed data: the announcement came after COMMIT.
+            with sqlite3.connect(path) as conn:
+                (status,) = conn.execute(
+                    f"SELECT status FROM {TABLE} WHERE request_id = ?", (event.request_id,)
+                ).fetchone()
+            on_disk.append((event.status, status))
+
+        store.add_listener(listener)
+        await store.enqueue(request(), 1.0)
+        held = await store.claim(STAGE, "w", LEASE, 2.0)
+        assert held is not None
+        await store.complete(held.request_id, held.claim_token or "", {"ok": True}, 3.0)
+        assert on_disk == [("pending", "pending"), ("in_progress", "in_progress"), ("done", "done")]
+    finally:
+        await db.close()
+
+
+async def test_requests_survive_a_reopen_of_the_database(tmp_path: Path) -> None:
+    path = tmp_path / "queue.db"
+    db = await SQLiteDatabase.open(path, schema=schema)
+    row, _ = await SQLiteQueueStore(db).enqueue(request(input={"big": "x" * 1000}), 1.0)
+    await db.close()
+
+    db = await SQLiteDatabase.open(path, schema=schema)  # the schema is idempotent
+    try:
+        store = SQLiteQueueStore(db)
+        assert await store.get(WS, row.request_id) == row
+        assert await store.claim(STAGE, "w", LEASE, 2.0) is not None
+    finally:
+        await db.close()
+
+
+async def test_claim_tokens_come_from_the_injected_minter(tmp_path: Path) -> None:
+    tokens = iter(["t-1", "t-2"])
+    db = await SQLiteDatabase.open(tmp_path / "queue.db", schema=schema)
+    try:
+        store = SQLiteQueueStore(db, new_token=lambda: next(tokens))
+        await store.enqueue(request("a"), 1.0)
+        await store.enqueue(request("b"), 1.0)
+        first = await store.claim(STAGE, "w", LEASE, 2.0)
+        second = await store.claim(STAGE, "w", LEASE, 2.0)
+        assert (first and first.claim_token, second and second.claim_token) == ("t-1", "t-2")
+    finally:
+        await db.close()
+
+
+async def test_every_claim_probe_is_an_index_seek(tmp_path: Path) -> None:
+    db = await SQLiteDatabase.open(tmp_path / "queue.db", schema=schema)
+    try:
+
+        def plans(conn: sqlite3.Connection) -> dict[str, list[str]]:
+            return {
+                name: [
+                    str(step[3])
+                    for step in conn.execute(f"EXPLAIN QUERY PLAN {sql}", ["x"] * sql.count("?"))
+                ]
+                for name, sql in CLAIM_PROBES.items()
+            }
+
+        for name, steps in (await db.read(plans)).items():
+            assert len(steps) == 1, (name, steps)  # no temp b-tree for ORDER BY, no second scan
+            assert steps[0].startswith(f"SEARCH {TABLE} USING INDEX"), (name, steps)
+    finally:
+        await db.close()

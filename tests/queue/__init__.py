@@ -1,0 +1,1 @@
+"""Unit tests of the queue's pure code: rules, ids, fingerprints."""
