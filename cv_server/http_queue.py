@@ -16,6 +16,7 @@ from cv_server.inputs import check_ids, decode_json
 from cv_server.keys import CONFIG, STORES, WAITERS, WORK_SIGNALS
 from cv_server.problems import Problem
 from cv_server.queue import (
+    Completion,
     Enqueued,
     InProgress,
     KeyCompletion,
@@ -257,12 +258,83 @@ async def claim(request: web.Request) -> web.Response:
         raise Problem(422, "invalid_field", "worker_classes must be a non-empty list of names")
     workspaces = None if "*" in claims.workspaces else sorted(claims.workspaces)
     config = request.app[CONFIG]
-    row = await request.app[STORES].queue.claim(
+    queue = request.app[STORES].queue
+    if "limit" in body:  # batched: one transaction (one commit) for up to `limit` rows
+        limit = body["limit"]
+        if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
+            raise Problem(422, "invalid_field", "limit must be an integer in 1..1000")
+        rows = await queue.claim_many(
+            classes,
+            worker_id,
+            config.lease_seconds,
+            time.time(),
+            limit=limit,
+            workspace_ids=workspaces,
+        )
+        if not rows:
+            return web.Response(status=204)
+        return web.json_response(
+            {"requests": [row.to_json(include_claim_token=True) for row in rows]}
+        )
+    row = await queue.claim(
         classes, worker_id, config.lease_seconds, time.time(), workspace_ids=workspaces
     )
     if row is None:
         return web.Response(status=204)
     return web.json_response({"request": row.to_json(include_claim_token=True)})
+
+
+@routes.post("/v1/queue/complete")
+async def complete_batch(request: web.Request) -> web.Response:
+    """Complete many requests in one transaction: `{"completions": [{"request_id",
+    "claim_token", "result"?, "error"?, "cache"?, "telemetry"?}]}` → one outcome per item, in
+    order (`{"request_id", "status"}` or `{"request_id", "error": {"code", "message"}}`)."""
+    claims = authenticate(request)
+    _, body = await _json_body(request)
+    items = body.get("completions")
+    if not isinstance(items, list) or not 0 < len(items) <= 1000:
+        raise Problem(422, "invalid_field", "completions must be a list of 1..1000 items")
+    stores, config = request.app[STORES], request.app[CONFIG]
+    completions: list[Completion] = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("request_id"), str):
+            raise Problem(422, "invalid_field", "each completion needs request_id")
+        result = item.get("result")
+        encoded = json.dumps(result, separators=(",", ":")).encode()
+        try:
+            completions.append(
+                Completion(
+                    request_id=item["request_id"],
+                    claim_token=_claim_token(item),
+                    result=result,
+                    error=item.get("error"),
+                    cache=item.get("cache"),
+                    telemetry=item.get("telemetry"),
+                )
+            )
+        except ValueError as exc:
+            raise Problem(422, "invalid_field", str(exc)) from None
+        if len(encoded) > config.blob_threshold_bytes:
+            raise Problem(422, "invalid_field", "large results must use the single complete route")
+    rows = await stores.queue.get_many([c.request_id for c in completions])
+    for row in rows:  # every request of the batch must be in a workspace the token grants
+        if not claims.allows(row.workspace_id):
+            raise Problem(
+                403, "forbidden_workspace", f"the token does not grant {row.workspace_id!r}"
+            )
+    outcomes = await stores.queue.complete_many(completions, time.time())
+    answers: list[dict[str, Any]] = []
+    for completion, outcome in zip(completions, outcomes, strict=True):
+        if isinstance(outcome, QueueError):
+            answers.append(
+                {
+                    "request_id": completion.request_id,
+                    "error": {"code": outcome.code, "message": outcome.message},
+                }
+            )
+        else:
+            answers.append({"request_id": completion.request_id, "status": outcome.status})
+    return web.json_response({"results": answers})
 
 
 @routes.get("/v1/queue/pending")

@@ -178,3 +178,39 @@ async def test_an_idle_workers_long_poll_is_woken_by_new_work(client: TestClient
     await _enqueue(client, {"stage": "evaluate", "job_id": "J7"})
     assert await asyncio.wait_for(evaluate, 5) == 200
     assert await asyncio.wait_for(other, 5) == 204  # not its class: it times out
+
+
+async def test_batched_claim_and_complete_take_and_finish_each_row_once(
+    client: TestClient[Any, Any],
+) -> None:
+    ids = set()
+    for i in range(30):
+        _, answer, _ = await _enqueue(client, {"stage": "evaluate", "job_id": f"B{i}"})
+        ids.add(answer["request_id"])
+
+    async def claim_batch() -> list[Any]:
+        resp = await client.post(
+            "/v1/queue/claim",
+            json={"worker_classes": ["evaluate"], "worker_id": "w", "limit": 8},
+            headers=auth("ws1"),
+        )
+        return [] if resp.status == 204 else (await resp.json())["requests"]
+
+    batches = await asyncio.gather(*(claim_batch() for _ in range(6)))
+    claimed = [row for batch in batches for row in batch]
+    assert sorted(row["request_id"] for row in claimed) == sorted(ids)  # each exactly once
+    completions = [
+        {"request_id": row["request_id"], "claim_token": row["claim_token"], "result": i}
+        for i, row in enumerate(claimed)
+    ]
+    completions.append({"request_id": claimed[0]["request_id"], "claim_token": "stale"})
+    resp = await client.post(
+        "/v1/queue/complete", json={"completions": completions}, headers=auth("ws1")
+    )
+    results = (await resp.json())["results"]
+    assert [r.get("status") for r in results[:-1]] == ["done"] * 30
+    assert results[-1]["error"]["code"] == "lease_lost"
+    denied = await client.post(
+        "/v1/queue/complete", json={"completions": completions[:1]}, headers=auth("ws2")
+    )
+    assert denied.status == 403
