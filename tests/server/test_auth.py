@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
+import cv_server.security
 from cv_server.auth import TokenError, mint_token, verify_token
 from tests.server.conftest import SECRET, auth
 from tests.server.helpers import insert, post_ops
@@ -87,3 +88,17 @@ def test_a_tampered_payload_is_refused() -> None:
     spliced = ".".join([token.split(".")[0], other.split(".")[1], token.split(".")[2]])
     with pytest.raises(TokenError, match="signature"):
         verify_token(SECRET, spliced, now=1000.0)
+
+
+async def test_an_expired_token_is_refused_by_the_server_even_after_it_was_accepted(
+    client: TestClient[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = time.time()
+    token = mint_token(SECRET, ["ws1"], now=now, ttl=60)
+    headers = {"Authorization": f"Bearer {token}"}
+    assert (await client.get("/v1/workspaces/ws1/docs/tree", headers=headers)).status == 200
+    # The verified token is cached now; move the server's clock past its expiry.
+    monkeypatch.setattr(cv_server.security.time, "time", lambda: now + 61)
+    resp = await client.get("/v1/workspaces/ws1/docs/tree", headers=headers)
+    assert resp.status == 401
+    assert "expired" in (await resp.json(content_type=None))["detail"]
