@@ -1,3 +1,55 @@
-"""cv_workspace_client: the retry-safe SDK apps install (DESIGN §6)."""
+"""cv_workspace_client: the retry-safe SDK apps install (DESIGN §6).
 
-__all__: list[str] = []
+```python
+from cv_mutations import NodeMove
+from cv_workspace_client import WorkspaceClient
+
+async with WorkspaceClient(url, token=token, outbox="app.outbox.db") as client:
+    commit = await client.apply_op("ws1", "tree", NodeMove(node_id="a", parent_id="b", index=0))
+    clock, state = await client.get_state("ws1", "tree")
+    async for committed in client.subscribe("ws1", "tree", since=clock): ...
+```
+
+Replay-test helpers for apps live in `cv_workspace_client.testing`.
+"""
+
+from cv_workspace_client.client import WorkspaceClient
+from cv_workspace_client.config import ClientConfig
+from cv_workspace_client.errors import (
+    AuthError,
+    ClientClosedError,
+    ConnectionFailedError,
+    ForbiddenError,
+    InvalidRequestError,
+    NotFoundError,
+    OpRejectedError,
+    OutboxError,
+    ProtocolError,
+    RateLimitedError,
+    ServerError,
+    StillPendingError,
+    WorkspaceError,
+)
+from cv_workspace_client.models import Commit, Committed
+from cv_workspace_client.stream import Subscription
+
+__all__ = [
+    "AuthError",
+    "ClientClosedError",
+    "ClientConfig",
+    "Commit",
+    "Committed",
+    "ConnectionFailedError",
+    "ForbiddenError",
+    "InvalidRequestError",
+    "NotFoundError",
+    "OpRejectedError",
+    "OutboxError",
+    "ProtocolError",
+    "RateLimitedError",
+    "ServerError",
+    "StillPendingError",
+    "Subscription",
+    "WorkspaceClient",
+    "WorkspaceError",
+]

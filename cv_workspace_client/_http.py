@@ -1,0 +1,115 @@
+"""The HTTP half of the transport (DESIGN §5): one aiohttp session, answers turned into JSON or
+typed errors. No retry logic here: the machine (ops) and tenacity (reads) decide about retries."""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import time
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+from cv_workspace_client.errors import (
+    ConnectionFailedError,
+    ProtocolError,
+    WorkspaceError,
+    error_from_problem,
+)
+
+__all__ = ["HttpApi", "parse_retry_after"]
+
+
+class HttpApi:
+    """Routes of the v1 wire contract over one `aiohttp.ClientSession`."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, token: str | None) -> None:
+        self.session = session
+        self.base_url = base_url.rstrip("/")
+        self.headers: dict[str, str] = {}
+        if token is not None:
+            self.headers["Authorization"] = f"Bearer {token}"
+
+    def doc_path(self, workspace_id: str, sub_doc: str) -> str:
+        return f"/v1/workspaces/{quote(workspace_id, safe='')}/docs/{quote(sub_doc, safe='')}"
+
+    def socket_url(self, workspace_id: str) -> str:
+        return f"{self.base_url}/v1/workspaces/{quote(workspace_id, safe='')}/socket"
+
+    async def post_ops(self, workspace_id: str, sub_doc: str, body: str) -> Any:
+        """POST a batch (`body` is the JSON text); return its `results` list."""
+        answer = await self.request(
+            "POST",
+            self.doc_path(workspace_id, sub_doc) + "/ops",
+            data=body.encode(),
+        )
+        if not isinstance(answer, dict) or "results" not in answer:
+            raise ProtocolError("bad_answer", "an ops answer without results")
+        return answer["results"]
+
+    async def get_state(self, workspace_id: str, sub_doc: str) -> Any:
+        return await self.request("GET", self.doc_path(workspace_id, sub_doc))
+
+    async def read_ops(self, workspace_id: str, sub_doc: str, since: int, limit: int) -> Any:
+        return await self.request(
+            "GET",
+            self.doc_path(workspace_id, sub_doc) + "/ops",
+            params={"since": str(since), "limit": str(limit)},
+        )
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        data: bytes | None = None,
+        params: dict[str, str] | None = None,
+    ) -> Any:
+        """One request. 200 → decoded JSON; anything else → the typed `WorkspaceError`."""
+        headers = dict(self.headers)
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        try:
+            async with self.session.request(
+                method, self.base_url + path, data=data, params=params, headers=headers
+            ) as response:
+                raw = await response.read()
+                if response.status == 200:
+                    try:
+                        return json.loads(raw)
+                    except ValueError as exc:
+                        raise ProtocolError("bad_answer", f"invalid JSON: {exc}") from None
+                problem: Any = None
+                try:
+                    problem = json.loads(raw) if raw else None
+                except ValueError:
+                    problem = None
+                raise error_from_problem(
+                    response.status,
+                    problem if isinstance(problem, dict) else None,
+                    retry_after=parse_retry_after(response.headers.get("Retry-After")),
+                )
+        except WorkspaceError:
+            raise
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            # The request may have been applied: the caller retries it under the same op_id.
+            raise ConnectionFailedError(
+                "connection_failed", f"{type(exc).__name__}: {exc}"
+            ) from exc
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """`Retry-After` as seconds: delta-seconds or an HTTP date (RFC 9110 §10.2.3)."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())

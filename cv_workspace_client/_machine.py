@@ -1,0 +1,560 @@
+"""The outbox / retry / replay state machine: the SDK's promise, without any I/O.
+
+Sans-I/O (STYLE habit 1): no sockets, clock, storage, asyncio or randomness in here. `now`, the
+op_id minter and the backoff delay generator are injected. The shell feeds events in and carries
+out the decisions it drains with `decisions()`:
+
+events (methods)                       decisions (what the shell must do next)
+-------------------------------------  ----------------------------------------------------------
+`submit` (ops from the app)            `Persist` rows durably, then call `persisted(seqs)`
+`persisted` / `persist_failed`         `Send` a batch (HTTP or websocket), then report its fate
+`batch_answered` (results arrived)     `Resolve` the app's awaiters; `Forget` answered rows
+`batch_failed` (retryable or final)    `Wait` `delay` seconds, then call `timer_fired(token)`
+`timer_fired` / `connection_opened`    `CountAttempt` for rows whose send failed (outbox column)
+`restore` (rows found in the outbox)
+
+The rules it keeps, each of which a test pins:
+
+- An op is sent only after the shell confirmed it is in the outbox (`persisted`), and leaves the
+  outbox (`Forget`) only once the server answered it: commit, rejection, or a final 4xx.
+- Per `(workspace, sub_doc)` lane, ops leave in submission order, in batches, with **at most one
+  batch in flight**: every batch is a prefix of the lane's unanswered ops, so even a stale copy of
+  an old request that the network delivers late can never commit a later op before an earlier one.
+- Retryable failures (connection, timeout, 5xx, 429) wait `backoff(n)` (or the server's
+  Retry-After) and resend the same rows with the same op_ids; after `max_attempts` sends the lane
+  gives up: awaiters get `StillPendingError(op_id)` while the rows stay in the outbox, and the lane
+  is parked until the next connect, the next submit to it, or a new client on the outbox.
+- A final 4xx is never retried. A whole-request problem naming one op (`op_index`) fails that op
+  alone and resends the others (nothing of the request was applied); `too_many_ops` and
+  `body_too_large` on a multi-op batch halve the lane's batch size instead of failing anything.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cv_workspace_client.errors import (
+    InvalidRequestError,
+    OpRejectedError,
+    OutboxError,
+    ProtocolError,
+    RateLimitedError,
+    StillPendingError,
+    WorkspaceError,
+)
+from cv_workspace_client.models import Commit
+
+__all__ = [
+    "CountAttempt",
+    "Decision",
+    "Forget",
+    "OutboxMachine",
+    "OutboxRow",
+    "Persist",
+    "Resolve",
+    "Send",
+    "Wait",
+]
+
+Key = tuple[str, str]
+
+#: Server-side request limits that mean "send fewer ops at once", not "this op is bad".
+_BATCH_TOO_BIG = frozenset({"too_many_ops", "body_too_large"})
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxRow:
+    """One op as the outbox stores it. `op_json` is sent verbatim on every attempt, so the server
+    fingerprints the same bytes each time (DESIGN §4). `atomic_group` is the seq of the first op
+    of an atomic `apply_ops` call (its ops always travel together), None otherwise."""
+
+    seq: int
+    workspace_id: str
+    sub_doc: str
+    op_id: str
+    op_json: str
+    created_at: float
+    attempts: int = 0
+    atomic_group: int | None = None
+
+
+# -- decisions -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Persist:
+    """Write these rows to the outbox durably, then call `persisted(seqs)` (or `persist_failed`)."""
+
+    rows: tuple[OutboxRow, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send these rows as one request (`{"ops": [...], "atomic": atomic}`); report the outcome with
+    `batch_answered(batch_id, results)` or `batch_failed(batch_id, error)`."""
+
+    batch_id: int
+    workspace_id: str
+    sub_doc: str
+    rows: tuple[OutboxRow, ...]
+    atomic: bool
+
+    def body(self) -> str:
+        """The HTTP body / websocket `ops` array, built from the stored op texts unchanged."""
+        ops = ",".join(row.op_json for row in self.rows)
+        return f'{{"ops":[{ops}],"atomic":{"true" if self.atomic else "false"}}}'
+
+    def ops_json(self) -> str:
+        return "[" + ",".join(row.op_json for row in self.rows) + "]"
+
+
+@dataclass(frozen=True, slots=True)
+class Resolve:
+    """Settle the app's awaiters: `(seq, Commit | WorkspaceError)` per op somebody awaits."""
+
+    outcomes: tuple[tuple[int, Commit | WorkspaceError], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Forget:
+    """The server answered these rows: delete them from the outbox (no hurry, no fsync needed:
+    a row that survives a crash is replayed and answered as a duplicate)."""
+
+    seqs: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CountAttempt:
+    """A send of these rows failed: bump their `attempts` column (diagnostics only)."""
+
+    seqs: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Call `timer_fired(workspace_id, sub_doc, token)` after `delay` seconds."""
+
+    workspace_id: str
+    sub_doc: str
+    delay: float
+    token: int
+
+
+Decision = Persist | Send | Resolve | Forget | CountAttempt | Wait
+
+
+# -- state ----------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    row: OutboxRow
+    persisted: bool
+    #: The app awaits this op's answer (False for replayed rows, and after a give-up).
+    awaited: bool
+    size: int
+
+
+@dataclass(slots=True, eq=False)
+class _Lane:
+    key: Key
+    batch_cap: int
+    #: Every unanswered op of the lane, in order: a persisted prefix, then ops being persisted.
+    queue: deque[_Entry] = field(default_factory=deque)
+    in_flight: int | None = None
+    waiting_token: int | None = None
+    parked: bool = False
+    failures: int = 0
+    last_error: WorkspaceError | None = None
+    #: The highest clock the server reported for this sub-doc to this client.
+    clock: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Batch:
+    lane: _Lane
+    entries: list[_Entry]
+    atomic: bool
+
+
+class OutboxMachine:
+    """Everything the client decides about ops, as a pure state machine.
+
+    Args:
+        now: wall-clock seconds, recorded as `created_at` (never used for timing).
+        new_op_id: the minter for ops submitted without an op_id (`cv_mutations.new_op_id`).
+        backoff: delay in seconds before resend number `n + 1`, given `n` failed sends so far
+            (full jitter in production: `random(0, min(cap, base * 2 ** (n - 1)))`).
+        max_attempts: sends per lane before giving up (DESIGN §10: 5).
+        max_batch_ops / max_batch_bytes: stay under the server's request limits.
+        retry_after_cap: the most a server's Retry-After may make a lane wait.
+    """
+
+    def __init__(
+        self,
+        *,
+        now: Callable[[], float],
+        new_op_id: Callable[[], str],
+        backoff: Callable[[int], float],
+        max_attempts: int = 5,
+        max_batch_ops: int = 1000,
+        max_batch_bytes: int = 1_000_000,
+        retry_after_cap: float = 300.0,
+    ) -> None:
+        if max_attempts < 1 or max_batch_ops < 1 or max_batch_bytes < 1:
+            raise ValueError("max_attempts, max_batch_ops and max_batch_bytes must be >= 1")
+        self._now = now
+        self.new_op_id = new_op_id
+        self._backoff = backoff
+        self.max_attempts = max_attempts
+        self.max_batch_ops = max_batch_ops
+        self.max_batch_bytes = max_batch_bytes
+        self.retry_after_cap = retry_after_cap
+        self._lanes: dict[Key, _Lane] = {}
+        self._batches: dict[int, _Batch] = {}
+        self._unpersisted: dict[int, _Entry] = {}
+        self._out: list[Decision] = []
+        self._next_seq = 1
+        self._next_batch = 1
+        self._next_token = 1
+        self._pending = 0
+        self._restored = False
+
+    # -- queries -----------------------------------------------------------------------------------
+
+    @property
+    def pending_count(self) -> int:
+        """Ops submitted (or restored) and not yet answered by the server."""
+        return self._pending
+
+    @property
+    def in_flight_count(self) -> int:
+        return len(self._batches)
+
+    def acknowledged_clock(self, workspace_id: str, sub_doc: str) -> int:
+        """The highest clock the server reported to this client for the sub-doc (0 if none)."""
+        lane = self._lanes.get((workspace_id, sub_doc))
+        return lane.clock if lane is not None else 0
+
+    def is_parked(self, workspace_id: str, sub_doc: str) -> bool:
+        lane = self._lanes.get((workspace_id, sub_doc))
+        return lane is not None and lane.parked
+
+    def workspaces(self) -> set[str]:
+        """Workspaces with unanswered ops."""
+        return {key[0] for key, lane in self._lanes.items() if lane.queue}
+
+    def decisions(self) -> list[Decision]:
+        """Drain the decisions taken since the last call (oldest first). Call after every event."""
+        out, self._out = self._out, []
+        return out
+
+    # -- events ------------------------------------------------------------------------------------
+
+    def restore(self, rows: Iterable[OutboxRow]) -> None:
+        """Load the rows a previous client left in the outbox. Call once, before any `submit`:
+        replayed ops go first, in their original order, with their original op_ids."""
+        if self._restored or self._next_seq != 1:
+            raise RuntimeError("restore() must be called once, before any submit()")
+        self._restored = True
+        for row in sorted(rows, key=lambda r: r.seq):
+            entry = _Entry(row, persisted=True, awaited=False, size=_size(row))
+            self._lane(row.workspace_id, row.sub_doc).queue.append(entry)
+            self._next_seq = max(self._next_seq, row.seq + 1)
+            self._pending += 1
+        for lane in self._lanes.values():
+            self._maybe_send(lane)
+
+    def submit(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        ops: Sequence[Mapping[str, Any]],
+        *,
+        atomic: bool = False,
+    ) -> list[OutboxRow]:
+        """Accept ops (JSON objects) from the app. An op without `op_id` gets one minted now,
+        once: it is the op's identity for every retry and replay. Decides `Persist`; nothing is
+        sent before `persisted` confirms the write."""
+        self._restored = True
+        lane = self._lane(workspace_id, sub_doc)
+        group = self._next_seq if atomic else None
+        now = self._now()
+        rows: list[OutboxRow] = []
+        for op in ops:
+            op_id = op.get("op_id") or self.new_op_id()
+            body = dict(op)
+            body["op_id"] = op_id
+            row = OutboxRow(
+                seq=self._next_seq,
+                workspace_id=workspace_id,
+                sub_doc=sub_doc,
+                op_id=op_id,
+                op_json=json.dumps(body, separators=(",", ":"), ensure_ascii=False),
+                created_at=now,
+                atomic_group=group,
+            )
+            self._next_seq += 1
+            entry = _Entry(row, persisted=False, awaited=True, size=_size(row))
+            lane.queue.append(entry)
+            self._unpersisted[row.seq] = entry
+            rows.append(row)
+        self._pending += len(rows)
+        if rows:
+            self._out.append(Persist(tuple(rows)))
+        if lane.parked:
+            # A new op is a new attempt cycle for the lane: its older ops must go first.
+            self._unpark(lane)
+        return rows
+
+    def persisted(self, seqs: Iterable[int]) -> None:
+        """The outbox write of these rows is durable: they may be sent."""
+        lanes: dict[Key, _Lane] = {}
+        gave_up: list[tuple[int, Commit | WorkspaceError]] = []
+        for seq in seqs:
+            entry = self._unpersisted.pop(seq, None)
+            if entry is None:
+                continue
+            entry.persisted = True
+            lane = self._lanes[(entry.row.workspace_id, entry.row.sub_doc)]
+            if lane.parked and entry.awaited:
+                entry.awaited = False
+                gave_up.append((seq, StillPendingError(entry.row.op_id, lane.last_error)))
+            lanes[lane.key] = lane
+        if gave_up:
+            self._out.append(Resolve(tuple(gave_up)))
+        for lane in lanes.values():
+            self._maybe_send(lane)
+
+    def persist_failed(self, seqs: Iterable[int], error: BaseException) -> None:
+        """The outbox write failed: these ops were never sent and never will be."""
+        outcomes: list[tuple[int, Commit | WorkspaceError]] = []
+        lanes: dict[Key, _Lane] = {}
+        for seq in seqs:
+            entry = self._unpersisted.pop(seq, None)
+            if entry is None:
+                continue
+            lane = self._lanes[(entry.row.workspace_id, entry.row.sub_doc)]
+            lane.queue.remove(entry)
+            self._pending -= 1
+            lanes[lane.key] = lane
+            if entry.awaited:
+                outcomes.append(
+                    (seq, OutboxError("outbox_write_failed", f"op {entry.row.op_id}: {error}"))
+                )
+        if outcomes:
+            self._out.append(Resolve(tuple(outcomes)))
+        for lane in lanes.values():
+            self._maybe_send(lane)
+
+    def batch_answered(self, batch_id: int, results: Any) -> None:
+        """The server answered batch `batch_id` with `results` (one per op, in order). An answer to
+        a batch no longer in flight (it timed out and was resent) is ignored."""
+        batch = self._batches.pop(batch_id, None)
+        if batch is None:
+            return
+        lane = batch.lane
+        lane.in_flight = None
+        outcomes = _parse_results(batch.entries, results)
+        if isinstance(outcomes, WorkspaceError):
+            self._fail(batch, outcomes)
+            return
+        for outcome in outcomes:
+            if isinstance(outcome, Commit) and outcome.clock > lane.clock:
+                lane.clock = outcome.clock
+        lane.failures = 0
+        lane.last_error = None
+        self._answer(lane, batch.entries, outcomes)
+        self._maybe_send(lane)
+
+    def batch_failed(self, batch_id: int, error: WorkspaceError) -> None:
+        """Sending batch `batch_id` failed with `error` (retryable or final, see
+        `WorkspaceError.retryable`). A report for a batch no longer in flight is ignored."""
+        batch = self._batches.pop(batch_id, None)
+        if batch is None:
+            return
+        batch.lane.in_flight = None
+        self._fail(batch, error)
+
+    def timer_fired(self, workspace_id: str, sub_doc: str, token: int) -> None:
+        """A `Wait` elapsed. Stale tokens are ignored."""
+        lane = self._lanes.get((workspace_id, sub_doc))
+        if lane is None or lane.waiting_token != token:
+            return
+        lane.waiting_token = None
+        self._maybe_send(lane)
+
+    def connection_opened(self, workspace_id: str) -> None:
+        """A connection to the workspace opened: the network is back, so lanes that gave up start
+        a fresh attempt cycle (their ops are replayed in order)."""
+        for lane in self._lanes.values():
+            if lane.key[0] == workspace_id and lane.parked:
+                self._unpark(lane)
+
+    def retry_parked(self) -> None:
+        """Start a fresh attempt cycle on every lane that gave up."""
+        for lane in self._lanes.values():
+            if lane.parked:
+                self._unpark(lane)
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _lane(self, workspace_id: str, sub_doc: str) -> _Lane:
+        key = (workspace_id, sub_doc)
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = _Lane(key, batch_cap=self.max_batch_ops)
+        return lane
+
+    def _unpark(self, lane: _Lane) -> None:
+        lane.parked = False
+        lane.failures = 0
+        self._maybe_send(lane)
+
+    def _maybe_send(self, lane: _Lane) -> None:
+        if lane.in_flight is not None or lane.waiting_token is not None or lane.parked:
+            return
+        if not lane.queue or not lane.queue[0].persisted:
+            return
+        entries: list[_Entry] = []
+        group = lane.queue[0].row.atomic_group
+        if group is not None:
+            # An atomic call's ops travel together, alone, whatever the batch caps say.
+            for entry in lane.queue:
+                if entry.row.atomic_group != group:
+                    break
+                if not entry.persisted:
+                    return
+                entries.append(entry)
+        else:
+            size = 0
+            for entry in lane.queue:
+                if not entry.persisted or entry.row.atomic_group is not None:
+                    break
+                if entries and (
+                    len(entries) >= lane.batch_cap or size + entry.size > self.max_batch_bytes
+                ):
+                    break
+                entries.append(entry)
+                size += entry.size
+        batch_id = self._next_batch
+        self._next_batch += 1
+        self._batches[batch_id] = _Batch(lane, entries, atomic=group is not None)
+        lane.in_flight = batch_id
+        self._out.append(
+            Send(
+                batch_id,
+                lane.key[0],
+                lane.key[1],
+                tuple(entry.row for entry in entries),
+                atomic=group is not None,
+            )
+        )
+
+    def _answer(
+        self,
+        lane: _Lane,
+        entries: list[_Entry],
+        outcomes: Sequence[Commit | WorkspaceError],
+    ) -> None:
+        """Entries (the head of the lane) got their answers: resolve, forget, dequeue."""
+        for entry in entries:
+            head = lane.queue.popleft()
+            if head is not entry:  # pragma: no cover - a broken invariant must be loud
+                raise AssertionError("answered entries are not the head of their lane")
+        self._pending -= len(entries)
+        self._out.append(Forget(tuple(entry.row.seq for entry in entries)))
+        resolved = tuple(
+            (entry.row.seq, outcome)
+            for entry, outcome in zip(entries, outcomes, strict=True)
+            if entry.awaited
+        )
+        if resolved:
+            self._out.append(Resolve(resolved))
+
+    def _fail(self, batch: _Batch, error: WorkspaceError) -> None:
+        lane = batch.lane
+        entries = batch.entries
+        if error.retryable:
+            lane.failures += 1
+            lane.last_error = error
+            self._out.append(CountAttempt(tuple(entry.row.seq for entry in entries)))
+            if lane.failures >= self.max_attempts:
+                self._give_up(lane, error)
+                return
+            if isinstance(error, RateLimitedError) and error.retry_after is not None:
+                delay = min(max(error.retry_after, 0.0), self.retry_after_cap)
+            else:
+                delay = self._backoff(lane.failures)
+            token = self._next_token
+            self._next_token += 1
+            lane.waiting_token = token
+            self._out.append(Wait(lane.key[0], lane.key[1], delay, token))
+            return
+        lane.failures = 0
+        lane.last_error = None
+        if isinstance(error, InvalidRequestError) and not batch.atomic and len(entries) > 1:
+            if error.code in _BATCH_TOO_BIG:
+                lane.batch_cap = max(1, len(entries) // 2)
+                self._maybe_send(lane)
+                return
+            if error.op_index is not None and 0 <= error.op_index < len(entries):
+                # Nothing of the request was applied: only the named op is bad.
+                culprit = entries[error.op_index]
+                lane.queue.remove(culprit)
+                self._pending -= 1
+                self._out.append(Forget((culprit.row.seq,)))
+                if culprit.awaited:
+                    self._out.append(Resolve(((culprit.row.seq, error),)))
+                self._maybe_send(lane)
+                return
+        self._answer(lane, entries, [error] * len(entries))
+        self._maybe_send(lane)
+
+    def _give_up(self, lane: _Lane, error: WorkspaceError) -> None:
+        lane.parked = True
+        lane.failures = 0
+        outcomes: list[tuple[int, Commit | WorkspaceError]] = []
+        for entry in lane.queue:
+            if entry.awaited and entry.persisted:
+                entry.awaited = False
+                outcomes.append((entry.row.seq, StillPendingError(entry.row.op_id, error)))
+        if outcomes:
+            self._out.append(Resolve(tuple(outcomes)))
+
+
+def _size(row: OutboxRow) -> int:
+    return len(row.op_json.encode())
+
+
+def _parse_results(
+    entries: list[_Entry], results: Any
+) -> list[Commit | WorkspaceError] | WorkspaceError:
+    """One outcome per entry, or a `ProtocolError` if the answer does not fit the request."""
+    if not isinstance(results, list) or len(results) != len(entries):
+        count = len(results) if isinstance(results, list) else "no"
+        return ProtocolError("bad_results", f"{count} results for a batch of {len(entries)} ops")
+    outcomes: list[Commit | WorkspaceError] = []
+    for entry, result in zip(entries, results, strict=True):
+        op_id = entry.row.op_id
+        if not isinstance(result, Mapping) or result.get("op_id", op_id) != op_id:
+            return ProtocolError("bad_results", f"result does not answer op {op_id}")
+        error = result.get("error")
+        if isinstance(error, Mapping):
+            outcomes.append(
+                OpRejectedError(
+                    str(error.get("code") or "rejected"),
+                    str(error.get("message") or ""),
+                    op_id=op_id,
+                )
+            )
+            continue
+        clock = result.get("clock")
+        if not isinstance(clock, int) or isinstance(clock, bool) or clock < 1:
+            return ProtocolError("bad_results", f"result for op {op_id} has no valid clock")
+        outcomes.append(Commit(clock=clock, op_id=op_id, duplicate=bool(result.get("duplicate"))))
+    return outcomes

@@ -1,0 +1,589 @@
+"""Typed HTTP calls for the work-queue routes (DESIGN §5, §7; seed 003), and `QueueMethods`, the
+enqueue / wait / inspect verbs `WorkspaceClient` mixes in.
+
+Everything here needs only a *host*: an object with `url`, `session` (an aiohttp session) and
+`auth_headers()`. `WorkspaceClient` is one; `QueueClient` is a light one for shells (the
+`cv-workspace` command) that need no outbox and no websocket.
+
+Retries follow the one rule of the SDK (seed 004): only connection errors, timeouts, 5xx and 429
+are retried, and only for calls that are safe to repeat — reads, enqueues that cannot fork
+(deterministic ids or an Idempotency-Key) and the holder's fenced verbs (a retried `complete`
+is answered with the finished row). A claim is not retried: a lost answer leaves a row leased to
+nobody, which the lease re-drives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Protocol
+from urllib.parse import quote
+
+import aiohttp
+
+from cv_workspace_client._http import parse_retry_after
+from cv_workspace_client._retry import backoff_for, is_retryable, retrying
+from cv_workspace_client.config import ClientConfig
+from cv_workspace_client.errors import (
+    ConnectionFailedError,
+    ProtocolError,
+    WorkspaceError,
+    error_from_problem,
+)
+from cv_workspace_client.queue_models import (
+    Claim,
+    CompletionOutcome,
+    EnqueuedRequest,
+    OutcomeStatus,
+    QueuedRequest,
+    RequestOutcome,
+    RequestStatus,
+)
+from cv_workspace_client.stage import LeaseLostError
+
+__all__ = [
+    "Claim",
+    "CompletionOutcome",
+    "EnqueuedRequest",
+    "QueueClient",
+    "QueueHost",
+    "QueueMethods",
+    "QueuedRequest",
+    "RequestOutcome",
+    "claim",
+    "complete",
+    "complete_many",
+    "enqueue",
+    "fail",
+    "get_blob",
+    "get_request",
+    "heartbeat",
+    "list_requests",
+    "replay",
+    "stream_events",
+    "wait_for_work",
+    "wait_request",
+]
+
+
+class QueueHost(Protocol):
+    """What the queue calls need from their owner."""
+
+    url: str
+
+    @property
+    def session(self) -> aiohttp.ClientSession: ...
+
+    def auth_headers(self) -> dict[str, str]: ...
+
+
+# -- transport ------------------------------------------------------------------------------------
+
+
+def _ws_path(workspace_id: str, *rest: str) -> str:
+    tail = "".join("/" + quote(part, safe="") for part in rest)
+    return f"/v1/workspaces/{quote(workspace_id, safe='')}{tail}"
+
+
+def _queue_error(status: int, problem: Mapping[str, Any] | None, retry_after: str | None) -> Any:
+    if problem is not None and problem.get("code") == "lease_lost":
+        return LeaseLostError(str(problem.get("detail") or "the claim token no longer holds it"))
+    return error_from_problem(status, problem, retry_after=parse_retry_after(retry_after))
+
+
+async def _call(
+    host: QueueHost,
+    method: str,
+    path: str,
+    *,
+    body: Any = None,
+    params: Sequence[tuple[str, str]] | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> tuple[int, Any, Mapping[str, str]]:
+    """One request. 2xx → (status, decoded JSON or None, headers); otherwise the typed error."""
+    all_headers = {**host.auth_headers(), **(headers or {})}
+    data = None
+    if body is not None:
+        data = json.dumps(body, separators=(",", ":")).encode()
+        all_headers["Content-Type"] = "application/json"
+    try:
+        async with host.session.request(
+            method, host.url + path, data=data, params=params, headers=all_headers
+        ) as response:
+            raw = await response.read()
+            if 200 <= response.status < 300:
+                try:
+                    decoded = json.loads(raw) if raw else None
+                except ValueError as exc:
+                    raise ProtocolError("bad_answer", f"invalid JSON: {exc}") from None
+                return response.status, decoded, response.headers
+            problem: Any = None
+            try:
+                problem = json.loads(raw) if raw else None
+            except ValueError:
+                problem = None
+            raise _queue_error(
+                response.status,
+                problem if isinstance(problem, dict) else None,
+                response.headers.get("Retry-After"),
+            )
+    except WorkspaceError:
+        raise
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        raise ConnectionFailedError("connection_failed", f"{type(exc).__name__}: {exc}") from exc
+
+
+def _config_of(host: object) -> ClientConfig:
+    config = getattr(host, "config", None)
+    return config if isinstance(config, ClientConfig) else ClientConfig()
+
+
+async def _retried(host: QueueHost, method: str, path: str, **kwargs: Any) -> Any:
+    """`_call` under the SDK's retry rule; returns the decoded body."""
+    answer: Any = None
+    async for attempt in retrying(_config_of(host)):
+        with attempt:
+            _, answer, _ = await _call(host, method, path, **kwargs)
+    return answer
+
+
+# -- enqueuers and readers -------------------------------------------------------------------------
+
+
+async def enqueue(
+    host: QueueHost,
+    workspace_id: str,
+    body: Mapping[str, Any],
+    *,
+    idempotency_key: str | None = None,
+) -> EnqueuedRequest:
+    """`POST /v1/workspaces/{ws}/requests`. Retried only when a repeat cannot fork the work: the
+    request id is deterministic (a repeat coalesces) or an Idempotency-Key travels with it."""
+    deterministic = body.get("deterministic", body.get("job_id") is not None)
+    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+    path = _ws_path(workspace_id, "requests")
+    config = _config_of(host)
+    safe = bool(deterministic) or idempotency_key is not None
+    answer: Any = None
+    replayed = False
+    attempts = config.retry_attempts if safe else 1
+    for attempt in range(1, attempts + 1):
+        try:
+            _, answer, answer_headers = await _call(
+                host, "POST", path, body=dict(body), headers=headers
+            )
+            replayed = answer_headers.get("Idempotency-Replayed") == "true"
+            break
+        except WorkspaceError as exc:
+            # seed 004: 409 while the first request with the key is still running — try later.
+            in_progress = exc.code == "idempotency_key_in_progress"
+            if attempt == attempts or not (is_retryable(exc) or in_progress):
+                raise
+            await config.sleep(backoff_for(config)(attempt))
+    try:
+        return EnqueuedRequest(
+            request_id=str(answer["request_id"]),
+            status=answer["status"],
+            coalesced=bool(answer["coalesced"]),
+            stream_url=str(answer["stream_url"]),
+            replayed=replayed,
+        )
+    except (KeyError, TypeError) as exc:
+        raise ProtocolError("bad_answer", f"enqueue answer: {exc!r}") from None
+
+
+async def get_request(host: QueueHost, workspace_id: str, request_id: str) -> QueuedRequest:
+    """`GET .../requests/{id}`; `NotFoundError` if there is no such request."""
+    answer = await _retried(host, "GET", _ws_path(workspace_id, "requests", request_id))
+    return QueuedRequest.from_json(answer)
+
+
+async def get_blob(host: QueueHost, workspace_id: str, ref: str) -> bytes:
+    """The bytes of a large result (`blob_ref` on the row)."""
+    async for attempt in retrying(_config_of(host)):
+        with attempt:
+            try:
+                async with host.session.get(
+                    host.url + _ws_path(workspace_id, "blobs", ref), headers=host.auth_headers()
+                ) as response:
+                    raw = await response.read()
+                    if response.status == 200:
+                        return raw
+                    try:
+                        problem = json.loads(raw) if raw else None
+                    except ValueError:
+                        problem = None
+                    raise error_from_problem(
+                        response.status, problem if isinstance(problem, dict) else None
+                    )
+            except WorkspaceError:
+                raise
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                raise ConnectionFailedError("connection_failed", str(exc)) from exc
+    raise AssertionError("unreachable: retrying re-raises the last error")  # pragma: no cover
+
+
+async def list_requests(
+    host: QueueHost,
+    *,
+    status: RequestStatus | None = None,
+    workspace_id: str | None = None,
+    limit: int = 100,
+) -> list[QueuedRequest]:
+    """`GET /v1/queue/requests` (operators): oldest first."""
+    params = [("limit", str(limit))]
+    if status is not None:
+        params.append(("status", status))
+    if workspace_id is not None:
+        params.append(("workspace", workspace_id))
+    answer = await _retried(host, "GET", "/v1/queue/requests", params=params)
+    try:
+        return [QueuedRequest.from_json(row) for row in answer["requests"]]
+    except (KeyError, TypeError) as exc:
+        raise ProtocolError("bad_answer", f"list answer: {exc!r}") from None
+
+
+async def replay(host: QueueHost, workspace_id: str, request_id: str) -> QueuedRequest:
+    """`POST .../replay`: a poison request back to pending, by hand (seed 004: never automatic).
+    Raises `InvalidRequestError` (`invalid_transition`) if it is not poison."""
+    path = _ws_path(workspace_id, "requests", request_id, "replay")
+    _, answer, _ = await _call(host, "POST", path, body={})
+    return QueuedRequest.from_json(answer)
+
+
+async def stream_events(
+    host: QueueHost, workspace_id: str, request_id: str, patience: float
+) -> AsyncIterator[tuple[str, Any]]:
+    """The SSE stream of one request: `(event, data)` pairs — `queued`, then `done` or `error`.
+
+    Ends when the server ends the stream (or the connection drops: the caller reconnects).
+    """
+    path = _ws_path(workspace_id, "requests", request_id, "stream")
+    # The server ends the stream at its deadline; the client timeout only catches a dead peer.
+    limit = aiohttp.ClientTimeout(total=patience + 10.0)
+    try:
+        async with host.session.get(
+            host.url + path,
+            params={"timeout": f"{patience:.3f}"},
+            headers={**host.auth_headers(), "Accept": "text/event-stream"},
+            timeout=limit,
+        ) as response:
+            if response.status != 200:
+                raw = await response.read()
+                try:
+                    problem = json.loads(raw) if raw else None
+                except ValueError:
+                    problem = None
+                raise error_from_problem(
+                    response.status, problem if isinstance(problem, dict) else None
+                )
+            event, data_lines = "message", list[str]()
+            async for line_bytes in response.content:
+                line = line_bytes.decode("utf-8").rstrip("\r\n")
+                if line == "":
+                    if data_lines:
+                        try:
+                            data = json.loads("\n".join(data_lines))
+                        except ValueError as exc:
+                            raise ProtocolError("bad_answer", f"SSE data: {exc}") from None
+                        yield event, data
+                    event, data_lines = "message", list[str]()
+                elif line.startswith("event:"):
+                    event = line[6:].strip()
+                elif line.startswith("data:"):
+                    data_lines.append(line[5:].lstrip(" "))
+    except WorkspaceError:
+        raise
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        raise ConnectionFailedError("connection_failed", f"{type(exc).__name__}: {exc}") from exc
+
+
+async def _outcome(host: QueueHost, row: QueuedRequest) -> RequestOutcome:
+    result = row.result
+    if row.status == "done" and row.blob_ref is not None:
+        blob = await get_blob(host, row.workspace_id, row.blob_ref)
+        try:
+            result = json.loads(blob)
+        except ValueError as exc:
+            raise ProtocolError("bad_answer", f"blob is not JSON: {exc}") from None
+    status: OutcomeStatus = "done" if row.status == "done" else "poison"
+    return RequestOutcome(row.request_id, status, row, result, row.error)
+
+
+async def wait_request(
+    host: QueueHost,
+    workspace_id: str,
+    request_id: str,
+    timeout: float = 60.0,  # noqa: ASYNC109  (a deadline that ends the wait, not the work)
+) -> RequestOutcome:
+    """Wait up to `timeout` seconds for the request to finish, over the SSE stream.
+
+    A dropped stream reconnects (the result lives on the row, so nothing is lost); a server
+    deadline shorter than `timeout` is simply waited out again. Past `timeout`, the answer is a
+    `RequestOutcome` with status `timeout` — never an exception that would lose the request id.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max(0.0, timeout)
+    config = _config_of(host)
+    backoff = backoff_for(config)
+    last: QueuedRequest | None = None
+    failures = 0
+    while True:
+        remaining = deadline - loop.time()
+        saw_event = False
+        try:
+            async for event, data in stream_events(
+                host, workspace_id, request_id, max(0.0, remaining)
+            ):
+                saw_event = True
+                if event == "done":
+                    return await _outcome(host, QueuedRequest.from_json(data))
+                if event == "queued":
+                    last = QueuedRequest.from_json(data)
+                elif event == "error" and isinstance(data, dict) and data.get("code") != "TIMEOUT":
+                    raise error_from_problem(None, data)
+            # Ended without `done`: the server's deadline, or a dropped stream.
+            failures = 0 if saw_event else failures + 1
+        except WorkspaceError as exc:
+            if not is_retryable(exc):
+                raise
+            failures += 1
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return RequestOutcome(request_id, "timeout", last)
+        if failures:
+            await config.sleep(min(backoff(failures), remaining))
+
+
+# -- workers ---------------------------------------------------------------------------------------
+
+
+async def claim(
+    host: QueueHost, worker_classes: Sequence[str], worker_id: str, *, limit: int = 1
+) -> list[Claim]:
+    """`POST /v1/queue/claim` with a `limit`: up to `limit` requests, each under its own token
+    (one commit for the batch), or none. Not retried (see the module docstring)."""
+    body = {"worker_classes": list(worker_classes), "worker_id": worker_id, "limit": limit}
+    status, answer, _ = await _call(host, "POST", "/v1/queue/claim", body=body)
+    if status == 204 or answer is None:
+        return []
+    try:
+        rows = answer["requests"] if "requests" in answer else [answer["request"]]
+        return [Claim(str(row["claim_token"]), QueuedRequest.from_json(row)) for row in rows]
+    except (KeyError, TypeError) as exc:
+        raise ProtocolError("bad_answer", f"claim answer: {exc!r}") from None
+
+
+async def wait_for_work(
+    host: QueueHost,
+    worker_classes: Sequence[str],
+    timeout: float,  # noqa: ASYNC109  (the long poll's own patience, sent to the server)
+) -> bool:
+    """`GET /v1/queue/pending`: True as soon as work of those classes becomes pending (a push),
+    False after `timeout` (the server caps it at 2 s)."""
+    params = [("worker_classes", c) for c in worker_classes]
+    params.append(("timeout", f"{timeout:.3f}"))
+    status, _, _ = await _call(host, "GET", "/v1/queue/pending", params=params)
+    return status == 200
+
+
+async def heartbeat(host: QueueHost, workspace_id: str, request_id: str, claim_token: str) -> float:
+    """Extend the lease; return its new expiry. Raises `LeaseLostError` when the token is gone."""
+    path = _ws_path(workspace_id, "requests", request_id, "heartbeat")
+    answer = await _retried(host, "POST", path, body={"claim_token": claim_token})
+    return float(answer["lease_expires_at"])
+
+
+async def complete(
+    host: QueueHost,
+    workspace_id: str,
+    request_id: str,
+    claim_token: str,
+    *,
+    result: Any = None,
+    error: Any = None,
+    cache: str | None = None,
+    telemetry: Any = None,
+) -> str:
+    """Mark the request done (fenced by `claim_token`). Call only after the stage's writes
+    committed (seed 004: never ack before the work). Raises `LeaseLostError` if refused."""
+    body: dict[str, Any] = {"claim_token": claim_token, "result": result}
+    for name, value in (("error", error), ("cache", cache), ("telemetry", telemetry)):
+        if value is not None:
+            body[name] = value
+    path = _ws_path(workspace_id, "requests", request_id, "complete")
+    answer = await _retried(host, "POST", path, body=body)
+    return str(answer["status"])
+
+
+async def complete_many(
+    host: QueueHost, completions: Sequence[Mapping[str, Any]]
+) -> list[CompletionOutcome]:
+    """`POST /v1/queue/complete`: many completions in one commit, one outcome each, in order.
+    Each item is `{"request_id", "claim_token", "result"?, "error"?, "cache"?, "telemetry"?}`;
+    results must be small (large ones go through `complete`, which stores them as blobs)."""
+    body = {"completions": [dict(c) for c in completions]}
+    answer = await _retried(host, "POST", "/v1/queue/complete", body=body)
+    outcomes: list[CompletionOutcome] = []
+    try:
+        for item in answer["results"]:
+            error = item.get("error")
+            if error is None:
+                outcomes.append(CompletionOutcome(item["request_id"], status=item["status"]))
+            elif error.get("code") == "lease_lost":
+                outcomes.append(
+                    CompletionOutcome(item["request_id"], error=LeaseLostError(error["message"]))
+                )
+            else:
+                outcomes.append(
+                    CompletionOutcome(item["request_id"], error=error_from_problem(409, error))
+                )
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ProtocolError("bad_answer", f"complete answer: {exc!r}") from None
+    if len(outcomes) != len(completions):
+        raise ProtocolError("bad_answer", "one outcome per completion expected")
+    return outcomes
+
+
+async def fail(
+    host: QueueHost, workspace_id: str, request_id: str, claim_token: str, error: Any
+) -> tuple[str, float | None]:
+    """Record an unexpected error: `(status, available_at)` — pending again after the server's
+    failure backoff, or `poison` at `max_dequeues`. Raises `LeaseLostError` if refused."""
+    path = _ws_path(workspace_id, "requests", request_id, "fail")
+    answer = await _retried(host, "POST", path, body={"claim_token": claim_token, "error": error})
+    return str(answer["status"]), answer.get("available_at")
+
+
+# -- the mixin -------------------------------------------------------------------------------------
+
+
+class QueueMethods:
+    """Queue verbs for a host with `url`, `session` and `auth_headers()` (and optionally a
+    `ClientConfig` as `config`, for the retry policy). `WorkspaceClient` mixes it in."""
+
+    url: str
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        raise NotImplementedError
+
+    def auth_headers(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    async def enqueue(
+        self,
+        workspace_id: str,
+        *,
+        stage: str,
+        job_id: str | None = None,
+        branch_path: str | None = None,
+        input: Any = None,
+        deterministic: bool | None = None,
+        rerun: bool = False,
+        idempotency_key: str | None = None,
+        worker_class: str | None = None,
+        max_dequeues: int | None = None,
+    ) -> EnqueuedRequest:
+        """Queue `stage` for `workspace_id`; answer at once (202) with the request's id.
+
+        With a `job_id`, the id is deterministic by default (hash of workspace, job, branch and
+        stage): enqueueing it again coalesces into the live request, or returns the finished
+        one — pass `rerun=True` to run a finished one again on purpose. Without, each enqueue is
+        a new request; an `Idempotency-Key` is minted (or use yours) so a retry cannot fork it.
+        """
+        body: dict[str, Any] = {"stage": stage}
+        for name, value in (
+            ("job_id", job_id),
+            ("branch_path", branch_path),
+            ("input", input),
+            ("deterministic", deterministic),
+            ("worker_class", worker_class),
+            ("max_dequeues", max_dequeues),
+        ):
+            if value is not None:
+                body[name] = value
+        if rerun:
+            body["rerun"] = True
+        is_deterministic = deterministic if deterministic is not None else job_id is not None
+        if idempotency_key is None and not is_deterministic:
+            idempotency_key = "auto-" + secrets.token_hex(16)
+        return await enqueue(self, workspace_id, body, idempotency_key=idempotency_key)
+
+    async def get_request(self, workspace_id: str, request_id: str) -> QueuedRequest:
+        """The request as it stands (its result once done)."""
+        return await get_request(self, workspace_id, request_id)
+
+    async def wait_request(
+        self,
+        workspace_id: str,
+        request_id: str,
+        timeout: float = 60.0,  # noqa: ASYNC109  (ends the wait, never the work)
+    ) -> RequestOutcome:
+        """Wait for the request to finish (see `wait_request`); `timeout` → status `timeout`."""
+        return await wait_request(self, workspace_id, request_id, timeout)
+
+    async def list_requests(
+        self,
+        *,
+        status: RequestStatus | None = None,
+        workspace_id: str | None = None,
+        limit: int = 100,
+    ) -> list[QueuedRequest]:
+        """Requests by status and workspace, oldest first (operators)."""
+        return await list_requests(self, status=status, workspace_id=workspace_id, limit=limit)
+
+    async def replay_request(self, workspace_id: str, request_id: str) -> QueuedRequest:
+        """Put a poison request back in the queue by hand."""
+        return await replay(self, workspace_id, request_id)
+
+
+class QueueClient(QueueMethods):
+    """A light queue-only client (no outbox, no websocket): `async with QueueClient(url, token)`.
+
+    For shells and agents that only submit and inspect work (the `cv-workspace` command).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        *,
+        config: ClientConfig | None = None,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.config = config or ClientConfig()
+        #: A session passed in stays the caller's to close.
+        self._session = session
+        self._owns_session = session is None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the QueueClient is not open (use `async with`)")
+        return self._session
+
+    def auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    async def __aenter__(self) -> QueueClient:
+        if self._owns_session:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_seconds)
+            )
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._owns_session and self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -1,0 +1,66 @@
+"""Retry policy wiring: tenacity's full-jitter wait for both the op machine's delay generator and
+the retried reads, and the one "is this retryable?" rule (seed 004).
+
+Only errors that may succeed later are retried: connection errors, timeouts, 5xx and 429 (whose
+Retry-After wins over the jitter). A 4xx is an answer, never retried.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_never,
+    wait_random_exponential,
+)
+
+from cv_workspace_client.config import ClientConfig
+from cv_workspace_client.errors import RateLimitedError, WorkspaceError
+
+__all__ = ["backoff_for", "is_retryable", "retrying"]
+
+
+def is_retryable(exc: BaseException) -> bool:
+    return isinstance(exc, WorkspaceError) and exc.retryable
+
+
+def backoff_for(config: ClientConfig) -> Callable[[int], float]:
+    """The delay before attempt `n + 1` after `n` failures: `config.backoff` if set, otherwise
+    tenacity's full jitter `random(0, min(cap, base * 2 ** (n - 1)))`."""
+    if config.backoff is not None:
+        return config.backoff
+    wait = wait_random_exponential(
+        multiplier=config.retry_base_seconds, max=config.retry_cap_seconds
+    )
+    state = RetryCallState(retry_object=AsyncRetrying(), fn=None, args=(), kwargs={})
+
+    def backoff(failures: int) -> float:
+        state.attempt_number = max(1, failures)
+        return float(wait(state))
+
+    return backoff
+
+
+def retrying(config: ClientConfig, *, forever: bool = False) -> AsyncRetrying:
+    """A tenacity loop for one idempotent request (reads): retryable errors only, full jitter
+    (or the server's Retry-After), `retry_attempts` tries, then the last error is re-raised.
+    `forever` (subscription catch-up) keeps trying with the capped delay instead."""
+    backoff = backoff_for(config)
+
+    def wait(state: RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        if isinstance(exc, RateLimitedError) and exc.retry_after is not None:
+            return min(max(exc.retry_after, 0.0), config.retry_cap_seconds)
+        return backoff(state.attempt_number)
+
+    return AsyncRetrying(
+        stop=stop_never if forever else stop_after_attempt(config.retry_attempts),
+        wait=wait,
+        retry=retry_if_exception(is_retryable),
+        sleep=config.sleep,
+        reraise=True,
+    )

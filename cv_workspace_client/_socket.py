@@ -1,0 +1,292 @@
+"""One workspace's websocket (DESIGN §5): pipelined `apply` frames matched to acks by `req`, and the
+live feed of every subscription of the workspace, reconnecting by itself.
+
+A thin shell: what to send and when to retry is the machine's business; what a subscription keeps
+or drops is the tracker's. This module only moves frames and reports what happened:
+
+- an ack (or an `error` frame with a `req`) → `owner.batch_answered` / `owner.batch_failed`;
+- the connection drops → every batch still in flight on it fails as retryable (the server may
+  have committed it: the machine resends it under the same op_ids and gets `duplicate: true`);
+- a (re)connect → `owner.connection_opened` (lanes that gave up replay), and every subscribed
+  sub-doc is resubscribed with `since` = what its subscriptions already hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import aiohttp
+
+from cv_workspace_client._machine import Send
+from cv_workspace_client.config import ClientConfig
+from cv_workspace_client.errors import (
+    AuthError,
+    ConnectionFailedError,
+    ForbiddenError,
+    InvalidRequestError,
+    WorkspaceError,
+    error_from_problem,
+)
+
+if TYPE_CHECKING:
+    from cv_workspace_client.stream import Subscription
+
+__all__ = ["SocketOwner", "WorkspaceSocket"]
+
+#: Close codes that end the socket for good (DESIGN §5): the token will not get better by retrying.
+_FINAL_CLOSE = {4001: ("unauthorized", AuthError), 4003: ("forbidden_workspace", ForbiddenError)}
+#: The server refused a frame as too large: the batches in flight get `body_too_large`, which makes
+#: the machine halve a multi-op batch (and fail a lone op) instead of resending it as it was.
+_CLOSE_FRAME_TOO_LARGE = 1009
+
+
+class SocketOwner(Protocol):
+    """What the socket needs from the client."""
+
+    config: ClientConfig
+    backoff: Callable[[int], float]
+
+    @property
+    def session(self) -> aiohttp.ClientSession: ...
+
+    def socket_url(self, workspace_id: str) -> str: ...
+
+    def auth_headers(self) -> dict[str, str]: ...
+
+    def batch_answered(self, batch_id: int, results: Any) -> None: ...
+
+    def batch_failed(self, batch_id: int, error: WorkspaceError) -> None: ...
+
+    def connection_opened(self, workspace_id: str) -> None: ...
+
+
+class WorkspaceSocket:
+    """The client's websocket to one workspace. Runs while the client is open."""
+
+    def __init__(self, owner: SocketOwner, workspace_id: str) -> None:
+        self.owner = owner
+        self.workspace_id = workspace_id
+        self.final_error: WorkspaceError | None = None
+        #: Successful connects so far (the first one included).
+        self.connections = 0
+        self._ws: aiohttp.ClientWebSocketResponse | None = None
+        self._frames: asyncio.Queue[str] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._in_flight: dict[int, asyncio.TimerHandle] = {}
+        self._subs: dict[str, list[Subscription]] = {}
+        self._closed = False
+        self._opened = asyncio.Event()
+        self._closing: set[asyncio.Task[Any]] = set()
+
+    @property
+    def is_open(self) -> bool:
+        return self._frames is not None
+
+    async def wait_open(self) -> None:
+        """Return once the socket is connected (tests and benchmarks use it)."""
+        await self._opened.wait()
+
+    def ensure_running(self) -> None:
+        if self._closed or self.final_error is not None:
+            return
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name=f"cv-socket-{self.workspace_id}"
+            )
+
+    # -- ops --------------------------------------------------------------------------------------
+
+    def send_batch(self, send: Send) -> bool:
+        """Queue an `apply` frame for `send`; False when the socket is not open (use HTTP)."""
+        frames = self._frames
+        if frames is None:
+            return False
+        atomic = "true" if send.atomic else "false"
+        frames.put_nowait(
+            f'{{"type":"apply","req":{send.batch_id},"sub_doc":{json.dumps(send.sub_doc)},'
+            f'"ops":{send.ops_json()},"atomic":{atomic}}}'
+        )
+        self._in_flight[send.batch_id] = asyncio.get_running_loop().call_later(
+            self.owner.config.request_timeout_seconds, self._ack_timed_out, send.batch_id
+        )
+        return True
+
+    def _ack_timed_out(self, batch_id: int) -> None:
+        if self._in_flight.pop(batch_id, None) is not None:
+            self.owner.batch_failed(
+                batch_id, ConnectionFailedError("timeout", "no ack before the request timeout")
+            )
+
+    # -- subscriptions ----------------------------------------------------------------------------
+
+    def add(self, sub: Subscription) -> None:
+        subs = self._subs.setdefault(sub.sub_doc, [])
+        subs.append(sub)
+        if len(subs) > 1:
+            # The server already streams this sub-doc to us, from wherever the first subscription
+            # was: the newcomer catches up from the log, and its tracker drops the overlap.
+            sub.mark_lagging()
+        elif self._frames is not None:
+            self._frames.put_nowait(_subscribe_frame(sub.sub_doc, sub.resume_since()))
+        if self.final_error is not None:
+            sub.fail(self.final_error)
+        self.ensure_running()
+
+    def remove(self, sub: Subscription) -> None:
+        subs = self._subs.get(sub.sub_doc)
+        if not subs or sub not in subs:
+            return
+        subs.remove(sub)
+        if not subs:
+            del self._subs[sub.sub_doc]
+            if self._frames is not None:
+                self._frames.put_nowait(json.dumps({"type": "unsubscribe", "sub_doc": sub.sub_doc}))
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    async def close(self, *, abort: bool = False) -> None:
+        self._closed = True
+        ws = self._ws
+        if ws is not None and not abort:
+            with contextlib.suppress(Exception):
+                await ws.close()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        for handle in self._in_flight.values():
+            handle.cancel()
+        self._in_flight.clear()
+
+    async def _run(self) -> None:
+        failures = 0
+        while not self._closed:
+            if failures:
+                await self.owner.config.sleep(self.owner.backoff(failures))
+                if self._closed:
+                    return
+            try:
+                ws = await self.owner.session.ws_connect(
+                    self.owner.socket_url(self.workspace_id),
+                    headers=self.owner.auth_headers(),
+                    autoping=True,
+                )
+            except aiohttp.WSServerHandshakeError as exc:
+                if exc.status in (401, 403):
+                    self._final(error_from_problem(exc.status, None))
+                    return
+                failures += 1
+                continue
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                failures += 1
+                continue
+            heard = await self._serve(ws)
+            if self.final_error is not None:
+                return
+            # A connection that carried frames proves the server is up: reconnect at once. One
+            # that died before saying anything waits one short jittered delay first, so a server
+            # that accepts and drops at once is not hammered (and an idle socket cut now and then
+            # is not pushed towards the 300 s cap).
+            failures = 0 if heard else 1
+
+    async def _serve(self, ws: aiohttp.ClientWebSocketResponse) -> bool:
+        frames: asyncio.Queue[str] = asyncio.Queue()
+        for sub_doc, subs in self._subs.items():
+            frames.put_nowait(_subscribe_frame(sub_doc, min(s.resume_since() for s in subs)))
+        self._ws = ws
+        self._frames = frames
+        self.connections += 1
+        self._opened.set()
+        writer = asyncio.get_running_loop().create_task(_write(ws, frames))
+        heard = False
+        try:
+            self.owner.connection_opened(self.workspace_id)
+            async for message in ws:
+                if message.type is aiohttp.WSMsgType.TEXT:
+                    heard = True
+                    self._dispatch(message.data)
+        finally:
+            self._ws = None
+            self._frames = None
+            self._opened.clear()
+            writer.cancel()
+            in_flight, self._in_flight = self._in_flight, {}
+            for handle in in_flight.values():
+                handle.cancel()
+            if not self._closed:
+                lost: WorkspaceError = ConnectionFailedError(
+                    "connection_lost", "the websocket closed"
+                )
+                if ws.close_code == _CLOSE_FRAME_TOO_LARGE:
+                    lost = InvalidRequestError("body_too_large", "the server refused the frame")
+                for batch_id in in_flight:
+                    self.owner.batch_failed(batch_id, lost)
+        final = _FINAL_CLOSE.get(ws.close_code or 0)
+        if final is not None:
+            code, cls = final
+            self._final(cls(code, "the server closed the websocket"))
+        return heard
+
+    def _dispatch(self, text: str) -> None:
+        try:
+            frame = json.loads(text)
+        except ValueError:
+            return
+        if not isinstance(frame, dict):
+            return
+        kind = frame.get("type")
+        if kind == "op" or kind == "synced":
+            sub_doc = frame.get("sub_doc")
+            for sub in self._subs.get(sub_doc, ()) if isinstance(sub_doc, str) else ():
+                sub.feed(frame)
+        elif kind == "ack":
+            req = frame.get("req")
+            handle = self._in_flight.pop(req, None) if isinstance(req, int) else None
+            if handle is not None:
+                handle.cancel()
+                self.owner.batch_answered(req, frame.get("results"))  # type: ignore[arg-type]
+        elif kind == "error":
+            error = error_from_problem(None, frame)
+            req = frame.get("req")
+            handle = self._in_flight.pop(req, None) if isinstance(req, int) else None
+            if handle is not None:
+                handle.cancel()
+                self.owner.batch_failed(req, error)  # type: ignore[arg-type]
+            elif isinstance(error, AuthError | ForbiddenError):
+                self._final(error)
+            elif isinstance(frame.get("sub_doc"), str) and not error.retryable:
+                for sub in self._subs.get(frame["sub_doc"], ()):
+                    sub.fail(error)
+
+    def _final(self, error: WorkspaceError) -> None:
+        """Auth is gone: stop reconnecting; subscriptions raise; ops fall back to HTTP (which
+        gets the same answer and fails them with it)."""
+        self.final_error = error
+        for subs in self._subs.values():
+            for sub in subs:
+                sub.fail(error)
+        ws = self._ws
+        if ws is not None:
+            task = asyncio.get_running_loop().create_task(ws.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+
+def _subscribe_frame(sub_doc: str, since: int) -> str:
+    return json.dumps({"type": "subscribe", "sub_doc": sub_doc, "since": since})
+
+
+async def _write(ws: aiohttp.ClientWebSocketResponse, frames: asyncio.Queue[str]) -> None:
+    """The connection's one writer: frames leave in the order they were queued."""
+    try:
+        while True:
+            frame = await frames.get()
+            await ws.send_str(frame)
+    except (ConnectionError, aiohttp.ClientError, RuntimeError):
+        # The reader sees the close and reports every in-flight batch as failed.
+        with contextlib.suppress(Exception):
+            await ws.close()

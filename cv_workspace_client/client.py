@@ -1,0 +1,509 @@
+"""`WorkspaceClient`: the asyncio shell around the outbox machine (DESIGN §6).
+
+The shell owns the I/O and nothing else: the outbox file (through its writer thread), one aiohttp
+session for HTTP, one websocket per workspace in use, timers. Every decision — what to persist,
+what to send and when, what to retry, when to give up — is `OutboxMachine`'s; this module carries
+decisions out and feeds back what happened.
+
+Batching without per-op work: submissions made in the same event-loop tick are persisted with one
+outbox write (and the outbox thread commits everything queued with one fsync), and the machine
+sends whatever is pending for a sub-doc as one batch as soon as the previous one is answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any
+
+import aiohttp
+
+from cv_mutations import (
+    InvalidOp,
+    Op,
+    SubDocState,
+    is_valid_sub_doc,
+    is_valid_workspace_id,
+    new_op_id,
+    parse_op,
+)
+from cv_workspace_client._http import HttpApi
+from cv_workspace_client._machine import (
+    CountAttempt,
+    Forget,
+    OutboxMachine,
+    Persist,
+    Resolve,
+    Send,
+    Wait,
+)
+from cv_workspace_client._outbox import MemoryOutbox, Outbox, OutboxWrite, SQLiteOutbox
+from cv_workspace_client._queue_api import QueueMethods
+from cv_workspace_client._retry import backoff_for, retrying
+from cv_workspace_client._socket import WorkspaceSocket
+from cv_workspace_client.config import ClientConfig
+from cv_workspace_client.errors import (
+    ClientClosedError,
+    InvalidRequestError,
+    OpRejectedError,
+    ProtocolError,
+    StillPendingError,
+    WorkspaceError,
+)
+from cv_workspace_client.models import Commit, Committed
+from cv_workspace_client.stream import Subscription
+
+__all__ = ["WorkspaceClient"]
+
+OpLike = Op | Mapping[str, Any]
+
+
+class WorkspaceClient(QueueMethods):
+    """The retry-safe client. Use as `async with WorkspaceClient(url, token=..., outbox=...)`.
+
+    Ops (`apply_op`, `apply_ops`), reads (`get_state`, `read_ops`), live ops (`subscribe`), and
+    the work queue's verbs (`enqueue`, `wait_request`, ...: `QueueMethods`, DESIGN §7).
+
+    Args:
+        url: the server's base URL (`http://host:port`).
+        token: the bearer token (`cv-server token --workspace W`).
+        outbox: a SQLite file path for the durable outbox, or None for an in-memory one (safe
+            across retries and reconnects, not across a process restart). One client per file.
+        config: retry, batching and transport settings (`ClientConfig`).
+        now: wall clock for `created_at` (injectable for tests).
+        new_op_id: the op_id minter (injectable for tests).
+
+    Guarantees: an op gets its op_id before it is first written, is on disk before it is first
+    sent, keeps its op_id for every retry, reconnect and restart, and leaves the outbox only once
+    the server answered it. Ops to one sub-doc are applied in the order they were submitted.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        outbox: str | os.PathLike[str] | None = None,
+        config: ClientConfig | None = None,
+        now: Callable[[], float] = time.time,
+        new_op_id: Callable[[], str] = new_op_id,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.outbox_path = outbox
+        self.config = config or ClientConfig()
+        self.backoff = backoff_for(self.config)
+        self._now = now
+        self._mint = new_op_id
+        self._machine = OutboxMachine(
+            now=now,
+            new_op_id=new_op_id,
+            backoff=self.backoff,
+            max_attempts=self.config.retry_attempts,
+            max_batch_ops=self.config.max_batch_ops,
+            max_batch_bytes=self.config.max_batch_bytes,
+            retry_after_cap=self.config.retry_cap_seconds,
+        )
+        self._state = "new"
+        self._outbox: Outbox | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._http: HttpApi | None = None
+        self._futures: dict[int, tuple[asyncio.Future[Commit], str]] = {}
+        self._sockets: dict[str, WorkspaceSocket] = {}
+        self._subscriptions: set[Subscription] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._pump_handle: asyncio.Handle | None = None
+        self._pumping = False
+        self._synced = asyncio.Event()
+        self._synced.set()
+
+    # -- lifetime ----------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> WorkspaceClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Open the outbox and the HTTP session, then replay what a previous client left pending
+        (first, in its original order). Idempotent."""
+        if self._state == "open":
+            return
+        if self._state != "new":
+            raise RuntimeError("a closed WorkspaceClient cannot be restarted; make a new one")
+        if self.outbox_path is not None:
+            self._outbox = await SQLiteOutbox.open(self.outbox_path)
+        else:
+            self._outbox = MemoryOutbox()
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_seconds)
+        )
+        self._http = HttpApi(self._session, self.url, self.token)
+        self._state = "open"
+        self._machine.restore(self._outbox.rows)
+        if self.config.ops_over_websocket:
+            for workspace_id in self._machine.workspaces():
+                self._socket(workspace_id)
+        self._pump()
+
+    async def close(self) -> None:
+        """Stop: pending ops stay in the outbox (a file outbox replays them on the next start);
+        their awaiters get `StillPendingError` (file) or `ClientClosedError` (memory)."""
+        await self._shutdown(abort=False)
+
+    async def abort(self) -> None:
+        """Close as a crash would: drop queued outbox writes, no goodbyes. For replay tests
+        (`cv_workspace_client.testing.restart_client`)."""
+        await self._shutdown(abort=True)
+
+    async def _shutdown(self, *, abort: bool) -> None:
+        if self._state != "open":
+            self._state = "closed"
+            return
+        self._state = "closing"
+        for sub in list(self._subscriptions):
+            sub.end()
+        for sock in self._sockets.values():
+            await sock.close(abort=abort)
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._pump_handle is not None:
+            self._pump_handle.cancel()
+            self._pump_handle = None
+        outbox = self._outbox
+        assert outbox is not None
+        if not abort:
+            self._pump()  # hand the last decided writes to the outbox
+        await outbox.close(abort=abort)
+        self._state = "closed"
+        durable = outbox.durable and not abort
+        for future, op_id in self._futures.values():
+            if not future.done():
+                future.set_exception(
+                    StillPendingError(op_id) if durable else ClientClosedError(op_id)
+                )
+        self._futures.clear()
+        self._synced.set()
+        if self._session is not None:
+            await self._session.close()
+
+    # -- ops ---------------------------------------------------------------------------------------
+
+    async def apply_op(self, workspace_id: str, sub_doc: str, op: OpLike) -> Commit:
+        """Apply one op; return its `Commit` once the server committed it (or had already).
+
+        Raises `OpRejectedError` (the server rejected it), `InvalidRequestError` / `AuthError` /
+        `ForbiddenError` (final 4xx, not retried), or `StillPendingError` (no answer after the
+        last attempt: the op stays in the outbox under `.op_id` and is replayed later).
+        Cancelling the call does not unsend the op.
+        """
+        (future,) = self._submit(workspace_id, sub_doc, [op], atomic=False)
+        return await future
+
+    async def apply_ops(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        ops: Sequence[OpLike],
+        *,
+        atomic: bool = False,
+    ) -> list[Commit | OpRejectedError]:
+        """Apply ops in order; one outcome each: a `Commit` or the op's `OpRejectedError`.
+
+        With `atomic=True` they travel as one request and all commit or none does (the others
+        answer `atomic_aborted`). Whole-request failures (final 4xx, `StillPendingError`) raise.
+        """
+        futures = self._submit(workspace_id, sub_doc, ops, atomic=atomic)
+        outcomes = await asyncio.gather(*futures, return_exceptions=True)
+        results: list[Commit | OpRejectedError] = []
+        for outcome in outcomes:
+            if isinstance(outcome, Commit | OpRejectedError):
+                results.append(outcome)
+            else:
+                raise outcome
+        return results
+
+    def pending_count(self) -> int:
+        """Ops submitted (or replayed from the outbox) that the server has not answered yet."""
+        return self._machine.pending_count
+
+    @property
+    def synced(self) -> bool:
+        """True when nothing is pending: every op the app submitted has been answered."""
+        return self._machine.pending_count == 0
+
+    async def wait_synced(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        """Wait until nothing is pending (`TimeoutError` after `timeout` seconds)."""
+        async with asyncio.timeout(timeout):
+            await self._synced.wait()
+
+    def retry_pending(self) -> None:
+        """Start a fresh attempt cycle for ops that gave up (they are retried anyway on the next
+        connect and the next submit to their sub-doc)."""
+        self._check_open()
+        self._machine.retry_parked()
+        self._kick()
+
+    def acknowledged_clock(self, workspace_id: str, sub_doc: str) -> int:
+        """The highest clock the server reported to this client for the sub-doc."""
+        return self._machine.acknowledged_clock(workspace_id, sub_doc)
+
+    # -- reads and subscriptions -------------------------------------------------------------------
+
+    async def get_state(self, workspace_id: str, sub_doc: str) -> tuple[int, SubDocState]:
+        """The sub-doc's head clock and state (retried like any idempotent read)."""
+        _check_ids(workspace_id, sub_doc)
+        http = self._api()
+        answer: Any = None
+        async for attempt in retrying(self.config):
+            with attempt:
+                answer = await http.get_state(workspace_id, sub_doc)
+        try:
+            return int(answer["clock"]), SubDocState.from_json(answer["state"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError("bad_answer", f"state answer: {exc}") from None
+
+    async def read_ops(
+        self, workspace_id: str, sub_doc: str, since: int = 0, limit: int | None = None
+    ) -> tuple[int, list[Committed]]:
+        """The head clock and committed ops after `since` (one page of at most `limit`)."""
+        _check_ids(workspace_id, sub_doc)
+        return await self._read_log(
+            workspace_id, sub_doc, since, limit or self.config.catchup_page, forever=False
+        )
+
+    def subscribe(self, workspace_id: str, sub_doc: str, since: int = 0) -> Subscription:
+        """Every committed op of the sub-doc after clock `since`, in order, each exactly once,
+        reconnecting and resuming by itself (auth errors end it)."""
+        self._check_open()
+        _check_ids(workspace_id, sub_doc)
+        return Subscription(
+            self,
+            workspace_id,
+            sub_doc,
+            since=since,
+            buffer=self.config.subscription_buffer,
+            page=self.config.catchup_page,
+        )
+
+    async def connect(self, workspace_id: str, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        """Open the workspace's websocket now and wait until it is up (ops then pipeline over
+        it). Optional: the client opens it by itself on first use."""
+        self._check_open()
+        sock = self._socket(workspace_id)
+        async with asyncio.timeout(timeout):
+            await sock.wait_open()
+
+    # -- machine plumbing --------------------------------------------------------------------------
+
+    def _submit(
+        self, workspace_id: str, sub_doc: str, ops: Sequence[OpLike], *, atomic: bool
+    ) -> list[asyncio.Future[Commit]]:
+        self._check_open()
+        _check_ids(workspace_id, sub_doc)
+        raws: list[dict[str, Any]] = []
+        for op in ops:
+            model = _as_op(op)
+            if model.op_id is None:
+                # Minted once, here, before the op is written anywhere: its identity from now on.
+                model = model.model_copy(update={"op_id": self._mint()})
+            raws.append(model.model_dump(mode="json", exclude_none=True))
+        rows = self._machine.submit(workspace_id, sub_doc, raws, atomic=atomic)
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Commit]] = []
+        for row in rows:
+            future: asyncio.Future[Commit] = loop.create_future()
+            self._futures[row.seq] = (future, row.op_id)
+            futures.append(future)
+        if self.config.ops_over_websocket:
+            self._socket(workspace_id)
+        self._synced.clear()
+        if self._pump_handle is None:
+            # Everything submitted in this tick shares one outbox write.
+            self._pump_handle = loop.call_soon(self._pump)
+        return futures
+
+    def _pump(self) -> None:
+        """Carry out the machine's decisions until it has none left."""
+        self._pump_handle = None
+        if self._pumping:
+            return
+        self._pumping = True
+        try:
+            outbox = self._outbox
+            assert outbox is not None
+            sending = self._state == "open"
+            while decisions := self._machine.decisions():
+                write = OutboxWrite()
+                for decision in decisions:
+                    if isinstance(decision, Send):
+                        if sending:
+                            self._send(decision)
+                    elif isinstance(decision, Resolve):
+                        self._resolve(decision)
+                    elif isinstance(decision, Persist):
+                        write.inserts.extend(decision.rows)
+                    elif isinstance(decision, Forget):
+                        write.deletes.extend(decision.seqs)
+                    elif isinstance(decision, CountAttempt):
+                        write.attempts.extend(decision.seqs)
+                    elif isinstance(decision, Wait) and sending:
+                        self._spawn(self._wait(decision))
+                if write:
+                    if write.inserts:
+                        seqs = [row.seq for row in write.inserts]
+                        write.done = functools.partial(self._written, seqs)
+                    outbox.write(write)
+        finally:
+            self._pumping = False
+        if self._machine.pending_count == 0:
+            self._synced.set()
+        else:
+            self._synced.clear()
+
+    def _kick(self) -> None:
+        """Something happened: act on it now (or as soon as the running pump finishes)."""
+        if self._state == "open":
+            self._pump()
+
+    def _written(self, seqs: list[int], error: BaseException | None) -> None:
+        if error is None:
+            self._machine.persisted(seqs)
+        else:
+            self._machine.persist_failed(seqs, error)
+        self._kick()
+
+    def _send(self, send: Send) -> None:
+        sock = self._sockets.get(send.workspace_id)
+        if sock is not None and sock.send_batch(send):
+            return
+        self._spawn(self._post(send))
+
+    async def _post(self, send: Send) -> None:
+        try:
+            results = await self._api().post_ops(send.workspace_id, send.sub_doc, send.body())
+        except WorkspaceError as exc:
+            self._machine.batch_failed(send.batch_id, exc)
+        else:
+            self._machine.batch_answered(send.batch_id, results)
+        self._kick()
+
+    async def _wait(self, wait: Wait) -> None:
+        await self.config.sleep(wait.delay)
+        self._machine.timer_fired(wait.workspace_id, wait.sub_doc, wait.token)
+        self._kick()
+
+    def _resolve(self, resolve: Resolve) -> None:
+        for seq, outcome in resolve.outcomes:
+            entry = self._futures.pop(seq, None)
+            if entry is None or entry[0].done():
+                continue
+            if isinstance(outcome, Commit):
+                entry[0].set_result(outcome)
+            else:
+                entry[0].set_exception(outcome)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- SocketOwner / StreamOwner -----------------------------------------------------------------
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None
+        return self._session
+
+    def socket_url(self, workspace_id: str) -> str:
+        return self._api().socket_url(workspace_id)
+
+    def auth_headers(self) -> dict[str, str]:
+        return dict(self._api().headers)
+
+    def batch_answered(self, batch_id: int, results: Any) -> None:
+        self._machine.batch_answered(batch_id, results)
+        self._kick()
+
+    def batch_failed(self, batch_id: int, error: WorkspaceError) -> None:
+        self._machine.batch_failed(batch_id, error)
+        self._kick()
+
+    def connection_opened(self, workspace_id: str) -> None:
+        self._machine.connection_opened(workspace_id)
+        self._kick()
+
+    def register(self, sub: Subscription) -> None:
+        self._check_open()
+        self._subscriptions.add(sub)
+        self._socket(sub.workspace_id).add(sub)
+
+    def unregister(self, sub: Subscription) -> None:
+        self._subscriptions.discard(sub)
+        sock = self._sockets.get(sub.workspace_id)
+        if sock is not None:
+            sock.remove(sub)
+
+    async def read_log(
+        self, workspace_id: str, sub_doc: str, since: int, limit: int
+    ) -> tuple[int, list[Committed]]:
+        # A subscription never gives up on a retryable error: it resumes when the server is back.
+        return await self._read_log(workspace_id, sub_doc, since, limit, forever=True)
+
+    async def _read_log(
+        self, workspace_id: str, sub_doc: str, since: int, limit: int, *, forever: bool
+    ) -> tuple[int, list[Committed]]:
+        http = self._api()
+        answer: Any = None
+        async for attempt in retrying(self.config, forever=forever):
+            with attempt:
+                answer = await http.read_ops(workspace_id, sub_doc, since, limit)
+        try:
+            entries = [
+                Committed(clock=int(e["clock"]), op_id=e.get("op_id"), op=parse_op(e["op"]))
+                for e in answer["ops"]
+            ]
+            return int(answer["clock"]), entries
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError("bad_answer", f"ops answer: {exc}") from None
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _socket(self, workspace_id: str) -> WorkspaceSocket:
+        sock = self._sockets.get(workspace_id)
+        if sock is None:
+            sock = self._sockets[workspace_id] = WorkspaceSocket(self, workspace_id)
+        sock.ensure_running()
+        return sock
+
+    def _api(self) -> HttpApi:
+        if self._http is None or self._state == "closed":
+            raise RuntimeError("the WorkspaceClient is not started (use `async with`)")
+        return self._http
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise RuntimeError("the WorkspaceClient is not open (use `async with`)")
+
+
+def _check_ids(workspace_id: str, sub_doc: str) -> None:
+    if not is_valid_workspace_id(workspace_id):
+        raise InvalidRequestError("invalid_id", f"workspace_id {workspace_id!r} is not valid")
+    if not is_valid_sub_doc(sub_doc):
+        raise InvalidRequestError("invalid_id", f"sub_doc {sub_doc!r} is not valid")
+
+
+def _as_op(op: OpLike) -> Op:
+    if isinstance(op, Mapping):
+        try:
+            return parse_op(dict(op))
+        except InvalidOp as exc:
+            raise InvalidRequestError(exc.code, exc.message) from None
+    return op

@@ -1,0 +1,61 @@
+"""Client configuration. The retry constants are DESIGN §10's (seed 004); every one can be
+overridden, and tests shrink them (or inject `sleep` / `backoff`) instead of waiting."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+__all__ = ["ClientConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    """Everything `WorkspaceClient` can be tuned with."""
+
+    # -- retries (DESIGN §10: full jitter, base 1 s, cap 300 s, 5 attempts, then stay pending) --
+    #: Full jitter: the n-th wait is `random(0, min(cap, base * 2 ** (n - 1)))`.
+    retry_base_seconds: float = 1.0
+    retry_cap_seconds: float = 300.0
+    #: Sends of one batch (and tries of one read) before giving up; a given-up op stays in the
+    #: outbox and is replayed on the next connect.
+    retry_attempts: int = 5
+
+    #: Deadline of one HTTP request or websocket ack. aiohttp's own default total timeout (5 min):
+    #: a request that outlives it is treated as a lost connection and retried under its op_id.
+    request_timeout_seconds: float = 300.0
+
+    # -- batching: stay under the server's request limits (ServerConfig defaults) --
+    #: = the server's `max_ops_per_request`.
+    max_batch_ops: int = 1000
+    #: Op bytes per batch: under the server's 1 MiB body / websocket frame limit, with room for
+    #: the envelope. A server that still says `body_too_large` makes the client halve its batches.
+    max_batch_bytes: int = 1_000_000
+
+    #: Send ops over the workspace's websocket (pipelined) when it is open; HTTP otherwise.
+    #: False: HTTP only (one request per in-flight batch).
+    ops_over_websocket: bool = True
+
+    # -- subscriptions --
+    #: Live ops buffered per subscription before the client stops buffering and catches up from
+    #: the log instead (= the server's `subscriber_queue_limit`): memory stays bounded, no op lost.
+    subscription_buffer: int = 10_000
+    #: Page size of HTTP catch-up reads (= the server's `catchup_page`).
+    catchup_page: int = 1000
+
+    # -- injection points for tests --
+    #: How the client waits between attempts: tenacity's `sleep=`, retry timers, reconnects.
+    sleep: Callable[[float], Awaitable[None]] = field(default=asyncio.sleep)
+    #: Delay before attempt `n + 1` after `n` failures; None = full jitter from the values above.
+    backoff: Callable[[int], float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.retry_attempts < 1:
+            raise ValueError("retry_attempts must be >= 1")
+        if self.retry_base_seconds < 0 or self.retry_cap_seconds < 0:
+            raise ValueError("retry delays must be >= 0")
+        if self.max_batch_ops < 1 or self.max_batch_bytes < 1:
+            raise ValueError("batch limits must be >= 1")
+        if self.subscription_buffer < 1 or self.catchup_page < 1:
+            raise ValueError("subscription_buffer and catchup_page must be >= 1")

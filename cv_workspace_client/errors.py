@@ -1,0 +1,244 @@
+"""The SDK's one exception hierarchy, and the pure mapping from the server's problem codes to it.
+
+Every error the client raises is a `WorkspaceError` with a stable string `code` (the server's own
+code when the server answered, DESIGN §5). Whether an error is worth retrying is a property of its
+class (`retryable`): only connection errors, timeouts, 5xx and 429 are (seed 004); a 4xx answer is
+final and is never retried.
+
+Pure: no I/O, so the sans-I/O core may import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+__all__ = [
+    "AuthError",
+    "ClientClosedError",
+    "ConnectionFailedError",
+    "ForbiddenError",
+    "InvalidRequestError",
+    "NotFoundError",
+    "OpRejectedError",
+    "OutboxError",
+    "ProtocolError",
+    "RateLimitedError",
+    "ServerError",
+    "StillPendingError",
+    "WorkspaceError",
+    "error_from_problem",
+]
+
+
+class WorkspaceError(Exception):
+    """Base of every SDK error. `code` is stable; `message` is for humans."""
+
+    #: True when the same request may succeed later (the SDK retries it with backoff).
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, code: str, message: str = "") -> None:
+        super().__init__(f"{code}: {message}" if message else code)
+        self.code = code
+        self.message = message
+
+
+# -- retryable: the request may or may not have reached the server -------------------------------
+
+
+class ConnectionFailedError(WorkspaceError):
+    """The connection failed, was cut, or timed out before an answer arrived.
+
+    The request may have been applied: that is why every op carries an op_id and is retried with
+    the same one, never re-minted.
+    """
+
+    retryable = True
+
+
+class ServerError(WorkspaceError):
+    """A 5xx answer (`internal`, `unavailable`, ...)."""
+
+    retryable = True
+
+    def __init__(self, code: str, message: str = "", *, status: int | None = None) -> None:
+        super().__init__(code, message)
+        self.status = status
+
+
+class RateLimitedError(WorkspaceError):
+    """429 `rate_limited`; `retry_after` (seconds) is the server's `Retry-After`, if it sent one."""
+
+    retryable = True
+
+    def __init__(self, code: str, message: str = "", *, retry_after: float | None = None) -> None:
+        super().__init__(code, message)
+        self.retry_after = retry_after
+
+
+class ProtocolError(WorkspaceError):
+    """The server's answer could not be understood (wrong shape, result count mismatch).
+
+    Retryable: the op_id makes a resend harmless, and a proxy mangling one answer should not cost
+    an op.
+    """
+
+    retryable = True
+
+
+# -- final: the server answered ------------------------------------------------------------------
+
+
+class InvalidRequestError(WorkspaceError):
+    """A 4xx problem with the request as a whole: `malformed_json`, `body_too_large`,
+    `too_many_ops`, `unknown_op_type`, `invalid_id`, `invalid_field` (with `op_index`), ...
+
+    Nothing of the request was applied. Never retried.
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str = "",
+        *,
+        status: int | None = None,
+        op_index: int | None = None,
+    ) -> None:
+        super().__init__(code, message)
+        self.status = status
+        self.op_index = op_index
+
+
+class NotFoundError(InvalidRequestError):
+    """404 `not_found`."""
+
+
+class AuthError(WorkspaceError):
+    """401 `unauthorized` (or websocket close 4001): the token is missing, bad or expired."""
+
+
+class ForbiddenError(WorkspaceError):
+    """403 `forbidden_workspace` (or websocket close 4003): the token may not touch this
+    workspace."""
+
+
+class OpRejectedError(WorkspaceError):
+    """The server answered this op with a rejection; it was not applied.
+
+    `code` is a reducer code (`node_exists`, `node_not_found`, ...), `op_id_reuse` (the op_id was
+    already used for a different op) or `atomic_aborted` (another op of an atomic batch failed).
+    A retry of the same op gets the same rejection back.
+    """
+
+    def __init__(self, code: str, message: str = "", *, op_id: str | None = None) -> None:
+        super().__init__(code, message)
+        self.op_id = op_id
+
+
+# -- client side ----------------------------------------------------------------------------------
+
+
+class StillPendingError(WorkspaceError):
+    """No answer after the last attempt (or the client closed first). The op is **not lost**.
+
+    It stays in the durable outbox under the same `op_id` and is replayed, in order, on the next
+    connect or by the next client opened on the same outbox. Do not re-submit it with a new
+    op_id: that is how one intent gets applied twice. `last_error` is why the last attempt failed.
+    """
+
+    def __init__(self, op_id: str, last_error: BaseException | None = None) -> None:
+        reason = f" (last error: {last_error})" if last_error is not None else ""
+        super().__init__(
+            "still_pending",
+            f"op {op_id} got no answer{reason}; it stays in the outbox and will be replayed on "
+            "the next connect with the same op_id - do not re-submit it under a new one",
+        )
+        self.op_id = op_id
+        self.last_error = last_error
+
+
+class ClientClosedError(WorkspaceError):
+    """The client was closed before the server answered, and its outbox is in memory.
+
+    The op may or may not have been applied and will not be replayed. Use a file outbox when that
+    matters.
+    """
+
+    def __init__(self, op_id: str) -> None:
+        super().__init__(
+            "client_closed",
+            f"op {op_id} got no answer before the client closed; the outbox is in memory, so it "
+            "will not be replayed (it may or may not have been applied)",
+        )
+        self.op_id = op_id
+
+
+class OutboxError(WorkspaceError):
+    """The outbox could not be written or opened (`outbox_locked`, `outbox_write_failed`).
+
+    An op whose outbox write failed was never sent.
+    """
+
+
+# -- mapping ---------------------------------------------------------------------------------------
+
+_FINAL_BY_CODE: dict[str, type[WorkspaceError]] = {
+    "unauthorized": AuthError,
+    "forbidden_workspace": ForbiddenError,
+    "not_found": NotFoundError,
+}
+
+
+def error_from_problem(
+    status: int | None,
+    problem: Mapping[str, Any] | None,
+    *,
+    retry_after: float | None = None,
+) -> WorkspaceError:
+    """Turn a server problem (HTTP problem+json body, or a websocket `error` frame) into the typed
+    exception for it.
+
+    `status` is the HTTP status (None for a websocket frame, where the code alone decides).
+    Unknown codes fall back on the status class: 5xx → `ServerError`, 429 → `RateLimitedError`,
+    other 4xx → `InvalidRequestError`.
+    """
+    body: Mapping[str, Any] = problem or {}
+    raw_code = body.get("code")
+    code = raw_code if isinstance(raw_code, str) and raw_code else _code_for_status(status)
+    message = str(body.get("detail") or body.get("message") or body.get("title") or "")
+    if retry_after is None:
+        value = body.get("retry_after")
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            retry_after = float(value)
+    if code == "rate_limited" or status == 429:
+        return RateLimitedError(code, message, retry_after=retry_after)
+    if code in ("internal", "unavailable") or (status is not None and status >= 500):
+        return ServerError(code, message, status=status)
+    final = _FINAL_BY_CODE.get(code)
+    if final is NotFoundError:
+        return NotFoundError(code, message, status=status)
+    if final is not None:
+        return final(code, message)
+    if status == 401:
+        return AuthError(code, message)
+    if status == 403:
+        return ForbiddenError(code, message)
+    op_index = body.get("op_index")
+    return InvalidRequestError(
+        code,
+        message,
+        status=status,
+        op_index=op_index if isinstance(op_index, int) and not isinstance(op_index, bool) else None,
+    )
+
+
+def _code_for_status(status: int | None) -> str:
+    if status is None:
+        return "unknown_error"
+    if status == 429:
+        return "rate_limited"
+    if status >= 500:
+        return "internal" if status == 500 else "unavailable"
+    return {401: "unauthorized", 403: "forbidden_workspace", 404: "not_found"}.get(
+        status, f"http_{status}"
+    )

@@ -1,0 +1,431 @@
+"""Providers: the expensive third-party call a stage makes under a compute lock (DESIGN §2, §8).
+
+`Provider` is the seam a stage handler sees. Two implementations ship:
+
+- `OpenAICompatibleProvider`: HTTP JSON against an OpenAI-compatible `chat/completions` endpoint,
+  retrying only what a retry can fix (429, 5xx, connection errors, timeouts) with full jitter
+  (DESIGN §10 client retry, seed 004); any other 4xx is the caller's bug and raises at once.
+- `CountingFakeProvider`: deterministic answers and exact call counts, for tests and benchmarks
+  (the number the whole project exists to keep low: provider calls per cell).
+
+The retry decision (`is_retryable`) and the delay (`retry_delay`) are pure functions; the HTTP
+shell only wires them into tenacity with an injectable `sleep`, so tests never wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import hashlib
+import json
+import math
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Protocol, runtime_checkable
+
+import aiohttp
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
+
+from cv_workspace_client.config import ClientConfig
+from cv_workspace_client.errors import WorkspaceError
+
+__all__ = [
+    "DEFAULT_PROVIDER_TIMEOUT_SECONDS",
+    "CountingFakeProvider",
+    "OpenAICompatibleProvider",
+    "Provider",
+    "ProviderError",
+    "ProviderRejected",
+    "ProviderResponseInvalid",
+    "ProviderResult",
+    "ProviderRetry",
+    "ProviderUnavailable",
+    "RetryableStatus",
+    "fake_answer",
+    "is_retryable",
+    "parse_retry_after",
+    "retry_delay",
+]
+
+#: One compute-lock TTL (DESIGN §10, seed 000): a call that outlives the lock it runs under can be
+#: duplicated by whoever takes the expired lock over.
+DEFAULT_PROVIDER_TIMEOUT_SECONDS = 60.0
+
+#: How much of an error body is kept in an exception message.
+_BODY_EXCERPT = 500
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderResult:
+    """One completion: the answer `text`, the provider's JSON as received, its token `usage`."""
+
+    text: str
+    raw: dict[str, Any]
+    usage: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Provider(Protocol):
+    """The expensive call. Implementations must be safe to call concurrently."""
+
+    async def complete(
+        self, prompt: str, *, model: str | None = None, **params: Any
+    ) -> ProviderResult:
+        """Answer `prompt`; `params` pass through to the provider (temperature, max_tokens…)."""
+        ...
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+class ProviderError(WorkspaceError):
+    """Base of every provider failure; `code` is stable, `status` the last HTTP status if any.
+
+    Never `retryable` at the SDK level: the provider already spent its own retry budget, and
+    retrying on top would multiply attempts (and the bill). A stage that fails with it is
+    re-driven by the queue's backoff instead.
+    """
+
+    code = "provider_error"
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(type(self).code, message)
+        self.status = status
+
+
+class ProviderRejected(ProviderError):
+    """The provider refused the request (a 4xx other than 429). Never retried: resending the
+    same request gets the same answer."""
+
+    code = "provider_rejected"
+
+    def __init__(self, message: str, *, status: int, body: str = "") -> None:
+        super().__init__(message, status=status)
+        self.body = body
+
+
+class ProviderUnavailable(ProviderError):
+    """Every attempt failed with something retryable (429, 5xx, connection error, timeout).
+    The cause is chained; `attempts` says how many were made."""
+
+    code = "provider_unavailable"
+
+    def __init__(self, message: str, *, status: int | None, attempts: int) -> None:
+        super().__init__(message, status=status)
+        self.attempts = attempts
+
+
+class ProviderResponseInvalid(ProviderError):
+    """A success status whose body is not a chat completion. Not retried: it is a protocol
+    mismatch, not a transient fault."""
+
+    code = "provider_bad_response"
+
+
+class RetryableStatus(Exception):
+    """A 429 or 5xx answer, raised inside the retry loop so the policy can see it."""
+
+    def __init__(self, status: int, retry_after: float | None, body: str) -> None:
+        super().__init__(f"provider answered {status}: {body[:_BODY_EXCERPT]}")
+        self.status = status
+        self.retry_after = retry_after
+        self.body = body
+
+
+# -- retry policy (pure) --------------------------------------------------------------------------
+
+
+_CLIENT_DEFAULTS = ClientConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderRetry:
+    """DESIGN §10 client retry (seed 004): full jitter, base 1 s, cap 300 s, 5 attempts; the
+    defaults are `ClientConfig`'s, so the two cannot drift."""
+
+    base_seconds: float = _CLIENT_DEFAULTS.retry_base_seconds
+    cap_seconds: float = _CLIENT_DEFAULTS.retry_cap_seconds
+    attempts: int = _CLIENT_DEFAULTS.retry_attempts
+
+    @classmethod
+    def from_client_config(cls, config: ClientConfig) -> ProviderRetry:
+        """The same retry budget as the SDK's own requests under `config`."""
+        return cls(config.retry_base_seconds, config.retry_cap_seconds, config.retry_attempts)
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be >= 1: {self.attempts!r}")
+        if not (self.base_seconds >= 0 and self.cap_seconds >= 0):
+            raise ValueError("base_seconds and cap_seconds must be >= 0")
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether resending the same request may succeed: 429/5xx, connection errors, timeouts,
+    a body cut short. Everything else (4xx, a malformed success) fails the same way again."""
+    return isinstance(
+        exc,
+        RetryableStatus | aiohttp.ClientConnectionError | aiohttp.ClientPayloadError | TimeoutError,
+    )
+
+
+def retry_delay(
+    policy: ProviderRetry, failed_attempts: int, uniform: float, retry_after: float | None = None
+) -> float:
+    """Seconds to wait after `failed_attempts` failures (1-based), given `uniform` in [0, 1).
+
+    Full jitter: uniform * min(cap, base * 2^(n-1)). A server's Retry-After is a floor (it knows
+    when it will take us back) but is clamped to the cap, so one header cannot park a worker
+    longer than the policy allows.
+    """
+    ceiling = min(policy.cap_seconds, policy.base_seconds * 2.0 ** (failed_attempts - 1))
+    delay = uniform * ceiling
+    if retry_after is not None:
+        delay = max(delay, min(retry_after, policy.cap_seconds))
+    return delay
+
+
+def parse_retry_after(value: str | None, now: float) -> float | None:
+    """Retry-After as seconds from `now`: either delay-seconds or an HTTP-date (RFC 9110 §10.2.3).
+    None when absent or unreadable."""
+    if value is None:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:  # RFC 9110 dates are GMT
+            return None
+        seconds = when.timestamp() - now
+    if not math.isfinite(seconds):
+        return None
+    return max(0.0, seconds)
+
+
+# -- HTTP provider --------------------------------------------------------------------------------
+
+
+class OpenAICompatibleProvider:
+    """`Provider` for OpenAI-compatible chat endpoints (OpenAI, vLLM, llama.cpp, Ollama…).
+
+    `base_url` includes the API version, as in the OpenAI SDK: ``http://127.0.0.1:8000/v1``;
+    requests go to ``{base_url}/chat/completions``. Pass a `session` to share a connection pool
+    (it stays yours to close); otherwise the provider opens one on first use and `aclose()` (or
+    ``async with``) closes it. `sleep` and `uniform` are injectable so tests do not wait.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        model: str,
+        timeout: float = DEFAULT_PROVIDER_TIMEOUT_SECONDS,
+        session: aiohttp.ClientSession | None = None,
+        retry: ProviderRetry | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        uniform: Callable[[], float] = random.random,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model = model
+        self.retry = retry if retry is not None else ProviderRetry()
+        self._api_key = api_key
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session = session
+        self._owns_session = session is None
+        self._sleep = sleep
+        self._uniform = uniform
+        self._clock = clock
+
+    async def complete(
+        self, prompt: str, *, model: str | None = None, **params: Any
+    ) -> ProviderResult:
+        """POST one chat completion with `prompt` as the user message; retry per `self.retry`.
+
+        Raises `ProviderRejected` (4xx but 429, first time), `ProviderUnavailable` (retries
+        exhausted) or `ProviderResponseInvalid` (a 2xx that is not a completion).
+        """
+        body: dict[str, Any] = {
+            "model": model or self.model,
+            "messages": [{"role": "user", "content": prompt}],
+            **params,
+        }
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.retry.attempts),
+            wait=self._wait,
+            retry=retry_if_exception(is_retryable),
+            sleep=self._sleep,
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    return await self._post(body)
+        except (RetryableStatus, aiohttp.ClientError, TimeoutError) as exc:
+            if not is_retryable(exc):  # e.g. an invalid URL: the same on every attempt
+                raise ProviderError(f"provider request failed: {exc!r}") from exc
+            status = exc.status if isinstance(exc, RetryableStatus) else None
+            raise ProviderUnavailable(
+                f"provider still failing after {self.retry.attempts} attempts: {exc}",
+                status=status,
+                attempts=self.retry.attempts,
+            ) from exc
+        raise AssertionError("tenacity returned without a result")  # pragma: no cover
+
+    async def aclose(self) -> None:
+        """Close the session if this provider opened it."""
+        if self._owns_session and self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+
+    async def __aenter__(self) -> OpenAICompatibleProvider:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def _wait(self, state: RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        retry_after = exc.retry_after if isinstance(exc, RetryableStatus) else None
+        return retry_delay(self.retry, state.attempt_number, self._uniform(), retry_after)
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Accept": "application/json"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        return headers
+
+    async def _post(self, body: dict[str, Any]) -> ProviderResult:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        async with self._session.post(
+            self.url, json=body, headers=self._headers(), timeout=self._timeout
+        ) as resp:
+            if resp.status == 429 or resp.status >= 500:
+                retry_after = parse_retry_after(resp.headers.get("Retry-After"), self._clock())
+                raise RetryableStatus(resp.status, retry_after, await resp.text())
+            if resp.status >= 400:
+                text = await resp.text()
+                raise ProviderRejected(
+                    f"provider refused the request ({resp.status}): {text[:_BODY_EXCERPT]}",
+                    status=resp.status,
+                    body=text,
+                )
+            raw = await resp.read()
+        return _parse_completion(raw, resp.status)
+
+
+def _parse_completion(raw: bytes, status: int) -> ProviderResult:
+    try:
+        data = json.loads(raw)
+        content = data["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ProviderResponseInvalid(
+            f"not a chat completion: {raw[:_BODY_EXCERPT]!r}", status=status
+        ) from exc
+    if not isinstance(content, str):
+        raise ProviderResponseInvalid(
+            f"completion content is not text: {content!r}"[:_BODY_EXCERPT], status=status
+        )
+    usage = data.get("usage")
+    return ProviderResult(text=content, raw=data, usage=usage if isinstance(usage, dict) else {})
+
+
+# -- counting fake --------------------------------------------------------------------------------
+
+
+def fake_answer(prompt: str) -> str:
+    """The answer `CountingFakeProvider` gives to `prompt` by default: stable across runs and
+    processes, different for different prompts."""
+    return "fake:" + hashlib.sha256(prompt.encode()).hexdigest()[:16]
+
+
+class CountingFakeProvider:
+    """A `Provider` that answers `answer(prompt)` after `delay` seconds and counts every call.
+
+    A call counts when it starts: a call that was sent is a call paid for, even if the caller is
+    cancelled before the answer. Counters are guarded by a lock, so one instance can be shared by
+    tasks and by threads running their own event loops.
+    """
+
+    def __init__(
+        self,
+        *,
+        delay: float = 0.0,
+        answer: Callable[[str], str] = fake_answer,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.delay = delay
+        self._answer = answer
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._by_prompt: Counter[str] = Counter()
+        self._calls = 0
+        self._in_flight = 0
+        self._peak_in_flight = 0
+
+    async def complete(
+        self, prompt: str, *, model: str | None = None, **params: Any
+    ) -> ProviderResult:
+        with self._lock:
+            self._calls += 1
+            self._by_prompt[prompt] += 1
+            self._in_flight += 1
+            self._peak_in_flight = max(self._peak_in_flight, self._in_flight)
+        try:
+            if self.delay > 0:
+                await self._sleep(self.delay)
+            text = self._answer(prompt)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+        raw = {
+            "model": model or "counting-fake",
+            "choices": [{"message": {"role": "assistant", "content": text}}],
+            "params": params,
+        }
+        usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": 1}
+        return ProviderResult(text=text, raw=raw, usage=usage)
+
+    @property
+    def calls(self) -> int:
+        """Calls made so far, all prompts together."""
+        with self._lock:
+            return self._calls
+
+    def calls_for(self, prompt: str) -> int:
+        """Calls made so far with exactly `prompt`."""
+        with self._lock:
+            return self._by_prompt[prompt]
+
+    def counts(self) -> dict[str, int]:
+        """A snapshot of the calls per prompt."""
+        with self._lock:
+            return dict(self._by_prompt)
+
+    @property
+    def peak_in_flight(self) -> int:
+        """The most calls that were ever running at once."""
+        with self._lock:
+            return self._peak_in_flight
+
+    def reset(self) -> None:
+        """Forget every count (calls in flight stay in flight)."""
+        with self._lock:
+            self._by_prompt.clear()
+            self._calls = 0
+            self._peak_in_flight = self._in_flight

@@ -1,0 +1,214 @@
+"""`Subscription`: the async iterator `WorkspaceClient.subscribe` returns.
+
+It yields every committed op of one sub-doc after `since`, in clock order, each clock exactly once,
+across reconnects, server-side resets (close 4008) and its own buffer overflowing. The judging is
+done by the pure `ResumeTracker`; this shell only buffers frames and fetches holes from the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any, Protocol
+
+from cv_mutations import parse_op
+from cv_workspace_client._subscription import ResumeTracker, Verdict
+from cv_workspace_client.errors import ProtocolError, WorkspaceError
+from cv_workspace_client.models import Committed
+
+__all__ = ["Subscription"]
+
+
+class StreamOwner(Protocol):
+    def register(self, sub: Subscription) -> None: ...
+
+    def unregister(self, sub: Subscription) -> None: ...
+
+    async def read_log(
+        self, workspace_id: str, sub_doc: str, since: int, limit: int
+    ) -> tuple[int, list[Committed]]: ...
+
+
+class Subscription:
+    """Committed ops of `workspace_id/sub_doc` after `since`. Use as `async for committed in sub`;
+    leave with `break` then `await sub.aclose()`, or `async with client.subscribe(...) as sub`.
+
+    `clock` is the last clock handed to the app: to resume in a later process, subscribe again
+    with `since=sub.clock`.
+    """
+
+    def __init__(
+        self,
+        owner: StreamOwner,
+        workspace_id: str,
+        sub_doc: str,
+        *,
+        since: int,
+        buffer: int,
+        page: int,
+    ) -> None:
+        self.workspace_id = workspace_id
+        self.sub_doc = sub_doc
+        self._owner = owner
+        self._tracker = ResumeTracker(since)
+        self._buffer = buffer
+        self._page = page
+        #: Highest live clock buffered: where a resubscribe can resume without refetching.
+        self._received = since
+        self._frames: deque[dict[str, Any]] = deque()
+        self._ready: deque[Committed] = deque()
+        self._lagging = False
+        #: Live frames dropped because the buffer was full (then fetched from the log instead).
+        self.frames_dropped = 0
+        self._error: WorkspaceError | None = None
+        self._ended = False
+        self._registered = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    # -- app side ----------------------------------------------------------------------------------
+
+    @property
+    def clock(self) -> int:
+        """The clock of the last op yielded (or `since` before the first)."""
+        return self._tracker.last
+
+    @property
+    def duplicates_dropped(self) -> int:
+        return self._tracker.duplicates
+
+    @property
+    def gaps_filled(self) -> int:
+        return self._tracker.gaps
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __aenter__(self) -> Subscription:
+        self._register()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop receiving; the iterator ends."""
+        self.end()
+        if self._registered:
+            self._owner.unregister(self)
+
+    async def __anext__(self) -> Committed:
+        self._register()
+        while True:
+            if self._ready:
+                return self._ready.popleft()
+            if self._frames:
+                frame = self._frames.popleft()
+                clock = frame["clock"]
+                if frame.get("type") == "synced":
+                    if self._tracker.behind(clock):
+                        await self._catch_up(clock)
+                    continue
+                verdict = self._tracker.offer(clock)
+                if verdict is Verdict.DELIVER:
+                    return _committed(frame)
+                if verdict is Verdict.GAP:
+                    # Something between was lost: fetch it from the log, then judge this again.
+                    self._frames.appendleft(frame)
+                    before = self._tracker.last
+                    await self._catch_up(clock - 1)
+                    if self._tracker.last == before:
+                        raise ProtocolError(
+                            "gap_unfillable",
+                            f"{self.sub_doc}: ops after clock {before} are missing from the log",
+                        )
+                continue
+            if self._lagging:
+                self._lagging = False
+                await self._catch_up(None)
+                continue
+            if self._error is not None:
+                raise self._error
+            if self._ended:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    # -- socket side -------------------------------------------------------------------------------
+
+    def resume_since(self) -> int:
+        """The clock a (re)subscribe may start after: everything up to it is delivered or
+        buffered."""
+        return max(self._received, self._tracker.last)
+
+    def feed(self, frame: dict[str, Any]) -> None:
+        """An `op` or `synced` frame for this sub-doc arrived."""
+        clock = frame.get("clock")
+        if self._ended or not isinstance(clock, int) or isinstance(clock, bool):
+            return
+        if len(self._frames) >= self._buffer:
+            # Bounded memory: drop live frames and fill the hole from the log once drained.
+            self._lagging = True
+            self.frames_dropped += 1
+        else:
+            self._frames.append(frame)
+            if frame.get("type") == "op" and not self._lagging:
+                self._received = max(self._received, clock)
+        self._wake()
+
+    def mark_lagging(self) -> None:
+        """Catch up from the log (to the head) as soon as the buffer is drained."""
+        self._lagging = True
+        self._wake()
+
+    def fail(self, error: WorkspaceError) -> None:
+        """End the iteration with `error` once what is buffered has been yielded."""
+        self._error = error
+        self._wake()
+
+    def end(self) -> None:
+        self._ended = True
+        self._wake()
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _register(self) -> None:
+        if not self._registered and not self._ended:
+            self._registered = True
+            self._owner.register(self)
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _catch_up(self, target: int | None) -> None:
+        """Read the log after `clock` up to `target` (None: to the head), queueing what is new."""
+        while target is None or self._tracker.last < target:
+            _, entries = await self._owner.read_log(
+                self.workspace_id, self.sub_doc, self._tracker.last, self._page
+            )
+            progressed = False
+            for entry in entries:
+                verdict = self._tracker.offer(entry.clock)
+                if verdict is Verdict.DELIVER:
+                    self._ready.append(entry)
+                    progressed = True
+                elif verdict is Verdict.GAP:
+                    raise ProtocolError(
+                        "log_gap",
+                        f"{self.sub_doc}: the log skips from {self.clock} to {entry.clock}",
+                    )
+            if not progressed or len(entries) < self._page:
+                return
+
+
+def _committed(frame: dict[str, Any]) -> Committed:
+    op_id = frame.get("op_id")
+    return Committed(
+        clock=frame["clock"],
+        op_id=op_id if isinstance(op_id, str) else None,
+        op=parse_op(frame.get("op")),
+    )

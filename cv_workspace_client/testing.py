@@ -1,0 +1,331 @@
+"""Helpers for apps to write their own replay tests: a network that fails on demand, and a way to
+crash a client and start a new one on the same outbox.
+
+`FaultProxy` is a loopback TCP proxy you put between `WorkspaceClient` and the server. It knows
+nothing of HTTP or websockets: it forwards bytes, counts *chunks* (one read from a socket, up to
+64 KiB) coming back from the server, and breaks connections when told to:
+
+```python
+from cv_workspace_client import WorkspaceClient
+from cv_workspace_client.testing import FaultProxy, restart_client
+
+async with FaultProxy(server_url) as proxy:
+    # The worst moment for a retry: the server committed, the client never hears the answer.
+    proxy.cut_next(1)
+    async with WorkspaceClient(proxy.url, token=token, outbox=tmp_path / "outbox") as client:
+        commit = await client.apply_op("ws1", "tree", op)     # retried under the same op_id
+        assert commit.duplicate                                 # applied once, answered twice
+        assert proxy.stats.cuts == 1
+
+        client = await restart_client(client)                   # crash + new client, same outbox
+        await client.wait_synced(timeout=10)                    # what was pending is replayed
+        await client.close()
+```
+
+Faults:
+
+- `cut_next(n, skip_chunks=0, forward_bytes=0)`: each of the next `n` new connections forwards
+  `skip_chunks` server chunks untouched, then **drops the next chunk** and aborts both sides — for
+  HTTP with `skip_chunks=0` that is the first response: the request went out, the server
+  committed, the answer never arrives. For a websocket use `skip_chunks=1` (the first chunk is the
+  handshake's `101`) to cut at the next ack or op frame.
+  `forward_bytes > 0` forwards that many bytes of the fatal chunk first: a cut mid-frame.
+- `cut_fraction(p, ...)`: each new connection is armed like `cut_next` with probability `p`
+  (seeded: `FaultProxy(..., seed=...)` makes a run repeatable).
+- `cut_chunks(p, skip_chunks=0)`: every server chunk (after each connection's first
+  `skip_chunks`) is dropped, cutting its connection, with probability `p`. Unlike `cut_fraction`,
+  a keep-alive connection that survived its first answer is still at risk on the next one: the
+  way to cut a steady share of requests.
+- `cut_open(...)`: arm every connection open right now (long-lived websockets): each is cut at its
+  next server chunk.
+- `drop_all()`: abort every open connection now.
+- `delay`: seconds to hold each server chunk before forwarding it.
+- `refuse`: while True, new connections are accepted and aborted at once (connection refused /
+  reset as the client sees it).
+
+Counters are in `proxy.stats` (`accepted`, `refused`, `cuts`, `mid_frame_cuts`, `open`); wait for
+a count with `await asyncio.wait_for(proxy.wait_until(lambda s: s.cuts >= 3), 10)` instead of
+sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from cv_workspace_client.client import WorkspaceClient
+
+__all__ = ["CutRule", "FaultProxy", "ProxyStats", "restart_client"]
+
+_CHUNK = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class CutRule:
+    """When to cut one connection: after `skip_chunks` server chunks were forwarded intact, the
+    next one is dropped (or only its first `forward_bytes` forwarded) and both sides aborted."""
+
+    skip_chunks: int = 0
+    forward_bytes: int = 0
+
+
+@dataclass(slots=True)
+class ProxyStats:
+    accepted: int = 0
+    refused: int = 0
+    #: Connections cut by a rule (mid-frame cuts included).
+    cuts: int = 0
+    mid_frame_cuts: int = 0
+    #: Connections aborted by `drop_all`.
+    dropped: int = 0
+    open: int = 0
+
+
+class _Link:
+    """One proxied connection: the client's and the server's stream writers, and its fate."""
+
+    __slots__ = ("client", "dead", "rule", "server", "server_chunks")
+
+    def __init__(self, client: asyncio.StreamWriter, server: asyncio.StreamWriter) -> None:
+        self.client = client
+        self.server = server
+        self.rule: CutRule | None = None
+        self.server_chunks = 0
+        self.dead = False
+
+    def abort(self) -> None:
+        self.dead = True
+        for writer in (self.client, self.server):
+            writer.transport.abort()
+
+
+class FaultProxy:
+    """A loopback TCP proxy in front of `upstream` (a URL like `http://127.0.0.1:8080`).
+
+    Start with `async with FaultProxy(url) as proxy` (or `await proxy.start()` / `await
+    proxy.close()`); point clients at `proxy.url`.
+    """
+
+    def __init__(self, upstream: str, *, host: str = "127.0.0.1", seed: int = 0) -> None:
+        parts = urlsplit(upstream)
+        if parts.hostname is None or parts.port is None:
+            raise ValueError(f"upstream must be a URL with host and port, got {upstream!r}")
+        self.upstream_host = parts.hostname
+        self.upstream_port = parts.port
+        self.host = host
+        self.port = 0
+        #: Seconds to hold each server chunk before forwarding it.
+        self.delay = 0.0
+        #: While True, new connections are aborted as soon as they are accepted.
+        self.refuse = False
+        self.stats = ProxyStats()
+        self._random = random.Random(seed)
+        self._armed: deque[CutRule] = deque()
+        self._fraction = 0.0
+        self._fraction_rule = CutRule()
+        self._chunk_probability = 0.0
+        self._chunk_rule = CutRule()
+        self._links: set[_Link] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._server: asyncio.Server | None = None
+        self._changed = asyncio.Condition()
+
+    @property
+    def url(self) -> str:
+        """Where clients connect (`http://127.0.0.1:<port>`)."""
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> FaultProxy:
+        self._server = await asyncio.start_server(self._handle, self.host, 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for link in list(self._links):
+            link.abort()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def __aenter__(self) -> FaultProxy:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- faults ------------------------------------------------------------------------------------
+
+    def cut_next(self, n: int = 1, *, skip_chunks: int = 0, forward_bytes: int = 0) -> None:
+        """Arm the next `n` new connections (see the module docstring)."""
+        self._armed.extend([CutRule(skip_chunks, forward_bytes)] * n)
+
+    def cut_fraction(
+        self, fraction: float, *, skip_chunks: int = 0, forward_bytes: int = 0
+    ) -> None:
+        """Arm each new connection with probability `fraction` (0 turns it off)."""
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError("fraction must be within [0, 1]")
+        self._fraction = fraction
+        self._fraction_rule = CutRule(skip_chunks, forward_bytes)
+
+    def cut_chunks(
+        self, probability: float, *, skip_chunks: int = 0, forward_bytes: int = 0
+    ) -> None:
+        """Cut at each server chunk (after every connection's first `skip_chunks`) with
+        `probability` (0 turns it off)."""
+        if not 0.0 <= probability <= 1.0:
+            raise ValueError("probability must be within [0, 1]")
+        self._chunk_probability = probability
+        self._chunk_rule = CutRule(skip_chunks, forward_bytes)
+
+    def cut_open(self, *, skip_chunks: int = 0, forward_bytes: int = 0) -> int:
+        """Arm every open connection: each is cut at its next server chunk (after `skip_chunks`
+        more). Returns how many were armed."""
+        live = [link for link in self._links if not link.dead]
+        for link in live:
+            link.rule = CutRule(link.server_chunks + skip_chunks, forward_bytes)
+        return len(live)
+
+    def drop_all(self) -> int:
+        """Abort every open connection now; returns how many."""
+        links = [link for link in self._links if not link.dead]
+        for link in links:
+            link.abort()
+        self.stats.dropped += len(links)
+        return len(links)
+
+    async def wait_until(self, predicate: Callable[[ProxyStats], bool]) -> None:
+        """Wait until `predicate(stats)` holds; bound it with `asyncio.timeout`."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: predicate(self.stats))
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            await self._proxy(client_r, client_w)
+        except asyncio.CancelledError:
+            # `close()` cancels handlers; asyncio's streams would log a cancelled handler task
+            # as an error, so it ends normally instead (it is the top of its own task).
+            pass
+        finally:
+            self._tasks.discard(task)
+            await self._notify()
+
+    async def _proxy(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        if self.refuse:
+            self.stats.refused += 1
+            client_w.transport.abort()
+            return
+        try:
+            server_r, server_w = await asyncio.open_connection(
+                self.upstream_host, self.upstream_port
+            )
+        except OSError:
+            client_w.transport.abort()
+            return
+        self.stats.accepted += 1
+        link = _Link(client_w, server_w)
+        if self._armed:
+            link.rule = self._armed.popleft()
+        elif self._fraction and self._random.random() < self._fraction:
+            link.rule = self._fraction_rule
+        self._links.add(link)
+        self.stats.open += 1
+        await self._notify()
+        up = asyncio.create_task(self._client_to_server(client_r, link))
+        down = asyncio.create_task(self._server_to_client(server_r, link))
+        try:
+            await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+            if down.done():
+                # The server is done (or the link was cut): nothing more can flow.
+                link.abort()
+            await asyncio.wait({up, down})
+        finally:
+            for task in (up, down):
+                task.cancel()
+            await asyncio.gather(up, down, return_exceptions=True)
+            link.abort()
+            self._links.discard(link)
+            self.stats.open -= 1
+
+    async def _client_to_server(self, reader: asyncio.StreamReader, link: _Link) -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            while data := await reader.read(_CHUNK):
+                link.server.write(data)
+                await link.server.drain()
+            if link.server.can_write_eof():
+                link.server.write_eof()
+
+    async def _server_to_client(self, reader: asyncio.StreamReader, link: _Link) -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            while data := await reader.read(_CHUNK):
+                rule = link.rule
+                if rule is None or link.server_chunks < rule.skip_chunks:
+                    rule = self._chunk_fate(link)
+                if rule is not None and link.server_chunks >= rule.skip_chunks:
+                    if rule.forward_bytes > 0:
+                        link.client.write(data[: rule.forward_bytes])
+                        with contextlib.suppress(ConnectionError, OSError):
+                            await link.client.drain()
+                        self.stats.mid_frame_cuts += 1
+                    self.stats.cuts += 1
+                    link.abort()
+                    return
+                link.server_chunks += 1
+                if self.delay > 0:
+                    await asyncio.sleep(self.delay)
+                link.client.write(data)
+                await link.client.drain()
+            link.client.close()
+
+    def _chunk_fate(self, link: _Link) -> CutRule | None:
+        rule = self._chunk_rule
+        if (
+            self._chunk_probability > 0
+            and link.server_chunks >= rule.skip_chunks
+            and self._random.random() < self._chunk_probability
+        ):
+            return rule
+        return None
+
+
+async def restart_client(client: WorkspaceClient, **overrides: Any) -> WorkspaceClient:
+    """Crash `client` (no goodbyes; outbox writes not yet committed are lost, as in a real crash)
+    and start a new client on the same URL, token, outbox and config (`overrides` replace
+    constructor arguments). Returns the new client, started: close it, or `async with` it.
+
+    The new client replays what the old one left in the outbox before anything else.
+    """
+    if client.outbox_path is None and "outbox" not in overrides:
+        raise ValueError(
+            "restart_client needs a file outbox: an in-memory one dies with its client"
+        )
+    await client.abort()
+    options: dict[str, Any] = {
+        "token": client.token,
+        "outbox": client.outbox_path,
+        "config": client.config,
+    }
+    options.update(overrides)
+    fresh = WorkspaceClient(client.url, **options)
+    await fresh.start()
+    return fresh

@@ -1,0 +1,64 @@
+"""Shared helpers for the client's tests: tokens, fast retry settings, reading the server."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import aiohttp
+
+from cv_server.auth import mint_token
+from cv_workspace_client import ClientConfig
+
+SECRET = b"client-test-secret-0123456789abcdef"
+WS = "ws1"
+
+
+def token_for(*workspaces: str) -> str:
+    return mint_token(SECRET, list(workspaces), now=time.time())
+
+
+def fast_config(**overrides: Any) -> ClientConfig:
+    """DESIGN §10's retry policy, shrunk from seconds to milliseconds for tests."""
+    values: dict[str, Any] = {"retry_base_seconds": 0.005, "retry_cap_seconds": 0.05}
+    values.update(overrides)
+    return ClientConfig(**values)
+
+
+class RecordingSleep:
+    """An injected `sleep` that records the delays asked for and returns at once."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+
+    async def __call__(self, delay: float) -> None:
+        self.delays.append(delay)
+
+
+async def server_log(server_url: str, sub_doc: str, workspace: str = WS) -> list[dict[str, Any]]:
+    """Every committed entry of a sub-doc, read straight from the server (no proxy, no SDK)."""
+    headers = {"Authorization": f"Bearer {token_for(workspace)}"}
+    entries: list[dict[str, Any]] = []
+    async with aiohttp.ClientSession() as session:
+        while True:
+            url = f"{server_url}/v1/workspaces/{workspace}/docs/{sub_doc}/ops"
+            params = {"since": str(entries[-1]["clock"] if entries else 0)}
+            async with session.get(url, params=params, headers=headers) as response:
+                assert response.status == 200, await response.text()
+                page = (await response.json())["ops"]
+            if not page:
+                return entries
+            entries.extend(page)
+
+
+async def server_state(server_url: str, sub_doc: str, workspace: str = WS) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {token_for(workspace)}"}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(
+            f"{server_url}/v1/workspaces/{workspace}/docs/{sub_doc}", headers=headers
+        ) as response,
+    ):
+        assert response.status == 200, await response.text()
+        body: dict[str, Any] = await response.json()
+        return body
