@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
-import sys
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from aiohttp import web
 
@@ -28,6 +31,30 @@ def _add_backend_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--database-url", default=None, help="PostgreSQL DSN; wins over --db (scale-out backend)"
     )
+    parser.add_argument(
+        "--schema",
+        default=None,
+        help="with --database-url: the (existing) schema to keep the tables in",
+    )
+
+
+def _with_schema(database_url: str, schema: str | None) -> str:
+    """The DSN with `schema` as its search_path (asyncpg sends unknown query parameters as
+    session settings), so every connection of the server, LISTEN included, works in it."""
+    if schema is None:
+        return database_url
+    from cv_server.pg.pool import is_valid_schema_name
+
+    if not is_valid_schema_name(schema):
+        raise SystemExit(f"cv-server: invalid schema name {schema!r}")
+    parts = urlsplit(database_url)
+    query = [
+        (k, v)
+        for k, v in parse_qsl(parts.query)
+        if k != "search_path" and not (k == "options" and "search_path" in v)
+    ]
+    query.append(("search_path", schema))
+    return urlunsplit(parts._replace(query=urlencode(query)))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,6 +82,12 @@ async def _serve(config: ServerConfig, host: str, port: int) -> None:
     site = web.TCPSite(runner, host, port)
     await site.start()
     bound_port = runner.addresses[0][1]
+    # Start-up objects (modules, routes, stores) never die: keep them out of every collection.
+    # With 10,000 sockets open, full collections otherwise stall the loop for 0.1-1.5 s
+    # (bench/oplog.py scenario d); fewer young collections cost little memory here.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 20, 20)
     print(f"cv-server listening on http://{host}:{bound_port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -65,27 +98,44 @@ async def _serve(config: ServerConfig, host: str, port: int) -> None:
     await runner.cleanup()
 
 
-async def _token(db_path: Path, workspaces: list[str], ttl: float | None) -> str:
-    db = await open_sqlite_database(str(db_path))
-    try:
-        secret = await sqlite_token_secret(db)
-    finally:
-        await db.close()
+async def _token(
+    db_path: Path, database_url: str | None, workspaces: list[str], ttl: float | None
+) -> str:
+    if database_url:
+        from cv_server.pg.stores import read_token_secret
+
+        secret = await read_token_secret(database_url)
+    else:
+        db = await open_sqlite_database(str(db_path))
+        try:
+            secret = await sqlite_token_secret(db)
+        finally:
+            await db.close()
     return mint_token(secret, workspaces, now=time.time(), ttl=ttl)
+
+
+def _run(main: Coroutine[Any, Any, None]) -> None:
+    """Run the server on uvloop when it is installed (the `server` extra brings it): aiohttp's
+    per-request cost is mostly event-loop work, which uvloop does in C."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
-        config = ServerConfig(db_path=args.db or DEFAULT_DB, database_url=args.database_url)
-        asyncio.run(_serve(config, args.host, args.port))
+        database_url = args.database_url and _with_schema(args.database_url, args.schema)
+        config = ServerConfig(db_path=args.db or DEFAULT_DB, database_url=database_url)
+        _run(_serve(config, args.host, args.port))
         return 0
     if args.command == "token":
-        if args.database_url:
-            print("cv-server token: --database-url is not supported yet", file=sys.stderr)
-            return 2
-        print(asyncio.run(_token(args.db or DEFAULT_DB, args.workspace, args.ttl)))
+        database_url = args.database_url and _with_schema(args.database_url, args.schema)
+        print(asyncio.run(_token(args.db or DEFAULT_DB, database_url, args.workspace, args.ttl)))
         return 0
     return 2
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import orjson
 from aiohttp import web
 
 from cv_server.inputs import check_ids, decode_json, parse_apply_body
@@ -41,7 +42,8 @@ async def post_ops(request: web.Request) -> web.Response:
     outcomes = await asyncio.shield(
         commit_and_publish(request.app, workspace_id, sub_doc, ops, atomic)
     )
-    return web.json_response({"results": [outcome.to_json() for outcome in outcomes]})
+    body = orjson.dumps({"results": [outcome.to_json() for outcome in outcomes]})
+    return web.Response(body=body, content_type="application/json")
 
 
 @routes.get("/v1/workspaces/{ws}/docs/{sub_doc}")

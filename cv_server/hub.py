@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
+import orjson
 from aiohttp import web
 
 from cv_server.fanout import Cursor, Frame
@@ -31,16 +31,15 @@ CLOSE_TOO_SLOW: Final = 4008
 
 
 def encode_entry(sub_doc: str, entry: LogEntry) -> Frame:
-    text = json.dumps(
+    text = orjson.dumps(
         {
             "type": "op",
             "sub_doc": sub_doc,
             "clock": entry.clock,
             "op_id": entry.op_id,
             "op": entry.op,
-        },
-        separators=(",", ":"),
-    )
+        }
+    ).decode()
     return Frame(entry.clock, text)
 
 
@@ -68,7 +67,7 @@ class Connection:
         return True
 
     def send_json(self, body: dict[str, object]) -> bool:
-        return self.send(json.dumps(body, separators=(",", ":")))
+        return self.send(orjson.dumps(body).decode())
 
     def too_slow(self) -> None:
         self.close(CLOSE_TOO_SLOW, b"subscriber too far behind; reconnect and catch up")
@@ -161,6 +160,13 @@ class Subscription:
         if self.cursor.behind(head):
             self._wake.set()
 
+    def catch_up(self) -> None:
+        """News of commits may have been lost: re-read the log from where this subscriber
+        stands (the log fills any gap; nothing is sent twice)."""
+        if self.cursor.live:
+            self.cursor.live = False
+            self._wake.set()
+
     async def _run(self) -> None:
         store = self.hub.store
         synced = False
@@ -226,6 +232,13 @@ class Hub:
         """Another instance committed up to `head`: subscribers that are behind catch up."""
         for sub in list(self._topics.get((workspace_id, sub_doc), ())):
             sub.on_head(head)
+
+    def wake_all(self) -> None:
+        """The feed of other instances' commits was interrupted (the PostgreSQL LISTEN
+        connection reconnected): every live subscriber catches up from the log."""
+        for subs in list(self._topics.values()):
+            for sub in list(subs):
+                sub.catch_up()
 
     def _add(self, sub: Subscription) -> None:
         self._topics.setdefault((sub.workspace_id, sub.sub_doc), set()).add(sub)

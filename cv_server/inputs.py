@@ -5,8 +5,9 @@ Everything is checked before anything is applied: one bad op refuses the whole r
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import orjson
 
 from cv_mutations import InvalidOp, fingerprint, is_valid_sub_doc, is_valid_workspace_id, parse_op
 from cv_server.oplog import IncomingOp
@@ -23,8 +24,10 @@ def check_ids(workspace_id: str, sub_doc: str | None = None) -> None:
 
 
 def decode_json(raw: bytes | str) -> Any:
+    """Strict JSON (orjson: no NaN or Infinity, which `json.loads` would let through into the
+    log as invalid JSON), about five times faster than the standard library."""
     try:
-        return json.loads(raw)
+        return orjson.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise Problem(400, "malformed_json", f"body is not valid JSON: {exc}") from None
 

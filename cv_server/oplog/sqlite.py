@@ -29,8 +29,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
+import orjson
 import sqlite_utils
 
 from cv_mutations import OpRejected, SubDocState, apply_op, parse_op
@@ -141,8 +142,9 @@ class _SubDoc:
     snapshot_clock: int
 
 
-#: Compact op text for the log; built once (a `json.dumps` call with options builds an encoder).
-_dumps: Final = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+def _dumps(value: Any) -> str:
+    """Compact op text for the log (orjson: ~5x the standard library's speed)."""
+    return orjson.dumps(value).decode()
 
 
 class SQLiteOpLogStore(OpLogStore):
@@ -222,7 +224,7 @@ class SQLiteOpLogStore(OpLogStore):
                 head = conn.execute(_SELECT_HEAD, (workspace_id, sub_doc)).fetchone()[0] or 0
             finally:
                 conn.execute("COMMIT")
-            return head, [LogEntry(clock, op_id, json.loads(op)) for clock, op_id, op in rows]
+            return head, [LogEntry(clock, op_id, orjson.loads(op)) for clock, op_id, op in rows]
 
         return await self.db.read(read)
 

@@ -28,6 +28,11 @@ async def _raw_post(client: TestClient[Any, Any], data: bytes, url: str = URL) -
     ("body", "status", "code"),
     [
         (b"{not json", 400, "malformed_json"),
+        (
+            b'{"ops": [{"type": "node.update", "node_id": "root", "set": {"x": NaN}}]}',
+            400,
+            "malformed_json",
+        ),
         (b'"a string"', 400, "malformed_json"),
         (b'{"ops": {"type": "node.insert"}}', 400, "malformed_json"),
         (b'{"ops": [], "surprise": 1}', 400, "malformed_json"),
