@@ -1,0 +1,47 @@
+"""The README's SDK example, runnable: `python examples/quickstart.py URL TOKEN`.
+
+Start a server first (`./scripts/serve` prints the URL and a token for workspace "demo").
+Run it twice: the second run shows the insert answered `node_exists` and the counter going on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from cv_mutations import NodeIncrement, NodeInsert
+from cv_workspace_client import OpRejectedError, StillPendingError, WorkspaceClient
+
+
+async def main(url: str, token: str) -> None:
+    # The outbox file makes every op durable before its first send: kill this process at any
+    # point and the next run replays what was pending, under the same op_ids.
+    async with WorkspaceClient(url, token=token, outbox="quickstart.outbox.db") as client:
+        try:
+            await client.apply_op("demo", "tree", NodeInsert(node_id="counter", parent_id="root"))
+        except OpRejectedError as exc:
+            print(f"insert answered {exc.code} (already there from an earlier run)")
+        try:
+            commit = await client.apply_op(
+                "demo", "tree", NodeIncrement(node_id="counter", field="n", by=1)
+            )
+        except StillPendingError as exc:
+            # Not lost: the op stays in the outbox under exc.op_id and is replayed on the next
+            # connect. Never re-submit it as a new op — that would be a second intent.
+            print(f"server unreachable; {exc.op_id} stays pending")
+            return
+        print(f"committed at clock {commit.clock} (op_id {commit.op_id})")
+
+        clock, state = await client.get_state("demo", "tree")
+        print("counter =", state.nodes["counter"].fields["n"], "at clock", clock)
+
+        # Every committed op after `since`, each exactly once, in order; reconnects by itself.
+        async with client.subscribe("demo", "tree", since=max(0, clock - 2)) as ops:
+            async for committed in ops:
+                print("op", committed.clock, committed.op.type)
+                if committed.clock >= clock:
+                    break
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
