@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import logging
 import signal
@@ -57,6 +58,29 @@ def _with_schema(database_url: str, schema: str | None) -> str:
     return urlunsplit(parts._replace(query=urlencode(query)))
 
 
+_SETTABLE = {
+    f.name: f.type
+    for f in dataclasses.fields(ServerConfig)
+    if f.type in ("int", "float") and f.name not in ("db_path", "database_url", "token_secret")
+}
+
+
+def parse_overrides(items: list[str]) -> dict[str, int | float]:
+    """`NAME=VALUE` pairs for the numeric ServerConfig settings (DESIGN §10 constants and
+    limits): every constant is configurable without code, and tests shrink leases this way."""
+    overrides: dict[str, int | float] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        kind = _SETTABLE.get(name)
+        if not sep or kind is None:
+            raise SystemExit(f"cv-server: --set {item!r}: settable: {', '.join(sorted(_SETTABLE))}")
+        try:
+            overrides[name] = int(raw) if kind == "int" else float(raw)
+        except ValueError:
+            raise SystemExit(f"cv-server: --set {item!r}: not a number") from None
+    return overrides
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cv-server", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +90,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080, help="0 picks a free port")
     serve.add_argument("--log-level", default="INFO")
+    serve.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override a ServerConfig setting, e.g. --set lease_seconds=5 (repeatable)",
+    )
 
     token = commands.add_parser("token", help="mint a bearer token (printed alone on stdout)")
     _add_backend_args(token)
@@ -130,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
         database_url = args.database_url and _with_schema(args.database_url, args.schema)
-        config = ServerConfig(db_path=args.db or DEFAULT_DB, database_url=database_url)
+        config = dataclasses.replace(
+            ServerConfig(db_path=args.db or DEFAULT_DB, database_url=database_url),
+            **parse_overrides(args.set),
+        )
         _run(_serve(config, args.host, args.port))
         return 0
     if args.command == "token":

@@ -102,3 +102,15 @@ async def test_an_expired_token_is_refused_by_the_server_even_after_it_was_accep
     resp = await client.get("/v1/workspaces/ws1/docs/tree", headers=headers)
     assert resp.status == 401
     assert "expired" in (await resp.json(content_type=None))["detail"]
+
+
+def test_cli_overrides_accept_numeric_settings_and_refuse_others() -> None:
+    from cv_server.cli import parse_overrides
+
+    assert parse_overrides(["lease_seconds=5", "max_dequeues=3"]) == {
+        "lease_seconds": 5.0,
+        "max_dequeues": 3,
+    }
+    for bad in (["token_secret=x"], ["lease_seconds"], ["lease_seconds=soon"], ["nope=1"]):
+        with pytest.raises(SystemExit):
+            parse_overrides(bad)
