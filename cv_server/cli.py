@@ -65,10 +65,10 @@ _SETTABLE = {
 }
 
 
-def parse_overrides(items: list[str]) -> dict[str, int | float]:
+def parse_overrides(items: list[str]) -> dict[str, Any]:
     """`NAME=VALUE` pairs for the numeric ServerConfig settings (DESIGN §10 constants and
     limits): every constant is configurable without code, and tests shrink leases this way."""
-    overrides: dict[str, int | float] = {}
+    overrides: dict[str, Any] = {}
     for item in items:
         name, sep, raw = item.partition("=")
         kind = _SETTABLE.get(name)
