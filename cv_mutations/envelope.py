@@ -9,10 +9,26 @@ from pydantic import BaseModel, ConfigDict, JsonValue, field_validator
 
 from cv_mutations.ids import OpId
 
-__all__ = ["META_MAX_BYTES", "OpIdEnvelope"]
+__all__ = ["META_MAX_BYTES", "OpIdEnvelope", "json_size"]
 
 #: `meta` is provenance (actor, request_id), not payload: capped so it cannot bloat the log.
 META_MAX_BYTES: Final = 1024
+
+
+def json_size(value: object) -> int:
+    """Bytes of `value` as compact UTF-8 JSON; `ValueError` if it has no such form.
+
+    pydantic's `JsonValue` lets NaN, Infinity and lone surrogates through (`allow_inf_nan` does not
+    reach inside it). Either would make the state unserializable as JSON text and crash the
+    fingerprint, so they are refused at parse time, where they become `invalid_field`.
+    """
+    try:
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return len(text.encode())
+    except UnicodeEncodeError as exc:
+        raise ValueError("strings must be valid Unicode (no lone surrogates)") from exc
+    except ValueError as exc:
+        raise ValueError("numbers must be finite (no NaN or Infinity)") from exc
 
 
 class OpIdEnvelope(BaseModel):
@@ -23,7 +39,9 @@ class OpIdEnvelope(BaseModel):
     path that may retry must set it, and the SDK always does.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    # strict: the wire types are the schema's types. Lax mode would turn `true` into 1 and "3"
+    # into 3, so an op the JSON Schema refuses would still be applied.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=True)
 
     op_id: OpId | None = None
     meta: dict[str, JsonValue] | None = None
@@ -33,7 +51,7 @@ class OpIdEnvelope(BaseModel):
     def _meta_is_small(cls, value: dict[str, JsonValue] | None) -> dict[str, JsonValue] | None:
         if value is None:
             return value
-        size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+        size = json_size(value)
         if size > META_MAX_BYTES:
             raise ValueError(f"meta is {size} bytes serialized; at most {META_MAX_BYTES} allowed")
         return value

@@ -10,6 +10,8 @@ import math
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
+    AfterValidator,
+    ConfigDict,
     Field,
     JsonValue,
     StringConstraints,
@@ -19,13 +21,14 @@ from pydantic import (
     model_validator,
 )
 
-from cv_mutations.envelope import OpIdEnvelope
+from cv_mutations.envelope import OpIdEnvelope, json_size
 from cv_mutations.ids import NodeId
 
 __all__ = [
     "OP_ADAPTER",
     "OP_TYPES",
     "FieldName",
+    "Fields",
     "InvalidOp",
     "NodeDelete",
     "NodeIncrement",
@@ -39,17 +42,38 @@ __all__ = [
 FieldName = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 
 
-class NodeInsert(OpIdEnvelope):
+def _is_json_text(value: dict[str, JsonValue]) -> dict[str, JsonValue]:
+    json_size(value)  # refuses NaN, Infinity and lone surrogates (see json_size)
+    return value
+
+
+#: Node fields as an op carries them: values that always serialize as JSON text.
+Fields = Annotated[dict[FieldName, JsonValue], AfterValidator(_is_json_text)]
+
+
+def _type_is_required(schema: dict[str, Any]) -> None:
+    # `type` has a default so Python callers can write NodeMove(...), but on the wire it is the
+    # discriminator and parse_op refuses an op without it; the schema must say so too.
+    required = schema.setdefault("required", [])
+    if "type" not in required:
+        required.insert(0, "type")
+
+
+class _OpModel(OpIdEnvelope):
+    model_config = ConfigDict(json_schema_extra=_type_is_required)
+
+
+class NodeInsert(_OpModel):
     """Insert a new leaf `node_id` under `parent_id` at `index` (appended when omitted)."""
 
     type: Literal["node.insert"] = "node.insert"
     node_id: NodeId
     parent_id: NodeId
     index: Annotated[int, Field(ge=0)] | None = None
-    fields: dict[FieldName, JsonValue] = Field(default_factory=dict)
+    fields: Fields = Field(default_factory=dict)
 
 
-class NodeMove(OpIdEnvelope):
+class NodeMove(_OpModel):
     """Move `node_id` (with its subtree) to position `index` among `parent_id`'s children.
 
     `index` counts the new parent's children *after* the node has been taken out, so moving a node
@@ -62,19 +86,19 @@ class NodeMove(OpIdEnvelope):
     index: Annotated[int, Field(ge=0)]
 
 
-class NodeDelete(OpIdEnvelope):
+class NodeDelete(_OpModel):
     """Delete `node_id` and its whole subtree."""
 
     type: Literal["node.delete"] = "node.delete"
     node_id: NodeId
 
 
-class NodeUpdate(OpIdEnvelope):
+class NodeUpdate(_OpModel):
     """Set and/or remove fields of `node_id`. `unset` of an absent field is a no-op."""
 
     type: Literal["node.update"] = "node.update"
     node_id: NodeId
-    set: dict[FieldName, JsonValue] = Field(default_factory=dict)
+    set: Fields = Field(default_factory=dict)
     unset: list[FieldName] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -85,7 +109,7 @@ class NodeUpdate(OpIdEnvelope):
         return self
 
 
-class NodeIncrement(OpIdEnvelope):
+class NodeIncrement(_OpModel):
     """Add `by` to the numeric field `field` of `node_id` (an absent field counts as 0).
 
     Deliberately not idempotent: a double apply is visible, which is how tests catch one.

@@ -7,6 +7,7 @@ walks or copies the whole tree.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Final
 
@@ -151,8 +152,15 @@ def _increment(state: SubDocState, op: NodeIncrement) -> Undo:
     # bool is an int subclass in Python but not a number in JSON.
     if isinstance(current, bool) or not isinstance(current, int | float):
         raise OpRejected("not_a_number", f"field {op.field!r} holds {type(current).__name__}")
+    try:
+        total = current + op.by
+    except OverflowError:  # a float plus an int beyond float range
+        total = math.inf
+    # Two finite floats can still sum to inf, which has no JSON form; the field is left as it was.
+    if isinstance(total, float) and not math.isfinite(total):
+        raise OpRejected("not_a_number", f"field {op.field!r} would leave the float range")
     had = op.field in fields
-    fields[op.field] = current + op.by
+    fields[op.field] = total
 
     def undo() -> None:
         if had:
