@@ -41,6 +41,24 @@ async def test_the_outbox_file_runs_wal_with_synchronous_full(tmp_path: Path) ->
     assert settings["locking_mode"] == "exclusive"
 
 
+async def test_deletes_commit_without_their_own_fsync_and_inserts_stay_full(
+    tmp_path: Path,
+) -> None:
+    outbox = await SQLiteOutbox.open(tmp_path / "app.outbox")
+    try:
+        assert await write(outbox, OutboxWrite(inserts=[row(1), row(2)])) is None
+        assert await write(outbox, OutboxWrite(deletes=[1])) is None
+        after_delete = await outbox.settings()
+        assert await write(outbox, OutboxWrite(inserts=[row(3)])) is None
+        pending = [r.seq for r in await outbox.pending()]
+    finally:
+        await outbox.close()
+    # A delete-only group drops to NORMAL for its commit and restores FULL right after, so the
+    # next insert (an op about to be sent) is fsynced again.
+    assert after_delete["synchronous"] == 2
+    assert pending == [2, 3]
+
+
 async def test_pending_rows_survive_a_new_instance_in_their_original_order(tmp_path: Path) -> None:
     path = tmp_path / "app.outbox"
     first = await SQLiteOutbox.open(path)
