@@ -24,6 +24,10 @@ def bearer_token(request: web.Request, *, allow_query: bool = False) -> str | No
     return None
 
 
+#: The clock expiry is checked against (a module attribute so tests can move it).
+now = time.time
+
+
 @functools.lru_cache(maxsize=4096)
 def _verified(secret: bytes, token: str) -> TokenClaims:
     """Signature and payload checks, cached: a client sends the same token on every request,
@@ -40,7 +44,7 @@ def authenticate(request: web.Request, *, allow_query: bool = False) -> TokenCla
         claims = _verified(request.app[SECRET], token)
     except TokenError as exc:
         raise Problem(401, "unauthorized", str(exc)) from None
-    if claims.expires_at is not None and time.time() >= claims.expires_at:
+    if claims.expires_at is not None and now() >= claims.expires_at:
         raise Problem(401, "unauthorized", "token expired")
     return claims
 
