@@ -63,6 +63,8 @@ async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
     app[SECRET] = stores.secret
     hub = Hub(stores.oplog)
     app[HUB] = hub
+    if stores.follow_commits is not None:  # PostgreSQL: commits of the other instances
+        await stores.follow_commits(hub.notify_head, hub.wake_all)
     app[METRICS].gauges["cv_ws_connections"] = lambda: len(app[CONNECTIONS])
     app[METRICS].gauges["cv_subscriptions"] = lambda: hub.subscriber_count
     config = app[CONFIG]

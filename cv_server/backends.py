@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import sqlite_utils
 
@@ -23,7 +24,15 @@ from cv_server.queue import (
 from cv_server.queue import sqlite as queue_sqlite
 from cv_server.sqlite_db import SQLiteDatabase
 
-__all__ = ["Stores", "open_sqlite_database", "open_stores"]
+__all__ = ["FollowCommits", "Stores", "open_sqlite_database", "open_stores"]
+
+#: `await follow(on_head, on_reconnect)`: from now on, call `on_head(workspace_id, sub_doc,
+#: clock)` when any instance commits to a sub-doc, and `on_reconnect()` when such news may have
+#: been lost (subscribers then catch up from the log). Only backends shared by several
+#: instances have one.
+FollowCommits: TypeAlias = Callable[
+    [Callable[[str, str, int], None], Callable[[], None]], Awaitable[None]
+]
 
 
 @dataclass
@@ -36,6 +45,7 @@ class Stores:
     blobs: BlobStore
     locks: ComputeLockStore
     secret: bytes
+    follow_commits: FollowCommits | None = None
     _closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
     async def close(self) -> None:
@@ -58,7 +68,10 @@ async def open_sqlite_database(path: str) -> SQLiteDatabase:
 
 async def open_stores(config: ServerConfig) -> Stores:
     if config.database_url:
-        raise NotImplementedError("the PostgreSQL backend is not wired yet")
+        # Imported here: asyncpg is needed only where PostgreSQL is used (the `postgres` extra).
+        from cv_server.pg.stores import open_postgres_stores
+
+        return await open_postgres_stores(config)
     if config.db_path is None:
         raise ValueError("ServerConfig needs db_path (SQLite) or database_url (PostgreSQL)")
     db = await open_sqlite_database(str(config.db_path))

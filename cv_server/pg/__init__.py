@@ -2,10 +2,15 @@
 
 Needs the `postgres` extra (asyncpg). Connections carry the DESIGN §10 guards (`pool`), the schema
 is versioned (`migrations`), transactions retry serialization failures only (`retry`), and
-instances tell each other about commits with LISTEN/NOTIFY (`notifier`). Stores: `oplog`.
+instances tell each other about commits with LISTEN/NOTIFY (`notifier`). Stores: `oplog`,
+`queue`, `locks`, `idempotency`, `blobs`; `stores.open_postgres_stores` opens them all for one
+server instance.
 """
 
+from cv_server.pg.blobs import PostgresBlobStore
 from cv_server.pg.errors import MigrationError, NotifyPayloadTooLarge, PostgresBackendError
+from cv_server.pg.idempotency import PostgresIdempotencyStore
+from cv_server.pg.locks import PostgresComputeLockStore
 from cv_server.pg.migrations import Migration, applied_versions, load_migrations, migrate
 from cv_server.pg.notifier import NOTIFY_PAYLOAD_LIMIT, Notifier, Subscription, notify
 from cv_server.pg.oplog import (
@@ -16,6 +21,7 @@ from cv_server.pg.oplog import (
     parse_oplog_payload,
 )
 from cv_server.pg.pool import PostgresSettings, connect, create_pool
+from cv_server.pg.queue import QUEUE_CHANNEL, PostgresQueueStore
 from cv_server.pg.retry import (
     RETRYABLE_SQLSTATES,
     SerializationRetryPolicy,
@@ -23,10 +29,12 @@ from cv_server.pg.retry import (
     is_retryable,
     run_with_retry,
 )
+from cv_server.pg.stores import SchemaMissing, open_postgres_stores, read_token_secret
 
 __all__ = [
     "NOTIFY_PAYLOAD_LIMIT",
     "OPLOG_CHANNEL",
+    "QUEUE_CHANNEL",
     "RETRYABLE_SQLSTATES",
     "Migration",
     "MigrationError",
@@ -34,8 +42,13 @@ __all__ = [
     "NotifyPayloadTooLarge",
     "OpLogCorrupted",
     "PostgresBackendError",
+    "PostgresBlobStore",
+    "PostgresComputeLockStore",
+    "PostgresIdempotencyStore",
     "PostgresOpLogStore",
+    "PostgresQueueStore",
     "PostgresSettings",
+    "SchemaMissing",
     "SerializationRetryPolicy",
     "Subscription",
     "applied_versions",
@@ -46,7 +59,9 @@ __all__ = [
     "load_migrations",
     "migrate",
     "notify",
+    "open_postgres_stores",
     "oplog_payload",
     "parse_oplog_payload",
+    "read_token_secret",
     "run_with_retry",
 ]

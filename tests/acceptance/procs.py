@@ -20,9 +20,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def mint_cli_token(db: Path, workspace: str) -> str:
+def mint_cli_token(db: Path | None, workspace: str, *, database_url: str | None = None) -> str:
+    """`cv-server token` for the SQLite file `db`, or for the PostgreSQL `database_url` (a
+    `search_path` in its query selects the schema)."""
+    backend = ["--database-url", database_url] if database_url else ["--db", str(db)]
     out = subprocess.run(
-        [sys.executable, "-m", "cv_server.cli", "token", "--db", str(db), "--workspace", workspace],
+        [sys.executable, "-m", "cv_server.cli", "token", *backend, "--workspace", workspace],
         capture_output=True,
         text=True,
         check=True,
@@ -32,10 +35,14 @@ def mint_cli_token(db: Path, workspace: str) -> str:
 
 
 class ServerProcess:
-    """`cv-server serve` on a fixed loopback port, so a restart keeps the same URL."""
+    """`cv-server serve` on a fixed loopback port, so a restart keeps the same URL. With
+    `database_url` it serves from PostgreSQL (`db` is then unused and may be None)."""
 
-    def __init__(self, db: Path, port: int, log: Path) -> None:
+    def __init__(
+        self, db: Path | None, port: int, log: Path, *, database_url: str | None = None
+    ) -> None:
         self.db = db
+        self.database_url = database_url
         self.port = port
         self.log = log
         self.proc: subprocess.Popen[str] | None = None
@@ -48,7 +55,10 @@ class ServerProcess:
     def start(self, timeout: float = 30) -> None:
         self._close_files()
         self._log_file = self.log.open("a")
-        args = ["serve", "--db", str(self.db), "--port", str(self.port), "--log-level", "WARNING"]
+        backend = (
+            ["--database-url", self.database_url] if self.database_url else ["--db", str(self.db)]
+        )
+        args = ["serve", *backend, "--port", str(self.port), "--log-level", "WARNING"]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cv_server.cli", *args],
             stdout=subprocess.PIPE,

@@ -1,0 +1,251 @@
+"""Queue drain on PostgreSQL, next to procrastinate on the same database in the same run (issue 7).
+
+    python -m bench.pg_queue --database-url postgresql://postgres@127.0.0.1:5432/test
+                             [--jobs 4000] [--workers 4] [--batches 1,16,64]
+                             [--peer-concurrency 1,16] [--rounds 1] [--procrastinate-python PATH]
+
+cv-workspace: one `cv-server` on PostgreSQL (fresh schema); N no-op requests enqueued through
+`POST /v1/workspaces/{ws}/requests` by 16 concurrent clients; then `--workers` worker processes
+drain them through the HTTP worker routes — with batch 1, `POST /v1/queue/claim` and the
+request's own `.../complete` (one claim and one complete per job, as a plain worker does); with
+batch B > 1, `claim` with `limit: B` and `POST /v1/queue/complete` (one commit per batch).
+Each worker stops at its first empty claim (everything was enqueued before the drain began).
+
+procrastinate: the same N no-op jobs deferred in batches into its own fresh schema, then as many
+worker processes (`wait=False`: exit once caught up, LISTEN/NOTIFY on) drain them, each running
+one job at a time (`concurrency=1`, as our batch 1) or several (`--peer-concurrency`: its way of
+keeping more jobs in flight per worker, as our batches do). It runs from a throwaway virtualenv
+(`--procrastinate-python`, or one this script creates under the temp dir): never a dependency of
+this project.
+
+Both sides are checked after the drain (every job done exactly once) before a figure is printed.
+Both are durable (`synchronous_commit` as configured, printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Final
+
+import asyncpg  # type: ignore[import-untyped]
+
+from bench.pg_instances import RawPoster, Server, cli, fresh_schema, pg_setting, with_schema
+
+WORKSPACE: Final = "bench"
+STAGE: Final = "noop"
+ENQUEUERS: Final = 16
+PEER_REQUIREMENT: Final = "procrastinate[psycopg]==3.10.0"
+
+
+# -- cv-workspace ----------------------------------------------------------------------------------
+
+
+async def _enqueue(url: str, token: str, jobs: int) -> float:
+    started = time.perf_counter()
+    path = f"/v1/workspaces/{WORKSPACE}/requests"
+
+    async def enqueuer(first: int) -> None:
+        poster = RawPoster(url, token)
+        try:
+            for i in range(first, jobs, ENQUEUERS):
+                body = json.dumps({"stage": STAGE, "job_id": f"job-{i}"}).encode()
+                status, answer = await poster.post(path, body)
+                if status != 202:
+                    raise RuntimeError(f"enqueue refused: {status} {answer}")
+        finally:
+            poster.close()
+
+    await asyncio.gather(*(enqueuer(k) for k in range(ENQUEUERS)))
+    return time.perf_counter() - started
+
+
+async def _drain(url: str, token: str, batch: int, worker: int) -> int:
+    poster = RawPoster(url, token)
+    claim: dict[str, Any] = {"worker_classes": [STAGE], "worker_id": f"bench-{worker}"}
+    if batch > 1:
+        claim["limit"] = batch
+    claim_body = json.dumps(claim).encode()
+    done = 0
+    try:
+        while True:
+            status, answer = await poster.post("/v1/queue/claim", claim_body)
+            if status == 204:
+                return done
+            if status != 200:
+                raise RuntimeError(f"claim refused: {status} {answer}")
+            if batch == 1:
+                row = answer["request"]
+                path = f"/v1/workspaces/{row['workspace_id']}/requests/{row['request_id']}/complete"
+                body = {"claim_token": row["claim_token"], "result": None}
+            else:
+                rows = answer["requests"]
+                path = "/v1/queue/complete"
+                body = {
+                    "completions": [
+                        {"request_id": r["request_id"], "claim_token": r["claim_token"]}
+                        for r in rows
+                    ]
+                }
+            status, answer = await poster.post(path, json.dumps(body).encode())
+            if status != 200:
+                raise RuntimeError(f"complete refused: {status} {answer}")
+            done += 1 if batch == 1 else len(body["completions"])
+    finally:
+        poster.close()
+
+
+def _drain_process(
+    url: str, token: str, batch: int, worker: int, ready: Any, go: Any, out: Any
+) -> None:
+    # Imported and waiting: the clock starts when every worker is. The connection opens with
+    # the first claim, as a worker starting up pays it.
+    ready.set()
+    go.wait(120)
+    out.put(asyncio.run(_drain(url, token, batch, worker)))
+
+
+async def _check_done(database_url: str, jobs: int) -> None:
+    conn = await asyncpg.connect(database_url)
+    try:
+        row = await conn.fetchrow(
+            "SELECT count(*) FILTER (WHERE status = 'done') AS done,"
+            " count(*) AS total, max(dequeue_count) AS dequeues FROM workspace_process_requests"
+        )
+    finally:
+        await conn.close()
+    if (row["done"], row["total"], row["dequeues"]) != (jobs, jobs, 1):
+        raise RuntimeError(f"drain incomplete or repeated: {dict(row)}")
+
+
+def run_ours(dsn: str, jobs: int, workers: int, batch: int) -> tuple[float, float]:
+    """(enqueue seconds, drain seconds) for cv-workspace."""
+    with fresh_schema(dsn) as schema:
+        url = with_schema(dsn, schema)
+        token = subprocess.run(
+            cli("token", "--database-url", url, "--workspace", "*"),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout.strip()
+        server = Server.start(url)
+        try:
+            enqueue_s = asyncio.run(_enqueue(server.url, token, jobs))
+            ctx = multiprocessing.get_context("spawn")
+            go, out = ctx.Event(), ctx.Queue()
+            readies = [ctx.Event() for _ in range(workers)]
+            procs = [
+                ctx.Process(
+                    target=_drain_process, args=(server.url, token, batch, w, ready, go, out)
+                )
+                for w, ready in enumerate(readies)
+            ]
+            for proc in procs:
+                proc.start()
+            if not all(ready.wait(120) for ready in readies):
+                raise RuntimeError("a worker process did not get ready")
+            started = time.perf_counter()
+            go.set()
+            drained = sum(out.get(timeout=600) for _ in procs)
+            drain_s = time.perf_counter() - started
+            for proc in procs:
+                proc.join(timeout=30)
+        finally:
+            server.stop()
+        if drained != jobs:
+            raise RuntimeError(f"workers completed {drained} of {jobs}")
+        asyncio.run(_check_done(url, jobs))
+    return enqueue_s, drain_s
+
+
+# -- procrastinate ---------------------------------------------------------------------------------
+
+
+def peer_python(given: str | None) -> str:
+    """The interpreter of a virtualenv with procrastinate: `given`, or one created (once) in
+    the temp dir."""
+    if given:
+        return given
+    venv = Path(tempfile.gettempdir()) / "cv-bench-procrastinate"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", PEER_REQUIREMENT], check=True, timeout=600
+        )
+    return str(python)
+
+
+def run_procrastinate(
+    python: str, dsn: str, jobs: int, workers: int, concurrency: int
+) -> tuple[float, float]:
+    """(enqueue seconds, drain seconds) for procrastinate."""
+    with fresh_schema(dsn) as schema:
+        args = [dsn, schema, str(jobs), str(workers), str(concurrency)]
+        done = subprocess.run(
+            [python, "-m", "bench._procrastinate_peer", *args],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=Path(__file__).resolve().parent.parent,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"procrastinate run failed: {done.stderr[-2000:]}")
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+    if report["succeeded"] != jobs:
+        raise RuntimeError(f"procrastinate finished {report['succeeded']} of {jobs} jobs")
+    return float(report["enqueue_s"]), float(report["drain_s"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.pg_queue", description=__doc__)
+    parser.add_argument("--database-url", required=True)
+    parser.add_argument("--jobs", type=int, default=4000)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--peer-concurrency", default="1,16")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--procrastinate-python", default=None)
+    args = parser.parse_args(argv)
+    dsn, jobs, workers = args.database_url, args.jobs, args.workers
+    python = peer_python(args.procrastinate_python)
+    print(
+        f"PostgreSQL synchronous_commit={pg_setting(dsn, 'synchronous_commit')}; {jobs} no-op"
+        f" jobs, {workers} workers; load {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    for _ in range(args.rounds):
+        peers: dict[int, float] = {}
+        for concurrency in (int(c) for c in args.peer_concurrency.split(",")):
+            peer_enqueue, peer_drain = run_procrastinate(python, dsn, jobs, workers, concurrency)
+            peers[concurrency] = peer_drain
+            print(
+                f"  procrastinate, concurrency {concurrency:<4}"
+                f"  enqueue {jobs / peer_enqueue:7,.0f} jobs/s"
+                f"   drain {jobs / peer_drain:7,.0f} jobs/s",
+                flush=True,
+            )
+        best_peer = min(peers.values())
+        for batch in (int(b) for b in args.batches.split(",")):
+            enqueue_s, drain_s = run_ours(dsn, jobs, workers, batch)
+            print(
+                f"  cv-workspace, batch {batch:<4}        enqueue {jobs / enqueue_s:7,.0f} jobs/s"
+                f"   drain {jobs / drain_s:7,.0f} jobs/s"
+                f"   {best_peer / drain_s:5.1f}x procrastinate's best drain",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,234 @@
+"""The SQL of the PostgreSQL work queue and the mapping between its rows and `ProcessRequest`.
+
+Tables come from `migrations/006_process_requests.sql`; names are unqualified (they resolve on
+the connection's `search_path`, see `pool.PostgresSettings.schema`). JSON columns travel as
+Python objects through the pool's codec, except inside `unnest` arrays, where they travel as
+text and are cast back (`json_text`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import fields
+from typing import Any, Final
+
+from cv_server.queue.model import ProcessRequest
+
+__all__ = [
+    "COLUMNS",
+    "INSERT_IF_ABSENT",
+    "INSERT_NEW_AND_NOTIFY",
+    "LIFECYCLE",
+    "LOCK_MANY",
+    "LOCK_ONE",
+    "NOTIFY_MANY",
+    "REWRITE",
+    "SELECT",
+    "TABLE",
+    "UPDATE_LIFECYCLE_AND_NOTIFY",
+    "claim_sql",
+    "json_text",
+    "lifecycle_arrays",
+    "list_sql",
+    "request_from_row",
+    "row_values",
+]
+
+TABLE: Final = "workspace_process_requests"
+
+COLUMNS: Final = tuple(f.name for f in fields(ProcessRequest))
+_JSON_COLUMNS: Final = frozenset({"input", "result", "error", "telemetry"})
+#: What only a rerun (which rewrites the whole request) may change.
+_REQUEST_COLUMNS: Final = frozenset(
+    {"request_id", "workspace_id", "stage", "job_id", "branch_path", "input", "worker_class"}
+    | {"run", "max_dequeues", "created_at"}
+)
+#: What every other verb may change.
+LIFECYCLE: Final = tuple(c for c in COLUMNS if c not in _REQUEST_COLUMNS)
+_SQL_TYPES: Final = {
+    "status": "text",
+    "claim_token": "text",
+    "claimed_by": "text",
+    "lease_expires_at": "float8",
+    "available_at": "float8",
+    "dequeue_count": "int4",
+    "result": "text",
+    "error": "text",
+    "blob_ref": "text",
+    "cache": "text",
+    "claimed_at": "float8",
+    "finished_at": "float8",
+    "telemetry": "text",
+}
+
+_COLUMN_LIST: Final = ", ".join(COLUMNS)
+SELECT: Final = f"SELECT {_COLUMN_LIST} FROM {TABLE}"
+LOCK_ONE: Final = f"{SELECT} WHERE request_id = $1 FOR UPDATE"
+# In id order: two transactions locking overlapping batches then queue instead of deadlocking.
+LOCK_MANY: Final = f"{SELECT} WHERE request_id = ANY($1::text[]) ORDER BY request_id FOR UPDATE"
+
+_VALUES: Final = ", ".join(f"${i}" for i in range(1, len(COLUMNS) + 1))
+_NEXT: Final = len(COLUMNS) + 1
+INSERT_IF_ABSENT: Final = (
+    f"INSERT INTO {TABLE} ({_COLUMN_LIST}) VALUES ({_VALUES})"
+    " ON CONFLICT (request_id) DO NOTHING RETURNING request_id"
+)
+# One statement, hence one transaction: the row and the announcement of its arrival commit
+# together, and the announcement only if the row was new.
+INSERT_NEW_AND_NOTIFY: Final = f"""
+WITH inserted AS ({INSERT_IF_ABSENT})
+SELECT request_id, pg_notify(${_NEXT}, ${_NEXT + 1}) FROM inserted
+"""
+#: A rerun re-opens a finished request: every column but the key is written.
+REWRITE: Final = (
+    f"UPDATE {TABLE} SET "
+    + ", ".join(f"{c} = ${i}" for i, c in enumerate(COLUMNS, start=1) if c != "request_id")
+    + " WHERE request_id = $1"
+)
+NOTIFY_MANY: Final = "SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p"
+
+
+def _unnest_column(column: str) -> str:
+    value = f"u.{column}"
+    return f"{value}::json" if column in _JSON_COLUMNS else value
+
+
+_ARRAYS: Final = ", ".join(f"${i}::{_SQL_TYPES[c]}[]" for i, c in enumerate(LIFECYCLE, start=2))
+_NOTIFY_ARG: Final = len(LIFECYCLE) + 2
+# The rows, then the notifications (which fire at COMMIT, never on rollback), in one round trip.
+UPDATE_LIFECYCLE_AND_NOTIFY: Final = f"""
+WITH updated AS (
+    UPDATE {TABLE} t SET {", ".join(f"{c} = {_unnest_column(c)}" for c in LIFECYCLE)}
+    FROM unnest($1::text[], {_ARRAYS}) AS u(request_id, {", ".join(LIFECYCLE)})
+    WHERE t.request_id = u.request_id
+)
+SELECT pg_notify(${_NOTIFY_ARG}, p) FROM unnest(${_NOTIFY_ARG + 1}::text[]) AS p
+"""
+
+
+def json_text(value: Any) -> str | None:
+    """A JSON column value as text for an `unnest` array (SQL NULL for None)."""
+    if value is None:
+        return None
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def row_values(row: ProcessRequest) -> list[Any]:
+    """The parameters of `INSERT_IF_ABSENT` / `REWRITE`, in `COLUMNS` order."""
+    return [getattr(row, column) for column in COLUMNS]
+
+
+def lifecycle_arrays(rows: Sequence[ProcessRequest]) -> list[list[Any]]:
+    """The array parameters of `UPDATE_LIFECYCLE_AND_NOTIFY` ($1 .. before the channel)."""
+    arrays: list[list[Any]] = [[row.request_id for row in rows]]
+    for column in LIFECYCLE:
+        if column in _JSON_COLUMNS:
+            arrays.append([json_text(getattr(row, column)) for row in rows])
+        else:
+            arrays.append([getattr(row, column) for row in rows])
+    return arrays
+
+
+def request_from_row(row: Mapping[str, Any]) -> ProcessRequest:
+    return ProcessRequest(**{column: row[column] for column in COLUMNS})
+
+
+@functools.lru_cache(maxsize=256)
+def claim_sql(classes: int, workspaces: int | None) -> str:
+    """The claim statement for `classes` worker classes and `workspaces` allowed workspaces
+    (None: all). Parameters: $1 now, $2 limit, $3 worker_id, $4 lease, $5 claim tokens (one per
+    possible row), $6 the classes, $7 the workspaces (if restricted), $8 channel, $9 instance
+    id; then the classes one by one, then the workspaces one by one.
+
+    One statement, one implicit transaction, one round trip:
+
+    - one pending probe per class (and per allowed workspace), each an index walk of its partial
+      index in claimable-since order that stops after `limit` rows;
+    - one probe of lapsed leases (their workers died) that may still run; one of lapsed leases
+      that were dequeued `max_dequeues` times, which are parked as poison (seed 003);
+    - the oldest `limit` candidates by when they became claimable are claimed, each under its own
+      token; `FOR UPDATE SKIP LOCKED` in every probe, so concurrent claimers on any instance
+      never wait on each other nor get the same row;
+    - a parked row is announced (NOTIFY, fired at commit) to waiters on every instance.
+
+    The claim itself is `model.claim` and the parking `model.poison_exhausted`, spelled in SQL
+    (tests compare the rows with the model's).
+    """
+    first_class = 10
+    first_ws = first_class + classes
+    # $7 is NULL when every workspace is allowed (always referenced, so its type is known).
+    ws_filter = " AND ($7::text[] IS NULL OR workspace_id = ANY($7::text[]))"
+    probes: list[str] = []
+    for c in range(classes):
+        class_param = f"${first_class + c}"
+        targets: list[str | None] = (
+            [None] if workspaces is None else [f"${first_ws + w}" for w in range(workspaces)]
+        )
+        for ws_param in targets:
+            ws_clause = "" if ws_param is None else f" AND workspace_id = {ws_param}"
+            probes.append(
+                f"SELECT request_id, available_at AS since, created_at, seq FROM {TABLE}"
+                f" WHERE status = 'pending' AND worker_class = {class_param}{ws_clause}"
+                " AND available_at <= $1::float8"
+                " ORDER BY available_at, created_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED"
+            )
+    lapsed_where = (
+        "status = 'in_progress' AND worker_class = ANY($6::text[]) AND lease_expires_at < $1"
+        f"{ws_filter}"
+    )
+    ctes = [f"pending_{i} AS ({probe})" for i, probe in enumerate(probes)]
+    ctes.append(
+        f"lapsed AS (SELECT request_id, lease_expires_at AS since, created_at, seq FROM {TABLE}"
+        f" WHERE {lapsed_where} AND dequeue_count < max_dequeues"
+        " ORDER BY lease_expires_at, created_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED)"
+    )
+    ctes.append(
+        f"doomed AS (SELECT request_id FROM {TABLE}"
+        f" WHERE {lapsed_where} AND dequeue_count >= max_dequeues"
+        " LIMIT $2 FOR UPDATE SKIP LOCKED)"
+    )
+    candidates = " UNION ALL ".join(
+        [f"SELECT * FROM pending_{i}" for i in range(len(probes))] + ["SELECT * FROM lapsed"]
+    )
+    ctes.append(
+        "chosen AS (SELECT request_id, row_number() OVER (ORDER BY since, created_at, seq) AS n"
+        f" FROM ({candidates}) c ORDER BY since, created_at, seq LIMIT $2)"
+    )
+    returning = ", ".join(f"t.{c}" for c in COLUMNS)
+    ctes.append(
+        f"claimed AS (UPDATE {TABLE} t SET status = 'in_progress',"
+        " claim_token = ($5::text[])[chosen.n], claimed_by = $3::text, claimed_at = $1,"
+        " lease_expires_at = $1::float8 + $4::float8, dequeue_count = t.dequeue_count + 1"
+        f" FROM chosen WHERE t.request_id = chosen.request_id RETURNING {returning}, chosen.n)"
+    )
+    ctes.append(
+        f"parked AS (UPDATE {TABLE} t SET status = 'poison', lease_expires_at = NULL,"
+        " finished_at = $1, error = coalesce(t.error, json_build_object("
+        "'code', 'lease_lapsed', 'message',"
+        " 'the lease lapsed on dequeue ' || t.dequeue_count || ' of ' || t.max_dequeues))"
+        " FROM doomed WHERE t.request_id = doomed.request_id"
+        f" RETURNING {returning}, 0::bigint AS n)"
+    )
+    announce = (
+        "CASE WHEN r.status = 'poison' THEN pg_notify($8::text, json_build_array($9::text,"
+        " json_build_array(json_build_array(r.workspace_id, r.request_id, r.status, r.run,"
+        " r.worker_class)))::text) END"
+    )
+    return (
+        f"WITH {', '.join(ctes)} "
+        f"SELECT r.*, {announce} AS announced"
+        " FROM (SELECT * FROM parked UNION ALL SELECT * FROM claimed) r ORDER BY r.n"
+    )
+
+
+def list_sql(by_status: bool, by_workspace: bool) -> str:
+    """`list`: $1 limit, then the status and the workspace if filtered on."""
+    where: list[str] = []
+    if by_status:
+        where.append(f"status = ${len(where) + 2}")
+    if by_workspace:
+        where.append(f"workspace_id = ${len(where) + 2}")
+    clause = f" WHERE {' AND '.join(where)}" if where else ""
+    return f"{SELECT}{clause} ORDER BY created_at, seq LIMIT $1"

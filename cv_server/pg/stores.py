@@ -1,0 +1,171 @@
+"""Opening every store of one server instance on PostgreSQL (DESIGN §9, issue 7).
+
+One pool for transactions, one dedicated LISTEN connection (`Notifier`) shared by the op-log and
+the queue, migrations applied at start under the advisory lock, the token secret read from (or
+created in) `server_meta`. The schema comes from the DSN's `search_path` (for example
+`?options=-csearch_path%3Dname`, or `cv-server serve --schema name`); it must exist.
+
+Notification channels are per database, not per schema, so each channel name carries the schema:
+deployments (and test runs) that share a database in separate schemas never wake each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Callable
+from typing import Final
+
+import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
+
+from cv_server.backends import Stores
+from cv_server.config import ServerConfig
+from cv_server.pg.blobs import PostgresBlobStore
+from cv_server.pg.errors import PostgresBackendError
+from cv_server.pg.idempotency import PostgresIdempotencyStore
+from cv_server.pg.locks import PostgresComputeLockStore
+from cv_server.pg.meta import postgres_token_secret
+from cv_server.pg.migrations import migrate
+from cv_server.pg.notifier import Notifier
+from cv_server.pg.oplog import OPLOG_CHANNEL, PostgresOpLogStore, parse_oplog_payload
+from cv_server.pg.pool import PostgresSettings, create_pool
+from cv_server.pg.queue import QUEUE_CHANNEL, PostgresQueueStore
+
+__all__ = [
+    "SchemaMissing",
+    "channel_name",
+    "listen_application_name",
+    "open_postgres_stores",
+    "read_token_secret",
+]
+
+logger = logging.getLogger(__name__)
+
+#: How long a commit notification waits before it reaches the hub (see `follow_commits`): a
+#: delivery delay for other instances' ops, traded for not re-reading the log on our own.
+OWN_PUBLISH_GRACE_SECONDS: Final = 0.005
+
+#: PostgreSQL truncates identifiers (channel names included) at 63 bytes.
+_MAX_CHANNEL_BYTES: Final = 63
+
+
+class SchemaMissing(PostgresBackendError):
+    """The DSN's search_path names no schema that exists: create it first."""
+
+    code = "schema_missing"
+
+
+def channel_name(base: str, schema: str) -> str:
+    """`base` scoped to `schema`; a schema too long for the identifier limit is hashed."""
+    name = f"{base}_{schema}"
+    if len(name.encode("utf-8")) <= _MAX_CHANNEL_BYTES:
+        return name
+    return f"{base}_{hashlib.sha256(schema.encode('utf-8')).hexdigest()[:24]}"
+
+
+def listen_application_name(queue: PostgresQueueStore) -> str:
+    """The `application_name` of an instance's LISTEN connection (see `pg_stat_activity`)."""
+    return f"cv-server-listen-{queue.instance_id}"
+
+
+async def _current_schema(pool: asyncpg.Pool) -> str:
+    schema = await pool.fetchval("SELECT current_schema()")
+    if schema is None:
+        search_path = await pool.fetchval("SHOW search_path")
+        raise SchemaMissing(f"no schema of search_path {search_path!r} exists; create it first")
+    return str(schema)
+
+
+async def _prepared_pool(dsn: str, settings: PostgresSettings) -> tuple[asyncpg.Pool, str]:
+    """A pool on a migrated database, and the schema it works in."""
+    pool = await create_pool(dsn, settings)
+    try:
+        schema = await _current_schema(pool)
+        await migrate(pool)
+    except BaseException:
+        await pool.close()
+        raise
+    return pool, schema
+
+
+async def read_token_secret(dsn: str) -> bytes:
+    """The token secret of the deployment at `dsn` (created if none), for `cv-server token`."""
+    pool, _ = await _prepared_pool(dsn, PostgresSettings(pool_min_size=1, pool_max_size=1))
+    try:
+        return await postgres_token_secret(pool)
+    finally:
+        await pool.close()
+
+
+async def open_postgres_stores(config: ServerConfig) -> Stores:
+    """Every store of one instance, sharing one pool and one LISTEN connection."""
+    if not config.database_url:
+        raise ValueError("ServerConfig.database_url is required for the PostgreSQL backend")
+    dsn = config.database_url
+    pool, schema = await _prepared_pool(dsn, PostgresSettings())
+    queue = PostgresQueueStore(pool, channel=channel_name(QUEUE_CHANNEL, schema))
+    # Named after the instance, so an operator (or a test) can tell the listeners apart.
+    notifier = Notifier(dsn, PostgresSettings(application_name=listen_application_name(queue)))
+    oplog_channel = channel_name(OPLOG_CHANNEL, schema)
+    try:
+        await notifier.start()
+        oplog = PostgresOpLogStore(
+            pool,
+            snapshot_every=config.snapshot_every,
+            channel=oplog_channel,
+            max_group_ops=config.max_ops_per_request,
+        )
+        await queue.listen(notifier)
+        secret = config.token_secret or await postgres_token_secret(pool)
+    except BaseException:
+        await notifier.close()
+        await pool.close()
+        raise
+    idempotency = PostgresIdempotencyStore(pool, retention=config.idempotency_retention_seconds)
+    blobs = PostgresBlobStore(pool, retention=config.blob_retention_seconds)
+    locks = PostgresComputeLockStore(pool)
+
+    async def follow_commits(
+        on_head: Callable[[str, str, int], None], on_reconnect: Callable[[], None]
+    ) -> None:
+        """Tell `on_head(ws, sub_doc, clock)` of every commit (ours included: a subscriber that
+        already has it ignores it), and `on_reconnect()` when notifications may have been lost."""
+
+        loop = asyncio.get_running_loop()
+
+        def on_payload(payload: str) -> None:
+            try:
+                workspace_id, sub_doc, clock = parse_oplog_payload(payload)
+            except ValueError:
+                logger.warning("ignoring a malformed op-log notification %r", payload[:200])
+                return
+            # Our own commits are announced too, and their notification usually arrives a few
+            # event-loop turns before the handler that committed publishes them: handled at
+            # once, it would send every subscriber to the log for ops already on their way.
+            # A short grace lets our publish land first: a subscriber that already has the
+            # head then ignores it.
+            loop.call_later(OWN_PUBLISH_GRACE_SECONDS, on_head, workspace_id, sub_doc, clock)
+
+        await notifier.listen(oplog_channel, on_payload, on_reconnect)
+
+    return Stores(
+        oplog=oplog,
+        queue=queue,
+        idempotency=idempotency,
+        blobs=blobs,
+        locks=locks,
+        secret=secret,
+        follow_commits=follow_commits,
+        # Closed in reverse: the stores first (finishing queued appends), then the LISTEN
+        # connection, the pool last.
+        _closers=[
+            pool.close,
+            notifier.close,
+            locks.close,
+            blobs.close,
+            idempotency.close,
+            queue.close,
+            oplog.close,
+        ],
+    )

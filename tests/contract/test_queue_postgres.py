@@ -1,0 +1,76 @@
+"""The work-queue contract on PostgreSQL (each test in a fresh schema). `peer_store` is a second
+instance: its own pool and its own instance id, on the same database, both listening on a
+channel of the test's own."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import asyncpg  # type: ignore[import-untyped]
+import pytest
+
+from cv_server.config import ServerConfig
+from cv_server.pg import Notifier, create_pool, migrate
+from cv_server.pg.idempotency import PostgresIdempotencyStore
+from cv_server.pg.queue import PostgresQueueStore
+from cv_server.queue import IdempotencyStore, QueueStore
+from tests.contract.queue_contract import QueueContract
+from tests.pg.helpers import fresh_schema, settings_for
+
+pytestmark = pytest.mark.postgres
+
+CONFIG = ServerConfig()
+
+
+@pytest.fixture
+async def schema(postgres_url: str) -> AsyncIterator[str]:
+    async with fresh_schema(postgres_url) as name:
+        yield name
+
+
+@pytest.fixture
+async def pool(postgres_url: str, schema: str) -> AsyncIterator[asyncpg.Pool]:
+    pool = await create_pool(postgres_url, settings_for(schema))
+    try:
+        await migrate(pool)
+        yield pool
+    finally:
+        await pool.close()
+
+
+@pytest.fixture
+async def notifier(postgres_url: str) -> AsyncIterator[Notifier]:
+    notifier = Notifier(postgres_url)
+    await notifier.start()
+    yield notifier
+    await notifier.close()
+
+
+class TestPostgresQueueStore(QueueContract):
+    @pytest.fixture
+    async def store(
+        self, pool: asyncpg.Pool, schema: str, notifier: Notifier
+    ) -> AsyncIterator[QueueStore]:
+        store = PostgresQueueStore(pool, channel=f"cv_queue_{schema}")
+        await store.listen(notifier)
+        yield store
+        await store.close()
+
+    @pytest.fixture
+    async def peer_store(
+        self, store: QueueStore, postgres_url: str, schema: str, notifier: Notifier
+    ) -> AsyncIterator[QueueStore]:
+        pool = await create_pool(postgres_url, settings_for(schema))
+        peer = PostgresQueueStore(pool, channel=f"cv_queue_{schema}")
+        await peer.listen(notifier)
+        yield peer
+        await peer.close()
+        await pool.close()
+
+    @pytest.fixture
+    async def idempotency_store(
+        self, store: QueueStore, pool: asyncpg.Pool
+    ) -> AsyncIterator[IdempotencyStore]:
+        keys = PostgresIdempotencyStore(pool, retention=CONFIG.idempotency_retention_seconds)
+        yield keys
+        await keys.close()

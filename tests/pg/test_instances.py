@@ -1,0 +1,226 @@
+"""Several server instances on one PostgreSQL schema, in one process (real HTTP and websockets on
+loopback): cross-instance broadcast, catch-up after a lost LISTEN connection, cross-instance
+waiters, one shared token secret, and `cv-server token --database-url`."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import asyncpg  # type: ignore[import-untyped]
+import pytest
+from aiohttp import ClientWebSocketResponse
+from aiohttp.test_utils import TestClient
+
+from cv_mutations import new_op_id
+from cv_server import ServerConfig, create_app
+from cv_server.auth import mint_token, verify_token
+from cv_server.cli import _with_schema
+from cv_server.keys import SECRET, STORES
+from cv_server.pg import PostgresOpLogStore
+from cv_server.pg.queue import PostgresQueueStore
+from cv_server.pg.stores import SchemaMissing, listen_application_name, read_token_secret
+from tests.contract.oplog_contract import incoming
+from tests.pg.helpers import settings_for
+from tests.server.conftest import ClientFactory
+
+pytestmark = pytest.mark.postgres
+
+WS = "ws1"
+TIMEOUT = 30.0
+
+
+def dsn_in(postgres_url: str, schema: str) -> str:
+    return _with_schema(postgres_url, schema)
+
+
+def bearer(client: TestClient[Any, Any], *workspaces: str) -> dict[str, str]:
+    token = mint_token(client.app[SECRET], list(workspaces or (WS,)), now=time.time())
+    return {"Authorization": f"Bearer {token}"}
+
+
+def increment(op_id: str | None = None) -> dict[str, Any]:
+    return {
+        "type": "node.increment",
+        "node_id": "root",
+        "field": "n",
+        "by": 1,
+        "op_id": op_id or new_op_id(),
+    }
+
+
+@pytest.fixture
+def make_config(postgres_url: str, schema: str) -> Callable[..., ServerConfig]:
+    def make(**overrides: Any) -> ServerConfig:
+        values: dict[str, Any] = {"database_url": dsn_in(postgres_url, schema)}
+        values.update(overrides)
+        return ServerConfig(**values)
+
+    return make
+
+
+@pytest.fixture
+async def instances(
+    aiohttp_client: ClientFactory, make_config: Callable[..., ServerConfig]
+) -> list[TestClient[Any, Any]]:
+    # Sweeps far beyond the test's patience: what arrives in time was pushed, not swept.
+    return [await aiohttp_client(create_app(make_config(sweep_seconds=600))) for _ in range(2)]
+
+
+async def subscribe(
+    client: TestClient[Any, Any], sub_doc: str, since: int = 0
+) -> ClientWebSocketResponse:
+    ws = await client.ws_connect(f"/v1/workspaces/{WS}/socket", headers=bearer(client))
+    await ws.send_json({"type": "subscribe", "sub_doc": sub_doc, "since": since})
+    async with asyncio.timeout(TIMEOUT):
+        while (await ws.receive_json())["type"] != "synced":
+            pass
+    return ws
+
+
+async def op_clocks(ws: ClientWebSocketResponse, until_clock: int) -> list[int]:
+    clocks: list[int] = []
+    async with asyncio.timeout(TIMEOUT):
+        while not clocks or clocks[-1] < until_clock:
+            frame = await ws.receive_json()
+            if frame["type"] == "op":
+                clocks.append(frame["clock"])
+    return clocks
+
+
+async def test_instances_share_one_token_secret_created_by_the_first(
+    instances: list[TestClient[Any, Any]], postgres_url: str, schema: str
+) -> None:
+    first, second = instances
+    assert first.app[SECRET] == second.app[SECRET]
+    assert await read_token_secret(dsn_in(postgres_url, schema)) == first.app[SECRET]
+
+
+async def test_a_subscriber_on_one_instance_sees_each_op_committed_on_another_once_in_order(
+    instances: list[TestClient[Any, Any]],
+) -> None:
+    writer, reader = instances
+    ws = await subscribe(reader, "tree")
+    for _ in range(20):
+        resp = await writer.post(
+            f"/v1/workspaces/{WS}/docs/tree/ops",
+            json={"ops": [increment(), increment()]},
+            headers=bearer(writer),
+        )
+        assert resp.status == 200
+    assert await op_clocks(ws, 40) == list(range(1, 41))
+    await ws.close()
+
+
+async def test_a_lost_listen_connection_makes_every_subscriber_catch_up_from_the_log(
+    instances: list[TestClient[Any, Any]], postgres_url: str, schema: str
+) -> None:
+    _, reader = instances
+    ws = await subscribe(reader, "tree")
+    # Commit from a store that announces on a channel nobody listens to: the reader hears
+    # nothing of these ops, as if their notifications had been lost.
+    silent = await PostgresOpLogStore.open(
+        postgres_url, settings_for(schema), channel="cv_test_nobody_listens"
+    )
+    try:
+        await silent.append(WS, "tree", [incoming(increment()) for _ in range(5)])
+    finally:
+        await silent.close()
+    queue = reader.app[STORES].queue
+    assert isinstance(queue, PostgresQueueStore)
+    conn = await asyncpg.connect(postgres_url)
+    try:
+        killed = await conn.fetchval(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+            " WHERE application_name = $1",
+            listen_application_name(queue),
+        )
+    finally:
+        await conn.close()
+    assert killed == 1
+    # Only the reconnect can tell the reader to look: it catches up, each op once, in order.
+    assert await op_clocks(ws, 5) == [1, 2, 3, 4, 5]
+    await ws.close()
+
+
+async def test_a_waiter_on_one_instance_is_woken_by_a_completion_on_another(
+    instances: list[TestClient[Any, Any]],
+) -> None:
+    front, worker = instances
+    answer = await (
+        await front.post(
+            f"/v1/workspaces/{WS}/requests",
+            json={"stage": "evaluate", "job_id": "j1"},
+            headers=bearer(front),
+        )
+    ).json()
+    stream = asyncio.create_task(
+        front.get(answer["stream_url"], params={"timeout": str(TIMEOUT)}, headers=bearer(front))
+    )
+    claimed = await (
+        await worker.post(
+            "/v1/queue/claim", json={"worker_classes": ["evaluate"]}, headers=bearer(worker)
+        )
+    ).json()
+    request = claimed["request"]
+    started = time.monotonic()
+    done = await worker.post(
+        f"/v1/workspaces/{WS}/requests/{request['request_id']}/complete",
+        json={"claim_token": request["claim_token"], "result": {"score": 7}},
+        headers=bearer(worker),
+    )
+    assert done.status == 200
+    body = await (await asyncio.wait_for(stream, TIMEOUT)).text()
+    assert "event: done" in body
+    assert '"score":7' in body
+    assert time.monotonic() - started < TIMEOUT / 2  # pushed by NOTIFY, not a deadline
+
+
+async def test_the_token_command_mints_a_token_the_instances_accept(
+    instances: list[TestClient[Any, Any]], postgres_url: str, schema: str
+) -> None:
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [
+            sys.executable,
+            "-m",
+            "cv_server.cli",
+            "token",
+            "--database-url",
+            postgres_url,
+            "--schema",
+            schema,
+            "--workspace",
+            WS,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    token = out.stdout.strip()
+    claims = verify_token(instances[0].app[SECRET], token, now=time.time())
+    assert claims.workspaces == frozenset({WS})
+    resp = await instances[1].get(
+        f"/v1/workspaces/{WS}/docs/tree", headers={"Authorization": f"Bearer {token}"}
+    )
+    assert resp.status == 200
+
+
+async def test_a_search_path_naming_no_existing_schema_is_refused(postgres_url: str) -> None:
+    with pytest.raises(SchemaMissing, match="create it first"):
+        await read_token_secret(_with_schema(postgres_url, "cv_test_does_not_exist"))
+
+
+def test_the_schema_flag_replaces_any_search_path_of_the_url() -> None:
+    url = "postgresql://u@h:5432/db?options=-csearch_path%3Dold&sslmode=disable"
+    assert _with_schema(url, "fresh") == (
+        "postgresql://u@h:5432/db?sslmode=disable&search_path=fresh"
+    )
+    assert _with_schema(url, None) == url
+    with pytest.raises(SystemExit):
+        _with_schema(url, "Robert'); DROP TABLE")
