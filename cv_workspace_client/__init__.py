@@ -13,7 +13,9 @@ async with WorkspaceClient(url, token=token, outbox="app.outbox.db") as client:
 Replay-test helpers for apps live in `cv_workspace_client.testing`.
 """
 
+from cv_workspace_client._queue_api import QueueClient
 from cv_workspace_client.client import WorkspaceClient
+from cv_workspace_client.compute import ComputeResult, LockExpiringError, compute_once
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
     AuthError,
@@ -31,7 +33,27 @@ from cv_workspace_client.errors import (
     WorkspaceError,
 )
 from cv_workspace_client.models import Commit, Committed
+from cv_workspace_client.providers import (
+    CountingFakeProvider,
+    OpenAICompatibleProvider,
+    Provider,
+    ProviderError,
+    ProviderRejected,
+    ProviderResponseInvalid,
+    ProviderResult,
+    ProviderUnavailable,
+)
+from cv_workspace_client.queue_models import EnqueuedRequest, QueuedRequest, RequestOutcome
+from cv_workspace_client.stage import (
+    ExpectedError,
+    Handler,
+    LeaseLostError,
+    Stage,
+    StageContext,
+    StageRequest,
+)
 from cv_workspace_client.stream import Subscription
+from cv_workspace_client.worker import Worker, WorkerConfig, WorkerStats
 
 __all__ = [
     "AuthError",
@@ -39,17 +61,41 @@ __all__ = [
     "ClientConfig",
     "Commit",
     "Committed",
+    "ComputeResult",
     "ConnectionFailedError",
+    "CountingFakeProvider",
+    "EnqueuedRequest",
+    "ExpectedError",
     "ForbiddenError",
+    "Handler",
     "InvalidRequestError",
+    "LeaseLostError",
+    "LockExpiringError",
     "NotFoundError",
     "OpRejectedError",
+    "OpenAICompatibleProvider",
     "OutboxError",
     "ProtocolError",
+    "Provider",
+    "ProviderError",
+    "ProviderRejected",
+    "ProviderResponseInvalid",
+    "ProviderResult",
+    "ProviderUnavailable",
+    "QueueClient",
+    "QueuedRequest",
     "RateLimitedError",
+    "RequestOutcome",
     "ServerError",
+    "Stage",
+    "StageContext",
+    "StageRequest",
     "StillPendingError",
     "Subscription",
+    "Worker",
+    "WorkerConfig",
+    "WorkerStats",
     "WorkspaceClient",
     "WorkspaceError",
+    "compute_once",
 ]

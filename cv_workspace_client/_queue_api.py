@@ -15,6 +15,7 @@ nobody, which the lease re-drives.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -30,6 +31,7 @@ from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
     ConnectionFailedError,
     ProtocolError,
+    RateLimitedError,
     WorkspaceError,
     error_from_problem,
 )
@@ -143,8 +145,22 @@ def _config_of(host: object) -> ClientConfig:
 
 async def _retried(host: QueueHost, method: str, path: str, **kwargs: Any) -> Any:
     """`_call` under the SDK's retry rule; returns the decoded body."""
-    answer: Any = None
-    async for attempt in retrying(_config_of(host)):
+    try:  # the first attempt without tenacity: it is the worker's hot path (claim, complete)
+        _, answer, _ = await _call(host, method, path, **kwargs)
+        return answer
+    except WorkspaceError as exc:
+        if not is_retryable(exc):
+            raise
+        first_error = exc
+    config = _config_of(host)
+    if config.retry_attempts <= 1:
+        raise first_error
+    delay = backoff_for(config)(1)
+    if isinstance(first_error, RateLimitedError) and first_error.retry_after is not None:
+        delay = min(max(first_error.retry_after, 0.0), config.retry_cap_seconds)
+    await config.sleep(delay)
+    retry_config = dataclasses.replace(config, retry_attempts=config.retry_attempts - 1)
+    async for attempt in retrying(retry_config):
         with attempt:
             _, answer, _ = await _call(host, method, path, **kwargs)
     return answer

@@ -38,3 +38,21 @@ def test_cv_mutations_imports_no_io_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_cv_workspace_client_exports_the_documented_names() -> None:
+    import cv_workspace_client
+
+    documented = {"WorkspaceClient", "Commit", "Committed", "Worker", "ExpectedError"}
+    assert set(cv_workspace_client.__all__) >= documented
+    for name in cv_workspace_client.__all__:
+        assert hasattr(cv_workspace_client, name), name
+    methods = ("apply_op", "apply_ops", "get_state", "subscribe", "pending_count", "wait_synced")
+    for method in (*methods, "enqueue", "wait_request"):
+        assert callable(getattr(cv_workspace_client.WorkspaceClient, method)), method
+
+
+def test_cv_server_exports_the_documented_names() -> None:
+    import cv_server
+
+    assert set(cv_server.__all__) == {"ServerConfig", "create_app"}

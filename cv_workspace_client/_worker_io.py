@@ -1,0 +1,149 @@
+"""The worker's two I/O helpers: the heartbeat timer of a running stage, and the completer that
+sends completions made together in one call (seed 003; `cv_workspace_client.worker` runs them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from cv_workspace_client import _queue_api as api
+from cv_workspace_client.errors import InvalidRequestError, WorkspaceError
+from cv_workspace_client.stage import LeaseLostError, LeaseState
+
+__all__ = ["Completer", "Heartbeat"]
+
+logger = logging.getLogger("cv_workspace_client.worker")
+
+
+class Heartbeat:
+    """Renews a running stage's lease every `heartbeat_seconds` (a timer, not a task per stage:
+    most stages end before the first beat). A beat answered `lease_lost` marks the lease and
+    cancels the stage (River #1302: it must stop writing and complete nothing)."""
+
+    def __init__(
+        self,
+        client: api.QueueHost,
+        every: float,
+        claimed: api.Claim,
+        lease: LeaseState,
+        stage_task: asyncio.Task[None],
+    ) -> None:
+        self._client = client
+        self._every = every
+        self._claimed = claimed
+        self._lease = lease
+        self._stage_task = stage_task
+        self._loop = asyncio.get_running_loop()
+        self._beating: asyncio.Task[None] | None = None
+        self._stopped = False
+        self._timer: asyncio.TimerHandle | None = self._schedule()
+
+    def _schedule(self) -> asyncio.TimerHandle:
+        return self._loop.call_later(self._every, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        if not self._stopped:
+            self._beating = self._loop.create_task(self._beat())
+
+    async def _beat(self) -> None:
+        row = self._claimed.request
+        try:
+            await api.heartbeat(
+                self._client, row.workspace_id, row.request_id, self._claimed.claim_token
+            )
+        except LeaseLostError:
+            if not self._stopped:
+                self._lease.lost = True
+                self._stage_task.cancel()
+            return
+        except WorkspaceError as exc:
+            logger.warning("heartbeat of %s failed (%s); trying again", row.request_id, exc)
+        if not self._stopped:
+            self._timer = self._schedule()
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._beating is not None and not self._beating.done():
+            self._beating.cancel()
+
+
+class Completer:
+    """Completions made together travel together: whatever is queued while one batch is in
+    flight goes in the next call (`POST /v1/queue/complete`, one commit for all)."""
+
+    #: The server's per-call cap.
+    MAX_BATCH = 1000
+
+    def __init__(self, client: api.QueueHost) -> None:
+        self._client = client
+        #: (completion, its request's workspace, the future of its outcome)
+        self._queued: list[tuple[dict[str, Any], str, asyncio.Future[api.CompletionOutcome]]] = []
+        self._sender: asyncio.Task[None] | None = None
+
+    async def complete(self, workspace_id: str, item: dict[str, Any]) -> None:
+        """Complete one request; raises `LeaseLostError` if the server refused it."""
+        future: asyncio.Future[api.CompletionOutcome] = asyncio.get_running_loop().create_future()
+        # Mark an error as seen even when the stage awaiting it was cancelled meanwhile.
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._queued.append((item, workspace_id, future))
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.create_task(self._send())
+        # shield: a cancelled stage must not tear a batch other stages share.
+        outcome = await asyncio.shield(future)
+        if outcome.error is not None:
+            raise outcome.error
+
+    async def _send(self) -> None:
+        await asyncio.sleep(0)  # gather everything completed in this tick
+        while self._queued:
+            batch = self._queued[: self.MAX_BATCH]
+            del self._queued[: self.MAX_BATCH]
+            try:
+                outcomes = await api.complete_many(self._client, [item for item, _, _ in batch])
+            except InvalidRequestError:
+                # The batch route refused the batch as a whole (a result over a smaller server
+                # threshold, say): complete one by one, so one item cannot sink the others.
+                outcomes = [await self._complete_alone(ws, item) for item, ws, _ in batch]
+            except WorkspaceError as exc:
+                for _, _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            except BaseException as exc:
+                for _, _, future in batch:
+                    if not future.done():
+                        future.set_exception(
+                            WorkspaceError("completion_aborted", f"{type(exc).__name__}")
+                        )
+                raise
+            for (_, _, future), outcome in zip(batch, outcomes, strict=True):
+                if not future.done():
+                    future.set_result(outcome)
+
+    async def _complete_alone(
+        self, workspace_id: str, item: dict[str, Any]
+    ) -> api.CompletionOutcome:
+        request_id = item["request_id"]
+        try:
+            status = await api.complete(
+                self._client,
+                workspace_id,
+                request_id,
+                item["claim_token"],
+                result=item.get("result"),
+                error=item.get("error"),
+                cache=item.get("cache"),
+                telemetry=item.get("telemetry"),
+            )
+        except WorkspaceError as exc:
+            return api.CompletionOutcome(request_id, error=exc)
+        return api.CompletionOutcome(request_id, status=status)
+
+    async def close(self) -> None:
+        if self._sender is not None and not self._sender.done():
+            await self._sender

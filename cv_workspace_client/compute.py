@@ -1,0 +1,417 @@
+"""`compute_once`: the compute lock (layer 2, DESIGN §8, seed 000) as one call.
+
+An expensive third-party call inside a stage (one LLM call per custom column, one maps call per
+commute) must be paid for once, however many workers race for it. The protocol, per call:
+
+1. **pre-flight check** — already there? Return it without touching the lock;
+2. **acquire** `compute_lock(workspace, job_id, task)` on the server (insert-or-ignore, atomic);
+3. **double-check inside the lock** — catches a write that landed between 1 and 2;
+4. **compute** — the call *and its write*, committed before we go on;
+5. **release** — in `finally`, and only with the token our acquisition got.
+
+A caller that finds the key locked gets `locked` ("someone else is on it"); with `wait` it follows
+the sub-doc the value is written to and returns it (`present`) as soon as the holder's write is
+broadcast. If the holder dies instead, its lock lapses after the server's TTL (60 s) and the
+waiter takes it over: a crashed worker costs one TTL, never a stuck cell.
+
+```python
+result = await compute_once(
+    client, "ws1", job_id, f"eval:{col}",
+    check=lambda: read_cell(job_id, col),          # current value or None
+    compute=lambda: call_llm_then_write(job_id, col),
+    holder=worker_id, sub_doc="jobs", wait=60.0,
+)
+```
+
+The lock is workspace-internal: two workspaces never contend for it (the queue, not the lock,
+coordinates across workspaces — seed 000).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+from urllib.parse import quote
+
+from cv_workspace_client._http import HttpApi
+from cv_workspace_client._retry import retrying
+from cv_workspace_client.client import WorkspaceClient
+from cv_workspace_client.errors import ProtocolError, WorkspaceError
+
+__all__ = [
+    "LOCK_MARGIN_FRACTION",
+    "ComputeResult",
+    "ComputeStatus",
+    "LockAnswer",
+    "LockExpiringError",
+    "LockPolling",
+    "acquire_lock",
+    "compute_budget",
+    "compute_once",
+    "release_lock",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+ComputeStatus = Literal["present", "computed", "locked"]
+
+#: Share of a lock's lifetime kept free at its end: the compute (call + write) must be done by
+#: `expires_at - LOCK_MARGIN_FRACTION * lifetime`. The rest of the lifetime is the budget; the
+#: margin (6 s of the 60 s TTL) absorbs the write's last round trip and clock skew between worker
+#: and server. Derived from the TTL (DESIGN §10), not a constant of its own.
+LOCK_MARGIN_FRACTION = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeResult(Generic[T]):
+    """What `compute_once` did.
+
+    - `present`: the value was already there (pre-flight, double-check, or the broadcast of
+      another holder's write while waiting); `value` is it.
+    - `computed`: this call made the expensive call and its write committed; `value` is it.
+    - `locked`: someone else holds the lock and no value appeared (no `wait`, or the deadline
+      passed); `value` is None. The caller decides: retry later, or fail the stage so the queue
+      re-drives it.
+    """
+
+    status: ComputeStatus
+    value: T | None = None
+
+
+class LockExpiringError(WorkspaceError):
+    """`compute_lock_expiring`: the compute did not finish within the lock's budget.
+
+    Raised instead of writing late: once the lock may have lapsed another worker can take the key
+    over and pay for the same call. The stage should fail so the queue re-drives it (the next
+    attempt finds the value if the write landed after all, or computes it under a fresh lock).
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__("compute_lock_expiring", message)
+
+
+# -- the lock routes ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LockAnswer:
+    """The server's answer to an acquisition.
+
+    `acquired` with a `token` (ours to release), or locked by `holder` until `expires_at` (epoch
+    seconds, the server's clock). `token` is None with `acquired` when the lock is ours but its
+    token was lost (see `acquire_lock`): it then lapses at `expires_at` instead of being released.
+    """
+
+    acquired: bool
+    expires_at: float
+    token: str | None = None
+    holder: str | None = None
+
+
+def _locks_path(workspace_id: str, verb: str) -> str:
+    return f"/v1/workspaces/{quote(workspace_id, safe='')}/locks/{verb}"
+
+
+def _api(client: WorkspaceClient) -> HttpApi:
+    # The client's own session (and connection pool); the lock routes are plain JSON requests.
+    return HttpApi(client.session, client.url, client.token)
+
+
+async def _post_json(client: WorkspaceClient, path: str, body: dict[str, Any]) -> Any:
+    api = _api(client)
+    answer: Any = None
+    async for attempt in retrying(client.config):
+        with attempt:
+            answer = await api.request("POST", path, data=json.dumps(body).encode())
+    if not isinstance(answer, dict):
+        raise ProtocolError("bad_answer", f"{path}: expected a JSON object")
+    return answer
+
+
+async def acquire_lock(
+    client: WorkspaceClient, workspace_id: str, job_id: str, task: str, holder: str
+) -> LockAnswer:
+    """`POST .../locks/acquire` (retried on connection errors, 5xx and 429).
+
+    Retrying an acquisition is safe because `holder` names this attempt alone (`compute_once`
+    adds a random suffix): if the first answer was lost after the server took the lock, the retry
+    is told "locked by `holder`" — by us. That answer comes back as `acquired` without a token:
+    the lock is ours, nobody else can take it before it lapses, but we cannot release it.
+    """
+    answer = await _post_json(
+        client,
+        _locks_path(workspace_id, "acquire"),
+        {"job_id": job_id, "task": task, "holder": holder},
+    )
+    try:
+        expires_at = float(answer["expires_at"])
+        if answer.get("acquired") is True:
+            return LockAnswer(True, expires_at, token=str(answer["token"]), holder=holder)
+        other = answer.get("holder")
+        if other == holder:
+            return LockAnswer(True, expires_at, token=None, holder=holder)
+        return LockAnswer(False, expires_at, holder=other if isinstance(other, str) else None)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError("bad_answer", f"lock answer: {exc!r}") from None
+
+
+async def release_lock(
+    client: WorkspaceClient, workspace_id: str, job_id: str, task: str, token: str
+) -> bool:
+    """`POST .../locks/release`; True if our lock was deleted (False: it had lapsed already, and
+    maybe been taken over — the server only deletes the lock that `token` acquired)."""
+    answer = await _post_json(
+        client,
+        _locks_path(workspace_id, "release"),
+        {"job_id": job_id, "task": task, "token": token},
+    )
+    return answer.get("released") is True
+
+
+# -- timing (pure) --------------------------------------------------------------------------------
+
+
+def compute_budget(acquired_at: float, expires_at: float, now: float) -> float:
+    """Seconds the compute may still take, given when we asked for the lock, when it expires and
+    the time now (all epoch seconds). ≤ 0 means: do not start.
+
+    The lock's lifetime is `expires_at - acquired_at` (the server's TTL, seen from here); the last
+    `LOCK_MARGIN_FRACTION` of it is kept free so the write is committed while the lock is still
+    surely ours.
+    """
+    lifetime = max(0.0, expires_at - acquired_at)
+    return expires_at - LOCK_MARGIN_FRACTION * lifetime - now
+
+
+# -- the protocol ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LockPolling:
+    """How a waiting caller retries the acquisition while it follows the broadcast.
+
+    The broadcast of the holder's write is what normally ends a wait. Polling covers the holder
+    that released without writing (its call failed) or died (its lock lapses at the TTL): the
+    first poll to get the lock takes the key over. DESIGN §10's worker idle poll — 100 ms doubling
+    to 2 s — since a waiting stage is an idle worker.
+    """
+
+    initial_seconds: float = 0.1
+    max_seconds: float = 2.0
+
+    def delay(self, polls: int) -> float:
+        """Seconds before poll number `polls + 1`."""
+        return float(min(self.max_seconds, self.initial_seconds * 2.0 ** min(polls, 30)))
+
+
+async def compute_once(
+    client: WorkspaceClient,
+    workspace_id: str,
+    job_id: str,
+    task: str,
+    *,
+    check: Callable[[], Awaitable[T | None]],
+    compute: Callable[[], Awaitable[T]],
+    holder: str,
+    sub_doc: str | None = None,
+    wait: float | None = None,
+    lease: Callable[[], None] | None = None,
+    polling: LockPolling = LockPolling(),
+    now: Callable[[], float] = time.time,
+) -> ComputeResult[T]:
+    """Run `compute` at most once across every caller of `(workspace_id, job_id, task)`.
+
+    Args:
+        check: the current value, or None if it is not there yet. Called for the pre-flight, the
+            double-check inside the lock, and (waiting) after committed ops of `sub_doc`.
+        compute: the expensive call **and** its write; it must return only once the write is
+            committed (the lock is released right after, and the next caller's check must see
+            it). Bounded in time by the lock (see `compute_budget`).
+        holder: who we are (the worker id); a random suffix makes each acquisition distinct.
+        sub_doc: where the value is written; needed to `wait`.
+        wait: seconds to wait for another holder's write when the key is locked (None: return
+            `locked` at once). While waiting the acquisition is retried (`polling`), so a holder
+            that gave up or died (its lock lapses after the server's TTL) is taken over.
+        lease: called before each acquisition and before the compute starts; raises to stop (the
+            stage's `ensure_lease`: a stage that lost its queue claim must not pay for a call).
+        polling: the acquisition retry schedule while waiting.
+        now: epoch-seconds clock, compared with the lock's `expires_at` (injectable).
+
+    Raises:
+        LockExpiringError: the compute outran the lock's budget; it is cancelled rather than
+            allowed to write after the lock may have been taken over.
+        WorkspaceError: the lock routes failed after the client's retries. Whatever `check`,
+            `compute` or `lease` raise propagates (the lock is released first).
+    """
+    if wait is not None and sub_doc is None:
+        raise ValueError("wait needs sub_doc: the sub-doc the holder's write is broadcast on")
+    me = f"{holder[:200]}#{secrets.token_hex(6)}"
+
+    # 1. Pre-flight: no lock round trip when the value is already there.
+    value = await check()
+    if value is not None:
+        return ComputeResult("present", value)
+    if lease is not None:
+        lease()
+    # 2. Acquire.
+    asked_at = now()
+    lock = await acquire_lock(client, workspace_id, job_id, task, me)
+    if not lock.acquired:
+        # Someone else is on it (seed 000: `{locked: true}` → wait for the realtime broadcast).
+        if wait is None:
+            return ComputeResult("locked")
+        assert sub_doc is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        async with _Follower(client, workspace_id, sub_doc) as follower:
+            # The follower holds the head clock: the check sees every write up to it, the
+            # subscription every write after it.
+            value = await check()
+            if value is not None:
+                return ComputeResult("present", value)
+            polls = 0
+            next_poll = loop.time() + polling.delay(polls)
+            while not lock.acquired:
+                if loop.time() >= deadline:
+                    return ComputeResult("locked")
+                if await follower.changed(until=min(next_poll, deadline)):
+                    value = await check()
+                    if value is not None:
+                        return ComputeResult("present", value)
+                    continue
+                if loop.time() < next_poll:
+                    continue  # the deadline, seen at the top
+                if lease is not None:
+                    lease()
+                polls += 1
+                next_poll = loop.time() + polling.delay(polls)
+                asked_at = now()
+                lock = await acquire_lock(client, workspace_id, job_id, task, me)
+    return await _holding(
+        client, workspace_id, job_id, task, lock, asked_at, check, compute, lease, now
+    )
+
+
+async def _holding(
+    client: WorkspaceClient,
+    workspace_id: str,
+    job_id: str,
+    task: str,
+    lock: LockAnswer,
+    asked_at: float,
+    check: Callable[[], Awaitable[T | None]],
+    compute: Callable[[], Awaitable[T]],
+    lease: Callable[[], None] | None,
+    now: Callable[[], float],
+) -> ComputeResult[T]:
+    """Steps 3 to 5, with the lock held."""
+    try:
+        # 3. Double-check: a write may have landed between our pre-flight and our acquisition
+        #    (its holder released just before we asked).
+        value = await check()
+        if value is not None:
+            return ComputeResult("present", value)
+        if lease is not None:
+            lease()
+        # 4. Compute, bounded by the lock. The server's TTL is 60 s and the provider may retry
+        #    for longer than that (full-jitter retries, DESIGN §10). A holder still computing when
+        #    its lock lapses would race whoever takes the key over: two paid calls, two writes.
+        #    So the compute — call and write — must be done `LOCK_MARGIN_FRACTION` of the lock's
+        #    lifetime before `expires_at`, or it is cancelled and we raise: the stage fails, the
+        #    queue re-drives it, and the next attempt re-checks before paying again.
+        budget = compute_budget(asked_at, lock.expires_at, now())
+        if budget <= 0:
+            raise LockExpiringError(
+                f"lock {job_id}/{task} was granted too close to its expiry to compute under it"
+            )
+        try:
+            async with asyncio.timeout(budget):
+                computed = await compute()
+        except TimeoutError:
+            raise LockExpiringError(
+                f"compute of {job_id}/{task} outran its lock budget ({budget:.1f} s); "
+                "cancelled before the lock could lapse"
+            ) from None
+        return ComputeResult("computed", computed)
+    finally:
+        # 5. Release — only the lock our acquisition took: the token fences out a lapsed lock
+        #    that someone else has taken over since.
+        if lock.token is not None:
+            await _release_quietly(client, workspace_id, job_id, task, lock.token)
+
+
+async def _release_quietly(
+    client: WorkspaceClient, workspace_id: str, job_id: str, task: str, token: str
+) -> None:
+    # A failed release must not hide the compute's own outcome: the lock then lapses at its TTL.
+    try:
+        released = await release_lock(client, workspace_id, job_id, task, token)
+    except WorkspaceError as exc:
+        log.warning("release of lock %s/%s failed (%s); it lapses at its TTL", job_id, task, exc)
+        return
+    if not released:
+        log.warning("lock %s/%s had lapsed before its release", job_id, task)
+
+
+class _Follower:
+    """Committed ops of one sub-doc from its head clock on, reduced to "something changed"."""
+
+    def __init__(self, client: WorkspaceClient, workspace_id: str, sub_doc: str) -> None:
+        self._client = client
+        self._workspace_id = workspace_id
+        self._sub_doc = sub_doc
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> _Follower:
+        head, _ = await self._client.read_ops(self._workspace_id, self._sub_doc, since=0, limit=1)
+        subscription = self._client.subscribe(self._workspace_id, self._sub_doc, since=head)
+
+        async def pump() -> None:
+            async with subscription:
+                async for _ in subscription:
+                    self._changed.set()
+
+        self._task = asyncio.create_task(pump())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def changed(self, *, until: float) -> bool:
+        """Wait until an op was committed since the last call (True) or the loop time `until`
+        (False). Ops committed meanwhile coalesce: one True covers them all."""
+        assert self._task is not None
+        if not self._changed.is_set():
+            remaining = until - asyncio.get_running_loop().time()
+            if remaining > 0:
+                waiter = asyncio.ensure_future(self._changed.wait())
+                watched: set[asyncio.Future[Any]] = {waiter}
+                if not self._task.done():
+                    watched.add(self._task)
+                try:
+                    await asyncio.wait(
+                        watched, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    waiter.cancel()
+                if self._task.done() and not self._task.cancelled():
+                    # A subscription that failed (auth, protocol) ends the wait with its error;
+                    # one that ended quietly (client closing) leaves the waiting to the timer.
+                    error = self._task.exception()
+                    if error is not None:
+                        raise error
+        if self._changed.is_set():
+            self._changed.clear()
+            return True
+        return False

@@ -1,0 +1,166 @@
+"""The values the queue verbs answer with (DESIGN §7): request rows, enqueue answers, wait
+outcomes, claims. Pure data: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from cv_workspace_client.errors import ProtocolError, WorkspaceError
+
+__all__ = [
+    "Claim",
+    "CompletionOutcome",
+    "EnqueuedRequest",
+    "OutcomeStatus",
+    "QueuedRequest",
+    "RequestOutcome",
+    "RequestStatus",
+]
+
+RequestStatus = Literal["pending", "in_progress", "done", "poison"]
+OutcomeStatus = Literal["done", "poison", "timeout"]
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedRequest:
+    """One request row as the server shows it (`GET .../requests/{id}`). `raw` keeps the JSON as
+    received, members this SDK does not know included."""
+
+    request_id: str
+    workspace_id: str
+    stage: str
+    status: RequestStatus
+    job_id: str | None = None
+    branch_path: str | None = None
+    input: Any = None
+    worker_class: str | None = None
+    run: int = 1
+    claimed_by: str | None = None
+    lease_expires_at: float | None = None
+    available_at: float | None = None
+    dequeue_count: int = 0
+    max_dequeues: int | None = None
+    result: Any = None
+    error: Any = None
+    blob_ref: str | None = None
+    cache: str | None = None
+    created_at: float | None = None
+    claimed_at: float | None = None
+    finished_at: float | None = None
+    telemetry: Any = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in ("done", "poison")
+
+    @classmethod
+    def from_json(cls, data: Any) -> QueuedRequest:
+        if not isinstance(data, dict):
+            raise ProtocolError("bad_answer", "a request row must be a JSON object")
+        try:
+            return cls(
+                request_id=str(data["request_id"]),
+                workspace_id=str(data["workspace_id"]),
+                stage=str(data["stage"]),
+                status=data["status"],
+                job_id=data.get("job_id"),
+                branch_path=data.get("branch_path"),
+                input=data.get("input"),
+                worker_class=data.get("worker_class"),
+                run=int(data.get("run", 1)),
+                claimed_by=data.get("claimed_by"),
+                lease_expires_at=data.get("lease_expires_at"),
+                available_at=data.get("available_at"),
+                dequeue_count=int(data.get("dequeue_count", 0)),
+                max_dequeues=data.get("max_dequeues"),
+                result=data.get("result"),
+                error=data.get("error"),
+                blob_ref=data.get("blob_ref"),
+                cache=data.get("cache"),
+                created_at=data.get("created_at"),
+                claimed_at=data.get("claimed_at"),
+                finished_at=data.get("finished_at"),
+                telemetry=data.get("telemetry"),
+                raw=data,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError("bad_answer", f"request row: {exc!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueuedRequest:
+    """The answer to an enqueue: the request's id and status; `coalesced` when an existing row
+    absorbed it (an identical live request, or a finished deterministic one); `replayed` when the
+    server answered from a stored Idempotency-Key response."""
+
+    request_id: str
+    status: RequestStatus
+    coalesced: bool
+    stream_url: str
+    replayed: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "status": self.status,
+            "coalesced": self.coalesced,
+            "stream_url": self.stream_url,
+            "replayed": self.replayed,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    """How a wait ended. `status` is `done`, `poison`, or `timeout` — the deadline passed and the
+    work goes on (seed 003): keep `request_id` and wait again or `get_request` later.
+
+    `result` is the stage's result (fetched from the blob store when it was large); `error` the
+    expected error payload (done) or the last unexpected error (poison). `request` is the row as
+    last seen (None if the server never showed it).
+    """
+
+    request_id: str
+    status: OutcomeStatus
+    request: QueuedRequest | None = None
+    result: Any = None
+    error: Any = None
+
+    @property
+    def timed_out(self) -> bool:
+        return self.status == "timeout"
+
+    @property
+    def ok(self) -> bool:
+        """Done without an error payload."""
+        return self.status == "done" and self.error is None
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"request_id": self.request_id, "status": self.status}
+        if self.status == "timeout":
+            data["request_status"] = None if self.request is None else self.request.status
+        else:
+            data["result"] = self.result
+            data["error"] = self.error
+        if self.request is not None:
+            data["request"] = self.request.raw
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A claimed request and the token that fences every later verb on it."""
+
+    claim_token: str
+    request: QueuedRequest
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionOutcome:
+    """One item of a batched complete: the new status, or the error that refused it."""
+
+    request_id: str
+    status: str | None = None
+    error: WorkspaceError | None = None

@@ -1,0 +1,269 @@
+"""What a stage handler sees (DESIGN §7, §12): the claimed request, a context to write through, and
+the two exceptions that steer the worker.
+
+```python
+async def evaluate(ctx: StageContext) -> dict[str, Any]:
+    if "cols" not in ctx.input:
+        raise ExpectedError("bad_input", "cols is required")   # an answer: never retried
+    await ctx.apply_op("tree", NodeIncrement(node_id=ctx.job_id, field="runs"), key="count")
+    return {"ok": True}                                        # the JSON result
+
+STAGES = {"evaluate": Stage(evaluate, ttl=None)}
+```
+
+A stage is at-least-once (seed 004 §7): it may run again after a crash, a lapsed lease or an
+unexpected error. Its writes stay exactly-once because `apply_op` derives each op_id from
+`(request_id, run, key)`: the re-driven attempt writes the same op_ids and the server dedupes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from cv_mutations import Op
+from cv_workspace_client.errors import WorkspaceError
+from cv_workspace_client.models import Commit
+from cv_workspace_client.providers import Provider
+
+if TYPE_CHECKING:
+    from cv_workspace_client.client import WorkspaceClient
+    from cv_workspace_client.compute import ComputeResult
+
+__all__ = [
+    "ExpectedError",
+    "Handler",
+    "LeaseLostError",
+    "Stage",
+    "StageContext",
+    "StageRequest",
+    "op_id_for",
+]
+
+T = TypeVar("T")
+
+#: Bytes of sha256 kept in a derived op_id: 24 bytes = 32 base64url chars, inside the op_id
+#: alphabet `[A-Za-z0-9_-]{8,64}` and far from any collision.
+_OP_ID_BYTES = 24
+#: Version of the op_id recipe; changing the recipe would make a re-driven stage write anew.
+_OP_ID_RECIPE = "cv-stage-op/v1"
+
+
+class ExpectedError(WorkspaceError):
+    """Raise in a handler for an answer that is an error (bad input, forbidden, not found).
+
+    The request completes with the payload `{"code", "message", "details"}` and is never retried
+    (seed 003: an expected error is an answer, not a failure, and never a path to poison).
+    """
+
+    def __init__(self, code: str, message: str = "", details: Any = None) -> None:
+        super().__init__(code, message)
+        self.details = details
+
+    def payload(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "details": self.details}
+
+
+class LeaseLostError(WorkspaceError):
+    """The worker no longer holds the request (code `lease_lost`): another worker re-drove it.
+
+    Raised by `StageContext.ensure_lease` / `apply_op` once a heartbeat found the claim token gone,
+    and by the queue routes when a fenced call (heartbeat, complete, fail) is refused. The stage
+    must stop writing; the worker completes nothing (River #1302: a rescuer overwrote a job that
+    had just completed).
+    """
+
+    def __init__(self, message: str = "the claim token no longer holds the request") -> None:
+        super().__init__("lease_lost", message)
+
+
+@dataclass(frozen=True, slots=True)
+class StageRequest:
+    """The claimed request, as the handler sees it (no claim token: that stays with the worker)."""
+
+    request_id: str
+    workspace_id: str
+    stage: str
+    job_id: str | None
+    branch_path: str | None
+    input: Any
+    run: int
+    dequeue_count: int
+    created_at: float
+    claimed_at: float | None
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> StageRequest:
+        """Build it from a request row as the queue routes send it. Raises `KeyError`/`TypeError`
+        on a row of the wrong shape."""
+        claimed_at = row.get("claimed_at")
+        return cls(
+            request_id=str(row["request_id"]),
+            workspace_id=str(row["workspace_id"]),
+            stage=str(row["stage"]),
+            job_id=row.get("job_id"),
+            branch_path=row.get("branch_path"),
+            input=row.get("input"),
+            run=int(row["run"]),
+            dequeue_count=int(row["dequeue_count"]),
+            created_at=float(row["created_at"]),
+            claimed_at=None if claimed_at is None else float(claimed_at),
+        )
+
+
+Handler = Callable[["StageContext"], Awaitable[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """A handler and how the worker runs it.
+
+    `ttl`: seconds an identical request (same workspace, stage, job, branch and input) is answered
+    from this worker's cache with `cache: "hit"` (seed 003: only for stages whose answers may be
+    a little stale; None = always fresh). `worker_class`: the queue class the worker claims for
+    it; defaults to the stage name.
+    """
+
+    handler: Handler
+    ttl: float | None = None
+    worker_class: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.ttl is not None and not self.ttl > 0:
+            raise ValueError(f"ttl must be a positive number of seconds or None: {self.ttl!r}")
+
+
+def op_id_for(request_id: str, run: int, key: str) -> str:
+    """The op_id a stage write gets: base64url(sha256(recipe, request_id, run, key))[:32].
+
+    The same for every attempt of one run (a re-driven stage's writes dedupe on the server), new
+    for a deliberate rerun (run + 1). JSON array framing keeps fields from bleeding together.
+    """
+    material = json.dumps([_OP_ID_RECIPE, request_id, run, key], separators=(",", ":"))
+    digest = hashlib.sha256(material.encode("utf-8")).digest()[:_OP_ID_BYTES]
+    return base64.urlsafe_b64encode(digest).decode("ascii")
+
+
+class LeaseState:
+    """Whether the worker still holds the request; the worker's heartbeat flips it, once."""
+
+    __slots__ = ("lost",)
+
+    def __init__(self) -> None:
+        self.lost = False
+
+
+class StageContext:
+    """The handler's view of one claimed request: its fields, and the ways to act on it.
+
+    Build one per run (the worker does). `client` is the worker's `WorkspaceClient`, `provider`
+    the expensive call (None when the worker was started without one).
+    """
+
+    def __init__(
+        self,
+        request: StageRequest,
+        client: WorkspaceClient,
+        *,
+        provider: Provider | None = None,
+        worker_id: str,
+        lease: LeaseState | None = None,
+    ) -> None:
+        self.request = request
+        self.client = client
+        self.provider = provider
+        self.worker_id = worker_id
+        self._lease = lease or LeaseState()
+        self._writes = 0
+        self._settled = asyncio.Event()
+        self._settled.set()
+
+    @property
+    def input(self) -> Any:
+        return self.request.input
+
+    @property
+    def workspace_id(self) -> str:
+        return self.request.workspace_id
+
+    @property
+    def job_id(self) -> str | None:
+        return self.request.job_id
+
+    @property
+    def branch_path(self) -> str | None:
+        return self.request.branch_path
+
+    @property
+    def stage(self) -> str:
+        return self.request.stage
+
+    @property
+    def lease_lost(self) -> bool:
+        return self._lease.lost
+
+    def op_id_for(self, key: str) -> str:
+        """The deterministic op_id of this run's write named `key` (see `op_id_for`)."""
+        return op_id_for(self.request.request_id, self.request.run, key)
+
+    def ensure_lease(self) -> None:
+        """Raise `LeaseLostError` once the worker's heartbeat found its claim gone. Call it
+        before any side effect that `apply_op` does not cover."""
+        if self._lease.lost:
+            raise LeaseLostError()
+
+    async def apply_op(self, sub_doc: str, op: Op, *, key: str) -> Commit:
+        """Write `op` to `sub_doc` of this request's workspace under the op_id derived from
+        `key`; return once the server committed it (a re-driven run gets `duplicate=True`).
+
+        Use one distinct `key` per write of the stage. Raises `LeaseLostError` if the lease is
+        gone, and whatever `WorkspaceClient.apply_op` raises.
+        """
+        self.ensure_lease()
+        derived = op.model_copy(update={"op_id": self.op_id_for(key)})
+        self._writes += 1
+        self._settled.clear()
+        try:
+            return await self.client.apply_op(self.workspace_id, sub_doc, derived)
+        finally:
+            self._writes -= 1
+            if self._writes == 0:
+                self._settled.set()
+
+    async def writes_settled(self) -> None:
+        """Return once no `apply_op` of this context is in flight. The worker awaits it before
+        completing, so a write the handler spawned but did not await still lands first (seed
+        004: never ack before the work's writes committed)."""
+        await self._settled.wait()
+
+    async def compute(
+        self,
+        job_id: str,
+        task: str,
+        *,
+        check: Callable[[], Awaitable[T | None]],
+        compute: Callable[[], Awaitable[T]],
+        sub_doc: str | None = None,
+        wait: float | None = None,
+    ) -> ComputeResult[T]:
+        """Run an expensive call at most once per `(workspace, job_id, task)` under the compute
+        lock (DESIGN §8); see `cv_workspace_client.compute.compute_once`."""
+        from cv_workspace_client.compute import compute_once  # imported late: optional layer
+
+        return await compute_once(
+            self.client,
+            self.workspace_id,
+            job_id,
+            task,
+            check=check,
+            compute=compute,
+            holder=self.worker_id,
+            sub_doc=sub_doc,
+            wait=wait,
+            lease=self.ensure_lease,
+        )

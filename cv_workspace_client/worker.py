@@ -1,0 +1,466 @@
+"""The worker runner (DESIGN §7, §12; seed 003; seed 004 §7, §9): claim stage requests, run their
+handlers, report the outcome — at least once, never acknowledged before the work.
+
+```python
+async with WorkspaceClient(url, token=token, outbox="worker.outbox.db") as client:
+    worker = Worker(client, stages={"evaluate": evaluate, "enrich": Stage(enrich, ttl=300)})
+    loop.add_signal_handler(signal.SIGTERM, worker.stop)
+    await worker.run()          # returns after the drain
+```
+
+The loop, in order of the rules it keeps:
+
+- **Claim** requests of all its stages' worker classes, as many as it has free slots
+  (`concurrency`, default 1), in one call; a stage whose report awaits the server's answer has
+  given its slot back, so the next claim overlaps that answer. When there is nothing, wait
+  100 ms doubling to 2 s, woken early by the server's `/v1/queue/pending` push.
+- **Run** each under a heartbeat (every 60 s). A heartbeat answered `lease_lost` marks the
+  context (`ensure_lease()` / `apply_op` raise `LeaseLostError`), cancels the handler and
+  completes nothing: another worker re-drove the request (River #1302).
+- **Report**: success → `complete` with the result, only once the handler returned and its
+  writes committed; `ExpectedError` → `complete` with the error payload (never retried); any
+  other exception → `fail` (the server applies the backoff, then poison at `max_dequeues`).
+  Completions made together travel together (one call, one commit).
+- **Share**: a stage with a `ttl` answers an identical request from the cache (`cache: "hit"`);
+  identical requests running at once inside this worker share one run (single-flight).
+- **Drain** on `stop()` (SIGTERM): stop claiming, let in-flight stages finish within 25 s and
+  report them; past the deadline cancel them and report nothing — their rows re-drive after the
+  lease. Nothing is released early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import math
+import os
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from cv_workspace_client import _queue_api as api
+from cv_workspace_client._worker_io import Completer, Heartbeat
+from cv_workspace_client._worker_parts import RunMeter, SingleFlight, TtlCache, request_key
+from cv_workspace_client.errors import (
+    AuthError,
+    ForbiddenError,
+    WorkspaceError,
+)
+from cv_workspace_client.providers import Provider
+from cv_workspace_client.stage import (
+    ExpectedError,
+    Handler,
+    LeaseLostError,
+    LeaseState,
+    Stage,
+    StageContext,
+    StageRequest,
+)
+
+if TYPE_CHECKING:
+    from cv_workspace_client.client import WorkspaceClient
+
+__all__ = ["Worker", "WorkerConfig", "WorkerStats"]
+
+logger = logging.getLogger("cv_workspace_client.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """The worker's constants (DESIGN §10); tests shrink them."""
+
+    #: Idle poll: first wait, doubling up to the ceiling (seed 003: 100 ms → 2 s).
+    idle_initial_seconds: float = 0.1
+    idle_max_seconds: float = 2.0
+    #: Lease renewal while a stage runs (seed 003: 60 s under a 120 s lease).
+    heartbeat_seconds: float = 60.0
+    #: How long `stop()` lets in-flight stages finish (seed 004: 25 s, under Kubernetes' 30 s).
+    drain_seconds: float = 25.0
+    #: Stages run at once by this worker.
+    concurrency: int = 1
+    #: TTL-cache cap (seed 003: 500 entries, oldest first).
+    cache_entries: int = 500
+    #: A result larger than this (JSON bytes) completes alone, through the route that moves it
+    #: to the blob store (= the server's `blob_threshold_bytes`); smaller ones complete in batches.
+    batch_result_max_bytes: int = 64 * 1024
+    #: Monotonic clock of the TTL cache (injectable).
+    clock: Callable[[], float] = field(default=time.monotonic)
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        if not 0 < self.idle_initial_seconds <= self.idle_max_seconds:
+            raise ValueError("need 0 < idle_initial_seconds <= idle_max_seconds")
+        if self.heartbeat_seconds <= 0 or self.drain_seconds < 0:
+            raise ValueError("heartbeat_seconds must be > 0 and drain_seconds >= 0")
+
+
+@dataclass
+class WorkerStats:
+    """What the worker did; `run()` returns it after the drain."""
+
+    claimed: int = 0
+    completed: int = 0
+    expected_errors: int = 0
+    failed: int = 0
+    cache_hits: int = 0
+    shared_runs: int = 0
+    leases_lost: int = 0
+    #: Stages still running at the drain deadline, cancelled without a report (they re-drive).
+    cancelled_at_drain: int = 0
+
+    @property
+    def clean(self) -> bool:
+        """True if the drain finished every in-flight stage."""
+        return self.cancelled_at_drain == 0
+
+
+Outcome = tuple[Literal["result", "error"], Any, Literal["hit", "miss"] | None, bool]
+
+
+class Worker:
+    """Runs stage handlers for queued requests. See the module docstring for the rules.
+
+    Args:
+        client: an open `WorkspaceClient` (its token decides which workspaces it may claim in).
+        stages: stage name → handler (`async def handler(ctx) -> JSON`) or `Stage`.
+        worker_class: claim this class for every stage instead of each stage's own class.
+        worker_id: shown on claimed rows (`claimed_by`); defaults to host:pid:random.
+        provider: the expensive-call provider handed to handlers as `ctx.provider`.
+        config: `WorkerConfig`.
+    """
+
+    def __init__(
+        self,
+        client: WorkspaceClient,
+        stages: Mapping[str, Handler | Stage],
+        worker_class: str | None = None,
+        *,
+        worker_id: str | None = None,
+        provider: Provider | None = None,
+        config: WorkerConfig | None = None,
+    ) -> None:
+        if not stages:
+            raise ValueError("a worker needs at least one stage")
+        self.client = client
+        self.stages: dict[str, Stage] = {
+            name: s if isinstance(s, Stage) else Stage(s) for name, s in stages.items()
+        }
+        self.worker_classes: tuple[str, ...] = (
+            (worker_class,)
+            if worker_class is not None
+            else tuple(dict.fromkeys(s.worker_class or name for name, s in self.stages.items()))
+        )
+        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.provider = provider
+        self.config = config or WorkerConfig()
+        self.stats = WorkerStats()
+        self._cache: TtlCache[str] = TtlCache(self.config.cache_entries, self.config.clock)
+        self._flight: SingleFlight[str] = SingleFlight()
+        self._completer = Completer(client)
+        self._stopping = asyncio.Event()
+        self._slot_freed = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: Stages running now (a stage whose outcome awaits the server's ack no longer counts:
+        #: the next claim overlaps that ack; at most `concurrency` more await theirs).
+        self._running = 0
+
+    # -- lifetime ----------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Drain: stop claiming; `run()` returns once in-flight stages finished (or the drain
+        deadline cancelled them). Safe from a signal handler; idempotent."""
+        self._stopping.set()
+        self._slot_freed.set()  # wakes a claim loop that waits for a free slot
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    async def run(self) -> WorkerStats:
+        """Claim and run stages until `stop()`; then drain. Raises `AuthError`/`ForbiddenError`
+        (after draining) if the server refuses the token: retrying cannot fix that."""
+        fatal: WorkspaceError | None = None
+        try:
+            fatal = await self._claim_loop()
+        finally:
+            await self._drain()
+        if fatal is not None:
+            raise fatal
+        return self.stats
+
+    async def _claim_loop(self) -> WorkspaceError | None:
+        delay = self.config.idle_initial_seconds
+        while not self._stopping.is_set():
+            concurrency = self.config.concurrency
+            free = min(concurrency - self._running, 2 * concurrency - len(self._tasks))
+            if free <= 0:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()  # a stage ended, or stop()
+                await asyncio.sleep(0)  # let every stage finishing in this tick free its slot
+                continue
+            try:
+                claims = await api.claim(
+                    self.client, self.worker_classes, self.worker_id, limit=free
+                )
+            except (AuthError, ForbiddenError) as exc:
+                logger.error("worker %s: the server refused the token: %s", self.worker_id, exc)
+                return exc
+            except WorkspaceError as exc:
+                logger.warning("worker %s: claim failed (%s); retrying", self.worker_id, exc)
+                await self._until(asyncio.sleep(delay))
+                delay = min(delay * 2, self.config.idle_max_seconds)
+                continue
+            for claimed in claims:  # even when stopping: a claimed row is ours to run
+                self.stats.claimed += 1
+                slot = _Slot(self)
+                task = asyncio.create_task(self._execute(claimed, slot))
+                self._tasks.add(task)
+                task.add_done_callback(functools.partial(self._task_done, slot))
+            if claims:
+                delay = self.config.idle_initial_seconds
+                continue
+            pushed = await self._idle_wait(delay)
+            delay = (
+                self.config.idle_initial_seconds
+                if pushed
+                else min(delay * 2, self.config.idle_max_seconds)
+            )
+        return None
+
+    def _task_done(self, slot: _Slot, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        slot.release()
+        self._slot_freed.set()
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("worker %s: stage task crashed", self.worker_id, exc_info=task.exception())
+
+    async def _until(self, waiting: Awaitable[Any]) -> None:
+        """Await `waiting`, cut short by `stop()`."""
+        work = asyncio.ensure_future(waiting)
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (work, stop):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(work, stop, return_exceptions=True)
+
+    async def _idle_wait(self, delay: float) -> bool:
+        """Wait up to `delay` for work: a long poll the server answers as soon as work of our
+        classes becomes pending (push). True if pushed. A missed push costs at most one poll."""
+        outcome: list[bool] = []
+
+        async def poll() -> None:
+            try:
+                outcome.append(await api.wait_for_work(self.client, self.worker_classes, delay))
+            except WorkspaceError as exc:
+                logger.debug("worker %s: long poll failed (%s)", self.worker_id, exc)
+                await asyncio.sleep(delay)
+
+        await self._until(poll())
+        return bool(outcome and outcome[0])
+
+    async def _drain(self) -> None:
+        """seed 004 §9: finish in-flight work within the deadline; past it cancel (the rows
+        re-drive after their lease — nothing is acknowledged that did not happen)."""
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=self.config.drain_seconds)
+            if pending:
+                self.stats.cancelled_at_drain += len(pending)
+                logger.warning(
+                    "worker %s: drain deadline passed; cancelling %d stage(s), their requests "
+                    "re-drive after the lease",
+                    self.worker_id,
+                    len(pending),
+                )
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+        await self._completer.close()
+
+    # -- one request -------------------------------------------------------------------------------
+
+    async def _execute(self, claimed: api.Claim, slot: _Slot) -> None:
+        row = claimed.request
+        stage = self.stages.get(row.stage)
+        if stage is None:
+            slot.release()
+            # A class shared with stages this worker lacks: let a worker that has it retry.
+            await self._report_failure(
+                claimed, {"code": "unknown_stage", "message": f"no stage {row.stage!r} here"}
+            )
+            return
+        request = StageRequest.from_row(row.raw)
+        lease = LeaseState()
+        ctx = StageContext(
+            request, self.client, provider=self.provider, worker_id=self.worker_id, lease=lease
+        )
+        meter = RunMeter(request).start()
+        current = asyncio.current_task()
+        assert current is not None
+        beat = Heartbeat(self.client, self.config.heartbeat_seconds, claimed, lease, current)
+        failure: Exception | None = None
+        try:
+            kind, value, cache, shared = await self._produce(stage, ctx)
+        except asyncio.CancelledError:
+            if lease.lost:  # cancelled by the heartbeat, not by the drain deadline
+                current.uncancel()
+                self._lease_lost(row, "its heartbeat was refused")
+                return
+            raise
+        except LeaseLostError:
+            self._lease_lost(row, "the stage stopped on a lost lease")
+            return
+        except ExpectedError as exc:
+            kind, value, cache, shared = "error", exc.payload(), None, False
+        except Exception as exc:
+            failure = exc
+        finally:
+            beat.stop()
+            slot.release()  # the stage is over; its report may overlap the next claim
+        if failure is not None:
+            logger.warning("stage %s failed on %s: %r", row.stage, row.request_id, failure)
+            await self._report_failure(claimed, _error_payload(failure))
+            return
+        if lease.lost:  # the handler swallowed the cancellation: still report nothing
+            self._lease_lost(row, "its heartbeat was refused")
+            return
+        if shared:
+            self.stats.shared_runs += 1
+        telemetry = meter.finish(**({"shared": True} if shared else {}))
+        try:
+            await self._report_success(claimed, kind, value, cache, telemetry)
+        except LeaseLostError:
+            self._lease_lost(row, "its completion was refused")
+            return
+        except WorkspaceError as exc:
+            # Not acknowledged: the lease lapses and the row re-drives; the stage's writes
+            # dedupe under their derived op_ids, so the re-run is harmless.
+            logger.warning("could not complete %s: %s", row.request_id, exc)
+            return
+        if kind == "error":
+            self.stats.expected_errors += 1
+            return
+        self.stats.completed += 1
+        if stage.ttl is not None and cache != "hit":
+            key = request_key(request)
+            if key is not None:  # seed 003: run, complete, then store under the TTL
+                self._cache.put(key, value, stage.ttl)
+
+    async def _produce(self, stage: Stage, ctx: StageContext) -> Outcome:
+        """Run the handler (or answer from the cache / a shared run); return once its writes
+        committed."""
+        key = request_key(ctx.request)
+        if stage.ttl is not None and key is not None:
+            hit, value = self._cache.get(key)
+            if hit:
+                self.stats.cache_hits += 1
+                return "result", value, "hit", False
+        cache: Literal["miss"] | None = "miss" if stage.ttl is not None else None
+
+        async def run_handler() -> Any:
+            value = await stage.handler(ctx)
+            await ctx.writes_settled()
+            return value
+
+        if key is None:
+            return "result", await run_handler(), cache, False
+        value, shared = await self._flight.run(key, run_handler)
+        return "result", value, cache, shared
+
+    async def _report_success(
+        self,
+        claimed: api.Claim,
+        kind: Literal["result", "error"],
+        value: Any,
+        cache: Literal["hit", "miss"] | None,
+        telemetry: dict[str, Any] | None,
+    ) -> None:
+        item: dict[str, Any] = {"request_id": claimed.request.request_id}
+        item["claim_token"] = claimed.claim_token
+        if kind == "error":
+            item["error"] = value
+        else:
+            item["result"] = value
+        if cache is not None:
+            item["cache"] = cache
+        if telemetry is not None:
+            item["telemetry"] = telemetry
+        size = 0
+        try:
+            if not isinstance(value, int | float | bool) and value is not None:
+                size = len(json.dumps(value, separators=(",", ":"), allow_nan=False))
+            elif isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{value} is not JSON")
+        except (TypeError, ValueError) as exc:
+            await self._report_failure(
+                claimed, {"code": "invalid_result", "message": f"not JSON: {exc}"}
+            )
+            return
+        if size > self.config.batch_result_max_bytes:
+            row = claimed.request
+            await api.complete(
+                self.client,
+                row.workspace_id,
+                row.request_id,
+                claimed.claim_token,
+                result=item.get("result"),
+                error=item.get("error"),
+                cache=cache,
+                telemetry=telemetry,
+            )
+        else:
+            await self._completer.complete(claimed.request.workspace_id, item)
+
+    async def _report_failure(self, claimed: api.Claim, error: dict[str, Any]) -> None:
+        row = claimed.request
+        try:
+            status, _ = await api.fail(
+                self.client, row.workspace_id, row.request_id, claimed.claim_token, error
+            )
+        except LeaseLostError:
+            self._lease_lost(row, "its failure report was refused")
+            return
+        except WorkspaceError as exc:
+            # The lease lapses and the row re-drives: the failure is retried all the same.
+            logger.warning("could not report the failure of %s: %s", row.request_id, exc)
+            return
+        self.stats.failed += 1
+        logger.info("request %s failed, now %s", row.request_id, status)
+
+    def _lease_lost(self, row: api.QueuedRequest, why: str) -> None:
+        self.stats.leases_lost += 1
+        logger.warning("request %s: lease lost (%s); completing nothing", row.request_id, why)
+
+
+def _error_payload(exc: BaseException) -> dict[str, Any]:
+    code = exc.code if isinstance(exc, WorkspaceError) else type(exc).__name__
+    return {"code": code, "message": str(exc)[:2000]}
+
+
+class _Slot:
+    """One claimed request's share of `concurrency`, given back once when its stage ends."""
+
+    __slots__ = ("_released", "_worker")
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+        self._released = False
+        worker._running += 1
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._worker._running -= 1
+            self._worker._slot_freed.set()

@@ -1,0 +1,415 @@
+"""`compute_once` against the real server: the five steps, the waiting, the lock's bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+from pydantic import JsonValue
+
+from cv_mutations import NodeInsert, NodeUpdate
+from cv_workspace_client import WorkspaceClient
+from cv_workspace_client.compute import (
+    LOCK_MARGIN_FRACTION,
+    ComputeResult,
+    LockExpiringError,
+    LockPolling,
+    acquire_lock,
+    compute_budget,
+    compute_once,
+    release_lock,
+)
+from cv_workspace_client.stage import LeaseLostError
+from cv_workspace_client.testing import FaultProxy
+
+from .conftest import OpenClient, StartServer
+from .helpers import WS, GatedProvider, RequestLog
+
+JOBS = "jobs"
+JOB = "job1"
+FIELD = "eval:fit"
+FAST_POLL = LockPolling(initial_seconds=0.02, max_seconds=0.2)
+NO_POLL = LockPolling(initial_seconds=3600, max_seconds=3600)
+
+Check = Callable[[], Awaitable[JsonValue | None]]
+Compute = Callable[[], Awaitable[JsonValue]]
+
+
+async def seed_job(client: WorkspaceClient, **fields: JsonValue) -> None:
+    await client.apply_op(WS, JOBS, NodeInsert(node_id=JOB, parent_id="root", fields=fields))
+
+
+def cell(client: WorkspaceClient, provider: GatedProvider) -> tuple[Check, Compute]:
+    """The check and compute of one cell (`FIELD` of `JOB`), as a stage would write them."""
+
+    async def check() -> JsonValue | None:
+        _, state = await client.get_state(WS, JOBS)
+        node = state.nodes.get(JOB)
+        return None if node is None else node.fields.get(FIELD)
+
+    async def compute() -> JsonValue:
+        answer = await provider.complete(f"{JOB}/{FIELD}")
+        await client.apply_op(WS, JOBS, NodeUpdate(node_id=JOB, set={FIELD: answer.text}))
+        return answer.text
+
+    return check, compute
+
+
+async def done_count(tasks: list[asyncio.Task[ComputeResult[JsonValue]]], n: int) -> None:
+    """Wait (bounded) until `n` of the tasks have finished."""
+    async with asyncio.timeout(10):
+        while sum(task.done() for task in tasks) < n:
+            await asyncio.wait(
+                [t for t in tasks if not t.done()], return_when=asyncio.FIRST_COMPLETED
+            )
+
+
+async def test_a_value_already_there_returns_present_without_touching_the_lock(
+    server_url: str, open_client: OpenClient, request_log: RequestLog
+) -> None:
+    client = await open_client(server_url)
+    await seed_job(client, **{FIELD: "known"})
+    provider = GatedProvider()
+    check, compute = cell(client, provider)
+
+    result = await compute_once(client, WS, JOB, FIELD, check=check, compute=compute, holder="w1")
+
+    assert result == ComputeResult("present", "known")
+    assert provider.calls == 0
+    assert request_log.count("/locks/acquire") == 0
+    assert request_log.count("/locks/release") == 0
+
+
+async def test_concurrent_callers_compute_once_and_the_others_are_told_locked(
+    server_url: str, open_client: OpenClient, request_log: RequestLog
+) -> None:
+    clients = [await open_client(server_url) for _ in range(5)]
+    await seed_job(clients[0])
+    provider = GatedProvider()
+    tasks = []
+    for i, client in enumerate(clients):
+        check, compute = cell(client, provider)
+        run = compute_once(client, WS, JOB, FIELD, check=check, compute=compute, holder=f"w{i}")
+        tasks.append(asyncio.create_task(run))
+
+    # The holder is inside its provider call (gate shut) while every other caller got its
+    # answer: those four must come back without waiting for it.
+    await provider.arrived.reach(1)
+    await done_count(tasks, 4)
+    assert provider.calls == 1
+    provider.gate.set()
+    results = await asyncio.gather(*tasks)
+
+    assert sorted(r.status for r in results) == ["computed", "locked", "locked", "locked", "locked"]
+    assert provider.calls == 1
+    assert request_log.count("/locks/acquire") == 5
+    assert request_log.count("/locks/release") == 1
+
+
+async def test_locked_callers_that_wait_get_the_value_from_the_broadcast(
+    server_url: str, open_client: OpenClient, request_log: RequestLog
+) -> None:
+    clients = [await open_client(server_url) for _ in range(5)]
+    await seed_job(clients[0])
+    provider = GatedProvider()
+    tasks = []
+    for i, client in enumerate(clients):
+        check, compute = cell(client, provider)
+        run = compute_once(
+            client,
+            WS,
+            JOB,
+            FIELD,
+            check=check,
+            compute=compute,
+            holder=f"w{i}",
+            sub_doc=JOBS,
+            wait=10,
+            polling=NO_POLL,  # no second acquisition: only the broadcast can end the wait
+        )
+        tasks.append(asyncio.create_task(run))
+    await provider.arrived.reach(1)
+    async with asyncio.timeout(10):
+        while request_log.count("/locks/acquire") < 5:
+            await request_log.answered.reach(len(request_log.entries) + 1)
+    assert not any(task.done() for task in tasks)  # the locked ones are waiting
+    provider.gate.set()
+    results = await asyncio.gather(*tasks)
+
+    statuses = sorted(r.status for r in results)
+    assert statuses == ["computed", "present", "present", "present", "present"]
+    assert len({r.value for r in results}) == 1
+    assert provider.calls == 1
+    assert request_log.count("/locks/acquire") == 5  # nobody asked twice: the broadcast did it
+
+
+async def test_a_write_landing_between_the_preflight_and_the_lock_is_caught_by_the_double_check(
+    server_url: str, open_client: OpenClient, request_log: RequestLog
+) -> None:
+    client = await open_client(server_url)
+    await seed_job(client)
+    provider = GatedProvider()
+    read, compute = cell(client, provider)
+    checks = 0
+
+    async def check() -> JsonValue | None:
+        nonlocal checks
+        checks += 1
+        value = await read()
+        if checks == 1:  # another holder writes and releases right after our pre-flight
+            await client.apply_op(WS, JOBS, NodeUpdate(node_id=JOB, set={FIELD: "theirs"}))
+        return value
+
+    result = await compute_once(client, WS, JOB, FIELD, check=check, compute=compute, holder="w")
+
+    assert result == ComputeResult("present", "theirs")
+    assert checks == 2
+    assert provider.calls == 0
+    assert request_log.count("/locks/release") == 1  # found inside the lock: released
+
+
+async def test_a_crashed_holder_blocks_the_key_for_at_most_one_ttl(
+    start_server: StartServer, open_client: OpenClient
+) -> None:
+    ttl = 1.0
+    url = await start_server(compute_lock_ttl_seconds=ttl)
+    client = await open_client(url)
+    await seed_job(client)
+    crashed = await acquire_lock(client, WS, JOB, FIELD, "crashed-worker")  # never released
+    assert crashed.acquired
+    provider = GatedProvider()
+    provider.gate.set()
+    check, compute = cell(client, provider)
+    started: list[float] = []
+
+    async def timed_compute() -> JsonValue:
+        started.append(time.time())
+        return await compute()
+
+    result = await compute_once(
+        client,
+        WS,
+        JOB,
+        FIELD,
+        check=check,
+        compute=timed_compute,
+        holder="w",
+        sub_doc=JOBS,
+        wait=10,
+        polling=FAST_POLL,
+    )
+
+    assert result.status == "computed"
+    assert provider.calls == 1
+    # Not before the dead holder's lock lapsed, and not much later: one TTL, plus one poll.
+    assert started[0] >= crashed.expires_at
+    assert started[0] <= crashed.expires_at + FAST_POLL.max_seconds + 1.0
+
+
+async def test_a_waiter_takes_over_when_the_holder_gives_up_without_writing(
+    server_url: str, open_client: OpenClient, request_log: RequestLog
+) -> None:
+    clients = [await open_client(server_url) for _ in range(2)]
+    await seed_job(clients[0])
+    provider = GatedProvider()
+    check, _ = cell(clients[0], provider)
+
+    async def failing() -> JsonValue:
+        await provider.complete("doomed")  # paid for, then the holder's stage gives up
+        raise RuntimeError("provider answer unusable")
+
+    holder = asyncio.create_task(
+        compute_once(clients[0], WS, JOB, FIELD, check=check, compute=failing, holder="a")
+    )
+    await provider.arrived.reach(1)
+    waiter_check, waiter_compute = cell(clients[1], provider)
+    waiter = asyncio.create_task(
+        compute_once(
+            clients[1],
+            WS,
+            JOB,
+            FIELD,
+            check=waiter_check,
+            compute=waiter_compute,
+            holder="b",
+            sub_doc=JOBS,
+            wait=10,
+            polling=FAST_POLL,
+        )
+    )
+    await request_log.wait_locked(JOB, FIELD)
+    provider.gate.set()
+
+    with pytest.raises(RuntimeError, match="unusable"):
+        await holder
+    result = await waiter
+
+    # No write was ever broadcast: the waiter's poll found the released lock and took it.
+    assert result.status == "computed"
+    assert provider.calls == 2
+    assert request_log.count("/locks/release") == 2
+
+
+async def test_a_waiting_caller_gives_up_as_locked_at_its_deadline(
+    server_url: str, open_client: OpenClient
+) -> None:
+    client = await open_client(server_url)
+    await seed_job(client)
+    holder = await acquire_lock(client, WS, JOB, FIELD, "busy-worker")
+    provider = GatedProvider()
+    check, compute = cell(client, provider)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+
+    result = await compute_once(
+        client, WS, JOB, FIELD, check=check, compute=compute, holder="w", sub_doc=JOBS, wait=0.3
+    )
+
+    assert result == ComputeResult("locked", None)
+    assert 0.3 <= loop.time() - began < 5
+    assert provider.calls == 0
+    assert holder.token is not None
+    assert await release_lock(client, WS, JOB, FIELD, holder.token)
+
+
+async def test_only_the_holder_releases_its_lock(
+    start_server: StartServer, open_client: OpenClient
+) -> None:
+    url = await start_server(compute_lock_ttl_seconds=0.5)
+    client = await open_client(url)
+    first = await acquire_lock(client, WS, JOB, FIELD, "a")
+    assert first.acquired
+    assert first.token is not None
+    assert not await release_lock(client, WS, JOB, FIELD, "not-the-token")
+    assert not (await acquire_lock(client, WS, JOB, FIELD, "c")).acquired
+
+    # `a` outlives its TTL; `b` takes the key over; `a`'s late release must not free `b`'s lock.
+    # Waiting out the TTL is the point here (same host: the server's clock is ours).
+    await asyncio.sleep(max(0.0, first.expires_at - time.time()) + 0.01)
+    second = await acquire_lock(client, WS, JOB, FIELD, "b")
+    assert second.acquired
+    assert not await release_lock(client, WS, JOB, FIELD, first.token)
+    assert not (await acquire_lock(client, WS, JOB, FIELD, "c")).acquired
+    assert second.token is not None
+    assert await release_lock(client, WS, JOB, FIELD, second.token)
+    assert (await acquire_lock(client, WS, JOB, FIELD, "c")).acquired
+
+
+async def test_a_compute_that_outruns_its_lock_is_cancelled_before_the_lock_lapses(
+    start_server: StartServer, open_client: OpenClient
+) -> None:
+    url = await start_server(compute_lock_ttl_seconds=1.0)
+    client = await open_client(url)
+    await seed_job(client)
+    provider = GatedProvider()  # the gate never opens: a provider that hangs
+    check, compute = cell(client, provider)
+    cancelled = asyncio.Event()
+
+    async def hanging() -> JsonValue:
+        try:
+            return await compute()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    asked = time.time()
+    with pytest.raises(LockExpiringError) as raised:
+        await compute_once(client, WS, JOB, FIELD, check=check, compute=hanging, holder="w")
+
+    assert raised.value.code == "compute_lock_expiring"
+    assert cancelled.is_set()
+    # Given up with the margin still ahead: before the lock (TTL 1 s from `asked`) could lapse.
+    assert time.time() < asked + 1.0
+    assert (await acquire_lock(client, WS, JOB, FIELD, "next")).acquired  # and released
+
+
+async def test_a_lost_queue_lease_stops_the_compute_before_it_pays(
+    server_url: str, open_client: OpenClient, request_log: RequestLog
+) -> None:
+    client = await open_client(server_url)
+    await seed_job(client)
+    provider = GatedProvider()
+    check, compute = cell(client, provider)
+
+    def lease() -> None:
+        raise LeaseLostError()
+
+    with pytest.raises(LeaseLostError):
+        await compute_once(
+            client, WS, JOB, FIELD, check=check, compute=compute, holder="w", lease=lease
+        )
+
+    assert provider.calls == 0
+    assert request_log.count("/locks/acquire") == 0
+
+
+async def test_a_failing_compute_releases_the_lock_and_raises(
+    server_url: str, open_client: OpenClient
+) -> None:
+    client = await open_client(server_url)
+    await seed_job(client)
+    provider = GatedProvider()
+    check, _ = cell(client, provider)
+
+    async def failing() -> JsonValue:
+        raise RuntimeError("provider exploded")
+
+    with pytest.raises(RuntimeError, match="provider exploded"):
+        await compute_once(client, WS, JOB, FIELD, check=check, compute=failing, holder="w")
+
+    assert (await acquire_lock(client, WS, JOB, FIELD, "next")).acquired
+
+
+async def test_a_lost_acquire_answer_is_recognised_on_the_retry_and_computed_once(
+    server_url: str, open_client: OpenClient, request_log: RequestLog
+) -> None:
+    async with FaultProxy(server_url) as proxy:
+        client = await open_client(proxy.url)
+        provider = GatedProvider()
+        provider.gate.set()
+        computes = 0
+
+        async def check() -> JsonValue | None:
+            return None  # no HTTP: the acquisition is the first request through the proxy
+
+        async def compute() -> JsonValue:
+            nonlocal computes
+            computes += 1
+            return (await provider.complete("p")).text
+
+        proxy.cut_next(1)  # the server takes the lock; its answer never arrives
+        result = await compute_once(
+            client, WS, JOB, FIELD, check=check, compute=compute, holder="w"
+        )
+
+        assert proxy.stats.cuts == 1
+    assert result.status == "computed"
+    assert computes == 1
+    assert request_log.count("/locks/acquire") == 2
+    # The token was lost with the answer: the lock is ours until it lapses, nobody else's.
+    assert request_log.count("/locks/release") == 0
+    other = await open_client(server_url)
+    assert not (await acquire_lock(other, WS, JOB, FIELD, "other")).acquired
+
+
+async def test_waiting_needs_the_sub_doc_the_value_is_written_to(
+    server_url: str, open_client: OpenClient
+) -> None:
+    client = await open_client(server_url)
+    provider = GatedProvider()
+    check, compute = cell(client, provider)
+    with pytest.raises(ValueError, match="sub_doc"):
+        await compute_once(client, WS, JOB, FIELD, check=check, compute=compute, holder="w", wait=1)
+
+
+def test_the_compute_budget_keeps_a_margin_of_the_lock_lifetime_free() -> None:
+    assert compute_budget(100.0, 160.0, 100.0) == pytest.approx(60.0 * (1 - LOCK_MARGIN_FRACTION))
+    assert compute_budget(100.0, 160.0, 130.0) == pytest.approx(30.0 - 60.0 * LOCK_MARGIN_FRACTION)
+    assert compute_budget(100.0, 160.0, 159.0) < 0
+
+
+def test_lock_polling_doubles_up_to_its_ceiling() -> None:
+    polling = LockPolling()
+    assert [polling.delay(n) for n in range(7)] == [0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0]
