@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Final
 
+import orjson
 from pydantic import BaseModel, ConfigDict, JsonValue, field_validator
 
 from cv_mutations.ids import OpId
@@ -22,6 +23,15 @@ def json_size(value: object) -> int:
     reach inside it). Either would make the state unserializable as JSON text and crash the
     fingerprint, so they are refused at parse time, where they become `invalid_field`.
     """
+    # orjson writes NaN/Infinity as `null` and refuses lone surrogates and integers past 64 bits:
+    # only where it says null, or refuses, pay for the standard library's strict check (this
+    # runs on every op with fields or meta; orjson is ~10x faster).
+    try:
+        data = orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        data = b"null"
+    if b"null" not in data:
+        return len(data)
     try:
         text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
         return len(text.encode())

@@ -79,3 +79,15 @@ def test_every_parsed_op_has_a_fingerprint_that_survives_a_round_trip(op: Op) ->
     digest = fingerprint(raw)
     assert re.fullmatch(r"[0-9a-f]{64}", digest)
     assert fingerprint(parse_op(raw).model_dump(mode="json")) == digest
+
+
+def test_fingerprint_matches_the_standard_librarys_canonical_json_even_for_big_integers() -> None:
+    import hashlib
+    import json
+
+    for raw in (
+        {"type": "node.update", "node_id": "a", "set": {"é": [1, 2.5, None, True], "b": "😀"}},
+        {"type": "node.increment", "node_id": "a", "field": "n", "by": 2**80},
+    ):
+        text = json.dumps(raw, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        assert fingerprint(raw) == hashlib.sha256(text.encode()).hexdigest()
