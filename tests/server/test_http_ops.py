@@ -102,3 +102,23 @@ async def test_ops_since_returns_exactly_the_entries_after_the_clock(
     assert log["clock"] == 10
     assert [entry["clock"] for entry in log["ops"]] == [8, 9, 10]
     assert log["ops"][0]["op"]["node_id"] == "n7"
+
+
+async def test_concurrent_atomic_batches_that_fail_apply_nothing_while_others_commit(
+    client: TestClient[Any, Any],
+) -> None:
+    await _seed(client)
+    failing = [[increment(by=1), insert("n"), increment(by=1)] for _ in range(30)]
+    passing = [[increment(by=10), increment(by=10)] for _ in range(30)]
+    answers = await asyncio.gather(
+        *(post_ops(client, ops, atomic=True) for ops in failing + passing)
+    )
+    for answer in answers[:30]:
+        codes = [r["error"]["code"] for r in answer["results"]]
+        assert codes == ["atomic_aborted", "node_exists", "atomic_aborted"]
+    for answer in answers[30:]:
+        assert all("clock" in r for r in answer["results"])
+    assert await counter(client) == 30 * 20  # only the passing batches, each whole
+    log = await get_ops(client)
+    assert log["clock"] == 1 + 60
+    assert [entry["clock"] for entry in log["ops"]] == list(range(1, 62))
