@@ -51,7 +51,7 @@ from cv_server.queue.model import (
     RequestStatus,
 )
 from cv_server.queue.sqlite import new_claim_token
-from cv_server.queue.store import QueueStore, normalize_classes
+from cv_server.queue.store import QueueStore, claim_scope
 
 __all__ = [
     "BROADCAST_STATUSES",
@@ -298,13 +298,10 @@ class PostgresQueueStore(QueueStore):
         limit: int,
         workspace_ids: Collection[str] | None = None,
     ) -> builtins.list[ProcessRequest]:
-        model.check_lease(lease)
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1: {limit!r}")
-        classes = normalize_classes(worker_classes)
-        workspaces = None if workspace_ids is None else tuple(dict.fromkeys(workspace_ids))
-        if not classes or workspaces == ():
+        scope = claim_scope(worker_classes, workspace_ids, lease, limit)
+        if scope is None:
             return []
+        classes, workspaces = scope
         query = sql.claim_sql(len(classes), None if workspaces is None else len(workspaces))
         tokens = [self._new_token() for _ in range(limit)]
 

@@ -38,7 +38,7 @@ from cv_server.queue.model import (
     RequestEvent,
     RequestStatus,
 )
-from cv_server.queue.store import QueueStore, normalize_classes
+from cv_server.queue.store import QueueStore, claim_scope
 from cv_server.sqlite_db import SQLiteDatabase, Transaction
 
 __all__ = ["CLAIM_PROBES", "TABLE", "SQLiteQueueStore", "create_schema", "new_claim_token"]
@@ -359,13 +359,10 @@ class SQLiteQueueStore(QueueStore):
         limit: int,
         workspace_ids: Collection[str] | None = None,
     ) -> builtins.list[ProcessRequest]:
-        model.check_lease(lease)
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1: {limit!r}")
-        classes = normalize_classes(worker_classes)
-        workspaces = None if workspace_ids is None else tuple(dict.fromkeys(workspace_ids))
-        if not classes or workspaces == ():
+        scope = claim_scope(worker_classes, workspace_ids, lease, limit)
+        if scope is None:
             return []
+        classes, workspaces = scope
         tokens = [self._new_token() for _ in range(limit)]
 
         def job(tx: Transaction) -> tuple[builtins.list[ProcessRequest], list[RequestEvent]]:

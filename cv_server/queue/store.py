@@ -26,9 +26,10 @@ from cv_server.queue.model import (
     ProcessRequest,
     RequestEvent,
     RequestStatus,
+    check_lease,
 )
 
-__all__ = ["QueueListener", "QueueStore"]
+__all__ = ["QueueListener", "QueueStore", "claim_scope", "normalize_classes"]
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +221,25 @@ class QueueStore(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Release the store's own resources (a shared database is closed by its owner)."""
+
+
+def claim_scope(
+    worker_classes: str | Sequence[str],
+    workspace_ids: Collection[str] | None,
+    lease: float,
+    limit: int,
+) -> tuple[tuple[str, ...], tuple[str, ...] | None] | None:
+    """Check a claim's arguments (every backend the same way) and normalise its scope: the
+    worker classes and the workspaces (None: all). None when the scope is empty (nothing to
+    claim). Raises `ValueError` for a bad lease or a limit below 1."""
+    check_lease(lease)
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1: {limit!r}")
+    classes = normalize_classes(worker_classes)
+    workspaces = None if workspace_ids is None else tuple(dict.fromkeys(workspace_ids))
+    if not classes or workspaces == ():
+        return None
+    return classes, workspaces
 
 
 def normalize_classes(worker_classes: str | Sequence[str]) -> tuple[str, ...]:
