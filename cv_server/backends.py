@@ -75,7 +75,9 @@ async def open_stores(config: ServerConfig) -> Stores:
     if config.db_path is None:
         raise ValueError("ServerConfig needs db_path (SQLite) or database_url (PostgreSQL)")
     db = await open_sqlite_database(str(config.db_path))
-    oplog = oplog_sqlite.SQLiteOpLogStore(db, snapshot_every=config.snapshot_every)
+    oplog = oplog_sqlite.SQLiteOpLogStore(
+        db, snapshot_every=config.snapshot_every, cache_limit=config.subdoc_cache_limit
+    )
     queue = queue_sqlite.SQLiteQueueStore(db)
     idempotency = idempotency_sqlite.SQLiteIdempotencyStore(
         db, retention=config.idempotency_retention_seconds

@@ -29,6 +29,9 @@ class ServerConfig:
     catchup_page: int = 1000
     #: Ops between two state snapshots (a cache of the log; bounds restart replay time).
     snapshot_every: int = 1000
+    #: Sub-doc states kept in memory, least recently used evicted first (a memory bound: an
+    #: evicted sub-doc is rebuilt from its snapshot plus at most `snapshot_every` log entries).
+    subdoc_cache_limit: int = 10_000
 
     # -- queue (DESIGN §10, seed 003) --
     lease_seconds: float = 120.0

@@ -26,6 +26,7 @@ import functools
 import json
 import sqlite3
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,7 @@ _SELECT_OPS_AFTER: Final = (
 _SELECT_HEAD: Final = f"SELECT max(clock) FROM {OPS_TABLE} WHERE workspace_id = ? AND sub_doc = ?"
 
 _DEFAULT_SNAPSHOT_EVERY: Final = ServerConfig().snapshot_every
+_DEFAULT_CACHE_LIMIT: Final = ServerConfig().subdoc_cache_limit
 
 
 class OpLogCorrupted(RuntimeError):
@@ -153,8 +155,11 @@ class SQLiteOpLogStore(OpLogStore):
     Make one store per database file: the cached states are its own, so a second store (or a
     second process) writing the same log would leave this cache behind the disk.
 
-    `snapshot_every`: ops between two state snapshots. `now`: wall clock in seconds (for
-    `committed_at`). Use `await SQLiteOpLogStore.open(path)` for a store that owns its database.
+    `snapshot_every`: ops between two state snapshots. `cache_limit`: sub-doc states kept in
+    memory, least recently used evicted first (an evicted one is rebuilt from its snapshot and
+    the log on its next touch, so memory stays bounded however many sub-docs exist). `now`:
+    wall clock in seconds (for `committed_at`). `await SQLiteOpLogStore.open(path)` gives a
+    store that owns its database.
     """
 
     def __init__(
@@ -162,18 +167,24 @@ class SQLiteOpLogStore(OpLogStore):
         db: SQLiteDatabase,
         *,
         snapshot_every: int = _DEFAULT_SNAPSHOT_EVERY,
+        cache_limit: int = _DEFAULT_CACHE_LIMIT,
         now: Callable[[], float] = time.time,
         owns_db: bool = False,
     ) -> None:
         if snapshot_every < 1:
             raise ValueError("snapshot_every must be at least 1")
+        if cache_limit < 1:
+            raise ValueError("cache_limit must be at least 1")
+        self.cache_limit = cache_limit
         self.db = db
         self.snapshot_every = snapshot_every
         self._now = now
         self._owns_db = owns_db
         self._closed = False
         # Writer-thread only (see module docstring).
-        self._docs: dict[tuple[str, str], _SubDoc] = {}
+        # Evicting is safe at any moment on the writer thread: an evicted state that a rollback
+        # would have undone is simply rebuilt from the (rolled back) disk on its next touch.
+        self._docs: OrderedDict[tuple[str, str], _SubDoc] = OrderedDict()
 
     @classmethod
     async def open(
@@ -243,6 +254,8 @@ class SQLiteOpLogStore(OpLogStore):
                 if doc.clock == 0:
                     return 0, doc.state  # never written: not worth a cache entry
                 self._cache(tx, key, doc)
+            else:
+                self._docs.move_to_end(key)
             return doc.clock, copy_state(doc.state)
 
         return await self.db.write(job)
@@ -281,6 +294,8 @@ class SQLiteOpLogStore(OpLogStore):
 
     def _cache(self, tx: Transaction, key: tuple[str, str], doc: _SubDoc) -> None:
         self._docs[key] = doc
+        while len(self._docs) > self.cache_limit:
+            self._docs.popitem(last=False)
         # What was just loaded may include this group's uncommitted rows: forget it if they
         # never reach disk (it is reloaded on next touch).
         tx.on_rollback(lambda: self._forget(key, doc))
@@ -302,6 +317,8 @@ class SQLiteOpLogStore(OpLogStore):
         if doc is None:
             doc = _load(tx, key)
             self._cache(tx, key, doc)
+        else:
+            self._docs.move_to_end(key)
         op_ids = op_ids_to_look_up(ops)
         recorded = _look_up(tx, workspace_id, sub_doc, op_ids) if op_ids else {}
         plan = plan_commit(doc.state, doc.clock, ops, recorded, atomic=atomic)
