@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -114,6 +114,7 @@ class PostgresOpLogStore(OpLogStore):
         snapshot_every: int = _DEFAULTS.snapshot_every,
         channel: str = OPLOG_CHANNEL,
         max_group_ops: int = _DEFAULTS.max_ops_per_request,
+        cache_limit: int = _DEFAULTS.subdoc_cache_limit,
         retry_policy: SerializationRetryPolicy | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         owns_pool: bool = False,
@@ -126,10 +127,16 @@ class PostgresOpLogStore(OpLogStore):
         self.snapshot_every = snapshot_every
         self.channel = channel
         self.max_group_ops = max_group_ops
+        if cache_limit < 1:
+            raise ValueError("cache_limit must be at least 1")
+        self.cache_limit = cache_limit
         self._retry_policy = retry_policy
         self._sleep = sleep
         self._owns_pool = owns_pool
-        self._lanes: dict[tuple[str, str], _Lane] = {}
+        # Least recently used first. Idle lanes past `cache_limit` are dropped: a sub-doc's cached
+        # state is only ever used after catching up from the log under the head row lock, so a
+        # dropped (or even duplicated) lane costs a rebuild, never a wrong answer.
+        self._lanes: OrderedDict[tuple[str, str], _Lane] = OrderedDict()
         self._closed = False
         #: Group transactions committed and appends they carried (for metrics and tests).
         self.groups_committed = 0
@@ -144,6 +151,7 @@ class PostgresOpLogStore(OpLogStore):
         snapshot_every: int = _DEFAULTS.snapshot_every,
         channel: str = OPLOG_CHANNEL,
         max_group_ops: int = _DEFAULTS.max_ops_per_request,
+        cache_limit: int = _DEFAULTS.subdoc_cache_limit,
     ) -> PostgresOpLogStore:
         """Open a pool, apply pending migrations, and return a store that closes the pool."""
         pool = await create_pool(dsn, settings)
@@ -157,6 +165,7 @@ class PostgresOpLogStore(OpLogStore):
             snapshot_every=snapshot_every,
             channel=channel,
             max_group_ops=max_group_ops,
+            cache_limit=cache_limit,
             owns_pool=True,
         )
 
@@ -239,7 +248,21 @@ class PostgresOpLogStore(OpLogStore):
         lane = self._lanes.get(key)
         if lane is None:
             lane = self._lanes[key] = _Lane()
+            self._evict_idle_lanes()
+        else:
+            self._lanes.move_to_end(key)
         return lane
+
+    def _evict_idle_lanes(self) -> None:
+        excess = len(self._lanes) - self.cache_limit
+        if excess <= 0:
+            return
+        for key, lane in list(self._lanes.items()):
+            if excess <= 0:
+                break
+            if not lane.pending and lane.drainer is None and not lane.lock.locked():
+                del self._lanes[key]
+                excess -= 1
 
     def _take_group(self, lane: _Lane) -> list[_Pending]:
         group = [lane.pending.popleft()]

@@ -115,6 +115,7 @@ async def open_postgres_stores(config: ServerConfig) -> Stores:
             snapshot_every=config.snapshot_every,
             channel=oplog_channel,
             max_group_ops=config.max_ops_per_request,
+            cache_limit=config.subdoc_cache_limit,
         )
         await queue.listen(notifier)
         secret = config.token_secret or await postgres_token_secret(pool)
