@@ -10,28 +10,12 @@ import asyncpg  # type: ignore[import-untyped]
 import pytest
 
 from cv_server.locks import Acquired, ComputeLockStore, Locked
-from cv_server.pg import create_pool, migrate
+from cv_server.pg import create_pool
 from cv_server.pg.locks import TABLE, PostgresComputeLockStore
 from tests.contract.locks_contract import LocksContract
-from tests.pg.helpers import fresh_schema, settings_for
+from tests.pg.helpers import settings_for
 
 pytestmark = pytest.mark.postgres
-
-
-@pytest.fixture
-async def schema(postgres_url: str) -> AsyncIterator[str]:
-    async with fresh_schema(postgres_url) as name:
-        yield name
-
-
-@pytest.fixture
-async def pool(postgres_url: str, schema: str) -> AsyncIterator[asyncpg.Pool]:
-    pool = await create_pool(postgres_url, settings_for(schema))
-    try:
-        await migrate(pool)
-        yield pool
-    finally:
-        await pool.close()
 
 
 class TestPostgresComputeLockStore(LocksContract):

@@ -9,17 +9,12 @@ import pytest
 from cv_server.oplog import OpLogStore
 from cv_server.pg.oplog import PostgresOpLogStore
 from tests.contract.oplog_contract import OpLogContract, Reopen
-from tests.pg.helpers import fresh_schema, settings_for
+from tests.pg.helpers import settings_for
 
 pytestmark = pytest.mark.postgres
 
 
 class TestPostgresOpLogStore(OpLogContract):
-    @pytest.fixture
-    async def schema(self, postgres_url: str) -> AsyncIterator[str]:
-        async with fresh_schema(postgres_url) as name:
-            yield name
-
     async def open_store(self, postgres_url: str, schema: str) -> PostgresOpLogStore:
         return await PostgresOpLogStore.open(
             postgres_url,

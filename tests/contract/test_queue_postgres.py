@@ -10,32 +10,16 @@ import asyncpg  # type: ignore[import-untyped]
 import pytest
 
 from cv_server.config import ServerConfig
-from cv_server.pg import Notifier, create_pool, migrate
+from cv_server.pg import Notifier, create_pool
 from cv_server.pg.idempotency import PostgresIdempotencyStore
 from cv_server.pg.queue import PostgresQueueStore
 from cv_server.queue import IdempotencyStore, QueueStore
 from tests.contract.queue_contract import QueueContract
-from tests.pg.helpers import fresh_schema, settings_for
+from tests.pg.helpers import settings_for
 
 pytestmark = pytest.mark.postgres
 
 CONFIG = ServerConfig()
-
-
-@pytest.fixture
-async def schema(postgres_url: str) -> AsyncIterator[str]:
-    async with fresh_schema(postgres_url) as name:
-        yield name
-
-
-@pytest.fixture
-async def pool(postgres_url: str, schema: str) -> AsyncIterator[asyncpg.Pool]:
-    pool = await create_pool(postgres_url, settings_for(schema))
-    try:
-        await migrate(pool)
-        yield pool
-    finally:
-        await pool.close()
 
 
 @pytest.fixture
