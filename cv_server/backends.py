@@ -84,16 +84,8 @@ async def open_stores(config: ServerConfig) -> Stores:
     )
     blobs = blobs_sqlite.SQLiteBlobStore(db, retention=config.blob_retention_seconds)
     locks = locks_sqlite.SQLiteComputeLockStore(db)
-    # seed 004 §1: a request that died mid-flight must not leave its key in progress (24 h of
-    # 409 for every honest retry). The embedded server is the only process serving its file, so
-    # at start no request can still be running: release every key left in progress.
-    await db.write(
-        lambda tx: (
-            tx.execute(
-                f"DELETE FROM {idempotency_sqlite.TABLE} WHERE state = 'in_progress'"
-            ).rowcount
-        )
-    )
+    # The embedded server is the only process serving its file: at start nothing is running.
+    await idempotency.abandon_all_in_progress()
     secret = config.token_secret or await meta.sqlite_token_secret(db)
     return Stores(
         oplog=oplog,

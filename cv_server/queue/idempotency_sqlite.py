@@ -135,6 +135,14 @@ class SQLiteIdempotencyStore(IdempotencyStore):
 
         return await self._db.write(job)
 
+    async def abandon_all_in_progress(self) -> int:
+        """Release every key still in progress; return how many. Only for start-up of the one
+        process serving the file, when no request can still be running (seed 004 §1: a crashed
+        request must not turn honest retries into 24 hours of 409)."""
+        return await self._db.write(
+            lambda tx: tx.execute(f"DELETE FROM {TABLE} WHERE state = 'in_progress'").rowcount
+        )
+
     async def sweep(self, now: float, *, limit: int | None = None) -> int:
         check_sweep_limit(limit)
 
