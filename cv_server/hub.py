@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Final
 
 import orjson
@@ -208,7 +208,6 @@ class Hub:
     def __init__(self, store: OpLogStore) -> None:
         self.store = store
         self._topics: dict[tuple[str, str], set[Subscription]] = {}
-        self.on_publish: list[Callable[[str, str, list[LogEntry]], None]] = []
 
     @property
     def subscriber_count(self) -> int:
@@ -216,11 +215,6 @@ class Hub:
 
     def publish(self, workspace_id: str, sub_doc: str, entries: Iterable[LogEntry]) -> None:
         """Call right after the commit that produced `entries`, never before."""
-        entries = list(entries)
-        if not entries:
-            return
-        for hook in self.on_publish:
-            hook(workspace_id, sub_doc, entries)
         subs = self._topics.get((workspace_id, sub_doc))
         if not subs:
             return
