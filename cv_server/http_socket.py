@@ -1,5 +1,9 @@
 """The workspace websocket (DESIGN §5): subscribe / unsubscribe / apply, acks and live ops.
 
+Every message either way is one JSON frame. A client that connects with `?batch=1` also
+accepts a JSON array of frames in one message (frames that queued up while the connection was
+busy: the ops and acks of one group commit), to be read as those frames in order.
+
 Applies to one sub-doc from one connection commit in the order they arrived (each waits for the
 previous one); applies to different sub-docs run concurrently and meet in the group commit.
 """
@@ -145,7 +149,9 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
         await ws.close(code=close_code, message=reason)
         return ws
 
-    conn = Connection(ws, config.subscriber_queue_limit)
+    # `?batch=1`: the client reads a JSON array of frames as those frames, in order.
+    batch_bytes = config.max_ws_frame_bytes if request.query.get("batch") == "1" else 0
+    conn = Connection(ws, config.subscriber_queue_limit, batch_bytes)
     session = _Session(app, conn, workspace_id)
     app[CONNECTIONS].add(conn)
     try:

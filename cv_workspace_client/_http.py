@@ -35,7 +35,8 @@ class HttpApi:
         return f"/v1/workspaces/{quote(workspace_id, safe='')}/docs/{quote(sub_doc, safe='')}"
 
     def socket_url(self, workspace_id: str) -> str:
-        return f"{self.base_url}/v1/workspaces/{quote(workspace_id, safe='')}/socket"
+        # batch=1: the server may pack the frames that queued up into one message (an array).
+        return f"{self.base_url}/v1/workspaces/{quote(workspace_id, safe='')}/socket?batch=1"
 
     async def post_ops(self, workspace_id: str, sub_doc: str, body: str) -> Any:
         """POST a batch (`body` is the JSON text); return its `results` list."""

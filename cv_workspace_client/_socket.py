@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
+import orjson
 
 from cv_workspace_client._machine import Send
 from cv_workspace_client.config import ClientConfig
@@ -233,11 +234,17 @@ class WorkspaceSocket:
 
     def _dispatch(self, text: str) -> None:
         try:
-            frame = json.loads(text)
-        except ValueError:
+            frame = orjson.loads(text)
+        except orjson.JSONDecodeError:
             return
-        if not isinstance(frame, dict):
-            return
+        if isinstance(frame, dict):
+            self._dispatch_frame(frame)
+        elif isinstance(frame, list):  # several frames in one message (`?batch=1`), in order
+            for item in frame:
+                if isinstance(item, dict):
+                    self._dispatch_frame(item)
+
+    def _dispatch_frame(self, frame: dict[str, Any]) -> None:
         kind = frame.get("type")
         if kind == "op" or kind == "synced":
             sub_doc = frame.get("sub_doc")

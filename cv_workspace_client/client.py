@@ -49,6 +49,7 @@ from cv_workspace_client.errors import (
     ClientClosedError,
     InvalidRequestError,
     OpRejectedError,
+    OutboxError,
     ProtocolError,
     StillPendingError,
     WorkspaceError,
@@ -76,9 +77,11 @@ class WorkspaceClient(QueueMethods):
         now: wall clock for `created_at` (injectable for tests).
         new_op_id: the op_id minter (injectable for tests).
 
-    Guarantees: an op gets its op_id before it is first written, is on disk before it is first
-    sent, keeps its op_id for every retry, reconnect and restart, and leaves the outbox only once
-    the server answered it. Ops to one sub-doc are applied in the order they were submitted.
+    Guarantees: an op gets its op_id before it is first written; it is in the outbox file (safe
+    from the process dying) before it is first sent, and on disk (safe from a power loss) before
+    the client says it waits there (`StillPendingError`, `close`); it keeps its op_id for every
+    retry, reconnect and restart, and leaves the outbox only once the server answered it.
+    Ops to one sub-doc are applied in the order they were submitted.
     """
 
     def __init__(
@@ -137,7 +140,7 @@ class WorkspaceClient(QueueMethods):
         if self._state != "new":
             raise RuntimeError("a closed WorkspaceClient cannot be restarted; make a new one")
         if self.outbox_path is not None:
-            self._outbox = await SQLiteOutbox.open(self.outbox_path)
+            self._outbox = await SQLiteOutbox.open(self.outbox_path, sync=self.config.outbox_sync)
         else:
             self._outbox = MemoryOutbox()
         self._session = aiohttp.ClientSession(
@@ -401,14 +404,35 @@ class WorkspaceClient(QueueMethods):
         self._kick()
 
     def _resolve(self, resolve: Resolve) -> None:
+        outbox = self._outbox
         for seq, outcome in resolve.outcomes:
             entry = self._futures.pop(seq, None)
             if entry is None or entry[0].done():
                 continue
             if isinstance(outcome, Commit):
                 entry[0].set_result(outcome)
+            elif (
+                isinstance(outcome, StillPendingError)
+                and outbox is not None
+                and not outbox.synced(seq)
+            ):
+                # "It waits in the outbox" must be true of the disk, not just of the page cache.
+                self._spawn(self._still_pending_once_synced(seq, entry[0], outcome))
             else:
                 entry[0].set_exception(outcome)
+
+    async def _still_pending_once_synced(
+        self, seq: int, future: asyncio.Future[Commit], outcome: StillPendingError
+    ) -> None:
+        assert self._outbox is not None
+        error: BaseException = outcome
+        try:
+            await self._outbox.sync(seq)
+        except OutboxError as exc:
+            error = exc
+        finally:  # cancelled by close(): the close's own final fsync covers the row
+            if not future.done():
+                future.set_exception(error)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 __all__ = ["ClientConfig"]
 
@@ -33,6 +34,12 @@ class ClientConfig:
     #: the envelope. A server that still says `body_too_large` makes the client halve its batches.
     max_batch_bytes: int = 1_000_000
 
+    #: When a file outbox fsyncs an op: "alongside" its first send (the op is in the file, safe from
+    #: the process dying, before it is sent; the fsync for power loss runs during the round trip,
+    #: and the client never reports an op as waiting in the outbox before it), or "before_send"
+    #: (the strict order: one fsync on every op's path).
+    outbox_sync: Literal["alongside", "before_send"] = "alongside"
+
     #: Send ops over the workspace's websocket (pipelined) when it is open; HTTP otherwise.
     #: False: HTTP only (one request per in-flight batch).
     ops_over_websocket: bool = True
@@ -57,5 +64,7 @@ class ClientConfig:
             raise ValueError("retry delays must be >= 0")
         if self.max_batch_ops < 1 or self.max_batch_bytes < 1:
             raise ValueError("batch limits must be >= 1")
+        if self.outbox_sync not in ("alongside", "before_send"):
+            raise ValueError("outbox_sync must be 'alongside' or 'before_send'")
         if self.subscription_buffer < 1 or self.catchup_page < 1:
             raise ValueError("subscription_buffer and catchup_page must be >= 1")

@@ -39,10 +39,14 @@ def outbox_op_ids(path: Path) -> list[str]:
 
 
 async def run_until_killed(
-    args: list[str], kill_after: int, committed: set[str]
+    args: list[str], kill_after: int, kill_delay: float, committed: set[str]
 ) -> tuple[int, int]:
-    """Start a writer, let it report `kill_after` commits, SIGKILL it. Returns (replayed at its
-    start, return code)."""
+    """Start a writer, let it report `kill_after` commits, SIGKILL it `kill_delay` seconds later.
+    Returns (replayed at its start, return code).
+
+    The delay picks the moment of death within the writer's cycle: its answers arrive in bursts
+    (one batch acked, its rows deleted, then the prints), so a kill right on a print would
+    nearly always land between a batch's delete and the next batch's insert."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -64,6 +68,7 @@ async def run_until_killed(
                 elif line[0] == "committed":
                     committed.add(line[1])
                     seen += 1
+        await asyncio.sleep(kill_delay)
     finally:
         proc.send_signal(signal.SIGKILL)
         code = await proc.wait()
@@ -83,7 +88,9 @@ async def test_clients_killed_mid_stream_lose_nothing_and_apply_nothing_twice(
     for round_ in range(KILLS):
         mode = "websocket" if round_ % 2 else "http"
         args = [server_url, token, str(outbox), "tree", "16", mode]
-        replayed, code = await run_until_killed(args, rng.randint(40, 200), committed)
+        replayed, code = await run_until_killed(
+            args, rng.randint(40, 200), rng.uniform(0.0, 0.005), committed
+        )
         assert code == -signal.SIGKILL
         replays.append(replayed)
         left_behind.update(outbox_op_ids(outbox))

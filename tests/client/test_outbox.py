@@ -1,10 +1,13 @@
-"""The outbox on a real SQLite file: durable settings, survival across instances, group commit."""
+"""The outbox on a real SQLite file: durable settings, survival across instances and a SIGKILL,
+group fsync."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sqlite3
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,32 +33,78 @@ async def write(outbox: SQLiteOutbox | MemoryOutbox, job: OutboxWrite) -> BaseEx
     return await asyncio.wait_for(done, TIMEOUT)
 
 
-async def test_the_outbox_file_runs_wal_with_synchronous_full(tmp_path: Path) -> None:
+async def test_the_outbox_file_runs_wal_exclusive_and_fsyncs_on_its_syncer(tmp_path: Path) -> None:
     outbox = await SQLiteOutbox.open(tmp_path / "app.outbox")
     try:
         settings = await outbox.settings()
+        assert await write(outbox, OutboxWrite(inserts=[row(1)])) is None
+        await asyncio.wait_for(outbox.sync(1), TIMEOUT)
+        assert outbox.synced(1)
+        assert outbox.fsyncs >= 1
     finally:
         await outbox.close()
     assert settings["journal_mode"] == "wal"
-    assert settings["synchronous"] == 2  # FULL
+    # NORMAL: a commit is in the WAL without an fsync; the syncer thread fsyncs the WAL.
+    assert settings["synchronous"] == 1
     assert settings["locking_mode"] == "exclusive"
 
 
-async def test_deletes_commit_without_their_own_fsync_and_inserts_stay_full(
-    tmp_path: Path,
-) -> None:
+async def test_a_committed_write_survives_a_crash_before_its_fsync(tmp_path: Path) -> None:
+    """What survives the process is decided by the commit, not the fsync: a child process
+    commits and is SIGKILLed at once; the next client finds the row."""
+    path = tmp_path / "app.outbox"
+    script = (
+        "import asyncio, json, os, signal, sys\n"
+        "from cv_workspace_client._machine import OutboxRow\n"
+        "from cv_workspace_client._outbox import OutboxWrite, SQLiteOutbox\n"
+        "async def main():\n"
+        "    outbox = await SQLiteOutbox.open(sys.argv[1])\n"
+        "    op = json.dumps({'type': 'node.increment', 'node_id': 'n', 'field': 'c',"
+        " 'op_id': 'op_00000009'})\n"
+        "    row = OutboxRow(9, 'ws', 'tree', 'op_00000009', op, 1.0)\n"
+        "    outbox.write(OutboxWrite(inserts=[row], done=lambda e: None))\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "asyncio.run(main())\n"
+    )
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script, str(path))
+    assert await asyncio.wait_for(proc.wait(), TIMEOUT) == -signal.SIGKILL
+    reopened = await SQLiteOutbox.open(path)
+    try:
+        assert [(r.seq, r.op_id) for r in reopened.rows] == [(9, "op_00000009")]
+    finally:
+        await reopened.close()
+
+
+async def test_before_send_reports_a_write_only_after_its_fsync(tmp_path: Path) -> None:
+    outbox = await SQLiteOutbox.open(tmp_path / "app.outbox", sync="before_send")
+    try:
+        seen: list[tuple[BaseException | None, bool]] = []
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def on_done(error: BaseException | None) -> None:
+            seen.append((error, outbox.synced(5)))
+            done.set_result(None)
+
+        outbox.write(OutboxWrite(inserts=[row(4), row(5)], done=on_done))
+        await asyncio.wait_for(done, TIMEOUT)
+    finally:
+        await outbox.close()
+    assert seen == [(None, True)]
+
+
+async def test_deletes_need_no_fsync_of_their_own(tmp_path: Path) -> None:
     outbox = await SQLiteOutbox.open(tmp_path / "app.outbox")
     try:
         assert await write(outbox, OutboxWrite(inserts=[row(1), row(2)])) is None
+        await outbox.sync()
+        fsyncs = outbox.fsyncs
         assert await write(outbox, OutboxWrite(deletes=[1])) is None
-        after_delete = await outbox.settings()
+        await outbox.sync()
+        assert outbox.fsyncs == fsyncs  # nothing new to make durable: no fsync asked
         assert await write(outbox, OutboxWrite(inserts=[row(3)])) is None
         pending = [r.seq for r in await outbox.pending()]
     finally:
         await outbox.close()
-    # A delete-only group drops to NORMAL for its commit and restores FULL right after, so the
-    # next insert (an op about to be sent) is fsynced again.
-    assert after_delete["synchronous"] == 2
     assert pending == [2, 3]
 
 
@@ -95,19 +144,15 @@ async def test_a_write_is_on_disk_when_its_callback_runs(tmp_path: Path) -> None
         await reopened.close()
 
 
-async def test_concurrent_writes_share_transactions(tmp_path: Path) -> None:
+async def test_many_commits_share_an_fsync(tmp_path: Path) -> None:
     outbox = await SQLiteOutbox.open(tmp_path / "app.outbox")
     try:
-        loop = asyncio.get_running_loop()
-        futures = []
         for seq in range(1, 301):
-            future: asyncio.Future[BaseException | None] = loop.create_future()
-            outbox.write(OutboxWrite(inserts=[row(seq)], done=future.set_result))
-            futures.append(future)
-        errors = await asyncio.wait_for(asyncio.gather(*futures), TIMEOUT)
-        assert errors == [None] * 300
+            outbox.write(OutboxWrite(inserts=[row(seq)]))
+        await asyncio.wait_for(outbox.sync(), TIMEOUT)
         assert outbox.writes_committed == 300
-        assert outbox.groups_committed < 300  # group commit: fewer fsyncs than writes
+        assert outbox.synced(300)
+        assert outbox.fsyncs < 300  # group sync: one fsync covers every commit before it
         assert len(await outbox.pending()) == 300
     finally:
         await outbox.close()

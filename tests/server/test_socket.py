@@ -142,3 +142,59 @@ async def test_a_subscriber_that_stops_reading_is_closed_with_4008_and_others_ca
                 break
     assert stalled.close_code == CLOSE_TOO_SLOW
     await healthy.close()
+
+
+async def _frames_until(ws: ClientWebSocketResponse, clock: int) -> list[list[dict[str, Any]]]:
+    """Each message received (as its list of frames) until the `op` frame of `clock` arrives."""
+    messages: list[list[dict[str, Any]]] = []
+    async with asyncio.timeout(10):
+        while True:
+            body = await ws.receive_json()
+            frames = body if isinstance(body, list) else [body]
+            messages.append(frames)
+            if any(f.get("type") == "op" and f["clock"] == clock for f in frames):
+                return messages
+
+
+async def test_a_batching_client_gets_the_frames_of_one_commit_in_one_message(
+    client: TestClient[Any, Any],
+) -> None:
+    batching = await client.ws_connect(SOCKET + "?batch=1", headers=auth("ws1"))
+    plain = await client.ws_connect(SOCKET, headers=auth("ws1"))
+    for ws in (batching, plain):
+        await ws.send_json({"type": "subscribe", "sub_doc": "tree", "since": 0})
+        assert (await ws.receive_json(timeout=5))["type"] == "synced"
+    await post_ops(client, [insert(f"n{i}") for i in range(20)])  # one commit, 20 op frames
+
+    batched = await _frames_until(batching, 20)
+    single = await _frames_until(plain, 20)
+    # The same frames in the same order either way; packed into fewer messages when asked for.
+    assert [f["clock"] for m in batched for f in m] == list(range(1, 21))
+    assert [f["clock"] for m in single for f in m] == list(range(1, 21))
+    assert all(len(m) == 1 for m in single)
+    assert len(batched) < 20
+    await batching.close()
+    await plain.close()
+
+
+async def test_batched_messages_stay_under_the_frame_limit(
+    aiohttp_client: ClientFactory, make_config: Callable[..., ServerConfig]
+) -> None:
+    client = await aiohttp_client(create_app(make_config(max_ws_frame_bytes=600)))
+    ws = await client.ws_connect(SOCKET + "?batch=1", headers=auth("ws1"))
+    await ws.send_json({"type": "subscribe", "sub_doc": "tree", "since": 0})
+    assert (await ws.receive_json(timeout=5))["type"] == "synced"
+    await post_ops(client, [insert(f"n{i}") for i in range(20)])
+    sizes: list[int] = []
+    clocks: list[int] = []
+    async with asyncio.timeout(10):
+        while not clocks or clocks[-1] < 20:
+            message = await ws.receive()
+            assert message.type == WSMsgType.TEXT
+            sizes.append(len(message.data))
+            body = message.json()
+            clocks.extend(f["clock"] for f in (body if isinstance(body, list) else [body]))
+    assert clocks == list(range(1, 21))
+    assert max(sizes) <= 600
+    assert len(sizes) > 1
+    await ws.close()
