@@ -1,8 +1,9 @@
 """The workspace websocket (DESIGN §5): subscribe / unsubscribe / apply, acks and live ops.
 
-Every message either way is one JSON frame. A client that connects with `?batch=1` also
-accepts a JSON array of frames in one message (frames that queued up while the connection was
-busy: the ops and acks of one group commit), to be read as those frames in order.
+A message either way is one JSON frame or a JSON array of frames, handled in order as if each had
+come alone. The server sends arrays only to a client that connected with `?batch=1` (frames that
+queued up while the connection was busy: the ops and acks of one group commit); it accepts them
+from any client (the SDK packs the applies its tasks queued meanwhile).
 
 Applies to one sub-doc from one connection commit in the order they arrived (each waits for the
 previous one); applies to different sub-docs run concurrently and meet in the group commit.
@@ -51,9 +52,22 @@ class _Session:
         self.conn.send_json(frame)
 
     def handle(self, text: str) -> None:
+        """One message: a frame, or (from a batching client) a JSON array of frames, handled in
+        order as if each had come alone."""
+        try:
+            body = decode_json(text)
+        except Problem as problem:
+            self.error(problem.code, problem.detail)
+            return
+        if isinstance(body, list) and body:
+            for frame in body:
+                self.handle_frame(frame)
+        else:
+            self.handle_frame(body)
+
+    def handle_frame(self, frame: Any) -> None:
         req: Any = None
         try:
-            frame = decode_json(text)
             if not isinstance(frame, dict):
                 raise Problem(400, "malformed_json", "a frame must be a JSON object")
             req = frame.get("req")

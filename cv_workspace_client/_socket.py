@@ -32,6 +32,7 @@ from cv_workspace_client.errors import (
     WorkspaceError,
     error_from_problem,
 )
+from cv_workspace_client.stream import parse_frame_op
 
 if TYPE_CHECKING:
     from cv_workspace_client.stream import Subscription
@@ -202,7 +203,9 @@ class WorkspaceSocket:
         self._frames = frames
         self.connections += 1
         self._opened.set()
-        writer = asyncio.get_running_loop().create_task(_write(ws, frames))
+        writer = asyncio.get_running_loop().create_task(
+            _write(ws, frames, self.owner.config.max_batch_bytes)
+        )
         heard = False
         try:
             self.owner.connection_opened(self.workspace_id)
@@ -248,7 +251,10 @@ class WorkspaceSocket:
         kind = frame.get("type")
         if kind == "op" or kind == "synced":
             sub_doc = frame.get("sub_doc")
-            for sub in self._subs.get(sub_doc, ()) if isinstance(sub_doc, str) else ():
+            subs = self._subs.get(sub_doc, ()) if isinstance(sub_doc, str) else ()
+            if kind == "op" and subs:
+                parse_frame_op(frame)  # once, however many subscriptions share the frame
+            for sub in subs:
                 sub.feed(frame)
         elif kind == "ack":
             req = frame.get("req")
@@ -287,13 +293,32 @@ def _subscribe_frame(sub_doc: str, since: int) -> str:
     return json.dumps({"type": "subscribe", "sub_doc": sub_doc, "since": since})
 
 
-async def _write(ws: aiohttp.ClientWebSocketResponse, frames: asyncio.Queue[str]) -> None:
-    """The connection's one writer: frames leave in the order they were queued."""
+async def _write(
+    ws: aiohttp.ClientWebSocketResponse, frames: asyncio.Queue[str], max_bytes: int
+) -> None:
+    """The connection's one writer: frames leave in the order they were queued. Frames that
+    queued up meanwhile (the applies of many writers sharing this client) leave as one message,
+    a JSON array of frames, up to `max_bytes`: one write here and one read at the server."""
     try:
         while True:
-            frame = await frames.get()
-            await ws.send_str(frame)
+            first = await frames.get()
+            if frames.empty():
+                await ws.send_str(first)
+                continue
+            batch, size = [first], len(first)
+            while not frames.empty():
+                frame = frames.get_nowait()
+                if size + len(frame) + 1 >= max_bytes:
+                    await ws.send_str(_pack(batch))
+                    batch, size = [], 0
+                batch.append(frame)
+                size += len(frame) + 1
+            await ws.send_str(_pack(batch))
     except (ConnectionError, aiohttp.ClientError, RuntimeError):
         # The reader sees the close and reports every in-flight batch as failed.
         with contextlib.suppress(Exception):
             await ws.close()
+
+
+def _pack(frames: list[str]) -> str:
+    return frames[0] if len(frames) == 1 else f"[{','.join(frames)}]"

@@ -8,15 +8,19 @@ done by the pure `ResumeTracker`; this shell only buffers frames and fetches hol
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from typing import Any, Protocol
 
-from cv_mutations import parse_op
+from cv_mutations import InvalidOp, parse_op
 from cv_workspace_client._subscription import ResumeTracker, Verdict
 from cv_workspace_client.errors import ProtocolError, WorkspaceError
 from cv_workspace_client.models import Committed
 
-__all__ = ["Subscription"]
+__all__ = ["PARSED", "Subscription", "parse_frame_op"]
+
+#: Where `parse_frame_op` leaves a frame's parsed `Committed` (not a key the server sends).
+PARSED = "\x00committed"
 
 
 class StreamOwner(Protocol):
@@ -110,7 +114,8 @@ class Subscription:
                     continue
                 verdict = self._tracker.offer(clock)
                 if verdict is Verdict.DELIVER:
-                    return _committed(frame)
+                    committed = frame.get(PARSED)
+                    return committed if isinstance(committed, Committed) else _committed(frame)
                 if verdict is Verdict.GAP:
                     # Something between was lost: fetch it from the log, then judge this again.
                     self._frames.appendleft(frame)
@@ -203,6 +208,14 @@ class Subscription:
                     )
             if not progressed or len(entries) < self._page:
                 return
+
+
+def parse_frame_op(frame: dict[str, Any]) -> None:
+    """Parse an `op` frame's op once, for every subscription the frame is fed to (several
+    subscriptions to one sub-doc share a socket). A frame that fails to parse is left alone: each
+    subscription then raises the error when it reaches the frame."""
+    with contextlib.suppress(InvalidOp, KeyError, TypeError, ValueError):
+        frame[PARSED] = _committed(frame)
 
 
 def _committed(frame: dict[str, Any]) -> Committed:

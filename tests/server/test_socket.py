@@ -198,3 +198,29 @@ async def test_batched_messages_stay_under_the_frame_limit(
     assert max(sizes) <= 600
     assert len(sizes) > 1
     await ws.close()
+
+
+async def test_an_array_of_frames_is_handled_in_order_frame_by_frame(
+    client: TestClient[Any, Any],
+) -> None:
+    ws = await client.ws_connect(SOCKET, headers=auth("ws1"))
+    applies = [
+        {"type": "apply", "sub_doc": "tree", "req": req, "ops": [insert(f"n{req}")]}
+        for req in range(5)
+    ]
+    bad = {"type": "apply", "sub_doc": "tree", "req": 99, "ops": [{"type": "node.nope"}]}
+    await ws.send_json([*applies[:3], bad, "not a frame", *applies[3:]])
+    acks: dict[int, int] = {}
+    errors: list[tuple[Any, str]] = []
+    async with asyncio.timeout(10):
+        while len(acks) < 5 or len(errors) < 2:
+            frame = await ws.receive_json()
+            if frame["type"] == "ack":
+                acks[frame["req"]] = frame["results"][0]["clock"]
+            else:
+                errors.append((frame.get("req"), frame["code"]))
+    assert [acks[req] for req in range(5)] == [1, 2, 3, 4, 5]
+    assert sorted(errors, key=str) == sorted(
+        [(99, "unknown_op_type"), (None, "malformed_json")], key=str
+    )
+    await ws.close()
