@@ -23,6 +23,7 @@ from cv_server.http_docs import commit_and_publish
 from cv_server.hub import Connection, Subscription
 from cv_server.inputs import decode_json, parse_apply_body
 from cv_server.keys import CONFIG, CONNECTIONS, HUB, STATE
+from cv_server.oplog import Outcome
 from cv_server.problems import Problem
 from cv_server.security import authenticate
 
@@ -43,7 +44,7 @@ class _Session:
         self.conn = conn
         self.workspace_id = workspace_id
         self.config = app[CONFIG]
-        self._tails: dict[str, asyncio.Task[None]] = {}
+        self._tails: dict[str, asyncio.Task[list[Outcome]]] = {}
 
     def error(self, code: str, message: str, req: Any = None, **extra: Any) -> None:
         frame: dict[str, Any] = {"type": "error", "code": code, "message": message, **extra}
@@ -111,30 +112,40 @@ class _Session:
 
     def apply(self, sub_doc: str, req: Any, ops: Any, atomic: bool) -> None:
         previous = self._tails.get(sub_doc)
-
-        async def run() -> None:
-            if previous is not None:
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(previous)
-            try:
-                outcomes = await asyncio.shield(
-                    commit_and_publish(self.app, self.workspace_id, sub_doc, ops, atomic)
-                )
-            except Exception:
-                log.exception("apply failed on %s/%s", self.workspace_id, sub_doc)
-                self.error("internal", "the ops were not committed; retry", req)
-                return
-            self.conn.send_json(
-                {"type": "ack", "req": req, "results": [o.to_json() for o in outcomes]}
+        if previous is None:
+            # Nothing of this sub-doc in flight from this socket: commit right away (the common
+            # case, so no extra task or shield on the hot path).
+            task = asyncio.create_task(
+                commit_and_publish(self.app, self.workspace_id, sub_doc, ops, atomic)
             )
-
-        task = asyncio.create_task(run())
+        else:
+            task = asyncio.create_task(self._after(previous, sub_doc, ops, atomic))
         self._tails[sub_doc] = task
-        task.add_done_callback(lambda t: self._forget(sub_doc, t))
+        # Nothing cancels these tasks: a commit that started finishes and is published even if
+        # the socket closes meanwhile (the client replays and is answered from the dedupe record).
+        task.add_done_callback(lambda t: self._answer(sub_doc, req, t))
 
-    def _forget(self, sub_doc: str, task: asyncio.Task[None]) -> None:
+    async def _after(
+        self, previous: asyncio.Task[list[Outcome]], sub_doc: str, ops: Any, atomic: bool
+    ) -> list[Outcome]:
+        """Applies to one sub-doc from one socket commit in the order they arrived."""
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(previous)
+        return await commit_and_publish(self.app, self.workspace_id, sub_doc, ops, atomic)
+
+    def _answer(self, sub_doc: str, req: Any, task: asyncio.Task[list[Outcome]]) -> None:
         if self._tails.get(sub_doc) is task:
             del self._tails[sub_doc]
+        if task.cancelled():
+            self.error("internal", "the ops were not committed; retry", req)
+            return
+        error = task.exception()
+        if error is not None:
+            log.error("apply failed on %s/%s", self.workspace_id, sub_doc, exc_info=error)
+            self.error("internal", "the ops were not committed; retry", req)
+            return
+        outcomes = task.result()
+        self.conn.send_json({"type": "ack", "req": req, "results": [o.to_json() for o in outcomes]})
 
     async def wait_applies(self) -> None:
         tails = list(self._tails.values())

@@ -7,11 +7,13 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from aiohttp import ClientWebSocketResponse, WSMsgType
 from aiohttp.test_utils import TestClient
 
 from cv_server import ServerConfig, create_app
 from cv_server.hub import CLOSE_TOO_SLOW
+from cv_server.keys import STORES
 from tests.server.conftest import ClientFactory, auth
 from tests.server.helpers import get_ops, insert, post_ops
 
@@ -223,4 +225,30 @@ async def test_an_array_of_frames_is_handled_in_order_frame_by_frame(
     assert sorted(errors, key=str) == sorted(
         [(99, "unknown_op_type"), (None, "malformed_json")], key=str
     )
+    await ws.close()
+
+
+async def test_a_failed_commit_answers_internal_and_the_socket_carries_on(
+    client: TestClient[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = client.app[STORES].oplog
+    real_append = store.append
+    calls = 0
+
+    async def failing_once(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("disk on fire")
+        return await real_append(*args, **kwargs)
+
+    monkeypatch.setattr(store, "append", failing_once)
+    ws = await client.ws_connect(SOCKET, headers=auth("ws1"))
+    await ws.send_json({"type": "apply", "sub_doc": "tree", "req": 1, "ops": [insert("a")]})
+    await ws.send_json({"type": "apply", "sub_doc": "tree", "req": 2, "ops": [insert("b")]})
+    first = await ws.receive_json(timeout=5)
+    second = await ws.receive_json(timeout=5)
+    assert (first["type"], first["req"], first["code"]) == ("error", 1, "internal")
+    assert (second["type"], second["req"]) == ("ack", 2)
+    assert second["results"][0]["clock"] == 1  # the failed apply left nothing behind
     await ws.close()
