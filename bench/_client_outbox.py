@@ -2,16 +2,16 @@
 
 - **machine**: `OutboxMachine` alone (submit → persisted → Send → batch_answered → Forget), one op
   at a time and in batches of 100: the pure bookkeeping.
-- **SQLite outbox, burst**: N single-op inserts queued at once, then their N deletes (what a
-  pipelining client hands the outbox thread): group commit, a fraction of an fsync per op.
-- **SQLite outbox, one at a time**: insert, wait until durable, delete, wait: what a client that
-  awaits every op pays (two commits, two fsyncs per op, unless they share one); and the same
-  with each delete joined to the next insert (one commit per op), which is what the outbox could
-  do since a delete needs no fsync of its own (a surviving row is replayed as a duplicate).
+- **SQLite outbox, burst**: N ops submitted in one tick (one write of N inserts, as the client's
+  pump makes it), then their N deletes, then the fsync: what a pipelining client pays.
+- **SQLite outbox, one at a time**: insert, delete, insert, ... with the fsync on the syncer
+  thread alongside (the default, `outbox_sync="alongside"`): what a client that awaits every op
+  pays on its event loop; and the same with `outbox_sync="before_send"` (each insert waits for its
+  fsync before it counts as written: the strict order).
 - **memory outbox, burst**: the same calls on `MemoryOutbox`.
 
-CPU is the process's (all threads: the outbox writer thread included); wall time includes the
-fsyncs.
+CPU is the process's (all threads: the syncer thread's fsyncs included); wall time includes the
+fsyncs the figure waits for.
 """
 
 from __future__ import annotations
@@ -73,24 +73,12 @@ def _machine_figure(ops: int, batch: int) -> OutboxFigure:
 
 
 async def _burst(outbox: Outbox, ops: int, first_seq: int) -> tuple[float, float]:
-    loop = asyncio.get_running_loop()
-    remaining = ops * 2
-    finished = loop.create_future()
-
-    def done(error: BaseException | None) -> None:
-        nonlocal remaining
-        if error is not None and not finished.done():
-            finished.set_exception(error)
-        remaining -= 1
-        if remaining == 0 and not finished.done():
-            finished.set_result(None)
-
+    """N inserts in one write, N deletes in one write, then the fsync."""
+    seqs = range(first_seq, first_seq + ops)
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    for seq in range(first_seq, first_seq + ops):
-        outbox.write(OutboxWrite(inserts=[_row(seq)], done=done))
-    for seq in range(first_seq, first_seq + ops):
-        outbox.write(OutboxWrite(deletes=[seq], done=done))
-    await finished
+    outbox.write(OutboxWrite(inserts=[_row(seq) for seq in seqs]))
+    outbox.write(OutboxWrite(deletes=list(seqs)))
+    await outbox.sync()
     return time.perf_counter() - wall0, time.process_time() - cpu0
 
 
@@ -101,63 +89,66 @@ def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
         future.set_result(None)
 
 
-async def _one_at_a_time(
-    outbox: Outbox, ops: int, first_seq: int, *, joined: bool = False
-) -> tuple[float, float]:
-    """`joined`: each op's delete rides along with the next op's insert (one commit per op)."""
+async def _one_at_a_time(outbox: Outbox, ops: int, first_seq: int) -> tuple[float, float]:
+    """Per op: write its insert and wait until it counts as written, then write its delete."""
     loop = asyncio.get_running_loop()
     cpu0, wall0 = time.process_time(), time.perf_counter()
     for seq in range(first_seq, first_seq + ops):
-        if joined:
-            jobs = [OutboxWrite(inserts=[_row(seq)], deletes=[seq - 1])]
-        else:
-            jobs = [OutboxWrite(inserts=[_row(seq)]), OutboxWrite(deletes=[seq])]
-        for job in jobs:
-            landed: asyncio.Future[None] = loop.create_future()
-            job.done = functools.partial(_settle, landed)
-            outbox.write(job)
-            await landed
+        landed: asyncio.Future[None] = loop.create_future()
+        outbox.write(OutboxWrite(inserts=[_row(seq)], done=functools.partial(_settle, landed)))
+        await landed
+        outbox.write(OutboxWrite(deletes=[seq]))
+    await outbox.sync()
     return time.perf_counter() - wall0, time.process_time() - cpu0
 
 
 async def _sqlite_figures(workdir: Path, burst_ops: int, single_ops: int) -> list[OutboxFigure]:
+    figures: list[OutboxFigure] = []
     outbox = await SQLiteOutbox.open(workdir / "outbox-bench.db")
     try:
         await _burst(outbox, 200, 1)  # warm: file created, pages allocated
-        groups0, writes0 = outbox.groups_committed, outbox.writes_committed
+        fsyncs0 = outbox.fsyncs
         wall, cpu = await _burst(outbox, burst_ops, 1_000)
-        groups = outbox.groups_committed - groups0
-        writes = outbox.writes_committed - writes0
-        burst = OutboxFigure(
-            "SQLite outbox, burst (insert + delete)",
-            burst_ops,
-            wall / burst_ops * 1e6,
-            cpu / burst_ops * 1e6,
-            f"{writes / max(groups, 1):.0f} writes per commit",
+        figures.append(
+            OutboxFigure(
+                "SQLite outbox, burst (insert + delete)",
+                burst_ops,
+                wall / burst_ops * 1e6,
+                cpu / burst_ops * 1e6,
+                f"2 commits and {outbox.fsyncs - fsyncs0} fsync(s) for {burst_ops:,} ops",
+            )
         )
-        groups0 = outbox.groups_committed
+        commits0, fsyncs0 = outbox.groups_committed, outbox.fsyncs
         wall, cpu = await _one_at_a_time(outbox, single_ops, 10_000_000)
-        commits = outbox.groups_committed - groups0
-        single = OutboxFigure(
-            "SQLite outbox, one at a time",
-            single_ops,
-            wall / single_ops * 1e6,
-            cpu / single_ops * 1e6,
-            f"{commits / single_ops:.1f} commits (fsyncs) per op",
-        )
-        groups0 = outbox.groups_committed
-        wall, cpu = await _one_at_a_time(outbox, single_ops, 20_000_000, joined=True)
-        commits = outbox.groups_committed - groups0
-        joined = OutboxFigure(
-            "SQLite outbox, one at a time, delete joined",
-            single_ops,
-            wall / single_ops * 1e6,
-            cpu / single_ops * 1e6,
-            f"{commits / single_ops:.1f} commits per op: each delete rides with the next insert",
+        figures.append(
+            OutboxFigure(
+                "SQLite outbox, one at a time (fsync alongside)",
+                single_ops,
+                wall / single_ops * 1e6,
+                cpu / single_ops * 1e6,
+                f"{(outbox.groups_committed - commits0) / single_ops:.1f} commits and"
+                f" {(outbox.fsyncs - fsyncs0) / single_ops:.2f} fsyncs per op",
+            )
         )
     finally:
         await outbox.close()
-    return [burst, single, joined]
+    strict = await SQLiteOutbox.open(workdir / "outbox-bench-strict.db", sync="before_send")
+    try:
+        await _one_at_a_time(strict, 20, 1)
+        fsyncs0 = strict.fsyncs
+        wall, cpu = await _one_at_a_time(strict, single_ops, 1_000)
+        figures.append(
+            OutboxFigure(
+                "SQLite outbox, one at a time (fsync before send)",
+                single_ops,
+                wall / single_ops * 1e6,
+                cpu / single_ops * 1e6,
+                f"{(strict.fsyncs - fsyncs0) / single_ops:.2f} fsyncs per op, each waited for",
+            )
+        )
+    finally:
+        await strict.close()
+    return figures
 
 
 async def _memory_figure(ops: int) -> OutboxFigure:

@@ -3,8 +3,9 @@
     python -m bench.client [--quick] [--no-peer] [--part 1|2|all] [--profile DIR] [--json PATH]
 
 Every client runs in its own spawned process (never in the server's), durable on both sides: the
-writers' outbox is a SQLite file (`synchronous=FULL`) unless a line says "memory outbox", and the
-server's database is a fresh SQLite file per phase (WAL, `synchronous=FULL`).
+writers' outbox is a SQLite file (the SDK's default: each op committed to the file before its first
+send, fsynced alongside it) unless a line says "memory outbox", and the server's database is a
+fresh SQLite file per phase (WAL, `synchronous=FULL`: an op is fsynced before it is acknowledged).
 
 0. The outbox alone (no server): µs per op of the state machine and of the outbox write path.
 1. One client, one sub-doc: pipelining over the websocket (many `apply_op` in flight, the SDK
