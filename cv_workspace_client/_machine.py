@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from cv_workspace_client.errors import (
     InvalidRequestError,
     OpRejectedError,
@@ -294,7 +296,7 @@ class OutboxMachine:
                 workspace_id=workspace_id,
                 sub_doc=sub_doc,
                 op_id=op_id,
-                op_json=json.dumps(body, separators=(",", ":"), ensure_ascii=False),
+                op_json=_dumps(body),
                 created_at=now,
                 atomic_group=group,
             )
@@ -525,6 +527,15 @@ class OutboxMachine:
                 outcomes.append((entry.row.seq, StillPendingError(entry.row.op_id, error)))
         if outcomes:
             self._out.append(Resolve(tuple(outcomes)))
+
+
+def _dumps(body: dict[str, Any]) -> str:
+    """Compact UTF-8 JSON, as `json.dumps(separators=(",", ":"), ensure_ascii=False)` writes it
+    (orjson is ~15x faster; it refuses integers past 64 bits, which the standard library takes)."""
+    try:
+        return orjson.dumps(body).decode()
+    except orjson.JSONEncodeError:
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
 
 
 def _size(row: OutboxRow) -> int:

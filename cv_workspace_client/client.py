@@ -313,11 +313,11 @@ class WorkspaceClient(QueueMethods):
         _check_ids(workspace_id, sub_doc)
         raws: list[dict[str, Any]] = []
         for op in ops:
-            model = _as_op(op)
-            if model.op_id is None:
+            raw = _as_op(op).model_dump(mode="json", exclude_none=True)
+            if "op_id" not in raw:
                 # Minted once, here, before the op is written anywhere: its identity from now on.
-                model = model.model_copy(update={"op_id": self._mint()})
-            raws.append(model.model_dump(mode="json", exclude_none=True))
+                raw["op_id"] = self._mint()
+            raws.append(raw)
         rows = self._machine.submit(workspace_id, sub_doc, raws, atomic=atomic)
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[Commit]] = []
