@@ -65,6 +65,11 @@ class SocketOwner(Protocol):
 
     def connection_opened(self, workspace_id: str) -> None: ...
 
+    def holding(self) -> contextlib.AbstractContextManager[None]:
+        """While held, answers only update the machine; its decisions are carried out (one
+        outbox write, one round of resolves) when the outermost hold ends."""
+        ...
+
 
 class WorkspaceSocket:
     """The client's websocket to one workspace. Runs while the client is open."""
@@ -78,7 +83,10 @@ class WorkspaceSocket:
         self._ws: aiohttp.ClientWebSocketResponse | None = None
         self._frames: asyncio.Queue[str] | None = None
         self._task: asyncio.Task[None] | None = None
-        self._in_flight: dict[int, asyncio.TimerHandle] = {}
+        #: Batches sent and not answered: batch_id → deadline (loop time), in send order. One
+        #: timer watches the oldest, instead of a timer per batch created and cancelled per op.
+        self._in_flight: dict[int, float] = {}
+        self._deadline_timer: asyncio.TimerHandle | None = None
         self._subs: dict[str, list[Subscription]] = {}
         self._closed = False
         self._opened = asyncio.Event()
@@ -112,16 +120,40 @@ class WorkspaceSocket:
             f'{{"type":"apply","req":{send.batch_id},"sub_doc":{json.dumps(send.sub_doc)},'
             f'"ops":{send.ops_json()},"atomic":{atomic}}}'
         )
-        self._in_flight[send.batch_id] = asyncio.get_running_loop().call_later(
-            self.owner.config.request_timeout_seconds, self._ack_timed_out, send.batch_id
-        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.owner.config.request_timeout_seconds
+        self._in_flight[send.batch_id] = deadline
+        if self._deadline_timer is None:
+            self._deadline_timer = loop.call_at(deadline, self._acks_overdue)
         return True
 
-    def _ack_timed_out(self, batch_id: int) -> None:
-        if self._in_flight.pop(batch_id, None) is not None:
-            self.owner.batch_failed(
-                batch_id, ConnectionFailedError("timeout", "no ack before the request timeout")
-            )
+    def _acks_overdue(self) -> None:
+        """The oldest batch's deadline came: fail every batch past its deadline (deadlines grow
+        in send order, so they are at the front), then watch the next oldest."""
+        self._deadline_timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        overdue: list[int] = []
+        for batch_id, deadline in self._in_flight.items():
+            if deadline > now:
+                self._deadline_timer = loop.call_at(deadline, self._acks_overdue)
+                break
+            overdue.append(batch_id)
+        if not overdue:
+            return
+        with self.owner.holding():
+            for batch_id in overdue:
+                del self._in_flight[batch_id]
+                self.owner.batch_failed(
+                    batch_id, ConnectionFailedError("timeout", "no ack before the request timeout")
+                )
+
+    def _forget_in_flight(self) -> dict[int, float]:
+        in_flight, self._in_flight = self._in_flight, {}
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
+        return in_flight
 
     # -- subscriptions ----------------------------------------------------------------------------
 
@@ -160,9 +192,7 @@ class WorkspaceSocket:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-        for handle in self._in_flight.values():
-            handle.cancel()
-        self._in_flight.clear()
+        self._forget_in_flight()
 
     async def _run(self) -> None:
         failures = 0
@@ -218,9 +248,7 @@ class WorkspaceSocket:
             self._frames = None
             self._opened.clear()
             writer.cancel()
-            in_flight, self._in_flight = self._in_flight, {}
-            for handle in in_flight.values():
-                handle.cancel()
+            in_flight = self._forget_in_flight()
             if not self._closed:
                 lost: WorkspaceError = ConnectionFailedError(
                     "connection_lost", "the websocket closed"
@@ -243,9 +271,11 @@ class WorkspaceSocket:
         if isinstance(frame, dict):
             self._dispatch_frame(frame)
         elif isinstance(frame, list):  # several frames in one message (`?batch=1`), in order
-            for item in frame:
-                if isinstance(item, dict):
-                    self._dispatch_frame(item)
+            # The acks of one group commit: act on them together (one outbox delete for all).
+            with self.owner.holding():
+                for item in frame:
+                    if isinstance(item, dict):
+                        self._dispatch_frame(item)
 
     def _dispatch_frame(self, frame: dict[str, Any]) -> None:
         kind = frame.get("type")
@@ -258,17 +288,13 @@ class WorkspaceSocket:
                 sub.feed(frame)
         elif kind == "ack":
             req = frame.get("req")
-            handle = self._in_flight.pop(req, None) if isinstance(req, int) else None
-            if handle is not None:
-                handle.cancel()
-                self.owner.batch_answered(req, frame.get("results"))  # type: ignore[arg-type]
+            if isinstance(req, int) and self._in_flight.pop(req, None) is not None:
+                self.owner.batch_answered(req, frame.get("results"))
         elif kind == "error":
             error = error_from_problem(None, frame)
             req = frame.get("req")
-            handle = self._in_flight.pop(req, None) if isinstance(req, int) else None
-            if handle is not None:
-                handle.cancel()
-                self.owner.batch_failed(req, error)  # type: ignore[arg-type]
+            if isinstance(req, int) and self._in_flight.pop(req, None) is not None:
+                self.owner.batch_failed(req, error)
             elif isinstance(error, AuthError | ForbiddenError):
                 self._final(error)
             elif isinstance(frame.get("sub_doc"), str) and not error.retryable:

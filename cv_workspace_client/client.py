@@ -13,10 +13,11 @@ sends whatever is pending for a sub-doc as one batch as soon as the previous one
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -120,6 +121,7 @@ class WorkspaceClient(QueueMethods):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pump_handle: asyncio.Handle | None = None
         self._pumping = False
+        self._holds = 0
         self._synced = asyncio.Event()
         self._synced.set()
 
@@ -372,9 +374,18 @@ class WorkspaceClient(QueueMethods):
             self._synced.clear()
 
     def _kick(self) -> None:
-        """Something happened: act on it now (or as soon as the running pump finishes)."""
-        if self._state == "open":
+        """Something happened: act on it now (or as soon as the running pump or hold ends)."""
+        if self._state == "open" and not self._holds:
             self._pump()
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        self._holds += 1
+        try:
+            yield
+        finally:
+            self._holds -= 1
+            self._kick()
 
     def _written(self, seqs: list[int], error: BaseException | None) -> None:
         if error is None:

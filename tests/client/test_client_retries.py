@@ -4,6 +4,7 @@ Retry-After, 5xx, 413), which the real server cannot be made to produce on deman
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -196,3 +197,49 @@ async def test_reads_are_retried_by_tenacity_honouring_retry_after(
     assert list(state.nodes) == ["root"]
     assert sleep.delays[0] == 3.0
     assert len(sleep.delays) == 2
+
+
+class SilentSocketServer:
+    """A websocket that takes every frame and never answers an apply: the acks are lost."""
+
+    def __init__(self) -> None:
+        self.applies: list[tuple[str, list[str]]] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/workspaces/{ws}/socket", self.socket)
+        return app
+
+    async def socket(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        async for message in ws:
+            body = json.loads(message.data)
+            for frame in body if isinstance(body, list) else [body]:
+                if frame.get("type") == "apply":
+                    ops = [op["op_id"] for op in frame["ops"]]
+                    self.applies.append((frame["sub_doc"], ops))
+        return ws
+
+
+async def test_applies_whose_acks_never_come_time_out_and_are_resent_under_their_op_ids(
+    aiohttp_server: ServerFactory,
+) -> None:
+    fake = SilentSocketServer()
+    server = await aiohttp_server(fake.app())
+    config = fast_config(request_timeout_seconds=0.2, retry_attempts=3)
+    async with WorkspaceClient(str(server.make_url("")), token="t", config=config) as client:
+        await client.connect(WS, timeout=5)
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(
+                client.apply_op(WS, "a", NodeIncrement(node_id="n", field="c")),
+                client.apply_op(WS, "b", NodeIncrement(node_id="n", field="c")),
+                return_exceptions=True,
+            ),
+            10,
+        )
+        assert all(isinstance(o, StillPendingError) for o in outcomes), outcomes
+        assert client.pending_count() == 2  # still in the outbox, replayed on the next connect
+    op_ids = {doc: o.op_id for doc, o in zip("ab", outcomes, strict=True)}  # type: ignore[union-attr]
+    for doc in "ab":  # three sends per op (retry_attempts), each after the previous timed out
+        assert [ops for sub_doc, ops in fake.applies if sub_doc == doc] == [[op_ids[doc]]] * 3
