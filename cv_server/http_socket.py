@@ -22,8 +22,8 @@ from cv_mutations import is_valid_sub_doc, is_valid_workspace_id
 from cv_server.http_docs import commit_and_publish
 from cv_server.hub import Connection, Subscription
 from cv_server.inputs import decode_json, parse_apply_body
-from cv_server.keys import CONFIG, CONNECTIONS, HUB, STATE
-from cv_server.oplog import Outcome
+from cv_server.keys import CONFIG, CONNECTIONS, HUB, METRICS, STATE, STORES
+from cv_server.oplog import LogEntry, Outcome
 from cv_server.problems import Problem
 from cv_server.security import authenticate
 
@@ -44,7 +44,7 @@ class _Session:
         self.conn = conn
         self.workspace_id = workspace_id
         self.config = app[CONFIG]
-        self._tails: dict[str, asyncio.Task[list[Outcome]]] = {}
+        self._tails: dict[str, asyncio.Future[Any]] = {}
 
     def error(self, code: str, message: str, req: Any = None, **extra: Any) -> None:
         frame: dict[str, Any] = {"type": "error", "code": code, "message": message, **extra}
@@ -112,6 +112,14 @@ class _Session:
 
     def apply(self, sub_doc: str, req: Any, ops: Any, atomic: bool) -> None:
         previous = self._tails.get(sub_doc)
+        store = self.app[STORES].oplog
+        if store.appends_in_order:
+            # The store commits appends in the order they were queued (SQLite's one writer): no
+            # task and no chaining; the publish and the answer run from the commit's callback.
+            future = store.append_nowait(self.workspace_id, sub_doc, ops, atomic=atomic)
+            self._tails[sub_doc] = future
+            future.add_done_callback(lambda f: self._committed(sub_doc, req, f))
+            return
         if previous is None:
             # Nothing of this sub-doc in flight from this socket: commit right away (the common
             # case, so no extra task or shield on the hot path).
@@ -126,12 +134,31 @@ class _Session:
         task.add_done_callback(lambda t: self._answer(sub_doc, req, t))
 
     async def _after(
-        self, previous: asyncio.Task[list[Outcome]], sub_doc: str, ops: Any, atomic: bool
+        self, previous: asyncio.Future[Any], sub_doc: str, ops: Any, atomic: bool
     ) -> list[Outcome]:
         """Applies to one sub-doc from one socket commit in the order they arrived."""
         with contextlib.suppress(BaseException):
             await asyncio.shield(previous)
         return await commit_and_publish(self.app, self.workspace_id, sub_doc, ops, atomic)
+
+    def _committed(
+        self,
+        sub_doc: str,
+        req: Any,
+        future: asyncio.Future[tuple[list[Outcome], list[LogEntry]]],
+    ) -> None:
+        if self._tails.get(sub_doc) is future:
+            del self._tails[sub_doc]
+        error = None if future.cancelled() else future.exception()
+        if future.cancelled() or error is not None:
+            log.error("apply failed on %s/%s", self.workspace_id, sub_doc, exc_info=error)
+            self.error("internal", "the ops were not committed; retry", req)
+            return
+        outcomes, entries = future.result()
+        # Commit, then publish (DESIGN §4 step 4), then answer.
+        self.app[HUB].publish(self.workspace_id, sub_doc, entries)
+        self.app[METRICS].record_outcomes(outcomes)
+        self.conn.send_json({"type": "ack", "req": req, "results": [o.to_json() for o in outcomes]})
 
     def _answer(self, sub_doc: str, req: Any, task: asyncio.Task[list[Outcome]]) -> None:
         if self._tails.get(sub_doc) is task:

@@ -123,6 +123,16 @@ class SQLiteDatabase:
 
     # -- public API ------------------------------------------------------------------------------
 
+    def submit(self, fn: Callable[[Transaction], T]) -> asyncio.Future[T]:
+        """`write` without the coroutine: queue `fn` and return the future of its result (for
+        callers that chain a callback instead of awaiting: one task fewer per write)."""
+        if self._closed:
+            raise RuntimeError("database is closed")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._jobs.put(_Job(fn, future, loop))
+        return future
+
     async def write(self, fn: Callable[[Transaction], T]) -> T:
         """Run `fn` in the next group transaction; return its result once committed to disk.
 

@@ -21,6 +21,7 @@ group transaction: one COMMIT, one fsync for all of them.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -215,6 +216,23 @@ class SQLiteOpLogStore(OpLogStore):
         return await self.db.write(
             lambda tx: self._append_job(tx, workspace_id, sub_doc, batch, atomic)
         )
+
+    #: One writer thread runs jobs in the order they were queued.
+    appends_in_order = True
+
+    def append_nowait(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        ops: Sequence[IncomingOp],
+        *,
+        atomic: bool = False,
+    ) -> asyncio.Future[tuple[list[Outcome], list[LogEntry]]]:
+        """`append` as the writer's own future: no task, and appends queued in order commit in
+        order."""
+        self._check_open()
+        batch = list(ops)
+        return self.db.submit(lambda tx: self._append_job(tx, workspace_id, sub_doc, batch, atomic))
 
     async def read_since(
         self, workspace_id: str, sub_doc: str, since: int, limit: int

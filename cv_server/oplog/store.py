@@ -8,9 +8,12 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cv_mutations import Op, SubDocState
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["Committed", "IncomingOp", "LogEntry", "OpLogStore", "Outcome", "Rejected"]
 
@@ -101,6 +104,24 @@ class OpLogStore(abc.ABC):
     ) -> tuple[list[Outcome], list[LogEntry]]:
         """Dedupe, apply and commit `ops`; return one outcome per op (in order) and the log
         entries this call newly committed (what must be broadcast)."""
+
+    #: True when appends commit in the order `append_nowait` was called (one writer, FIFO):
+    #: a caller may then submit the next append of a sub-doc without awaiting the previous one.
+    appends_in_order: bool = False
+
+    def append_nowait(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        ops: Sequence[IncomingOp],
+        *,
+        atomic: bool = False,
+    ) -> asyncio.Future[tuple[list[Outcome], list[LogEntry]]]:
+        """`append` as a future (a task unless the store can do better). Commit order across
+        calls is only promised when `appends_in_order`."""
+        import asyncio  # here, not at the top: the pure commit pipeline imports this module
+
+        return asyncio.ensure_future(self.append(workspace_id, sub_doc, ops, atomic=atomic))
 
     @abc.abstractmethod
     async def read_since(

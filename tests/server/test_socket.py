@@ -232,17 +232,17 @@ async def test_a_failed_commit_answers_internal_and_the_socket_carries_on(
     client: TestClient[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = client.app[STORES].oplog
-    real_append = store.append
+    real_job = store._append_job
     calls = 0
 
-    async def failing_once(*args: Any, **kwargs: Any) -> Any:
+    def failing_once(*args: Any, **kwargs: Any) -> Any:  # runs in the SQLite writer thread
         nonlocal calls
         calls += 1
         if calls == 1:
             raise RuntimeError("disk on fire")
-        return await real_append(*args, **kwargs)
+        return real_job(*args, **kwargs)
 
-    monkeypatch.setattr(store, "append", failing_once)
+    monkeypatch.setattr(store, "_append_job", failing_once)
     ws = await client.ws_connect(SOCKET, headers=auth("ws1"))
     await ws.send_json({"type": "apply", "sub_doc": "tree", "req": 1, "ops": [insert("a")]})
     await ws.send_json({"type": "apply", "sub_doc": "tree", "req": 2, "ops": [insert("b")]})
