@@ -9,7 +9,7 @@ from aiohttp import web
 
 from cv_server.inputs import check_ids, decode_json, parse_apply_body
 from cv_server.keys import CONFIG, HUB, METRICS, STORES
-from cv_server.oplog import IncomingOp, Outcome
+from cv_server.oplog import IncomingOp, LogEntry, Outcome
 from cv_server.problems import Problem
 from cv_server.security import authorize
 
@@ -27,9 +27,21 @@ async def commit_and_publish(
     commit that happened anyway.
     """
     outcomes, entries = await app[STORES].oplog.append(workspace_id, sub_doc, ops, atomic=atomic)
+    publish(app, workspace_id, sub_doc, outcomes, entries)
+    return outcomes
+
+
+def publish(
+    app: web.Application,
+    workspace_id: str,
+    sub_doc: str,
+    outcomes: list[Outcome],
+    entries: list[LogEntry],
+) -> None:
+    """Broadcast what a commit produced and count its outcomes: right after the commit is
+    durable, never before (DESIGN §4 step 4)."""
     app[HUB].publish(workspace_id, sub_doc, entries)
     app[METRICS].record_outcomes(outcomes)
-    return outcomes
 
 
 @routes.post("/v1/workspaces/{ws}/docs/{sub_doc}/ops")

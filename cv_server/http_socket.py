@@ -5,8 +5,9 @@ come alone. The server sends arrays only to a client that connected with `?batch
 queued up while the connection was busy: the ops and acks of one group commit); it accepts them
 from any client (the SDK packs the applies its tasks queued meanwhile).
 
-Applies to one sub-doc from one connection commit in the order they arrived (each waits for the
-previous one); applies to different sub-docs run concurrently and meet in the group commit.
+Applies to one sub-doc from one connection commit in the order they arrived (the store's own
+order when it commits appends in the order they were queued, as SQLite's one writer does; else
+each waits for the previous one); applies to different sub-docs meet in the group commit.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from cv_mutations import is_valid_sub_doc, is_valid_workspace_id
-from cv_server.http_docs import commit_and_publish
+from cv_server.http_docs import commit_and_publish, publish
 from cv_server.hub import Connection, Subscription
 from cv_server.inputs import decode_json, parse_apply_body
-from cv_server.keys import CONFIG, CONNECTIONS, HUB, METRICS, STATE, STORES
+from cv_server.keys import CONFIG, CONNECTIONS, HUB, STATE, STORES
 from cv_server.oplog import LogEntry, Outcome
 from cv_server.problems import Problem
 from cv_server.security import authenticate
@@ -111,7 +112,6 @@ class _Session:
         sub.start()
 
     def apply(self, sub_doc: str, req: Any, ops: Any, atomic: bool) -> None:
-        previous = self._tails.get(sub_doc)
         store = self.app[STORES].oplog
         if store.appends_in_order:
             # The store commits appends in the order they were queued (SQLite's one writer): no
@@ -120,6 +120,7 @@ class _Session:
             self._tails[sub_doc] = future
             future.add_done_callback(lambda f: self._committed(sub_doc, req, f))
             return
+        previous = self._tails.get(sub_doc)
         if previous is None:
             # Nothing of this sub-doc in flight from this socket: commit right away (the common
             # case, so no extra task or shield on the hot path).
@@ -147,31 +148,27 @@ class _Session:
         req: Any,
         future: asyncio.Future[tuple[list[Outcome], list[LogEntry]]],
     ) -> None:
+        if self._finished(sub_doc, req, future):
+            outcomes, entries = future.result()
+            publish(self.app, self.workspace_id, sub_doc, outcomes, entries)
+            self._ack(req, outcomes)
+
+    def _answer(self, sub_doc: str, req: Any, task: asyncio.Task[list[Outcome]]) -> None:
+        if self._finished(sub_doc, req, task):  # commit_and_publish has published
+            self._ack(req, task.result())
+
+    def _finished(self, sub_doc: str, req: Any, future: asyncio.Future[Any]) -> bool:
+        """Forget the finished apply; answer `internal` if it failed. True if it committed."""
         if self._tails.get(sub_doc) is future:
             del self._tails[sub_doc]
         error = None if future.cancelled() else future.exception()
         if future.cancelled() or error is not None:
             log.error("apply failed on %s/%s", self.workspace_id, sub_doc, exc_info=error)
             self.error("internal", "the ops were not committed; retry", req)
-            return
-        outcomes, entries = future.result()
-        # Commit, then publish (DESIGN §4 step 4), then answer.
-        self.app[HUB].publish(self.workspace_id, sub_doc, entries)
-        self.app[METRICS].record_outcomes(outcomes)
-        self.conn.send_json({"type": "ack", "req": req, "results": [o.to_json() for o in outcomes]})
+            return False
+        return True
 
-    def _answer(self, sub_doc: str, req: Any, task: asyncio.Task[list[Outcome]]) -> None:
-        if self._tails.get(sub_doc) is task:
-            del self._tails[sub_doc]
-        if task.cancelled():
-            self.error("internal", "the ops were not committed; retry", req)
-            return
-        error = task.exception()
-        if error is not None:
-            log.error("apply failed on %s/%s", self.workspace_id, sub_doc, exc_info=error)
-            self.error("internal", "the ops were not committed; retry", req)
-            return
-        outcomes = task.result()
+    def _ack(self, req: Any, outcomes: list[Outcome]) -> None:
         self.conn.send_json({"type": "ack", "req": req, "results": [o.to_json() for o in outcomes]})
 
     async def wait_applies(self) -> None:

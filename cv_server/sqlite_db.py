@@ -140,12 +140,7 @@ class SQLiteDatabase:
         anything but SQLite. If it raises, its own writes are rolled back and the error re-raised
         here; other jobs of the group are unaffected.
         """
-        if self._closed:
-            raise RuntimeError("database is closed")
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-        self._jobs.put(_Job(fn, future, loop))
-        return await future
+        return await self.submit(fn)
 
     async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run `fn(conn)` on a read-only connection in a reader thread (sees committed data)."""

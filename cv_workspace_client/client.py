@@ -1,13 +1,14 @@
 """`WorkspaceClient`: the asyncio shell around the outbox machine (DESIGN §6).
 
-The shell owns the I/O and nothing else: the outbox file (through its writer thread), one aiohttp
-session for HTTP, one websocket per workspace in use, timers. Every decision — what to persist,
-what to send and when, what to retry, when to give up — is `OutboxMachine`'s; this module carries
-decisions out and feeds back what happened.
+The shell owns the I/O and nothing else: the outbox file, one aiohttp session for HTTP, one
+websocket per workspace in use, timers. Every decision — what to persist, what to send and when,
+what to retry, when to give up — is `OutboxMachine`'s; this module carries decisions out and feeds
+back what happened.
 
 Batching without per-op work: submissions made in the same event-loop tick are persisted with one
-outbox write (and the outbox thread commits everything queued with one fsync), and the machine
-sends whatever is pending for a sub-doc as one batch as soon as the previous one is answered.
+outbox write (one commit, one fsync on the outbox's syncer thread), the machine sends whatever is
+pending for a sub-doc as one batch as soon as the previous one is answered, the socket packs the
+applies queued meanwhile into one message, and the acks of one message are acted on together.
 """
 
 from __future__ import annotations
@@ -380,6 +381,7 @@ class WorkspaceClient(QueueMethods):
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
+        """Feed several answers to the machine, then act on all they decided at once."""
         self._holds += 1
         try:
             yield

@@ -212,10 +212,7 @@ class SQLiteOpLogStore(OpLogStore):
         self._check_open()
         if not ops:
             return [], []
-        batch = list(ops)
-        return await self.db.write(
-            lambda tx: self._append_job(tx, workspace_id, sub_doc, batch, atomic)
-        )
+        return await self.append_nowait(workspace_id, sub_doc, ops, atomic=atomic)
 
     #: One writer thread runs jobs in the order they were queued.
     appends_in_order = True
