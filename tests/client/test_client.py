@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -231,3 +232,51 @@ async def test_synced_tracks_what_is_pending(server_url: str, token: str) -> Non
         assert client.pending_count() == 0
         commits = await asyncio.gather(*futures)
     assert [c.clock for c in commits] == list(range(1, 21))
+
+
+async def test_still_pending_is_reported_only_once_the_op_is_fsynced(
+    server_url: str, token: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The op is sent as soon as it is in the outbox file; the client may only *say* it waits in
+    the outbox (StillPendingError) once the outbox's fsync covered it."""
+    import os
+    import threading
+
+    entered, gate = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def held_fsync(fd: int) -> None:  # runs on the outbox's syncer thread
+        entered.set()
+        gate.wait(TIMEOUT)
+        real_fsync(fd)
+
+    config = fast_config(ops_over_websocket=False, retry_attempts=1)
+    loop = asyncio.get_running_loop()
+    async with FaultProxy(server_url) as proxy:
+        proxy.refuse = True
+        async with WorkspaceClient(
+            proxy.url, token=token, outbox=tmp_path / "outbox", config=config
+        ) as client:
+            deferred = asyncio.Event()
+            defer = client._still_pending_once_synced
+
+            async def spy(*args: Any) -> None:
+                deferred.set()
+                await defer(*args)
+
+            monkeypatch.setattr(client, "_still_pending_once_synced", spy)
+            monkeypatch.setattr(os, "fsync", held_fsync)
+            try:
+                apply = asyncio.ensure_future(
+                    client.apply_op(WS, "tree", NodeIncrement(node_id="n", field="c"))
+                )
+                assert await loop.run_in_executor(None, entered.wait, TIMEOUT)
+                # The one attempt fails (connection refused) and the lane gives up meanwhile.
+                await asyncio.wait_for(deferred.wait(), TIMEOUT)
+                assert client._machine.is_parked(WS, "tree")
+                assert not apply.done()  # given up, but its fsync has not returned yet
+            finally:
+                gate.set()
+            with pytest.raises(StillPendingError):
+                await asyncio.wait_for(apply, TIMEOUT)
+            assert client.pending_count() == 1
