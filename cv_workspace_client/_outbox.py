@@ -11,7 +11,9 @@ How the SQLite file is written, and why:
   no fsync. Once it returns, the op survives the client process dying (SIGKILL, OOM, a crash):
   the next client on the file finds it. A thread hand-off per write (the loop waking a writer
   thread and being woken back, and both fighting over the GIL while the app is busy) cost more
-  than the write itself.
+  than the write itself. The price: SQLite's automatic checkpoint (every ~1,000 WAL pages) runs
+  inside such a commit, two fsyncs on the loop — measured: an insert and a delete take 15 us
+  p50, 83 us p99, up to ~0.5 ms when a checkpoint lands.
 - The fsync that makes the op survive the *machine* losing power runs on a **syncer thread**,
   off the critical path (`outbox_sync="alongside"`, the default): it covers every commit made
   before it started (group sync), while the op's first round trip is under way. Nothing the app
