@@ -110,10 +110,6 @@ class Outbox(abc.ABC):
         """Return once the inserts up to row `seq` (default: all so far) survive a power loss."""
         return None
 
-    async def flush(self) -> None:
-        """Return once every write made so far is applied and, for a file, on disk."""
-        await self.sync()
-
     @abc.abstractmethod
     async def close(self, *, abort: bool = False) -> None:
         """Release the outbox (with `abort`, without waiting for anything, as a crash would)."""
