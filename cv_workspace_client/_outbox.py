@@ -34,6 +34,7 @@ import abc
 import asyncio
 import contextlib
 import os
+import queue
 import sqlite3
 import threading
 from collections.abc import Callable
@@ -158,6 +159,10 @@ def _with_attempt(row: OutboxRow) -> OutboxRow:
     )
 
 
+#: Queued to the syncer by `close()`: finish what was requested before it, then stop.
+_STOP_SYNCER = -1
+
+
 class SQLiteOutbox(Outbox):
     """A SQLite file outbox. Open with `await SQLiteOutbox.open(path)`."""
 
@@ -186,14 +191,18 @@ class SQLiteOutbox(Outbox):
         self._sync_waiters: list[tuple[int, asyncio.Future[None]]] = []
         #: (seq, done) writes whose `done` runs after their fsync (`before_send`).
         self._after_sync: list[tuple[int, Callable[[BaseException | None], None]]] = []
-        # The syncer thread: `_requested` is the seq it must make durable next; `_durable` the
-        # highest it has made durable; it wakes the event loop only when `_wanted` (somebody
-        # waits), so a client that waits for nothing pays no loop wake-up per fsync.
-        self._cond = threading.Condition()
+        # The syncer thread: `_requested` is the highest seq handed to it (loop thread only); it
+        # takes requests from `_requests` (a C-level queue: putting never blocks the loop on the
+        # syncer, as a Condition's Python-level lock could, the syncer holding it between GIL
+        # switches); `_durable` is the highest seq it has made durable. It wakes the event loop
+        # only when `_wanted` (somebody waits), so a client that waits for nothing pays no loop
+        # wake-up per fsync. `_lock` makes "durable, and was anyone waiting" one step on both
+        # sides; nothing inside it calls out, so it is never held across a GIL switch.
+        self._requests: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._lock = threading.Lock()
         self._requested = 0
         self._durable = 0
         self._wanted = False
-        self._stopping = False
         self._thread: threading.Thread | None = None
         #: Transactions committed, writes they carried, and fsyncs made (a group sync covers many
         #: commits: fsyncs < groups under load).
@@ -312,9 +321,7 @@ class SQLiteOutbox(Outbox):
             with contextlib.suppress(OutboxError):
                 await self.sync()
         self._closed = True
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
+        self._requests.put(_STOP_SYNCER)
         conn, self._conn = self._conn, None
 
         def finish() -> None:
@@ -331,16 +338,18 @@ class SQLiteOutbox(Outbox):
     # -- the syncer thread -------------------------------------------------------------------------
 
     def _request_sync(self, *, wanted: bool) -> None:
-        with self._cond:
-            if wanted:
-                if self._durable >= self._written_seq:
-                    # Done meanwhile: settle now, the syncer has nothing left to report.
-                    self._loop_call(self._settle_synced, self._durable, None)
-                    return
-                self._wanted = True
-            if self._written_seq > self._requested:
-                self._requested = self._written_seq
-                self._cond.notify()
+        if wanted:
+            with self._lock:
+                done = self._durable >= self._written_seq
+                if not done:
+                    self._wanted = True
+            if done:
+                # Done meanwhile: settle now, the syncer has nothing left to report.
+                self._loop_call(self._settle_synced, self._durable, None)
+                return
+        if self._written_seq > self._requested:
+            self._requested = self._written_seq
+            self._requests.put(self._requested)
 
     def _loop_call(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None
@@ -350,13 +359,18 @@ class SQLiteOutbox(Outbox):
     def _sync_loop(self) -> None:
         wal = self.path + "-wal"
         done = self._durable
-        while True:
-            with self._cond:
-                while self._requested <= done and not self._stopping:
-                    self._cond.wait()
-                if self._requested <= done:
-                    return
-                target = self._requested
+        stopping = False
+        while not stopping:
+            # Every request queued meanwhile is covered by the one fsync below (seqs only grow;
+            # the stop marker is below any seq).
+            requests = [self._requests.get()]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    requests.append(self._requests.get_nowait())
+            stopping = _STOP_SYNCER in requests
+            target = max(requests)
+            if target <= done:
+                continue
             # Everything committed before this point is covered: fsync(2) flushes the file's
             # pages whichever descriptor wrote them. The WAL file lives as long as the
             # connection, which outlives this thread.
@@ -370,7 +384,7 @@ class SQLiteOutbox(Outbox):
             except OSError as exc:
                 error = OutboxError("outbox_sync_failed", f"fsync of the outbox failed: {exc}")
             self.fsyncs += 1
-            with self._cond:
+            with self._lock:
                 if error is None:
                     done = self._durable = target
                 wanted, self._wanted = self._wanted, False
