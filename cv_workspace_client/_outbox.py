@@ -197,7 +197,8 @@ class SQLiteOutbox(Outbox):
         # switches); `_durable` is the highest seq it has made durable. It wakes the event loop
         # only when `_wanted` (somebody waits), so a client that waits for nothing pays no loop
         # wake-up per fsync. `_lock` makes "durable, and was anyone waiting" one step on both
-        # sides; nothing inside it calls out, so it is never held across a GIL switch.
+        # sides; nothing inside it calls out or blocks, so either side waits on it for a few
+        # bytecodes at most.
         self._requests: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._requested = 0
