@@ -7,7 +7,8 @@ writers' outbox is a SQLite file (the SDK's default: each op committed to the fi
 send, fsynced alongside it) unless a line says "memory outbox", and the server's database is a
 fresh SQLite file per phase (WAL, `synchronous=FULL`: an op is fsynced before it is acknowledged).
 
-0. The outbox alone (no server): µs per op of the state machine and of the outbox write path.
+0. The client alone (no server): µs per op of the state machine and of the outbox write path,
+   and µs per delivered op on a subscriber's side of a broadcast.
 1. One client, one sub-doc: pipelining over the websocket (many `apply_op` in flight, the SDK
    batches what is pending) against awaiting each op over HTTP (`ops_over_websocket=False`), with
    a file and a memory outbox. Target: pipelined >= 10x one at a time.
@@ -37,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Final
 
+from bench._client_delivery import measure_delivery
 from bench._client_outbox import OutboxFigure, measure_outbox
 from bench._client_peer import Peer, PeerFigures, find_peer, run_peer
 from bench._client_phase import Phase, run_phase, warm_sub_docs, workspace_name
@@ -454,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.part in ("0", "all"):
             report.outbox = measure_outbox(workdir, quick=args.quick)
-            print("[0] the outbox alone (no server)")
+            report.outbox.append(measure_delivery(quick=args.quick))
+            print("[0] the client alone (no server): outbox and machine, and a subscriber's side")
             for fig in report.outbox:
                 note = f"  ({fig.note})" if fig.note else ""
                 print(
