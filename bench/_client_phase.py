@@ -29,9 +29,9 @@ from bench._client_workers import (
     WorkerFailed,
     WriterJob,
     WriterResult,
-    digest_of,
     worker_main,
 )
+from bench._digest import digest_of
 from bench._procs import MachineLoad, ServerProcess
 from cv_mutations import new_op_id
 

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import cProfile
 import gc
-import hashlib
 import json
 import os
 import time
@@ -34,6 +33,7 @@ from typing import Any, Final, Literal
 import aiohttp
 import psutil  # type: ignore[import-untyped]  # no types-psutil in the dev extras
 
+from bench._digest import digest_step, new_digest
 from bench._procs import raise_nofile
 from cv_mutations import NodeIncrement, new_op_id
 from cv_workspace_client import (
@@ -51,7 +51,6 @@ __all__ = [
     "WorkerFailed",
     "WriterJob",
     "WriterResult",
-    "digest_of",
     "worker_main",
 ]
 
@@ -157,18 +156,6 @@ class Control:
     ready: Any  # Queue of names
     results: Any  # Queue of WriterResult | SubscriberResult | WorkerFailed
     inbox: Any  # per subscriber process: {sub_doc: final clock}, or None to give up
-
-
-def _digest_step(digest: Any, clock: int, op_id: str | None) -> None:
-    digest.update(f"{clock}:{op_id}\n".encode())
-
-
-def digest_of(entries: list[tuple[int, str]]) -> str:
-    """The digest a subscriber holds after seeing `entries` ((clock, op_id), clock order)."""
-    digest = hashlib.blake2b(digest_size=16)
-    for clock, op_id in entries:
-        _digest_step(digest, clock, op_id)
-    return digest.hexdigest()
 
 
 def worker_main(job: WriterJob | SubscriberJob, control: Control) -> None:
@@ -409,7 +396,7 @@ class _Watch:
     def __init__(self) -> None:
         self.last = 0
         self.count = 0
-        self.digest = hashlib.blake2b(digest_size=16)
+        self.digest = new_digest()
         #: Set once the warm op (clock 1) arrived: the subscription is live on the server.
         self.live = asyncio.Event()
         #: Set once the final clock arrived (after the parent told us what it is).
@@ -472,7 +459,7 @@ async def _read(
                         f"{sub.sub_doc}: clock {committed.clock} after {watch.last}"
                     )
             watch.last = max(watch.last, committed.clock)
-            _digest_step(watch.digest, committed.clock, committed.op_id)
+            digest_step(watch.digest, committed.clock, committed.op_id)
             meta = committed.op.meta
             sent = meta.get("t") if meta else None
             if isinstance(sent, float) and sent > 0 and len(latencies) < MAX_SAMPLES:

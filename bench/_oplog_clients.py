@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hashlib
 import json
 import os
 import secrets
@@ -28,6 +27,7 @@ from typing import Any, Final, Literal
 
 import aiohttp
 
+from bench._digest import digest_step, new_digest
 from bench._procs import raise_nofile
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "WorkerFailed",
     "WriterResult",
     "WriterSpec",
-    "expected_digest",
     "worker_main",
 ]
 
@@ -148,18 +147,6 @@ class Control:
     ready: Any  # Queue of (name, seconds to get ready)
     results: Any  # Queue of WriterResult | SubscriberResult | WorkerFailed
     inbox: Any  # per-process Queue; subscribers receive {sub_doc: final clock} on it
-
-
-def _digest_step(digest: hashlib.blake2b, clock: int, op_id: str) -> None:
-    digest.update(f"{clock}:{op_id}\n".encode())
-
-
-def expected_digest(ops: list[tuple[int, str]]) -> str:
-    """The digest a subscriber must hold after seeing `ops` ((clock, op_id), clock order)."""
-    digest = hashlib.blake2b(digest_size=16)
-    for clock, op_id in ops:
-        _digest_step(digest, clock, op_id)
-    return digest.hexdigest()
 
 
 def worker_main(spec: WriterSpec | SubscriberSpec, control: Control) -> None:
@@ -430,7 +417,7 @@ class _Watch:
 
     def __init__(self) -> None:
         self.last = 0
-        self.digest = hashlib.blake2b(digest_size=16)
+        self.digest = new_digest()
         self.synced = asyncio.Event()
         self.done = False
 
@@ -582,7 +569,7 @@ async def _read(conn: _Conn, result: SubscriberResult, finish: _Finish) -> None:
             clock = frame["clock"]
             if clock == watch.last + 1:
                 watch.last = clock
-                _digest_step(watch.digest, clock, frame["op_id"])
+                digest_step(watch.digest, clock, frame["op_id"])
             else:
                 result.violations += 1
                 if len(result.error_samples) < 5:

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from bench._digest import digest_of
 from bench._oplog_clients import (
     Control,
     SubscriberResult,
@@ -47,7 +48,6 @@ from bench._oplog_clients import (
     WorkerFailed,
     WriterResult,
     WriterSpec,
-    expected_digest,
     worker_main,
 )
 from bench._procs import MachineLoad, ServerProcess, ServerRefused, fsync_probe_ms, raise_nofile
@@ -404,7 +404,7 @@ def _finals(writers: list[WriterResult], report: Report) -> tuple[dict[str, int]
             report.correct = False
             report.errors.append(f"{sub_doc}: acked clocks are not 1..{len(clocks)}")
         finals[sub_doc] = clocks[-1] if clocks else 0
-    digests = {sub_doc: expected_digest(acks) for sub_doc, acks in by_doc.items()}
+    digests = {sub_doc: digest_of(acks) for sub_doc, acks in by_doc.items()}
     return finals, digests
 
 
@@ -451,7 +451,7 @@ def _check_subscribers(
     wrong = [
         key
         for key, (last, digest) in seen.items()
-        if last != finals.get(key[1], 0) or digest != digests.get(key[1], expected_digest([]))
+        if last != finals.get(key[1], 0) or digest != digests.get(key[1], digest_of([]))
     ]
     violations = sum(s.violations for s in subscribers)
     closes = sum(s.unexpected_closes for s in subscribers)
