@@ -32,10 +32,10 @@ from bench._client_workers import (
     worker_main,
 )
 from bench._digest import digest_of
-from bench._procs import MachineLoad, ServerProcess
+from bench._procs import MachineLoad, ServerProcess, percentiles
 from cv_mutations import new_op_id
 
-__all__ = ["Phase", "percentiles", "run_phase", "warm_sub_docs"]
+__all__ = ["Phase", "run_phase", "warm_sub_docs"]
 
 #: Client processes must be ready (connected, warm, subscriptions live) within this.
 READY_TIMEOUT_S: Final = 120.0
@@ -65,20 +65,6 @@ class Phase:
     checks: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     correct: bool = True
-
-
-def percentiles(samples: Sequence[float]) -> dict[str, float]:
-    """p50/p99/max by nearest rank; empty without samples."""
-    if not samples:
-        return {}
-    ordered = sorted(samples)
-    last = len(ordered) - 1
-    return {
-        "p50": ordered[round(0.50 * last)],
-        "p99": ordered[round(0.99 * last)],
-        "max": ordered[last],
-        "n": float(len(ordered)),
-    }
 
 
 def _request(server: ServerProcess, method: str, path: str, body: Any = None) -> Any:

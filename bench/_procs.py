@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Final
@@ -23,6 +24,7 @@ __all__ = [
     "ServerProcess",
     "ServerRefused",
     "fsync_probe_ms",
+    "percentiles",
     "raise_nofile",
 ]
 
@@ -297,3 +299,17 @@ def _lines(stream: IO[str], out: queue.Queue[str | None]) -> None:
         out.put(None)
 
     threading.Thread(target=run, name="stdout-pump", daemon=True).start()
+
+
+def percentiles(samples: Sequence[float]) -> dict[str, float]:
+    """p50/p99/max by nearest rank (and the count); empty without samples."""
+    if not samples:
+        return {}
+    ordered = sorted(samples)
+    last = len(ordered) - 1
+    return {
+        "p50": ordered[round(0.50 * last)],
+        "p99": ordered[round(0.99 * last)],
+        "max": ordered[last],
+        "n": float(len(ordered)),
+    }

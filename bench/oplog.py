@@ -33,7 +33,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -50,7 +49,14 @@ from bench._oplog_clients import (
     WriterSpec,
     worker_main,
 )
-from bench._procs import MachineLoad, ServerProcess, ServerRefused, fsync_probe_ms, raise_nofile
+from bench._procs import (
+    MachineLoad,
+    ServerProcess,
+    ServerRefused,
+    fsync_probe_ms,
+    percentiles,
+    raise_nofile,
+)
 
 #: One workspace per run: a PostgreSQL database outlives the run, and every check below expects
 #: the sub-docs to start at clock 0.
@@ -183,20 +189,6 @@ class Report:
     skipped: str = ""
     #: Wall-clock time the writers were told to start (to place GC pauses on the timeline).
     go_at: float = 0.0
-
-
-def percentiles(samples: Sequence[float]) -> dict[str, float]:
-    """p50/p99/max by nearest rank; empty dict without samples."""
-    if not samples:
-        return {}
-    ordered = sorted(samples)
-    last = len(ordered) - 1
-    return {
-        "p50": ordered[round(0.50 * last)],
-        "p99": ordered[round(0.99 * last)],
-        "max": ordered[last],
-        "n": float(len(ordered)),
-    }
 
 
 def _head(server: ServerProcess, sub_doc: str) -> int:
