@@ -7,7 +7,7 @@ import asyncio
 import orjson
 from aiohttp import web
 
-from cv_server.inputs import check_ids, decode_json, parse_apply_body
+from cv_server.inputs import MAX_CLOCK, check_ids, decode_json, parse_apply_body
 from cv_server.keys import CONFIG, HUB, METRICS, STORES
 from cv_server.oplog import IncomingOp, LogEntry, Outcome
 from cv_server.problems import Problem
@@ -86,7 +86,7 @@ async def get_ops(request: web.Request) -> web.Response:
     check_ids(workspace_id, sub_doc)
     authorize(request, workspace_id)
     page = request.app[CONFIG].catchup_page
-    since = _int_param(request, "since", 0, 0, 2**62)
+    since = _int_param(request, "since", 0, 0, MAX_CLOCK)
     limit = _int_param(request, "limit", page, 1, page)
     head, entries = await request.app[STORES].oplog.read_since(workspace_id, sub_doc, since, limit)
     return web.json_response({"clock": head, "ops": [entry.to_json() for entry in entries]})

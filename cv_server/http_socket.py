@@ -22,7 +22,7 @@ from aiohttp import WSMsgType, web
 from cv_mutations import is_valid_sub_doc, is_valid_workspace_id
 from cv_server.http_docs import commit_and_publish, publish
 from cv_server.hub import Connection, Subscription
-from cv_server.inputs import decode_json, parse_apply_body
+from cv_server.inputs import check_since, decode_json, parse_apply_body
 from cv_server.keys import CONFIG, CONNECTIONS, HUB, STATE, STORES
 from cv_server.oplog import LogEntry, Outcome
 from cv_server.problems import Problem
@@ -78,9 +78,14 @@ class _Session:
             if not isinstance(sub_doc, str) or not is_valid_sub_doc(sub_doc):
                 raise Problem(422, "invalid_id", "sub_doc must match [a-z0-9_.-]{1,64}")
             if kind == "subscribe":
-                since = frame.get("since", 0)
-                if not isinstance(since, int) or isinstance(since, bool) or since < 0:
-                    raise Problem(400, "invalid_field", "since must be a non-negative integer")
+                # Bounded above as well: a `since` past SQLite's INTEGER range failed the
+                # catch-up read and closed the whole socket (1011), every subscription with it.
+                # The error names the sub-doc, so a client can fail that subscription alone.
+                try:
+                    since = check_since(frame.get("since", 0))
+                except Problem as problem:
+                    problem.extra["sub_doc"] = sub_doc
+                    raise
                 self.subscribe(sub_doc, since)
             elif kind == "unsubscribe":
                 old = self.conn.subscriptions.pop(sub_doc, None)
@@ -174,7 +179,12 @@ class _Session:
     async def wait_applies(self) -> None:
         tails = list(self._tails.values())
         if tails:
-            await asyncio.gather(*tails, return_exceptions=True)
+            # asyncio.wait, not gather: the handler of a socket whose peer went away gets
+            # cancelled, and gather passed that cancel on to the commits' own futures. The
+            # writer still committed, but `_committed` then saw a cancelled future: no publish,
+            # so live subscribers missed the op until a later commit exposed the gap, and an
+            # "apply failed" for an op that was applied. `wait` never cancels what it waits for.
+            await asyncio.wait(tails)
 
 
 @routes.get("/v1/workspaces/{ws}/socket")
@@ -215,6 +225,8 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
         app[CONNECTIONS].discard(conn)
         # Acks may no longer reach the client, but the commits themselves finish: the client
         # replays and the server answers from the dedupe record.
-        await session.wait_applies()
-        await conn.aclose()
+        try:
+            await session.wait_applies()
+        finally:  # even if that wait is cancelled: else the subscriptions stay in the hub
+            await conn.aclose()
     return ws

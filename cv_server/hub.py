@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections import deque
 from collections.abc import Iterable
@@ -31,15 +32,15 @@ CLOSE_TOO_SLOW: Final = 4008
 
 
 def encode_entry(sub_doc: str, entry: LogEntry) -> Frame:
-    text = orjson.dumps(
-        {
-            "type": "op",
-            "sub_doc": sub_doc,
-            "clock": entry.clock,
-            "op_id": entry.op_id,
-            "op": entry.op,
-        }
-    ).decode()
+    body = {"type": "op", "sub_doc": sub_doc, "clock": entry.clock, "op_id": entry.op_id}
+    body["op"] = entry.op
+    try:
+        text = orjson.dumps(body).decode()
+    except orjson.JSONEncodeError:
+        # An op logged before inputs refused ops nested past orjson's write limit: the standard
+        # library still encodes it. Raising here would fail every catch-up over that clock (close
+        # 1011 on each reconnect), so one such op would cut its sub-doc off from subscribers.
+        text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
     return Frame(entry.clock, text)
 
 
@@ -183,15 +184,31 @@ class Subscription:
             self.cursor.live = False
             self._wake.set()
 
+    def _refuse(self, message: str) -> None:
+        """End this subscription alone with an `invalid_field` error naming its sub-doc."""
+        self.hub._remove(self)
+        if self.conn.subscriptions.get(self.sub_doc) is self:
+            del self.conn.subscriptions[self.sub_doc]
+        self.conn.send_json(
+            {"type": "error", "code": "invalid_field", "message": message, "sub_doc": self.sub_doc}
+        )
+
     async def _run(self) -> None:
         store = self.hub.store
         synced = False
         try:
             while True:
                 while True:
-                    _, entries = await store.read_since(
+                    head, entries = await store.read_since(
                         self.workspace_id, self.sub_doc, self.cursor.last, self.page
                     )
+                    if not synced and self.cursor.last > head:
+                        # A `since` past the head named clocks that do not exist yet: answered
+                        # with `synced` at that clock, the ops later committed up to it were
+                        # skipped as already sent, a silent loss (a client resuming against a
+                        # restored or different database). Refuse it, naming the sub-doc.
+                        self._refuse(f"since {self.cursor.last} is past the head clock {head}")
+                        return
                     frames = (encode_entry(self.sub_doc, entry) for entry in entries)
                     for frame in self.cursor.from_log(frames):
                         if not self.conn.send(frame.text):

@@ -5,7 +5,7 @@ Everything is checked before anything is applied: one bad op refuses the whole r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -13,7 +13,11 @@ from cv_mutations import InvalidOp, fingerprint, is_valid_sub_doc, is_valid_work
 from cv_server.oplog import IncomingOp
 from cv_server.problems import Problem
 
-__all__ = ["check_ids", "decode_json", "parse_apply_body", "parse_ops"]
+__all__ = ["MAX_CLOCK", "check_ids", "check_since", "decode_json", "parse_apply_body", "parse_ops"]
+
+#: The largest clock a client may name (`since`): far below SQLite's INTEGER range, past which a
+#: read would fail inside the store instead of answering `invalid_field`.
+MAX_CLOCK: Final = 2**62
 
 
 def check_ids(workspace_id: str, sub_doc: str | None = None) -> None:
@@ -32,6 +36,30 @@ def decode_json(raw: bytes | str) -> Any:
         raise Problem(400, "malformed_json", f"body is not valid JSON: {exc}") from None
 
 
+def check_since(since: object) -> int:
+    """A websocket `since`: an integer clock in [0, MAX_CLOCK] (what HTTP `?since=` accepts)."""
+    if not isinstance(since, int) or isinstance(since, bool) or not 0 <= since <= MAX_CLOCK:
+        raise Problem(400, "invalid_field", f"since must be an integer between 0 and {MAX_CLOCK}")
+    return since
+
+
+def _encodes_as_frame(raw: object) -> bool:
+    """True if `raw` can be written to the log and broadcast inside an `op` frame.
+
+    orjson reads JSON nested up to 1024 levels deep but writes at most 255, and pydantic accepts
+    ops a few levels short of that: an op nested just under pydantic's limit was committed, then
+    could not be encoded as the `op` frame (one level more), so the HTTP caller got a 500 for a
+    committed op and every catch-up over it failed (close 1011) for good; a level deeper and the
+    log write itself failed with 500 `internal`, which clients retry. Checked before anything is
+    applied, with the frame's own extra level, so such an op is a 422 like any bad field.
+    """
+    try:
+        orjson.dumps({"op": raw})
+    except orjson.JSONEncodeError:
+        return False
+    return True
+
+
 def parse_ops(raw_ops: object, max_ops: int) -> list[IncomingOp]:
     if not isinstance(raw_ops, list):
         raise Problem(400, "malformed_json", '"ops" must be a list')
@@ -39,6 +67,8 @@ def parse_ops(raw_ops: object, max_ops: int) -> list[IncomingOp]:
         raise Problem(422, "too_many_ops", f"{len(raw_ops)} ops; at most {max_ops} per request")
     incoming: list[IncomingOp] = []
     for index, raw in enumerate(raw_ops):
+        if not _encodes_as_frame(raw):
+            raise Problem(422, "invalid_field", "the op is nested too deeply", op_index=index)
         try:
             op = parse_op(raw)
         except InvalidOp as exc:
