@@ -224,7 +224,6 @@ class SQLiteOutbox(Outbox):
         Raises `OutboxError("outbox_locked")` if another client holds the file for longer than
         `busy_timeout_ms`."""
         self = cls(path, sync=sync, busy_timeout_ms=busy_timeout_ms)
-        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._loop = loop = asyncio.get_running_loop()
         try:
             # Opening may wait up to busy_timeout_ms for the lock: not on the event loop.
@@ -237,6 +236,9 @@ class SQLiteOutbox(Outbox):
         return self
 
     def _open_file(self) -> tuple[sqlite3.Connection, list[OutboxRow]]:
+        # Inside the error translation of `open`: a directory that cannot be made (a file in the
+        # way, no permission) is an `outbox_open_failed`, not a bare OSError out of `start()`.
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         conn = _connect(self.path, self.busy_timeout_ms)
         try:
             rows = _load(conn)
@@ -502,6 +504,6 @@ def _as_outbox_error(exc: BaseException, path: str) -> BaseException:
         return OutboxError(
             "outbox_locked", f"another client holds the outbox {os.path.basename(path)}"
         )
-    if isinstance(exc, sqlite3.Error):
+    if isinstance(exc, sqlite3.Error | OSError):
         return OutboxError("outbox_open_failed", str(exc))
     return exc

@@ -86,6 +86,9 @@ class WorkspaceSocket:
         #: Batches sent and not answered: batch_id → deadline (loop time), in send order. One
         #: timer watches the oldest, instead of a timer per batch created and cancelled per op.
         self._in_flight: dict[int, float] = {}
+        #: Bytes of each in-flight batch's `apply` frame: on a "frame too large" close, only the
+        #: largest is the one the server refused (see `_serve`).
+        self._frame_sizes: dict[int, int] = {}
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._subs: dict[str, list[Subscription]] = {}
         self._closed = False
@@ -116,10 +119,12 @@ class WorkspaceSocket:
         if frames is None:
             return False
         atomic = "true" if send.atomic else "false"
-        frames.put_nowait(
+        frame = (
             f'{{"type":"apply","req":{send.batch_id},"sub_doc":{json.dumps(send.sub_doc)},'
             f'"ops":{send.ops_json()},"atomic":{atomic}}}'
         )
+        frames.put_nowait(frame)
+        self._frame_sizes[send.batch_id] = len(frame)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.owner.config.request_timeout_seconds
         self._in_flight[send.batch_id] = deadline
@@ -144,12 +149,14 @@ class WorkspaceSocket:
         with self.owner.holding():
             for batch_id in overdue:
                 del self._in_flight[batch_id]
+                self._frame_sizes.pop(batch_id, None)
                 self.owner.batch_failed(
                     batch_id, ConnectionFailedError("timeout", "no ack before the request timeout")
                 )
 
     def _forget_in_flight(self) -> dict[int, float]:
         in_flight, self._in_flight = self._in_flight, {}
+        self._frame_sizes = {}
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
             self._deadline_timer = None
@@ -248,15 +255,26 @@ class WorkspaceSocket:
             self._frames = None
             self._opened.clear()
             writer.cancel()
+            sizes = self._frame_sizes
             in_flight = self._forget_in_flight()
             if not self._closed:
                 lost: WorkspaceError = ConnectionFailedError(
                     "connection_lost", "the websocket closed"
                 )
-                if ws.close_code == _CLOSE_FRAME_TOO_LARGE:
-                    lost = InvalidRequestError("body_too_large", "the server refused the frame")
+                too_large: int | None = None
+                if ws.close_code == _CLOSE_FRAME_TOO_LARGE and in_flight:
+                    # The server refused one message, not every batch in flight: the others
+                    # (other sub-docs' batches) may even have been committed, their acks lost
+                    # with the connection. Only the largest frame gets the final
+                    # `body_too_large`; the rest are resent like any cut batch.
+                    too_large = max(in_flight, key=lambda b: sizes.get(b, 0))
                 for batch_id in in_flight:
-                    self.owner.batch_failed(batch_id, lost)
+                    error = lost
+                    if batch_id == too_large:
+                        error = InvalidRequestError(
+                            "body_too_large", "the server refused the frame"
+                        )
+                    self.owner.batch_failed(batch_id, error)
         final = _FINAL_CLOSE.get(ws.close_code or 0)
         if final is not None:
             code, cls = final
@@ -289,11 +307,13 @@ class WorkspaceSocket:
         elif kind == "ack":
             req = frame.get("req")
             if isinstance(req, int) and self._in_flight.pop(req, None) is not None:
+                self._frame_sizes.pop(req, None)
                 self.owner.batch_answered(req, frame.get("results"))
         elif kind == "error":
             error = error_from_problem(None, frame)
             req = frame.get("req")
             if isinstance(req, int) and self._in_flight.pop(req, None) is not None:
+                self._frame_sizes.pop(req, None)
                 self.owner.batch_failed(req, error)
             elif isinstance(error, AuthError | ForbiddenError):
                 self._final(error)

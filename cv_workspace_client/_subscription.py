@@ -29,14 +29,16 @@ class Verdict(enum.Enum):
 class ResumeTracker:
     """Tracks the last clock delivered to the app for one subscription."""
 
-    __slots__ = ("duplicates", "gaps", "last")
+    __slots__ = ("_gap_at", "duplicates", "gaps", "last")
 
     def __init__(self, since: int = 0) -> None:
         if since < 0:
             raise ValueError("since must be >= 0")
         self.last = since
         self.duplicates = 0
+        #: Holes found; one hole counts once, however many pages of the log it takes to fill.
         self.gaps = 0
+        self._gap_at = 0
 
     def offer(self, clock: int) -> Verdict:
         """Judge an op at `clock`. `DELIVER` advances `last`; on `GAP` the caller fetches the ops
@@ -47,7 +49,9 @@ class ResumeTracker:
         if clock == self.last + 1:
             self.last = clock
             return Verdict.DELIVER
-        self.gaps += 1
+        if clock != self._gap_at:
+            self._gap_at = clock
+            self.gaps += 1
         return Verdict.GAP
 
     def behind(self, head: int) -> bool:

@@ -49,6 +49,7 @@ from cv_workspace_client._socket import WorkspaceSocket
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
     ClientClosedError,
+    ConnectionFailedError,
     InvalidRequestError,
     OpRejectedError,
     OutboxError,
@@ -407,6 +408,13 @@ class WorkspaceClient(QueueMethods):
             results = await self._api().post_ops(send.workspace_id, send.sub_doc, send.body())
         except WorkspaceError as exc:
             self._machine.batch_failed(send.batch_id, exc)
+        except Exception as exc:
+            # Anything else (a library surprise, a warning turned into an error) must still be
+            # reported: a batch left in flight forever wedges its lane, every later op of the
+            # sub-doc and `wait_synced` hang. Whether the request reached the server is unknown,
+            # so it is retried under its op_ids like a lost connection.
+            error = ConnectionFailedError("send_failed", f"{type(exc).__name__}: {exc}")
+            self._machine.batch_failed(send.batch_id, error)
         else:
             self._machine.batch_answered(send.batch_id, results)
         self._kick()

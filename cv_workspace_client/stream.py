@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from cv_mutations import InvalidOp, parse_op
 from cv_workspace_client._subscription import ResumeTracker, Verdict
-from cv_workspace_client.errors import ProtocolError, WorkspaceError
+from cv_workspace_client.errors import InvalidRequestError, ProtocolError, WorkspaceError
 from cv_workspace_client.models import Committed
 
 __all__ = ["PARSED", "Subscription", "parse_frame_op"]
@@ -95,6 +95,11 @@ class Subscription:
 
     async def aclose(self) -> None:
         """Stop receiving; the iterator ends."""
+        # The app asked to stop: what is still buffered is not handed out afterwards (nor
+        # caught up from the log), as after an async generator's aclose().
+        self._frames.clear()
+        self._ready.clear()
+        self._lagging = False
         self.end()
         if self._registered:
             self._owner.unregister(self)
@@ -108,18 +113,20 @@ class Subscription:
                 frame = self._frames.popleft()
                 clock = frame["clock"]
                 if frame.get("type") == "synced":
-                    if self._tracker.behind(clock):
-                        await self._catch_up(clock)
+                    if self._tracker.behind(clock) and await self._read_page():
+                        # More to fetch up to that head: the next page once this one is taken.
+                        self._frames.appendleft(frame)
                     continue
                 verdict = self._tracker.offer(clock)
                 if verdict is Verdict.DELIVER:
                     committed = frame.get(PARSED)
                     return committed if isinstance(committed, Committed) else _committed(frame)
                 if verdict is Verdict.GAP:
-                    # Something between was lost: fetch it from the log, then judge this again.
+                    # Something between was lost: fetch it from the log (a page at a time), then
+                    # judge this again.
                     self._frames.appendleft(frame)
                     before = self._tracker.last
-                    await self._catch_up(clock - 1)
+                    await self._read_page()
                     if self._tracker.last == before:
                         raise ProtocolError(
                             "gap_unfillable",
@@ -127,8 +134,14 @@ class Subscription:
                         )
                 continue
             if self._lagging:
+                # Catch up to the head one page at a time, each read only once the app has taken
+                # the previous page: reading the whole backlog at once would hold all of it in
+                # memory, which the bounded buffer exists to avoid.
+                # Cleared before the read: `feed` or a reconnect may mark the subscription lagging
+                # again while it is under way, and that mark must survive the read's answer.
                 self._lagging = False
-                await self._catch_up(None)
+                if await self._read_page(full_only=True):
+                    self._lagging = True
                 continue
             if self._error is not None:
                 raise self._error
@@ -188,25 +201,33 @@ class Subscription:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def _catch_up(self, target: int | None) -> None:
-        """Read the log after `clock` up to `target` (None: to the head), queueing what is new."""
-        while target is None or self._tracker.last < target:
-            _, entries = await self._owner.read_log(
-                self.workspace_id, self.sub_doc, self._tracker.last, self._page
+    async def _read_page(self, *, full_only: bool = False) -> bool:
+        """Read one page of the log after the last delivered clock, queueing what is new. True
+        if it delivered something (with `full_only`: and the page was full, so more may follow).
+        One page per call: `_ready` never holds more than `catchup_page` ops."""
+        head, entries = await self._owner.read_log(
+            self.workspace_id, self.sub_doc, self._tracker.last, self._page
+        )
+        if head < self._tracker.last:
+            # The log ends before what this subscription already holds (a `since` naming clocks
+            # that do not exist, or a server restored from an older copy): ops later committed
+            # at those clocks would be skipped as already seen. Refused, as the server refuses
+            # such a subscribe.
+            raise InvalidRequestError(
+                "invalid_field", f"since {self._tracker.last} is past the head clock {head}"
             )
-            progressed = False
-            for entry in entries:
-                verdict = self._tracker.offer(entry.clock)
-                if verdict is Verdict.DELIVER:
-                    self._ready.append(entry)
-                    progressed = True
-                elif verdict is Verdict.GAP:
-                    raise ProtocolError(
-                        "log_gap",
-                        f"{self.sub_doc}: the log skips from {self.clock} to {entry.clock}",
-                    )
-            if not progressed or len(entries) < self._page:
-                return
+        progressed = False
+        for entry in entries:
+            verdict = self._tracker.offer(entry.clock)
+            if verdict is Verdict.DELIVER:
+                self._ready.append(entry)
+                progressed = True
+            elif verdict is Verdict.GAP:
+                raise ProtocolError(
+                    "log_gap",
+                    f"{self.sub_doc}: the log skips from {self.clock} to {entry.clock}",
+                )
+        return progressed and (not full_only or len(entries) >= self._page)
 
 
 def parse_frame_op(frame: dict[str, Any]) -> None:

@@ -62,3 +62,15 @@ def test_any_mix_of_replays_and_losses_plus_catch_up_yields_each_clock_once_in_o
             seen.append(clock)
     assert seen == list(range(since + 1, head + 1))
     assert tracker.last == head
+
+
+def test_a_hole_filled_over_several_log_pages_counts_as_one_gap() -> None:
+    tracker = ResumeTracker(since=0)
+    assert tracker.offer(9) is Verdict.GAP  # found
+    assert tracker.offer(1) is Verdict.DELIVER  # the first page of the hole arrives
+    assert tracker.offer(9) is Verdict.GAP  # judged again after that page: the same hole
+    assert tracker.gaps == 1
+    for clock in range(2, 10):
+        assert tracker.offer(clock) is Verdict.DELIVER
+    assert tracker.offer(12) is Verdict.GAP  # a new hole
+    assert tracker.gaps == 2
