@@ -81,7 +81,11 @@ def _enqueue_answer(enqueued: Enqueued) -> dict[str, Any]:
     }
 
 
-def _new_request(workspace_id: str, body: dict[str, Any]) -> tuple[NewRequest, bool]:
+def _new_request(
+    workspace_id: str, body: dict[str, Any], max_dequeues: int
+) -> tuple[NewRequest, bool]:
+    """The request `body` asks for; `max_dequeues` is the server's setting, used unless the
+    body names its own."""
     unknown = set(body) - {
         "stage",
         "job_id",
@@ -109,12 +113,12 @@ def _new_request(workspace_id: str, body: dict[str, Any]) -> tuple[NewRequest, b
         if deterministic
         else random_request_id(secrets.token_hex(20))
     )
-    extra: dict[str, Any] = {}
+    # DESIGN §10: the poison cutoff is the server's `max_dequeues` (`--set max_dequeues=N`),
+    # not `NewRequest`'s default, which is frozen to `ServerConfig()`'s value at import.
     if "max_dequeues" in body:
         max_dequeues = body["max_dequeues"]
         if not isinstance(max_dequeues, int) or isinstance(max_dequeues, bool) or max_dequeues < 1:
             raise Problem(422, "invalid_field", "max_dequeues must be a positive integer")
-        extra["max_dequeues"] = max_dequeues
     try:
         req = NewRequest(
             workspace_id=workspace_id,
@@ -124,7 +128,7 @@ def _new_request(workspace_id: str, body: dict[str, Any]) -> tuple[NewRequest, b
             job_id=job_id,
             branch_path=branch_path,
             worker_class=_opt_str(body, "worker_class", max_len=64),
-            **extra,
+            max_dequeues=max_dequeues,
         )
     except ValueError as exc:
         raise Problem(422, "invalid_field", str(exc)) from None
@@ -137,7 +141,7 @@ async def enqueue(request: web.Request) -> web.Response:
     check_ids(workspace_id)
     authorize(request, workspace_id)
     raw, body = await _json_body(request)
-    req, rerun = _new_request(workspace_id, body)
+    req, rerun = _new_request(workspace_id, body, request.app[CONFIG].max_dequeues)
     stores = request.app[STORES]
     now = time.time()
     key = request.headers.get("Idempotency-Key")

@@ -309,7 +309,7 @@ class Worker:
         meter = RunMeter(request).start()
         current = asyncio.current_task()
         assert current is not None
-        beat = Heartbeat(self.client, self.config.heartbeat_seconds, claimed, lease, current)
+        beat = Heartbeat(self.client, self._heartbeat_every(row), claimed, lease, current)
         failure: Exception | None = None
         try:
             kind, value, cache, shared = await self._produce(stage, ctx)
@@ -357,6 +357,19 @@ class Worker:
             key = request_key(request)
             if key is not None:  # seed 003: run, complete, then store under the TTL
                 self._cache.put(key, value, stage.ttl)
+
+    def _heartbeat_every(self, row: api.QueuedRequest) -> float:
+        """Seconds between heartbeats: the configured interval, but at most half the lease the
+        server granted this claim. The lease is the server's setting (`lease_seconds`, which an
+        operator may shrink with `--set`); a worker beating every 60 s under a 30 s lease would
+        lose every long stage to a second worker while it still runs (seed 003: 60 s under 120 s).
+        """
+        every = self.config.heartbeat_seconds
+        if row.lease_expires_at is not None and row.claimed_at is not None:
+            granted = row.lease_expires_at - row.claimed_at
+            if granted > 0:
+                every = min(every, granted / 2)
+        return every
 
     async def _produce(self, stage: Stage, ctx: StageContext) -> Outcome:
         """Run the handler (or answer from the cache / a shared run); return once its writes

@@ -12,13 +12,17 @@ from cv_mutations import NodeIncrement, NodeInsert
 from cv_workspace_client import WorkspaceClient
 from cv_workspace_client import _queue_api as api
 from cv_workspace_client.stage import ExpectedError, LeaseLostError, Stage, StageContext
+from cv_workspace_client.testing import FaultProxy
 from cv_workspace_client.worker import Worker, WorkerConfig
 from tests.worker.conftest import (
     WS,
     MakeServer,
+    fast_client_config,
     long_polls_registered,
     open_client,
     running,
+    token_for,
+    url_of,
 )
 
 FAST = WorkerConfig(idle_initial_seconds=0.01, idle_max_seconds=0.05)
@@ -124,20 +128,29 @@ async def test_a_lapsed_lease_is_redriven_and_the_old_holder_writes_and_complete
                 raise
         return {"by": ctx.worker_id, "attempt": ctx.request.dequeue_count}
 
-    async with open_client(server) as client:
-        # The old holder heartbeats less often than its lease lasts: the lease lapses in between.
+    async with (
+        open_client(server) as client,
+        FaultProxy(url_of(server)) as proxy,
+        WorkspaceClient(proxy.url, token=token_for(WS), config=fast_client_config()) as cut_off,
+    ):
+        # The old holder reaches the server through a proxy: once its stage stalls, the link is
+        # cut (a partition), so its heartbeats fail and the lease lapses while it is alive.
         old = Worker(
-            client,
+            cut_off,
             {"s": stage},
             worker_id="old",
-            config=WorkerConfig(idle_initial_seconds=0.01, heartbeat_seconds=0.6),
+            config=WorkerConfig(idle_initial_seconds=0.01, heartbeat_seconds=0.05),
         )
         new = Worker(client, {"s": stage}, worker_id="new", config=FAST)
         async with running(old):
             answer = await api.enqueue(client, WS, {"stage": "s", "job_id": "J1"})
             await asyncio.wait_for(stalled.wait(), 10)
+            proxy.refuse = True
+            proxy.drop_all()
             async with running(new):
                 outcome = await api.wait_request(client, WS, answer.request_id, timeout=30)
+                # Healed: the old holder's next heartbeat hears that the lease is gone.
+                proxy.refuse = False
                 async with asyncio.timeout(10):
                     while old.stats.leases_lost == 0:  # noqa: ASYNC110  (a state, not a duration)
                         await asyncio.sleep(0.01)
