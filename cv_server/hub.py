@@ -151,6 +151,12 @@ class Subscription:
         self.pending_limit = pending_limit
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # News of other instances' commits that came while the log was being read (not live).
+        # The read in flight may have been answered before that commit, and `_wake` is cleared
+        # once the subscription goes live, so this news must be kept here or it is lost: the
+        # subscriber would stall short of the head until some later commit (none may come).
+        self._known_head = 0  # a clock the log is known to hold
+        self._reread = False  # the LISTEN connection came back during the read: read again
 
     def start(self) -> None:
         # Register before the first log read: see fanout's docstring.
@@ -176,6 +182,8 @@ class Subscription:
     def on_head(self, head: int) -> None:
         if self.cursor.behind(head):
             self._wake.set()
+        elif not self.cursor.live:
+            self._known_head = max(self._known_head, head)
 
     def catch_up(self) -> None:
         """News of commits may have been lost: re-read the log from where this subscriber
@@ -183,6 +191,8 @@ class Subscription:
         if self.cursor.live:
             self.cursor.live = False
             self._wake.set()
+        else:
+            self._reread = True
 
     def _refuse(self, message: str) -> None:
         """End this subscription alone with an `invalid_field` error naming its sub-doc."""
@@ -199,6 +209,8 @@ class Subscription:
         try:
             while True:
                 while True:
+                    # Cleared before the read is sent: a reconnect during it sets it again.
+                    self._reread = False
                     head, entries = await store.read_since(
                         self.workspace_id, self.sub_doc, self.cursor.last, self.page
                     )
@@ -220,6 +232,9 @@ class Subscription:
                     if not self.conn.send(frame.text):
                         return
                 if not live:
+                    continue
+                if self._reread or self._known_head > self.cursor.last:
+                    self.cursor.live = False  # news that came during the read: read once more
                     continue
                 if not synced:
                     synced = True

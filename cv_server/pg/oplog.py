@@ -247,14 +247,18 @@ class PostgresOpLogStore(OpLogStore):
     def _lane(self, key: tuple[str, str]) -> _Lane:
         lane = self._lanes.get(key)
         if lane is None:
+            # Evict before adding: the new lane is idle too, and evicting it (when every other
+            # lane is busy) would hand the caller a lane nobody else finds, so the next append
+            # to this sub-doc would start a second drainer and race this one to the row lock,
+            # out of call order. The cache may exceed its limit until busy lanes go idle.
+            self._evict_idle_lanes(room_for=1)
             lane = self._lanes[key] = _Lane()
-            self._evict_idle_lanes()
         else:
             self._lanes.move_to_end(key)
         return lane
 
-    def _evict_idle_lanes(self) -> None:
-        excess = len(self._lanes) - self.cache_limit
+    def _evict_idle_lanes(self, room_for: int) -> None:
+        excess = len(self._lanes) + room_for - self.cache_limit
         if excess <= 0:
             return
         for key, lane in list(self._lanes.items()):
