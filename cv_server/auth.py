@@ -74,6 +74,12 @@ def mint_token(
 
 
 def verify_token(secret: bytes, token: str, *, now: float) -> TokenClaims:
+    # A real token is ASCII. Anything else (a `?token=` with percent-encoded UTF-8, a header with
+    # bytes aiohttp decodes with surrogateescape) made `compare_digest` raise TypeError, or the
+    # signing `.encode()` UnicodeEncodeError: a 500 (on the socket, a failed handshake) instead
+    # of 401 / close 4001.
+    if not token.isascii():
+        raise TokenError("malformed token")
     parts = token.split(".")
     if len(parts) != 3 or parts[0] != _PREFIX:
         raise TokenError("malformed token")

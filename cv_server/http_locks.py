@@ -32,10 +32,13 @@ async def _body(request: web.Request) -> tuple[str, dict[str, Any]]:
     body = decode_json(await request.read())
     if not isinstance(body, dict):
         raise Problem(400, "malformed_json", "body must be a JSON object")
+    # PostgreSQL text cannot hold NUL: the store raised, a 500 where SQLite answered (§11).
     for name in ("job_id", "task"):
         value = body.get(name)
-        if not isinstance(value, str) or not 0 < len(value) <= 256:
-            raise Problem(422, "invalid_field", f"{name} must be a string of 1..256 chars")
+        if not isinstance(value, str) or not 0 < len(value) <= 256 or "\x00" in value:
+            raise Problem(
+                422, "invalid_field", f"{name} must be a string of 1..256 chars, without NUL"
+            )
     return workspace_id, body
 
 
@@ -43,8 +46,8 @@ async def _body(request: web.Request) -> tuple[str, dict[str, Any]]:
 async def acquire(request: web.Request) -> web.Response:
     workspace_id, body = await _body(request)
     holder = body.get("holder", "anonymous")
-    if not isinstance(holder, str) or not 0 < len(holder) <= 256:
-        raise Problem(422, "invalid_field", "holder must be a string of 1..256 chars")
+    if not isinstance(holder, str) or not 0 < len(holder) <= 256 or "\x00" in holder:
+        raise Problem(422, "invalid_field", "holder must be a string of 1..256 chars, without NUL")
     ttl = request.app[CONFIG].compute_lock_ttl_seconds
     outcome = await request.app[STORES].locks.acquire(
         workspace_id, body["job_id"], body["task"], holder, ttl, time.time()
@@ -67,8 +70,8 @@ async def acquire(request: web.Request) -> web.Response:
 async def release(request: web.Request) -> web.Response:
     workspace_id, body = await _body(request)
     token = body.get("token")
-    if not isinstance(token, str) or not token:
-        raise Problem(422, "invalid_field", "token is required")
+    if not isinstance(token, str) or not token or "\x00" in token:
+        raise Problem(422, "invalid_field", "token is required (a string without NUL)")
     released = await request.app[STORES].locks.release(
         workspace_id, body["job_id"], body["task"], token, time.time()
     )

@@ -58,12 +58,21 @@ async def _json_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
     return raw, body
 
 
+def _storable(text: str) -> bool:
+    """PostgreSQL text cannot hold NUL: such a string (stage, job_id, a claim token, a request
+    id or blob ref in the path) made the store raise, a 500 where SQLite answered 4xx. Refused
+    (or not found) the same way on both backends."""
+    return "\x00" not in text
+
+
 def _opt_str(body: dict[str, Any], name: str, *, max_len: int = 256) -> str | None:
     value = body.get(name)
     if value is None:
         return None
-    if not isinstance(value, str) or not 0 < len(value) <= max_len:
-        raise Problem(422, "invalid_field", f"{name} must be a string of 1..{max_len} chars")
+    if not isinstance(value, str) or not 0 < len(value) <= max_len or not _storable(value):
+        raise Problem(
+            422, "invalid_field", f"{name} must be a string of 1..{max_len} chars, without NUL"
+        )
     return value
 
 
@@ -188,7 +197,11 @@ async def _row(request: web.Request) -> ProcessRequest:
     workspace_id, request_id = request.match_info["ws"], request.match_info["id"]
     check_ids(workspace_id)
     authorize(request, workspace_id)
-    row = await request.app[STORES].queue.get(workspace_id, request_id)
+    row = (
+        await request.app[STORES].queue.get(workspace_id, request_id)
+        if _storable(request_id)
+        else None
+    )
     if row is None:
         raise Problem(404, "not_found", f"no request {request_id!r} in {workspace_id!r}")
     return row
@@ -220,9 +233,18 @@ async def stream_request(request: web.Request) -> web.StreamResponse:
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
+
+    def hung_up() -> bool:
+        transport = request.transport
+        return transport is None or transport.is_closing()
+
     if not row.is_finished:
         await response.write(_sse("queued", row.to_json()))
-        latest = await request.app[WAITERS].wait(row.workspace_id, row.request_id, timeout)
+        latest = await request.app[WAITERS].wait(
+            row.workspace_id, row.request_id, timeout, abandoned=hung_up
+        )
+        if hung_up():  # nobody left to tell (and a write would raise); the row keeps the outcome
+            return response
         row = latest or row
     if row.is_finished:
         await response.write(_sse("done", row.to_json()))
@@ -239,7 +261,12 @@ async def get_blob(request: web.Request) -> web.Response:
     workspace_id = request.match_info["ws"]
     check_ids(workspace_id)
     authorize(request, workspace_id)
-    data = await request.app[STORES].blobs.get(workspace_id, request.match_info["ref"], time.time())
+    ref = request.match_info["ref"]
+    data = (
+        await request.app[STORES].blobs.get(workspace_id, ref, time.time())
+        if _storable(ref)
+        else None
+    )
     if data is None:
         raise Problem(404, "not_found", "no such blob (or it expired)")
     return web.Response(body=data, content_type="application/octet-stream")
@@ -257,7 +284,7 @@ async def claim(request: web.Request) -> web.Response:
     if (
         not isinstance(classes, list)
         or not classes
-        or not all(isinstance(c, str) and 0 < len(c) <= 64 for c in classes)
+        or not all(isinstance(c, str) and 0 < len(c) <= 64 and _storable(c) for c in classes)
     ):
         raise Problem(422, "invalid_field", "worker_classes must be a non-empty list of names")
     workspaces = None if "*" in claims.workspaces else sorted(claims.workspaces)
@@ -301,8 +328,12 @@ async def complete_batch(request: web.Request) -> web.Response:
     stores, config = request.app[STORES], request.app[CONFIG]
     completions: list[Completion] = []
     for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("request_id"), str):
-            raise Problem(422, "invalid_field", "each completion needs request_id")
+        if (
+            not isinstance(item, dict)
+            or not isinstance(item.get("request_id"), str)
+            or not _storable(item["request_id"])
+        ):
+            raise Problem(422, "invalid_field", "each completion needs request_id (no NUL)")
         result = item.get("result")
         encoded = json.dumps(result, separators=(",", ":")).encode()
         try:
@@ -361,8 +392,8 @@ async def wait_for_work(request: web.Request) -> web.Response:
 
 def _claim_token(body: dict[str, Any]) -> str:
     token = body.get("claim_token")
-    if not isinstance(token, str) or not token:
-        raise Problem(422, "invalid_field", "claim_token is required")
+    if not isinstance(token, str) or not token or not _storable(token):
+        raise Problem(422, "invalid_field", "claim_token is required (a string without NUL)")
     return token
 
 
@@ -450,6 +481,8 @@ async def list_requests(request: web.Request) -> web.Response:
         limit = min(int(request.query.get("limit", "100")), 1000)
     except ValueError:
         raise Problem(400, "invalid_field", "limit must be an integer") from None
+    if limit < 0:  # the stores refuse it (SQLite: ValueError; PostgreSQL: LIMIT -1): was a 500
+        raise Problem(422, "invalid_field", "limit must be an integer in 0..1000")
     rows = await request.app[STORES].queue.list(
         status=status,  # type: ignore[arg-type]
         workspace_id=workspace_id,

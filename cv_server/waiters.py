@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from cv_server.queue import ProcessRequest, QueueStore, RequestEvent
 
@@ -68,9 +68,20 @@ class Waiters:
                     del self._events[request_id]
 
     async def wait(
-        self, workspace_id: str, request_id: str, patience: float
+        self,
+        workspace_id: str,
+        request_id: str,
+        patience: float,
+        *,
+        abandoned: Callable[[], bool] = lambda: False,
     ) -> ProcessRequest | None:
-        """The finished row, or the latest row once `patience` seconds passed (None if unknown)."""
+        """The finished row, or the latest row once `patience` seconds passed (None if unknown).
+
+        `abandoned()` is asked at every wake-up (at the latest each sweep): once it is true (the
+        client hung up) the wait ends at once with the latest row. A server whose handlers are
+        not cancelled on disconnect (`web.AppRunner`'s default, so `cv-server serve`) otherwise
+        kept every abandoned stream's waiter, and its row read per sweep, for the whole deadline.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + patience
         async with self._registered(request_id) as event:
@@ -84,6 +95,8 @@ class Waiters:
                     return row
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), remaining)
+                if abandoned():
+                    return row
 
 
 class WorkSignals:
