@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from pathlib import Path
+from typing import IO, Final, TypeAlias
 
 import sqlite_utils
 
@@ -24,7 +26,24 @@ from cv_server.queue import (
 from cv_server.queue import sqlite as queue_sqlite
 from cv_server.sqlite_db import SQLiteDatabase
 
-__all__ = ["FollowCommits", "Stores", "open_sqlite_database", "open_stores"]
+__all__ = [
+    "SQLITE_SCHEMA_VERSION",
+    "DatabaseUnusable",
+    "FollowCommits",
+    "Stores",
+    "hold_serving_lock",
+    "open_sqlite_database",
+    "open_stores",
+]
+
+#: The SQLite schema this code creates, stamped in the file's `PRAGMA user_version`.
+SQLITE_SCHEMA_VERSION: Final = 1
+
+
+class DatabaseUnusable(RuntimeError):
+    """The database cannot be served by this process (in use by another server, or written by a
+    newer cv-server). The message says why and what to do; `cv-server` prints it and exits."""
+
 
 #: `await follow(on_head, on_reconnect)`: from now on, call `on_head(workspace_id, sub_doc,
 #: clock)` when any instance commits to a sub-doc, and `on_reconnect()` when such news may have
@@ -54,12 +73,61 @@ class Stores:
 
 
 def _sqlite_schema(db: sqlite_utils.Database) -> None:
+    # A file a newer cv-server wrote may hold tables or constraints this code does not know:
+    # refuse it at start rather than fail (or write rows it cannot read back) mid-traffic.
+    version = int(db.execute("PRAGMA user_version").fetchone()[0])
+    if version > SQLITE_SCHEMA_VERSION:
+        raise DatabaseUnusable(
+            f"schema version {version} is newer than this cv-server's"
+            f" ({SQLITE_SCHEMA_VERSION}): upgrade cv-server to serve this file"
+        )
     meta.create_schema(db)
     oplog_sqlite.create_schema(db)
     queue_sqlite.create_schema(db)
     idempotency_sqlite.create_schema(db)
     blobs_sqlite.create_schema(db)
     locks_sqlite.create_schema(db)
+    if version < SQLITE_SCHEMA_VERSION:  # in the schema's transaction: stamped with the tables
+        db.execute(f"PRAGMA user_version = {SQLITE_SCHEMA_VERSION}")
+
+
+def hold_serving_lock(db_path: Path) -> IO[str] | None:
+    """Take the exclusive lock that makes this process the only server of `db_path`, or raise
+    `DatabaseUnusable`; keep the returned file open while serving. The kernel drops the lock
+    when the process dies, SIGKILL included. `cv-server serve` takes it; `open_stores` does not,
+    so tests may still run two apps on one file in one process (the races contract does).
+
+    Why: the op-log store caches each sub-doc's head on its writer thread, and the queue's
+    start-up repair (`abandon_all_in_progress`) assumes nothing else runs. A second server on
+    the same file would make the first answer 500 on every write to a sub-doc the second wrote
+    (its cached clock is behind the disk) and serve stale state. A sidecar file, not the
+    database: flock on the database could clash with SQLite's own POSIX locks (on NFS flock is
+    emulated with them). `cv-server token` does not take it, so tokens can be minted while the
+    server runs.
+    """
+    if str(db_path) == ":memory:":
+        return None
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no flock; one server per file is on you
+        return None
+    db_path.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = Path(f"{db_path}.lock")
+    file = lock_path.open("a+")
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.seek(0)
+        holder = file.read().strip() or "?"
+        file.close()
+        raise DatabaseUnusable(
+            f"{db_path} is already served by another cv-server process (pid {holder};"
+            f" lock {lock_path}): one server per SQLite file, use PostgreSQL to scale out"
+        ) from None
+    file.truncate(0)
+    file.write(f"{os.getpid()}\n")
+    file.flush()
+    return file
 
 
 async def open_sqlite_database(path: str) -> SQLiteDatabase:
@@ -84,9 +152,14 @@ async def open_stores(config: ServerConfig) -> Stores:
     )
     blobs = blobs_sqlite.SQLiteBlobStore(db, retention=config.blob_retention_seconds)
     locks = locks_sqlite.SQLiteComputeLockStore(db)
-    # The embedded server is the only process serving its file: at start nothing is running.
-    await idempotency.abandon_all_in_progress()
-    secret = config.token_secret or await meta.sqlite_token_secret(db)
+    # The embedded server is the only process serving its file (`cv-server serve` holds
+    # `hold_serving_lock`): at start nothing is running.
+    try:
+        await idempotency.abandon_all_in_progress()
+        secret = config.token_secret or await meta.sqlite_token_secret(db)
+    except BaseException:
+        await db.close()
+        raise
     return Stores(
         oplog=oplog,
         queue=queue,

@@ -7,7 +7,9 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import math
 import signal
+import sqlite3
 import time
 from collections.abc import Coroutine
 from pathlib import Path
@@ -18,13 +20,20 @@ from aiohttp import web
 
 from cv_server.app import create_app
 from cv_server.auth import mint_token
-from cv_server.backends import open_sqlite_database
+from cv_server.backends import DatabaseUnusable, hold_serving_lock, open_sqlite_database
 from cv_server.config import ServerConfig
 from cv_server.meta import sqlite_token_secret
 
 __all__ = ["main"]
 
+log = logging.getLogger(__name__)
+
 DEFAULT_DB = Path("data/cv.db")
+
+#: What a bad database, a bad setting or a taken port raise at start-up: reported in one line
+#: and exit status 1 (a supervisor restarting on a traceback would only loop), with the
+#: traceback kept for --log-level DEBUG.
+_STARTUP_ERRORS = (DatabaseUnusable, sqlite3.Error, ValueError, OSError)
 
 
 def _add_backend_args(parser: argparse.ArgumentParser) -> None:
@@ -75,9 +84,15 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if not sep or kind is None:
             raise SystemExit(f"cv-server: --set {item!r}: settable: {', '.join(sorted(_SETTABLE))}")
         try:
-            overrides[name] = int(raw) if kind == "int" else float(raw)
+            value = int(raw) if kind == "int" else float(raw)
         except ValueError:
             raise SystemExit(f"cv-server: --set {item!r}: not a number") from None
+        # Every setting is a size, a count or a duration: `nan`, `inf` or a negative one would be
+        # accepted silently and break the server later (a negative drain deadline cancels
+        # in-flight commits before they are acknowledged; a nan lease never expires).
+        if not math.isfinite(value) or value < 0:
+            raise SystemExit(f"cv-server: --set {item!r}: must be a finite number >= 0")
+        overrides[name] = value
     return overrides
 
 
@@ -106,12 +121,38 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _serve(config: ServerConfig, host: str, port: int) -> None:
+    serving_lock = None
+    if not config.database_url and config.db_path is not None:
+        # One server per SQLite file: a second one would leave the first's cached sub-doc
+        # heads behind the disk (see `hold_serving_lock`). Held until the process exits.
+        try:
+            serving_lock = hold_serving_lock(config.db_path)
+        except DatabaseUnusable as exc:
+            raise SystemExit(f"cv-server: cannot start: {exc}") from None
+    try:
+        await _serve_app(config, host, port)
+    finally:
+        if serving_lock is not None:  # after the stores closed: every write is on disk
+            serving_lock.close()
+
+
+async def _serve_app(config: ServerConfig, host: str, port: int) -> None:
     app = create_app(config)
     # The drain deadline of seed 004 bounds how long in-flight requests may take to finish.
-    runner = web.AppRunner(app, shutdown_timeout=config.drain_seconds, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
+    # aiohttp spends `shutdown_timeout` twice on a handler that is still running: once waiting
+    # for it, then again after failing its body reads, before it cancels it. A handler that
+    # reads no body (an SSE request stream waiting for its outcome) thus held SIGTERM for twice
+    # the deadline (50 s: past a 30 s termination grace period, i.e. SIGKILL). Half each way
+    # keeps the total within the deadline; a commit in flight is shielded and still awaited.
+    runner = web.AppRunner(app, shutdown_timeout=config.drain_seconds / 2, access_log=None)
+    try:
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+    except _STARTUP_ERRORS as exc:
+        log.debug("start-up failed", exc_info=True)
+        await runner.cleanup()
+        raise SystemExit(f"cv-server: cannot start: {exc}") from None
     bound_port = runner.addresses[0][1]
     # Start-up objects (modules, routes, stores) never die: keep them out of every collection.
     # With 10,000 sockets open, full collections otherwise stall the loop for 0.1-1.5 s
@@ -169,7 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "token":
         database_url = args.database_url and _with_schema(args.database_url, args.schema)
-        print(asyncio.run(_token(args.db or DEFAULT_DB, database_url, args.workspace, args.ttl)))
+        try:
+            token = asyncio.run(
+                _token(args.db or DEFAULT_DB, database_url, args.workspace, args.ttl)
+            )
+        except _STARTUP_ERRORS as exc:
+            raise SystemExit(f"cv-server: cannot read the token secret: {exc}") from None
+        print(token)
         return 0
     return 2
 
