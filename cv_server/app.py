@@ -103,6 +103,7 @@ async def _on_shutdown(app: web.Application) -> None:
     """Stop accepting work and close every socket with 1001 (going away)."""
     app[STATE].shutting_down = True
     app[STATE].ready = False
+    app[WAITERS].release_all()  # request streams end now, not at their deadline
     connections = app[CONNECTIONS]
     closing = [conn.close(1001, b"server shutting down") for conn in list(connections)]
     tasks = [task for task in closing if task is not None]

@@ -24,6 +24,7 @@ class Waiters:
         self._events: dict[str, set[asyncio.Event]] = {}
         self._unlisten = store.add_listener(self._on_event)
         self._sweeper: asyncio.Task[None] | None = None
+        self._releasing = False
 
     def start(self) -> None:
         self._sweeper = asyncio.create_task(self._sweep_forever())
@@ -34,6 +35,16 @@ class Waiters:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
+        for events in self._events.values():
+            for event in events:
+                event.set()
+
+    def release_all(self) -> None:
+        """The server is shutting down: end every wait now, with the latest row. Called when the
+        shutdown begins, not at cleanup: a stream waiting for its outcome would otherwise hold
+        the drain until its own deadline and then be cut, instead of telling its client that the
+        wait ended (the work goes on; the row keeps the outcome)."""
+        self._releasing = True
         for events in self._events.values():
             for event in events:
                 event.set()
@@ -88,7 +99,7 @@ class Waiters:
             while True:
                 event.clear()  # clear before reading: a completion after the read sets it again
                 row = await self.store.get(workspace_id, request_id)
-                if row is None or row.is_finished:
+                if row is None or row.is_finished or self._releasing:
                     return row
                 remaining = deadline - loop.time()
                 if remaining <= 0:

@@ -189,7 +189,7 @@ def test_sigterm_with_a_request_stream_open_exits_within_the_drain_deadline(
     server = _Server(db, tmp_path / "server.log", "--set", f"drain_seconds={drain}")
     headers = {"Authorization": f"Bearer {token}"}
 
-    async def scenario() -> tuple[int, float]:
+    async def scenario() -> tuple[int, float, bytes]:
         async with aiohttp.ClientSession() as session:
             async with session.post(
                 f"{server.url}/v1/workspaces/acc/requests",
@@ -200,14 +200,25 @@ def test_sigterm_with_a_request_stream_open_exits_within_the_drain_deadline(
                 stream_url = (await resp.json())["stream_url"]
             async with session.get(f"{server.url}{stream_url}", headers=headers) as stream:
                 assert await stream.content.readline() == b"event: queued\n"
-                return await asyncio.to_thread(server.signal_and_wait, signal.SIGTERM)
+                await stream.content.readline()  # the queued event's data
+                await stream.content.readline()
+                stopping = asyncio.ensure_future(
+                    asyncio.to_thread(server.signal_and_wait, signal.SIGTERM)
+                )
+                # The stream is told that its wait ended (the work goes on), not cut.
+                rest = await asyncio.wait_for(stream.content.read(), drain + 3)
+                code, took = await stopping
+                return code, took, rest
 
     try:
-        code, took = asyncio.run(scenario())
+        code, took, rest = asyncio.run(scenario())
     finally:
         server.stop()
     assert code == 0
-    assert took < drain + 3, f"SIGTERM took {took:.1f} s with a {drain} s drain deadline"
+    assert took < drain, f"SIGTERM took {took:.1f} s with a {drain} s drain deadline"
+    assert rest.startswith(b"event: error\n"), rest
+    assert b'"TIMEOUT"' in rest, rest
+    assert b'"status":"pending"' in rest.replace(b" ", b""), rest
 
 
 def test_sigint_drains_like_sigterm_closing_sockets_with_1001(tmp_path: Path) -> None:
