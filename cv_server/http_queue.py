@@ -184,12 +184,18 @@ async def enqueue(request: web.Request) -> web.Response:
         workspace_id, key, fingerprint, lambda e: StoredResponse(202, _enqueue_answer(e))
     )
     try:
-        enqueued = await stores.queue.enqueue(req, now, rerun=rerun, idempotency=completion)
-    except BaseException as exc:
-        await stores.idempotency.abandon(workspace_id, key, time.time())
-        if isinstance(exc, QueueError):
-            raise _queue_problem(exc) from None
-        raise
+        try:
+            enqueued = await stores.queue.enqueue(req, now, rerun=rerun, idempotency=completion)
+        except BaseException as exc:
+            await stores.idempotency.abandon(workspace_id, key, time.time())
+            if isinstance(exc, QueueError):
+                raise _queue_problem(exc) from None
+            raise
+    finally:
+        # Only after the answer committed (or the key was abandoned): on PostgreSQL ownership is
+        # a held connection and its advisory lock, and a retry that finds the lock free while
+        # the key is still in progress takes it over as the key of a dead owner.
+        await begun.release()
     return web.json_response(_enqueue_answer(enqueued), status=202)
 
 

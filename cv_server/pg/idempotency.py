@@ -6,12 +6,30 @@ them gets a row back and owns the key. The others then read the row with a fresh
 let the pure `decide_begin` say how it was used. `complete_key` runs inside another store's
 transaction (the queue's enqueue), so the stored answer commits with its effect or not at all.
 
+"In progress" means "its owner's database session is alive". `begin` commits the in_progress row
+on its own, so a row alone cannot tell a running request from one whose instance died (that row
+would answer 409 for the whole 24 h retention), and other instances may be running theirs, so
+no start-up sweep can free them as SQLite does. Instead the owner takes a session-level advisory
+lock on `advisory_lock_key(schema, workspace, key)` *before* it writes the row, on a pooled
+connection it keeps until `finish`, `abandon` or `Owned.release`. PostgreSQL ends the session of
+a client that vanished, and with it the lock. A retry that finds the key in progress tries the
+lock: held, the owner is alive (409 as before); free, the owner is gone, and the retry takes the
+key over in place, holding the lock from then on. No timeout is involved (DESIGN §10 has none
+to give), and a 64-bit hash collision can only make a key look busy, never steal it.
+
+Owners hold pool connections, so at most `pool max size - 1` keys are owned at once per store:
+each owner needs one more connection for its enqueue, and a pool full of owners would wait on
+itself forever. A `begin` past that bound waits for an owner to finish.
+
 Tables come from `migrations/004_idempotency_keys.sql`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import math
+from dataclasses import dataclass
 from typing import Any, Final
 
 import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
@@ -20,6 +38,7 @@ from cv_server.queue.errors import IdempotencyKeyLost
 from cv_server.queue.idempotency import (
     BeginOutcome,
     IdempotencyStore,
+    InProgress,
     KeyRecord,
     Owned,
     StoredResponse,
@@ -27,7 +46,7 @@ from cv_server.queue.idempotency import (
     decide_begin,
 )
 
-__all__ = ["TABLE", "PostgresIdempotencyStore", "complete_key"]
+__all__ = ["TABLE", "PostgresIdempotencyStore", "advisory_lock_key", "complete_key"]
 
 TABLE: Final = "idempotency_keys"
 
@@ -49,6 +68,16 @@ ON CONFLICT (workspace_id, key) DO UPDATE SET
 WHERE k.expires_at <= $4
 RETURNING true
 """
+#: Take over a live key whose owner is gone. Conditional, so that of two takers (or a taker and
+#: an owner finishing just before it released its lock) only one acts on a row still in progress.
+_TAKE_OVER: Final = f"""
+UPDATE {TABLE} SET state = 'in_progress'
+WHERE workspace_id = $1 AND key = $2 AND fingerprint = $3 AND state = 'in_progress'
+  AND expires_at > $4
+RETURNING true
+"""
+_TRY_LOCK: Final = "SELECT pg_try_advisory_lock($1)"
+_UNLOCK: Final = "SELECT pg_advisory_unlock($1)"
 _READ: Final = (
     f"SELECT fingerprint, state, status_code, response_body, expires_at FROM {TABLE}"
     " WHERE workspace_id = $1 AND key = $2"
@@ -81,6 +110,27 @@ def _record(row: Any) -> KeyRecord:
     )
 
 
+def advisory_lock_key(schema: str, workspace_id: str, key: str) -> int:
+    """The signed 64-bit advisory lock an owner of `key` holds (what `pg_try_advisory_lock`
+    takes). Advisory locks are database-wide, so the schema is part of it: deployments (or
+    tests) in separate schemas of one database never share a key's lock."""
+    digest = hashlib.blake2b(b"cv-idempotency-key", digest_size=8)
+    for part in (schema, workspace_id, key):
+        data = part.encode("utf-8")
+        digest.update(f"{len(data)}:".encode("ascii"))  # length-prefixed: no part bleeds over
+        digest.update(data)
+    return int.from_bytes(digest.digest(), "big", signed=True)
+
+
+@dataclass(eq=False)
+class _Owner:
+    """An owned key's connection (holding the advisory lock), until released."""
+
+    conn: asyncpg.Connection
+    lock: int
+    released: bool = False
+
+
 def _deleted(status: str) -> int:
     """The row count of a `DELETE n` command tag."""
     return int(status.rsplit(" ", 1)[1])
@@ -106,42 +156,142 @@ async def complete_key(
 class PostgresIdempotencyStore(IdempotencyStore):
     """`IdempotencyStore` on a PostgreSQL pool whose schema has `004_idempotency_keys` applied.
 
-    `retention` is `ServerConfig.idempotency_retention_seconds` (24 h, DESIGN §10).
+    `retention` is `ServerConfig.idempotency_retention_seconds` (24 h, DESIGN §10). The pool
+    needs at least two connections: one for an owner's lock, one for its enqueue.
     """
 
     def __init__(self, pool: asyncpg.Pool, *, retention: float) -> None:
         if not (math.isfinite(retention) and retention > 0):
             raise ValueError(f"retention must be a positive finite number: {retention!r}")
+        max_size = pool.get_max_size()
+        if max_size < 2:
+            raise ValueError(f"the pool needs at least 2 connections, not {max_size}")
         self._pool = pool
         self._retention = retention
+        # See the module docstring: one connection is always left for the owners' effects.
+        self._slots = asyncio.Semaphore(max_size - 1)
+        self._owners: dict[tuple[str, str], _Owner] = {}
+        self._schema: str | None = None
 
     async def begin(
         self, workspace_id: str, key: str, fingerprint: str, now: float
     ) -> BeginOutcome:
-        async with self._pool.acquire() as conn:
-            for _ in range(_MAX_ROUNDS):
-                took = await conn.fetchval(
-                    _TAKE, workspace_id, key, fingerprint, now, now + self._retention
-                )
-                if took:
-                    return Owned()
+        await self._slots.acquire()
+        try:
+            conn = await self._pool.acquire()
+        except BaseException:
+            self._slots.release()
+            raise
+        try:
+            lock = await self._lock_key(conn, workspace_id, key)
+            outcome = await self._begin_on(conn, lock, workspace_id, key, fingerprint, now)
+        except BaseException:
+            await self._give_back(conn)
+            raise
+        if not isinstance(outcome, Owned):
+            await self._give_back(conn)
+            return outcome
+        owner = _Owner(conn, lock)
+        stale = self._owners.get((workspace_id, key))
+        self._owners[workspace_id, key] = owner
+        if stale is not None:
+            # An owner of ours whose session died (we hold its lock now): its connection is
+            # dead, give it back so the pool replaces it. The new owner is tracked first, so
+            # `close` still releases it should this fail.
+            await self._release(workspace_id, key, stale)
+
+        async def release() -> None:
+            await self._release(workspace_id, key, owner)
+
+        return Owned(release)
+
+    async def _begin_on(
+        self,
+        conn: asyncpg.Connection,
+        lock: int,
+        workspace_id: str,
+        key: str,
+        fingerprint: str,
+        now: float,
+    ) -> BeginOutcome:
+        for _ in range(_MAX_ROUNDS):
+            if not await conn.fetchval(_TRY_LOCK, lock):
+                # A live session owns the key, or is taking it right now.
                 row = await conn.fetchrow(_READ, workspace_id, key)
                 outcome = decide_begin(None if row is None else _record(row), fingerprint, now)
-                if not isinstance(outcome, Owned):
-                    return outcome
-                # Owned by the rule but not by us: the key was abandoned (or expired) between
-                # the two statements. Take it properly.
+                # Free by the row but locked: another request is between its lock and its
+                # insert (or its abandon and its unlock).
+                return InProgress() if isinstance(outcome, Owned) else outcome
+            # The lock is taken before the row is written: an in_progress row is never visible
+            # without its owner's lock held.
+            took = await conn.fetchval(
+                _TAKE, workspace_id, key, fingerprint, now, now + self._retention
+            )
+            if took:
+                return Owned()
+            # The row is live. Holding its lock, we know no live session owns it: if it is
+            # still in progress, its owner died, and we take it over in place.
+            if await conn.fetchval(_TAKE_OVER, workspace_id, key, fingerprint, now):
+                return Owned()
+            await conn.fetchval(_UNLOCK, lock)
+            row = await conn.fetchrow(_READ, workspace_id, key)
+            outcome = decide_begin(None if row is None else _record(row), fingerprint, now)
+            if not isinstance(outcome, Owned):
+                return outcome
+            # Owned by the rule but not by us: the key expired (or was swept) between the
+            # statements. Take it properly.
         raise RuntimeError(f"idempotency key {key!r} changed hands {_MAX_ROUNDS} times in a row")
+
+    async def _lock_key(self, conn: asyncpg.Connection, workspace_id: str, key: str) -> int:
+        if self._schema is None:
+            # The schema our unqualified table names resolve to (fixed for the pool's life).
+            self._schema = str(await conn.fetchval("SELECT current_schema()"))
+        return advisory_lock_key(self._schema, workspace_id, key)
+
+    async def _give_back(self, conn: asyncpg.Connection) -> None:
+        """Return a connection to the pool and its slot to the owners' bound. The pool resets a
+        returned connection (asyncpg runs `pg_advisory_unlock_all()`), and closes it if it broke,
+        so a lock can never outlive its owner's release."""
+        try:
+            await self._pool.release(conn)
+        finally:
+            self._slots.release()
+
+    async def _release(self, workspace_id: str, key: str, owner: _Owner) -> None:
+        if owner.released:
+            return
+        owner.released = True
+        if self._owners.get((workspace_id, key)) is owner:
+            del self._owners[workspace_id, key]
+        await self._give_back(owner.conn)
 
     async def finish(
         self, workspace_id: str, key: str, fingerprint: str, response: StoredResponse, now: float
     ) -> None:
-        async with self._pool.acquire() as conn:
-            await complete_key(conn, workspace_id, key, fingerprint, response)
+        owner = self._owners.get((workspace_id, key))
+        try:
+            if owner is not None:
+                # On the owner's own connection: it needs no second one from the pool.
+                await complete_key(owner.conn, workspace_id, key, fingerprint, response)
+            else:
+                async with self._pool.acquire() as conn:
+                    await complete_key(conn, workspace_id, key, fingerprint, response)
+        finally:
+            # After the answer committed: a retry then finds it completed, never a free lock on
+            # a key still in progress.
+            if owner is not None:
+                await self._release(workspace_id, key, owner)
 
     async def abandon(self, workspace_id: str, key: str, now: float) -> bool:
-        async with self._pool.acquire() as conn:
-            return _deleted(await conn.execute(_ABANDON, workspace_id, key)) == 1
+        owner = self._owners.get((workspace_id, key))
+        try:
+            if owner is not None:
+                return _deleted(await owner.conn.execute(_ABANDON, workspace_id, key)) == 1
+            async with self._pool.acquire() as conn:
+                return _deleted(await conn.execute(_ABANDON, workspace_id, key)) == 1
+        finally:
+            if owner is not None:
+                await self._release(workspace_id, key, owner)
 
     async def sweep(self, now: float, *, limit: int | None = None) -> int:
         check_sweep_limit(limit)
@@ -150,4 +300,7 @@ class PostgresIdempotencyStore(IdempotencyStore):
             return _deleted(await conn.execute(_SWEEP, now, limit))
 
     async def close(self) -> None:
-        """Nothing to do: the pool belongs to whoever opened it."""
+        """Release the keys still owned (their requests can no longer finish here): a retry
+        may take them over. The pool itself belongs to whoever opened it."""
+        for (workspace_id, key), owner in list(self._owners.items()):
+            await self._release(workspace_id, key, owner)

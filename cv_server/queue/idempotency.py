@@ -4,9 +4,10 @@ A client sends `Idempotency-Key: <opaque>` with a non-deterministic request (an 
 stage does not declare a deterministic id). The server:
 
 1. `begin(ws, key, fingerprint, now)` — the insert is the lock:
-   - `Owned`: first time (or the old row expired): do the work, then complete the key with the
-     response **in the same transaction as the effect** (`KeyCompletion`, or `finish` when the
-     effect is not a store write); on failure `abandon` the key so a genuine retry can proceed;
+   - `Owned`: first time (or the old row expired, or its owner died): do the work, then complete
+     the key with the response **in the same transaction as the effect** (`KeyCompletion`, or
+     `finish` when the effect is not a store write); on failure `abandon` the key so a genuine
+     retry can proceed; in every case `await owned.release()` when done (in a `finally`);
    - `Replay(status_code, body)`: answered before with the same request: send it verbatim with
      `Idempotency-Replayed: true`;
    - `InProgress`: the first request is still running: 409 with `Retry-After: 1`, run nothing;
@@ -22,8 +23,8 @@ from __future__ import annotations
 
 import abc
 import hashlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 __all__ = [
@@ -73,9 +74,24 @@ class StoredResponse:
     body: Any
 
 
+async def _nothing_to_release() -> None:
+    """The `release` of a backend whose ownership holds nothing beyond the row."""
+
+
 @dataclass(frozen=True, slots=True)
 class Owned:
-    """The caller owns the key: run the work, then complete or abandon the key."""
+    """The caller owns the key: run the work, then complete or abandon the key, then
+    `await release()` — in a `finally`, so every error path releases too.
+
+    `release` lets go of whatever the backend holds to prove the owner alive (on PostgreSQL a
+    pooled connection and its advisory lock, so a retry can tell a dead owner from a running
+    one). It is idempotent, and `finish`/`abandon` on the same store release as well. It is not
+    part of equality: `Owned() == begin(...)` reads as "the caller owns the key".
+    """
+
+    release: Callable[[], Awaitable[None]] = field(
+        default=_nothing_to_release, compare=False, repr=False
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,14 +168,20 @@ class IdempotencyStore(abc.ABC):
     Rules every implementation keeps:
     - `begin` is atomic: of concurrent `begin`s on a free key exactly one gets `Owned`;
     - a key is scoped to its workspace: nothing about workspace A's key is visible from B;
-    - a key lives `retention` seconds from the `begin` that created it.
+    - a key lives `retention` seconds from the `begin` that created it;
+    - a key whose owner died (its process, or on PostgreSQL its database session) does not stay
+      in progress: a retry takes it over (seed 004 §1: a crashed request must not turn honest
+      retries into 24 hours of 409), and of concurrent retries exactly one does.
     """
 
     @abc.abstractmethod
     async def begin(
         self, workspace_id: str, key: str, fingerprint: str, now: float
     ) -> BeginOutcome:
-        """Claim the key for a request with `fingerprint`, or say how it was used before."""
+        """Claim the key for a request with `fingerprint`, or say how it was used before.
+
+        An `Owned` answer must be released (`Owned.release`) once the work is done or abandoned.
+        """
 
     @abc.abstractmethod
     async def finish(
@@ -168,13 +190,15 @@ class IdempotencyStore(abc.ABC):
         """Store the response of an owned key (when its effect is not a write of a store that
         accepts a `KeyCompletion`; prefer that, so the answer commits with its effect).
 
-        Raises `IdempotencyKeyLost` if the key is not in progress under `fingerprint`.
+        Raises `IdempotencyKeyLost` if the key is not in progress under `fingerprint`. Releases
+        the key's ownership (as `Owned.release`) either way.
         """
 
     @abc.abstractmethod
     async def abandon(self, workspace_id: str, key: str, now: float) -> bool:
         """Release an owned key whose work failed, so a retry can run; True if a row was
-        deleted. A completed key is never abandoned (its effect happened)."""
+        deleted. A completed key is never abandoned (its effect happened). Releases the key's
+        ownership (as `Owned.release`)."""
 
     @abc.abstractmethod
     async def sweep(self, now: float, *, limit: int | None = None) -> int:
@@ -182,4 +206,6 @@ class IdempotencyStore(abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None:
-        """Release the store's own resources (a shared database is closed by its owner)."""
+        """Release the store's own resources (a shared database is closed by its owner), the
+        ownership of keys still owned included: they become free to a retry, as if their
+        owner had died."""

@@ -3,6 +3,11 @@
 `begin` reads the row and inserts in the same write job. That is not the check-then-act race the
 seed warns about: the job runs on the database's single writer thread inside `BEGIN IMMEDIATE`, so
 no other writer — thread or process — can act between the read and the insert.
+
+An owner here holds nothing but its row, so `Owned.release` is the default no-op: one process
+serves the file, so a dead owner means a dead server, and the restarted one frees every key still
+in progress before it serves (`abandon_all_in_progress`). PostgreSQL, where other instances keep
+running, needs the owner's session to prove it alive instead (`cv_server.pg.idempotency`).
 """
 
 from __future__ import annotations

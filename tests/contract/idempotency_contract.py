@@ -1,13 +1,15 @@
 """The idempotency-key contract (seed 004 §1), written once and run against every backend.
 
 A backend's test class subclasses `IdempotencyContract` and overrides the `store` fixture, built
-with `RETENTION` as its retention. Time is passed explicitly: expiry needs no clock.
+with `RETENTION` as its retention, and the `kill_owner` fixture: `await kill_owner(ws, key)` makes
+the owner of a key die for real, as a crash of its server would (no mock). Time is passed
+explicitly: expiry needs no clock.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
@@ -31,6 +33,8 @@ FP = request_fingerprint("POST", "/v1/workspaces/tenant-a/requests", b'{"stage":
 OTHER_FP = request_fingerprint("POST", "/v1/workspaces/tenant-a/requests", b'{"stage":"other"}')
 CONCURRENT = 40
 
+KillOwner = Callable[[str, str], Awaitable[None]]
+
 
 class IdempotencyContract:
     """Every `IdempotencyStore` keeps these rules."""
@@ -39,6 +43,10 @@ class IdempotencyContract:
     async def store(self) -> AsyncIterator[IdempotencyStore]:
         raise NotImplementedError("a backend's test class provides the store")
         yield  # noqa: PT022 - an async generator, like the overrides
+
+    @pytest.fixture
+    def kill_owner(self, store: IdempotencyStore) -> KillOwner:
+        raise NotImplementedError("a backend's test class says how an owner dies")
 
     async def test_the_first_request_owns_a_new_key(self, store: IdempotencyStore) -> None:
         assert await store.begin(WS, KEY, FP, 1.0) == Owned()
@@ -119,7 +127,9 @@ class IdempotencyContract:
 
     async def test_the_sweep_deletes_expired_keys_only(self, store: IdempotencyStore) -> None:
         for i in range(5):
-            await store.begin(WS, f"old-{i}", FP, 0.0)
+            old = await store.begin(WS, f"old-{i}", FP, 0.0)
+            assert isinstance(old, Owned)
+            await old.release()  # their owners are long gone by the time they expire
         await store.begin(WS, "young", FP, 100.0)
         assert await store.sweep(RETENTION, limit=2) == 2
         assert await store.sweep(RETENTION) == 3
@@ -127,3 +137,70 @@ class IdempotencyContract:
         assert await store.begin(WS, "young", FP, RETENTION) == InProgress()
         with pytest.raises(ValueError, match="limit"):
             await store.sweep(RETENTION, limit=-1)
+
+    # -- owners that die (seed 004 §1: a crashed request must not leave 24 h of 409) -----------
+
+    async def test_a_key_whose_owner_died_is_taken_over_by_exactly_one_of_many_retries(
+        self, store: IdempotencyStore, kill_owner: KillOwner
+    ) -> None:
+        assert await store.begin(WS, KEY, FP, 1.0) == Owned()
+        await kill_owner(WS, KEY)
+        outcomes = await asyncio.gather(*(store.begin(WS, KEY, FP, 2.0) for _ in range(CONCURRENT)))
+        assert outcomes.count(Owned()) == 1
+        assert outcomes.count(InProgress()) == CONCURRENT - 1
+        # The taker owns the key for real: it completes it, and retries replay its answer.
+        await store.finish(WS, KEY, FP, StoredResponse(202, {"taken": "over"}), 3.0)
+        assert await store.begin(WS, KEY, FP, 4.0) == Replay(202, {"taken": "over"})
+
+    async def test_a_key_whose_owner_is_alive_still_answers_in_progress(
+        self, store: IdempotencyStore
+    ) -> None:
+        owned = await store.begin(WS, KEY, FP, 1.0)
+        outcomes = await asyncio.gather(*(store.begin(WS, KEY, FP, 2.0) for _ in range(CONCURRENT)))
+        assert outcomes == [InProgress()] * CONCURRENT
+        assert isinstance(owned, Owned)
+        await store.finish(WS, KEY, FP, StoredResponse(202, {"ok": 1}), 3.0)
+        assert await store.begin(WS, KEY, FP, 4.0) == Replay(202, {"ok": 1})
+
+    async def test_a_finished_key_is_released_and_never_taken_over(
+        self, store: IdempotencyStore
+    ) -> None:
+        owned = await store.begin(WS, KEY, FP, 1.0)
+        await store.finish(WS, KEY, FP, StoredResponse(202, {"ok": 1}), 2.0)
+        outcomes = await asyncio.gather(*(store.begin(WS, KEY, FP, 3.0) for _ in range(CONCURRENT)))
+        assert outcomes == [Replay(202, {"ok": 1})] * CONCURRENT
+        assert isinstance(owned, Owned)
+        await owned.release()  # idempotent after finish
+        assert await store.begin(WS, KEY, FP, 4.0) == Replay(202, {"ok": 1})
+
+    async def test_an_abandoned_key_is_released_to_exactly_one_retry(
+        self, store: IdempotencyStore
+    ) -> None:
+        owned = await store.begin(WS, KEY, FP, 1.0)
+        assert await store.abandon(WS, KEY, 2.0)
+        assert isinstance(owned, Owned)
+        await owned.release()
+        outcomes = await asyncio.gather(*(store.begin(WS, KEY, FP, 3.0) for _ in range(CONCURRENT)))
+        assert outcomes.count(Owned()) == 1
+        assert outcomes.count(InProgress()) == CONCURRENT - 1
+
+    async def test_owning_and_releasing_many_keys_in_turn_holds_nothing_back(
+        self, store: IdempotencyStore
+    ) -> None:
+        """Every way out of ownership gives back what `begin` took (on PostgreSQL a pooled
+        connection: a leak would exhaust the test pool long before the end)."""
+
+        async def run() -> None:
+            for i in range(30):
+                owned = await store.begin(WS, f"key-{i}", FP, 1.0)
+                assert isinstance(owned, Owned)
+                if i % 3 == 0:
+                    await store.finish(WS, f"key-{i}", FP, StoredResponse(202, {"i": i}), 2.0)
+                elif i % 3 == 1:
+                    assert await store.abandon(WS, f"key-{i}", 2.0)
+                else:  # the route's `finally` may run before an abandon of a failed effect
+                    await owned.release()
+                    assert await store.abandon(WS, f"key-{i}", 2.0)
+                await owned.release()
+
+        await asyncio.wait_for(run(), timeout=30)

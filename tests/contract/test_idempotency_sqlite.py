@@ -10,7 +10,7 @@ import pytest
 from cv_server.queue import IdempotencyStore
 from cv_server.queue.idempotency_sqlite import SQLiteIdempotencyStore, create_schema
 from cv_server.sqlite_db import SQLiteDatabase
-from tests.contract.idempotency_contract import RETENTION, IdempotencyContract
+from tests.contract.idempotency_contract import RETENTION, IdempotencyContract, KillOwner
 
 
 class TestSQLiteIdempotencyStore(IdempotencyContract):
@@ -21,6 +21,18 @@ class TestSQLiteIdempotencyStore(IdempotencyContract):
         yield store
         await store.close()
         await db.close()
+
+    @pytest.fixture
+    def kill_owner(self, store: IdempotencyStore) -> KillOwner:
+        """One process serves the file: an owner dies with its server, and the restarted server
+        frees every key still in progress before it serves (what `open_stores` runs)."""
+        assert isinstance(store, SQLiteIdempotencyStore)
+        sqlite_store = store
+
+        async def kill(workspace_id: str, key: str) -> None:
+            await sqlite_store.abandon_all_in_progress()
+
+        return kill
 
 
 def test_a_retention_that_is_not_positive_is_refused() -> None:

@@ -361,17 +361,8 @@ async def test_a_reused_key_is_refused_with_the_same_code_whatever_the_first_out
 async def test_a_key_whose_first_request_died_with_its_server_is_free_after_a_restart(
     aiohttp_client: ClientFactory,
     make_server_config: Callable[..., ServerConfig],
-    request: pytest.FixtureRequest,
 ) -> None:
     """Seed 004 §1: a crashed request must not leave `in_progress` behind (24 h of 409)."""
-    if request.node.callspec.params["make_server_config"] == "postgres":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="PostgreSQL keeps a dead instance's in_progress key for the whole 24 h "
-                "retention: `begin` commits on its own, nothing ever abandons it",
-            )
-        )
     raw = b'{"stage": "scrape", "input": {"url": "x"}}'
     path = "/v1/workspaces/ws1/requests"
     first = await aiohttp_client(create_app(make_server_config()))
