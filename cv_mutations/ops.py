@@ -11,6 +11,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     AfterValidator,
+    BeforeValidator,
     ConfigDict,
     Field,
     JsonValue,
@@ -47,6 +48,19 @@ def _is_json_text(value: dict[str, JsonValue]) -> dict[str, JsonValue]:
     return value
 
 
+def _integral_float_as_int(value: object) -> object:
+    # JSON Schema's "integer" is any number with a zero fraction, so the exported schemas accept
+    # `"index": 1.0` (what a client's double, or Python's json.dumps(1.0), puts on the wire).
+    # Strict mode refused it: the schema and parse_op disagreed. Only floats that *are*
+    # integers pass; `true`, "1" and 1.5 are still refused.
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+#: A position among a parent's children.
+Index = Annotated[int, Field(ge=0), BeforeValidator(_integral_float_as_int)]
+
 #: Node fields as an op carries them: values that always serialize as JSON text.
 Fields = Annotated[dict[FieldName, JsonValue], AfterValidator(_is_json_text)]
 
@@ -69,7 +83,7 @@ class NodeInsert(_OpModel):
     type: Literal["node.insert"] = "node.insert"
     node_id: NodeId
     parent_id: NodeId
-    index: Annotated[int, Field(ge=0)] | None = None
+    index: Index | None = None
     fields: Fields = Field(default_factory=dict)
 
 
@@ -83,7 +97,7 @@ class NodeMove(_OpModel):
     type: Literal["node.move"] = "node.move"
     node_id: NodeId
     parent_id: NodeId
-    index: Annotated[int, Field(ge=0)]
+    index: Index
 
 
 class NodeDelete(_OpModel):

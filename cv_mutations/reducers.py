@@ -14,7 +14,7 @@ from typing import Final
 from pydantic import JsonValue
 
 from cv_mutations.ops import NodeDelete, NodeIncrement, NodeInsert, NodeMove, NodeUpdate, Op
-from cv_mutations.state import ROOT, Node, SubDocState
+from cv_mutations.state import ROOT, Node, SubDocState, _copy_json
 
 __all__ = ["REJECTION_CODES", "OpRejected", "Undo", "apply_op"]
 
@@ -61,7 +61,9 @@ def _insert(state: SubDocState, op: NodeInsert) -> Undo:
     index = len(siblings) if op.index is None else op.index
     if index > len(siblings):
         raise OpRejected("index_out_of_range", f"index {index} > {len(siblings)} children")
-    nodes[op.node_id] = Node(parent=op.parent_id, children=[], fields=dict(op.fields))
+    # A deep copy: pydantic keeps the caller's nested lists and dicts inside a (frozen) op, so a
+    # shallow copy let a caller who edits them after the apply edit the state too.
+    nodes[op.node_id] = Node(parent=op.parent_id, children=[], fields=_copy_json(op.fields))
     siblings.insert(index, op.node_id)
 
     def undo() -> None:
@@ -132,7 +134,8 @@ _MISSING: Final = object()
 def _update(state: SubDocState, op: NodeUpdate) -> Undo:
     fields = _node(state, op.node_id).fields
     before = {key: fields.get(key, _MISSING) for key in (*op.set, *op.unset)}
-    fields.update(op.set)
+    # Deep copies, for the same reason as in `_insert`.
+    fields.update({key: _copy_json(value) for key, value in op.set.items()})
     for key in op.unset:
         fields.pop(key, None)
 

@@ -21,6 +21,15 @@ class InvalidState(ValueError):
     """A serialized state that breaks the tree invariants."""
 
 
+def _copy_json(value: Any) -> Any:
+    """A deep copy of a JSON value (dicts and lists rebuilt; scalars are immutable)."""
+    if isinstance(value, dict):
+        return {key: _copy_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_copy_json(item) for item in value]
+    return value
+
+
 @dataclass(slots=True)
 class Node:
     parent: str | None
@@ -50,7 +59,11 @@ class SubDocState:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SubDocState):
             return NotImplemented
-        return self.nodes == other.nodes
+        # Not `self.nodes == other.nodes`: Python's `==` holds `True == 1 == 1.0` and
+        # `0.0 == -0.0`, so a cache that drifted to another JSON type (or sign of zero) than the
+        # log's replay compared equal while its `dumps()` (the snapshot bytes) differed. Equal
+        # states must give equal bytes (see `dumps`), so the bytes are what is compared.
+        return self.dumps() == other.dumps()
 
     __hash__ = None  # type: ignore[assignment]  # mutable
 
@@ -89,7 +102,10 @@ class SubDocState:
                 raise InvalidState(f"node {node_id!r}: children must be a list of ids")
             if not isinstance(fields, dict):
                 raise InvalidState(f"node {node_id!r}: fields must be an object")
-            nodes[node_id] = Node(parent=parent, children=list(children), fields=dict(fields))
+            # Deep copy: a state must share no mutable value with its input (as `to_json` shares
+            # none with its output), or a caller reusing `data` would edit the state behind the
+            # log's back.
+            nodes[node_id] = Node(parent=parent, children=list(children), fields=_copy_json(fields))
         state = cls(nodes)
         state.check()
         return state

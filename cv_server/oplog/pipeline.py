@@ -192,6 +192,14 @@ def plan_commit(
                 if op_id is not None:
                     rejections.append(NewRejection(op_id, fingerprint, exc.code, exc.message))
                     known[op_id] = (fingerprint, outcome, True)
+            except BaseException:
+                # Anything but a rejection (a reducer bug, MemoryError) leaves the caller without
+                # a plan to revert, while the state already holds this batch's earlier ops: the
+                # SQLite store registers its undo only once a plan is returned, so its cache
+                # would run ahead of the log. Take them back out before the error propagates.
+                while undos:
+                    undos.pop()()
+                raise
             else:
                 undos.append(undo)
                 clock += 1
