@@ -286,9 +286,12 @@ async def compute_once(
                     value = await check()
                     if value is not None:
                         return ComputeResult("present", value)
-                    continue
+                # Poll once its time has come, whether or not the sub-doc changed meanwhile: on a
+                # busy sub-doc (other cells, other jobs) some op lands before every poll time, and
+                # a `continue` here would never poll — a dead holder's lapsed lock would then be
+                # taken over only by the stage's re-drive after the wait, not after one TTL.
                 if loop.time() < next_poll:
-                    continue  # the deadline, seen at the top
+                    continue  # a change, or the deadline (seen at the top)
                 if lease is not None:
                     lease()
                 polls += 1
@@ -313,6 +316,7 @@ async def _holding(
     now: Callable[[], float],
 ) -> ComputeResult[T]:
     """Steps 3 to 5, with the lock held."""
+    release = True
     try:
         # 3. Double-check: a write may have landed between our pre-flight and our acquisition
         #    (its holder released just before we asked).
@@ -332,10 +336,20 @@ async def _holding(
             raise LockExpiringError(
                 f"lock {job_id}/{task} was granted too close to its expiry to compute under it"
             )
+        bound = asyncio.timeout(budget)
         try:
-            async with asyncio.timeout(budget):
+            async with bound:
                 computed = await compute()
         except TimeoutError:
+            if not bound.expired():
+                # The compute's own timeout (a provider read, a write): its failure, not the
+                # lock's — reported as it is, so nobody chases an outrun lock that was not.
+                raise
+            # The cancelled compute may have sent its write already (a cancelled `apply_op` is
+            # not unsent, DESIGN §6): releasing now would let a waiter double-check before that
+            # write lands and pay for the same call again. So the key is handed back only once
+            # the client has nothing pending; otherwise it lapses at its TTL (the margin away).
+            release = await _writes_landed(client, lock.expires_at - now())
             raise LockExpiringError(
                 f"compute of {job_id}/{task} outran its lock budget ({budget:.1f} s); "
                 "cancelled before the lock could lapse"
@@ -344,8 +358,19 @@ async def _holding(
     finally:
         # 5. Release — only the lock our acquisition took: the token fences out a lapsed lock
         #    that someone else has taken over since.
-        if lock.token is not None:
+        if release and lock.token is not None:
             await _release_quietly(client, workspace_id, job_id, task, lock.token)
+
+
+async def _writes_landed(client: WorkspaceClient, seconds: float) -> bool:
+    """Whether every op the client sent was answered within `seconds` (none pending)."""
+    if seconds <= 0:
+        return False
+    try:
+        await client.wait_synced(timeout=seconds)
+    except TimeoutError:
+        return False
+    return True
 
 
 async def _release_quietly(
