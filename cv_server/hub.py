@@ -3,8 +3,9 @@
 
 Every connection has one writer task draining a bounded queue of frames, so a slow subscriber only
 ever slows itself: when its queue passes `subscriber_queue_limit` it is closed with 4008 and
-resumes by catch-up when it reconnects. Each committed op is encoded once, whatever the number of
-subscribers.
+resumes by catch-up when it reconnects. Catch-up itself never fills that queue: it reads the next
+page of the log only once the queue is back to half the limit. Each committed op is encoded once,
+whatever the number of subscribers.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class Connection:
         self.batch_bytes = batch_bytes
         self._queue: deque[str] = deque()
         self._ready = asyncio.Event()
+        # Set when the queue is at or below half the limit: catch-up waits on it (`room`).
+        self._room = asyncio.Event()
+        self._room.set()
         self._closing = False
         self._writer = asyncio.create_task(self._drain())
         self.subscriptions: dict[str, Subscription] = {}
@@ -86,6 +90,7 @@ class Connection:
             return None
         self._closing = True
         self._queue.clear()
+        self._room.set()
         for subscription in list(self.subscriptions.values()):
             subscription.stop()
         self._writer.cancel()
@@ -98,24 +103,56 @@ class Connection:
     def closing(self) -> bool:
         return self._closing
 
+    @property
+    def catch_up_page(self) -> int:
+        """Most frames one catch-up read may add: what fits on top of a half-full queue."""
+        return max(1, self.limit - self.limit // 2)
+
+    async def room(self) -> None:
+        """Wait until the queue is at most half full (or the connection is closing).
+
+        Catch-up awaits this before each log read: the log is its buffer, so it sends no faster
+        than the peer reads. Pushing pages regardless filled the queue past the limit whenever
+        the peer read slower than the disk, and a healthy subscriber resuming from far behind was
+        closed with 4008 at every reconnect.
+        """
+        while not self._closing and len(self._queue) > self.limit // 2:
+            self._room.clear()
+            await self._room.wait()
+
     async def _drain(self) -> None:
         try:
             while True:
                 await self._ready.wait()
                 self._ready.clear()
                 queue = self._queue
+                half = self.limit // 2
                 while queue:
                     if len(queue) == 1 or not self.batch_bytes:
                         await self.ws.send_str(queue.popleft())
-                        continue
-                    batch = [queue.popleft()]
-                    size = len(batch[0])
-                    while queue and size + len(queue[0]) + 1 < self.batch_bytes:
-                        size += len(queue[0]) + 1
-                        batch.append(queue.popleft())
-                    await self.ws.send_str(batch[0] if len(batch) == 1 else f"[{','.join(batch)}]")
+                    else:
+                        await self.ws.send_str(self._pack(queue))
+                    if len(queue) <= half:
+                        self._room.set()
         except (ConnectionResetError, RuntimeError):  # peer gone; the reader side cleans up
             self._closing = True
+            self._room.set()
+
+    def _pack(self, queue: deque[str]) -> str:
+        """Pop the frames that fit in one message of at most `batch_bytes` UTF-8 bytes, the
+        array's brackets and commas included (the receiver's limit is in bytes, not characters:
+        counting characters let non-ASCII ops pass the cap several times over). A frame bigger
+        than the cap alone still goes, alone and unwrapped: it cannot be split."""
+        first = queue.popleft()
+        batch = [first]
+        size = _utf8_len(first) + 2  # "[" and "]"
+        while queue:
+            extra = _utf8_len(queue[0]) + 1  # the frame and its comma
+            if size + extra > self.batch_bytes:
+                break
+            size += extra
+            batch.append(queue.popleft())
+        return first if len(batch) == 1 else f"[{','.join(batch)}]"
 
     async def aclose(self) -> None:
         for subscription in list(self.subscriptions.values()):
@@ -123,6 +160,10 @@ class Connection:
         self._writer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._writer
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode())
 
 
 _background: set[asyncio.Task[Any]] = set()
@@ -209,10 +250,12 @@ class Subscription:
         try:
             while True:
                 while True:
+                    await self.conn.room()  # paced by the peer: see `Connection.room`
+                    page = min(self.page, self.conn.catch_up_page)
                     # Cleared before the read is sent: a reconnect during it sets it again.
                     self._reread = False
                     head, entries = await store.read_since(
-                        self.workspace_id, self.sub_doc, self.cursor.last, self.page
+                        self.workspace_id, self.sub_doc, self.cursor.last, page
                     )
                     if not synced and self.cursor.last > head:
                         # A `since` past the head named clocks that do not exist yet: answered
@@ -225,8 +268,9 @@ class Subscription:
                     for frame in self.cursor.from_log(frames):
                         if not self.conn.send(frame.text):
                             return
-                    if len(entries) < self.page:
+                    if len(entries) < page:
                         break
+                await self.conn.room()  # what arrived meanwhile is flushed at once
                 out, live = self.cursor.go_live()
                 for frame in out:
                     if not self.conn.send(frame.text):

@@ -52,7 +52,10 @@ class Log(OpLogStore):
 
 
 class Socket:
-    """Records what a subscription sends."""
+    """Records what a subscription sends. It reads at once, so catch-up never waits for room."""
+
+    #: Frames one catch-up read may add (no smaller than any page these tests read).
+    catch_up_page = 1_000_000
 
     def __init__(self) -> None:
         self.clocks: list[int] = []
@@ -71,6 +74,9 @@ class Socket:
 
     def too_slow(self) -> None:
         raise AssertionError("not expected here")
+
+    async def room(self) -> None:
+        return None
 
     def close(self, code: int, message: bytes = b"") -> None:
         raise AssertionError(f"closed with {code}: {message!r}")
