@@ -22,6 +22,7 @@ import asyncio
 import importlib
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -60,6 +61,15 @@ def _need_url(args: argparse.Namespace) -> str:
     if not args.url:
         raise UsageError("--url (or $CV_URL) is required")
     return str(args.url)
+
+
+def _need_seconds(name: str, value: float, *, positive: bool = False) -> None:
+    """A duration argument must be a finite number of seconds: `inf` overflows aiohttp's timers
+    (a traceback), `nan` and negative values silently act as zero (the drain cancels at once, a
+    wait ends before it began) — all usage errors, refused before anything is sent."""
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise UsageError(f"{name} must be a finite number of seconds {bound}, not {value!r}")
 
 
 def _print(data: Any) -> None:
@@ -158,10 +168,19 @@ def worker_main(argv: list[str] | None = None) -> int:
     """`cv-worker`: run until SIGTERM/SIGINT, drain, exit 0 (1 if the drain deadline cancelled
     stages, or the server refused the token)."""
     args = _worker_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
     try:
+        # Validated here, not left to `logging`/`WorkerConfig`: their ValueError would escape
+        # as a traceback with exit 1 instead of a usage error (exit 2).
+        try:
+            logging.basicConfig(
+                level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
+            )
+        except ValueError:
+            raise UsageError(f"--log-level {args.log_level!r} is not a logging level") from None
         if args.concurrency < 1:
             raise UsageError("--concurrency must be >= 1")
+        _need_seconds("--heartbeat-seconds", args.heartbeat_seconds, positive=True)
+        _need_seconds("--drain-seconds", args.drain_seconds)
         stages = load_stages(args.stages)
         return asyncio.run(_run_worker(args, stages))
     except UsageError as exc:
@@ -230,6 +249,8 @@ def _outcome_exit(outcome: RequestOutcome) -> int:
 
 
 async def _enqueue(client: QueueClient, args: argparse.Namespace, *, rerun: bool) -> int:
+    if args.wait:
+        _need_seconds("--timeout", args.timeout)
     try:
         payload = None if args.input is None else json.loads(args.input)
     except ValueError as exc:
@@ -269,6 +290,7 @@ async def _workspace(args: argparse.Namespace) -> int:
         elif args.verb == "replay":
             _print((await client.replay_request(args.workspace, args.request_id)).raw)
         elif args.verb == "wait":
+            _need_seconds("--timeout", args.timeout)
             outcome = await client.wait_request(
                 args.workspace, args.request_id, timeout=args.timeout
             )

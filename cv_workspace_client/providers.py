@@ -59,6 +59,8 @@ DEFAULT_PROVIDER_TIMEOUT_SECONDS = 60.0
 #: How much of an error body is kept in an exception message.
 _BODY_EXCERPT = 500
 
+_REDACTED = "[redacted]"
+
 
 @dataclass(frozen=True, slots=True)
 class ProviderResult:
@@ -234,7 +236,13 @@ class OpenAICompatibleProvider:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         uniform: Callable[[], float] = random.random,
         clock: Callable[[], float] = time.time,
+        max_response_bytes: int | None = None,
     ) -> None:
+        # `max_response_bytes`: the largest body (answer or error page, counted decompressed)
+        # read from the provider; None reads it whole. No default cap: DESIGN §10 gives no such
+        # limit, so a deployment facing an untrusted endpoint sets one.
+        if max_response_bytes is not None and max_response_bytes < 1:
+            raise ValueError(f"max_response_bytes must be >= 1: {max_response_bytes!r}")
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
         self.retry = retry if retry is not None else ProviderRetry()
@@ -245,6 +253,7 @@ class OpenAICompatibleProvider:
         self._sleep = sleep
         self._uniform = uniform
         self._clock = clock
+        self._max_response_bytes = max_response_bytes
 
     async def complete(
         self, prompt: str, *, model: str | None = None, **params: Any
@@ -272,10 +281,17 @@ class OpenAICompatibleProvider:
                     return await self._post(body)
         except (RetryableStatus, aiohttp.ClientError, TimeoutError) as exc:
             if not is_retryable(exc):  # e.g. an invalid URL: the same on every attempt
-                raise ProviderError(f"provider request failed: {exc!r}") from exc
+                # Not `{exc!r}`: a ClientResponseError's repr (TooManyRedirects on a redirect
+                # loop) carries its request's headers, the Authorization header included.
+                raise ProviderError(
+                    self._redact(f"provider request failed: {type(exc).__name__}: {exc}")
+                ) from exc
             status = exc.status if isinstance(exc, RetryableStatus) else None
             raise ProviderUnavailable(
-                f"provider still failing after {self.retry.attempts} attempts: {exc}",
+                self._redact(
+                    f"provider still failing after {self.retry.attempts} attempts: "
+                    f"{type(exc).__name__}: {exc}"
+                ),
                 status=status,
                 attempts=self.retry.attempts,
             ) from exc
@@ -303,6 +319,24 @@ class OpenAICompatibleProvider:
         retry_after = exc.retry_after if isinstance(exc, RetryableStatus) else None
         return retry_delay(self.retry, state.attempt_number, self._uniform(), retry_after)
 
+    def _redact(self, text: str) -> str:
+        """`text` without the API key: error messages end up in logs and in the queue's stored
+        error payloads, and a provider may echo the key it refused ("invalid key sk-...")."""
+        if self._api_key:
+            text = text.replace(self._api_key, _REDACTED)
+        return text
+
+    async def _error_body(self, resp: aiohttp.ClientResponse) -> str:
+        """An error answer's body, bounded and decoded leniently: a non-UTF-8 or endless 5xx
+        page must still become a typed `ProviderError`, not a `UnicodeDecodeError` (which is not
+        retryable and escapes the provider's error types) or a memory spike."""
+        raw = await _read_capped(resp, self._max_response_bytes)
+        try:
+            text = raw.decode(resp.charset or "utf-8", errors="replace")
+        except LookupError:  # a charset Python does not know
+            text = raw.decode("utf-8", errors="replace")
+        return self._redact(text)
+
     def _headers(self) -> dict[str, str]:
         headers = {"Accept": "application/json"}
         if self._api_key:
@@ -317,23 +351,49 @@ class OpenAICompatibleProvider:
         ) as resp:
             if resp.status == 429 or resp.status >= 500:
                 retry_after = parse_retry_after(resp.headers.get("Retry-After"), self._clock())
-                raise RetryableStatus(resp.status, retry_after, await resp.text())
+                raise RetryableStatus(resp.status, retry_after, await self._error_body(resp))
             if resp.status >= 400:
-                text = await resp.text()
+                text = await self._error_body(resp)
                 raise ProviderRejected(
                     f"provider refused the request ({resp.status}): {text[:_BODY_EXCERPT]}",
                     status=resp.status,
                     body=text,
                 )
-            raw = await resp.read()
-        return _parse_completion(raw, resp.status)
+            raw = await _read_capped(resp, self._max_response_bytes)
+            if self._max_response_bytes is not None and len(raw) > self._max_response_bytes:
+                raise ProviderResponseInvalid(
+                    f"provider answer larger than {self._max_response_bytes} bytes",
+                    status=resp.status,
+                )
+        try:
+            return _parse_completion(raw, resp.status)
+        except ProviderResponseInvalid as exc:  # its excerpt of the body may echo the key
+            redacted = ProviderResponseInvalid(self._redact(exc.message), status=exc.status)
+            raise redacted from exc.__cause__
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, limit: int | None) -> bytes:
+    """At most `limit + 1` bytes of the (decompressed) body: more than `limit` means too large,
+    and the rest is never read (the connection is dropped, not drained). None: the whole body."""
+    if limit is None:
+        return await resp.read()
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_chunked(64 * 1024):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            break
+    return b"".join(chunks)[: limit + 1]
 
 
 def _parse_completion(raw: bytes, status: int) -> ProviderResult:
     try:
         data = json.loads(raw)
         content = data["choices"][0]["message"]["content"]
-    except (ValueError, KeyError, IndexError, TypeError) as exc:
+    # RecursionError: `json.loads` of deeply nested brackets ("[[[[…") exceeds the C decoder's
+    # recursion limit; it is as malformed as any other non-completion.
+    except (ValueError, KeyError, IndexError, TypeError, RecursionError) as exc:
         raise ProviderResponseInvalid(
             f"not a chat completion: {raw[:_BODY_EXCERPT]!r}", status=status
         ) from exc
