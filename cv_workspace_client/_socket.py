@@ -124,7 +124,7 @@ class WorkspaceSocket:
             f'"ops":{send.ops_json()},"atomic":{atomic}}}'
         )
         frames.put_nowait(frame)
-        self._frame_sizes[send.batch_id] = len(frame)
+        self._frame_sizes[send.batch_id] = _utf8_len(frame)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.owner.config.request_timeout_seconds
         self._in_flight[send.batch_id] = deadline
@@ -351,19 +351,30 @@ async def _write(
             if frames.empty():
                 await ws.send_str(first)
                 continue
-            batch, size = [first], len(first)
+            # `size` is the packed message's length in UTF-8 bytes: the server's frame limit
+            # (aiohttp `max_msg_size`) counts bytes, and an op's text may be non-ASCII. Counting
+            # characters packed two valid 600 KB CJK batches into one 1.2 MB message; the server
+            # closed the socket (1009) and the larger op was failed as `body_too_large` though it
+            # fits alone. `[`, `]` and one comma per extra frame are counted too.
+            batch, size = [first], _utf8_len(first) + 2
             while not frames.empty():
                 frame = frames.get_nowait()
-                if size + len(frame) + 1 >= max_bytes:
+                frame_size = _utf8_len(frame)
+                if size + frame_size + 1 > max_bytes:
                     await ws.send_str(_pack(batch))
-                    batch, size = [], 0
+                    batch, size = [], 2
                 batch.append(frame)
-                size += len(frame) + 1
+                size += frame_size + (1 if len(batch) > 1 else 0)
             await ws.send_str(_pack(batch))
     except (ConnectionError, aiohttp.ClientError, RuntimeError):
         # The reader sees the close and reports every in-flight batch as failed.
         with contextlib.suppress(Exception):
             await ws.close()
+
+
+def _utf8_len(text: str) -> int:
+    """Bytes of `text` once encoded (`isascii` is O(1): no encoding on the common path)."""
+    return len(text) if text.isascii() else len(text.encode())
 
 
 def _pack(frames: list[str]) -> str:
