@@ -234,6 +234,20 @@ class OutboxMachine:
         return self._pending
 
     @property
+    def last_seq(self) -> int:
+        """The seq of the latest op submitted or restored (0 before any)."""
+        return self._next_seq - 1
+
+    def oldest_pending_seq(self) -> int | None:
+        """The lowest seq still unanswered (None when nothing is pending). O(sub-docs): each
+        lane's queue is in seq order, so its head is its oldest."""
+        if not self._pending:
+            return None
+        heads = [lane.queue[0].row.seq for lane in self._lanes.values() if lane.queue]
+        heads.extend(self._unpersisted)
+        return min(heads, default=None)
+
+    @property
     def in_flight_count(self) -> int:
         return len(self._batches)
 

@@ -124,8 +124,8 @@ class WorkspaceClient(QueueMethods):
         self._pump_handle: asyncio.Handle | None = None
         self._pumping = False
         self._holds = 0
-        self._synced = asyncio.Event()
-        self._synced.set()
+        #: `wait_synced` calls: (the last seq submitted when it was called, its future).
+        self._sync_waiters: list[tuple[int, asyncio.Future[None]]] = []
 
     # -- lifetime ----------------------------------------------------------------------------------
 
@@ -197,7 +197,7 @@ class WorkspaceClient(QueueMethods):
                     StillPendingError(op_id) if durable else ClientClosedError(op_id)
                 )
         self._futures.clear()
-        self._synced.set()
+        self._settle_sync_waiters(closing=True)
         if self._session is not None:
             await self._session.close()
 
@@ -247,9 +247,37 @@ class WorkspaceClient(QueueMethods):
         return self._machine.pending_count == 0
 
     async def wait_synced(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
-        """Wait until nothing is pending (`TimeoutError` after `timeout` seconds)."""
-        async with asyncio.timeout(timeout):
-            await self._synced.wait()
+        """Wait until every op submitted (or restored from the outbox) before this call has been
+        answered by the server (`TimeoutError` after `timeout` seconds).
+
+        Ops submitted meanwhile do not hold it up: "nothing pending at all" would never come
+        while other tasks keep writing. Returns at once when nothing is pending, and when the
+        client closes (what is left then stays in the outbox)."""
+        if self._machine.pending_count == 0 or self._state == "closed":
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (self._machine.last_seq, future)
+        self._sync_waiters.append(entry)
+        try:
+            async with asyncio.timeout(timeout):
+                await future
+        finally:
+            if entry in self._sync_waiters:
+                self._sync_waiters.remove(entry)
+
+    def _settle_sync_waiters(self, *, closing: bool = False) -> None:
+        if not self._sync_waiters:
+            return
+        oldest = self._machine.oldest_pending_seq()
+        waiting: list[tuple[int, asyncio.Future[None]]] = []
+        for target, future in self._sync_waiters:
+            if future.done():
+                continue
+            if closing or oldest is None or oldest > target:
+                future.set_result(None)
+            else:
+                waiting.append((target, future))
+        self._sync_waiters = waiting
 
     def retry_pending(self) -> None:
         """Start a fresh attempt cycle for ops that gave up (they are retried anyway on the next
@@ -331,7 +359,6 @@ class WorkspaceClient(QueueMethods):
             futures.append(future)
         if self.config.ops_over_websocket:
             self._socket(workspace_id)
-        self._synced.clear()
         if self._pump_handle is None:
             # Everything submitted in this tick shares one outbox write.
             self._pump_handle = loop.call_soon(self._pump)
@@ -370,10 +397,7 @@ class WorkspaceClient(QueueMethods):
                     outbox.write(write)
         finally:
             self._pumping = False
-        if self._machine.pending_count == 0:
-            self._synced.set()
-        else:
-            self._synced.clear()
+        self._settle_sync_waiters()
 
     def _kick(self) -> None:
         """Something happened: act on it now (or as soon as the running pump or hold ends)."""

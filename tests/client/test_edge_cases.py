@@ -515,3 +515,50 @@ async def test_an_unexpected_failure_of_a_send_is_retried_instead_of_wedging_the
     assert calls == 3
     assert (first.clock, second.clock) == (1, 2)
     assert op_ids(await server_log(server_url, "tree")) == [first.op_id, second.op_id]
+
+
+@pytest.mark.parametrize("websocket", [True, False], ids=["websocket", "http"])
+async def test_wait_synced_returns_once_earlier_ops_are_answered_while_others_keep_writing(
+    server_url: str, token: str, websocket: bool
+) -> None:
+    """`wait_synced` covers what was submitted before the call: a writer that always keeps an op
+    in flight (so the client is never without pending ops) must not hold it up forever."""
+    config = fast_config(ops_over_websocket=websocket)
+    async with WorkspaceClient(server_url, token=token, config=config) as client:
+        await client.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
+        stop, flowing = asyncio.Event(), asyncio.Event()
+        written = 0
+
+        async def keep_writing() -> None:
+            nonlocal written
+            previous = asyncio.ensure_future(
+                client.apply_op(WS, "other", NodeInsert(node_id=f"k{written}", parent_id="root"))
+            )
+            while not stop.is_set():
+                written += 1
+                current = asyncio.ensure_future(
+                    client.apply_op(
+                        WS, "other", NodeInsert(node_id=f"k{written}", parent_id="root")
+                    )
+                )
+                await asyncio.sleep(0)  # let it submit before the previous one is answered
+                await previous  # one more is already pending: the client is never synced
+                previous = current
+                if written == 20:
+                    flowing.set()
+            await previous
+
+        writer = asyncio.create_task(keep_writing())
+        await asyncio.wait_for(flowing.wait(), TIMEOUT)  # in full flow before the wait
+        mine = asyncio.ensure_future(
+            client.apply_op(WS, "tree", NodeIncrement(node_id="n", field="c"))
+        )
+        await asyncio.sleep(0)  # let the caller's task start: it submits, then awaits
+        await client.wait_synced(timeout=TIMEOUT)
+        assert mine.done()
+        assert (await mine).clock == 2
+        assert client.pending_count() > 0  # the writer's ops were still pending meanwhile
+        stop.set()
+        await asyncio.wait_for(writer, TIMEOUT)
+        await client.wait_synced(timeout=TIMEOUT)
+        assert client.pending_count() == 0
