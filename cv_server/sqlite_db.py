@@ -37,7 +37,11 @@ _BUSY_TIMEOUT_MS = 5000
 
 @dataclass
 class Transaction:
-    """Handed to a write job: the writer's connection, plus undo registration."""
+    """Handed to a write job: the writer's connection, plus undo registration.
+
+    A job must not end the group transaction itself (COMMIT, ROLLBACK, RELEASE): it is failed,
+    and the other jobs of its group are run again as if the transaction had been rolled back.
+    """
 
     conn: sqlite3.Connection
     db: sqlite_utils.Database
@@ -222,16 +226,33 @@ class SQLiteDatabase:
     def _commit_group(
         self, conn: sqlite3.Connection, db: sqlite_utils.Database, group: list[_Job[Any]]
     ) -> None:
+        final: dict[int, tuple[bool, Any]] = {}
+        pending = group
+        while pending:
+            # Each retry drops the job that lost the transaction, so this ends.
+            pending = self._try_group(conn, db, pending, final)
+        # Settled in queue order whatever the retries: appends queued in order resolve in order.
+        self._resolve([(job, *final[id(job)]) for job in group])
+
+    def _try_group(
+        self,
+        conn: sqlite3.Connection,
+        db: sqlite_utils.Database,
+        group: list[_Job[Any]],
+        final: dict[int, tuple[bool, Any]],
+    ) -> list[_Job[Any]]:
+        """Run `group` in one transaction and record each job's outcome in `final`; return the
+        jobs to run again in a fresh transaction if one job's failure took the whole transaction
+        (and so the other jobs' writes) with it."""
         outcomes: list[tuple[_Job[Any], bool, Any]] = []
         committed_undos: list[Callable[[], None]] = []
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
             for job in group:
-                outcomes.append((job, False, exc))
-            self._resolve(outcomes)
-            return
-        for job in group:
+                final[id(job)] = (False, exc)
+            return []
+        for index, job in enumerate(group):
             tx = Transaction(conn, db)
             # One savepoint name for every job (each is released before the next starts):
             # distinct names would overflow sqlite3's statement cache and re-prepare each time.
@@ -239,15 +260,37 @@ class SQLiteDatabase:
             try:
                 result = job.fn(tx)
             except BaseException as exc:  # the job's error belongs to its caller
+                ok, value = False, _deliverable(exc)
+            else:
+                ok, value = True, result
+            if not conn.in_transaction:
+                # SQLite ended the whole transaction, not just the failed statement
+                # (RAISE(ROLLBACK), and SQLITE_FULL / IOERR / NOMEM may): the savepoint is gone
+                # and so are the writes of the jobs before it. `ROLLBACK TO job` would raise and
+                # kill this thread with every future unresolved. Undo every cache change, fail
+                # this job alone, and run the others again (none was acknowledged).
+                for undo in reversed(tx._undos):
+                    undo()
+                for undo in reversed(committed_undos):
+                    undo()
+                if ok:
+                    value = RuntimeError("a write job must not end the group transaction")
+                final[id(job)] = (False, value)
+                for earlier, earlier_ok, earlier_value in outcomes:
+                    if not earlier_ok:
+                        final[id(earlier)] = (False, earlier_value)
+                return [earlier for earlier, earlier_ok, _ in outcomes if earlier_ok] + group[
+                    index + 1 :
+                ]
+            if ok:
+                conn.execute("RELEASE job")
+                committed_undos.extend(tx._undos)
+            else:
                 conn.execute("ROLLBACK TO job")
                 conn.execute("RELEASE job")
                 for undo in reversed(tx._undos):
                     undo()
-                outcomes.append((job, False, exc))
-            else:
-                conn.execute("RELEASE job")
-                committed_undos.extend(tx._undos)
-                outcomes.append((job, True, result))
+            outcomes.append((job, ok, value))
         try:
             conn.execute("COMMIT")
         except sqlite3.Error as exc:
@@ -259,7 +302,9 @@ class SQLiteDatabase:
         else:
             self.groups_committed += 1
             self.jobs_committed += sum(1 for _, ok, _ in outcomes if ok)
-        self._resolve(outcomes)
+        for job, ok, value in outcomes:
+            final[id(job)] = (ok, value)
+        return []
 
     @staticmethod
     def _resolve(outcomes: list[tuple[_Job[Any], bool, Any]]) -> None:
@@ -270,6 +315,17 @@ class SQLiteDatabase:
             # One wake-up per loop per group, not one per job.
             with contextlib.suppress(RuntimeError):  # loop already closed: nobody is waiting
                 loop.call_soon_threadsafe(_settle, items)
+
+
+def _deliverable(exc: BaseException) -> BaseException:
+    """`exc` as a job's future may carry it. asyncio refuses StopIteration in `set_exception`
+    (TypeError on 3.11, which would escape `_settle` and strand the rest of the group), and a
+    CancelledError would cancel the awaiting task, which was never cancelled: both are wrapped."""
+    if isinstance(exc, (StopIteration, asyncio.CancelledError)):
+        wrapped = RuntimeError(f"write job raised {type(exc).__name__}")
+        wrapped.__cause__ = exc
+        return wrapped
+    return exc
 
 
 def _settle(items: list[tuple[_Job[Any], bool, Any]]) -> None:

@@ -392,6 +392,15 @@ def _load(tx: Transaction, key: tuple[str, str]) -> _SubDoc:
                 f"{key}: logged op at clock {entry_clock} replays as {exc}"
             ) from exc
         clock = entry_clock
+    if clock == snapshot_clock > 0:
+        # No op after the snapshot: the log must still reach it. The log's max is the head
+        # readers serve; a snapshot beyond it (a log that lost its tail) would give the cache a
+        # clock and state no log entry backs, and the next op a clock after a gap.
+        head = tx.execute(_SELECT_HEAD, key).fetchone()[0]
+        if head is None or int(head) < snapshot_clock:
+            raise OpLogCorrupted(
+                f"{key}: snapshot at clock {snapshot_clock} is ahead of the log's head {head or 0}"
+            )
     return _SubDoc(clock=clock, state=state, snapshot_clock=snapshot_clock)
 
 
