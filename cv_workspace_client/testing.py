@@ -38,10 +38,13 @@ Faults:
   way to cut a steady share of requests.
 - `cut_open(...)`: arm every connection open right now (long-lived websockets): each is cut at its
   next server chunk.
-- `drop_all()`: abort every open connection now.
+- `drop_all()`: abort every open connection now (both sides see a reset).
 - `delay`: seconds to hold each server chunk before forwarding it.
 - `refuse`: while True, new connections are accepted and aborted at once (connection refused /
   reset as the client sees it).
+
+Otherwise bytes pass untouched both ways, and an EOF (a half-close) is passed on: each direction
+ends when its sender closes it.
 
 Counters are in `proxy.stats` (`accepted`, `refused`, `cuts`, `mid_frame_cuts`, `open`); wait for
 a count with `await asyncio.wait_for(proxy.wait_until(lambda s: s.cuts >= 3), 10)` instead of
@@ -132,6 +135,9 @@ class FaultProxy:
         self._chunk_probability = 0.0
         self._chunk_rule = CutRule()
         self._links: set[_Link] = set()
+        #: Accepted clients whose link to the server is still being opened.
+        self._connecting: set[asyncio.StreamWriter] = set()
+        self._closing = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.Server | None = None
         self._changed = asyncio.Condition()
@@ -147,14 +153,19 @@ class FaultProxy:
         return self
 
     async def close(self) -> None:
+        # A connection accepted just before the close may have a handler that has not started
+        # yet (3.11's `wait_closed` does not wait for it) or that is still connecting upstream:
+        # `_closing` makes a late handler abort its client, and `_connecting` lets the close
+        # abort a half-open one, so no client is left hanging on a proxy that is gone.
+        self._closing = True
         if self._server is not None:
             self._server.close()
-        for link in list(self._links):
-            link.abort()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        while self._tasks:
+            self._abort_all()
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
 
@@ -198,12 +209,20 @@ class FaultProxy:
         return len(live)
 
     def drop_all(self) -> int:
-        """Abort every open connection now; returns how many."""
+        """Abort every open connection now (those still connecting to the server included);
+        returns how many."""
+        dropped = self._abort_all()
+        self.stats.dropped += dropped
+        return dropped
+
+    def _abort_all(self) -> int:
         links = [link for link in self._links if not link.dead]
         for link in links:
             link.abort()
-        self.stats.dropped += len(links)
-        return len(links)
+        connecting = [w for w in self._connecting if not w.transport.is_closing()]
+        for writer in connecting:
+            writer.transport.abort()
+        return len(links) + len(connecting)
 
     async def wait_until(self, predicate: Callable[[ProxyStats], bool]) -> None:
         """Wait until `predicate(stats)` holds; bound it with `asyncio.timeout`."""
@@ -231,16 +250,28 @@ class FaultProxy:
             await self._notify()
 
     async def _proxy(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        if self._closing:
+            client_w.transport.abort()
+            return
         if self.refuse:
             self.stats.refused += 1
             client_w.transport.abort()
             return
+        self._connecting.add(client_w)
         try:
             server_r, server_w = await asyncio.open_connection(
                 self.upstream_host, self.upstream_port
             )
-        except OSError:
+        except OSError:  # the server is down: the client sees a reset, as it would without us
             client_w.transport.abort()
+            return
+        except BaseException:  # `close()` cancelled us mid-connect: the client must hear it too
+            client_w.transport.abort()
+            raise
+        finally:
+            self._connecting.discard(client_w)
+        if client_w.transport.is_closing():  # dropped (or closed) while connecting
+            server_w.transport.abort()
             return
         self.stats.accepted += 1
         link = _Link(client_w, server_w)
@@ -254,48 +285,65 @@ class FaultProxy:
         up = asyncio.create_task(self._client_to_server(client_r, link))
         down = asyncio.create_task(self._server_to_client(server_r, link))
         try:
-            await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
-            if down.done():
-                # The server is done (or the link was cut): nothing more can flow.
-                link.abort()
+            # Each direction runs until its sender's EOF, which is passed on (a half-close, as
+            # TCP allows); a cut, a drop or a reset on either side aborts both.
             await asyncio.wait({up, down})
         finally:
-            for task in (up, down):
-                task.cancel()
-            await asyncio.gather(up, down, return_exceptions=True)
-            link.abort()
-            self._links.discard(link)
-            self.stats.open -= 1
+            try:
+                for task in (up, down):
+                    task.cancel()
+                await asyncio.gather(up, down, return_exceptions=True)
+                if not link.dead:
+                    # Both sides ended on their own: what is still buffered must reach its
+                    # peer before the sockets go (an abort would throw the tail away).
+                    for writer in (link.client, link.server):
+                        writer.close()
+                    with contextlib.suppress(ConnectionError, OSError):
+                        await asyncio.gather(link.client.wait_closed(), link.server.wait_closed())
+            finally:
+                link.abort()
+                self._links.discard(link)
+                self.stats.open -= 1
 
     async def _client_to_server(self, reader: asyncio.StreamReader, link: _Link) -> None:
-        with contextlib.suppress(ConnectionError, OSError):
+        try:
             while data := await reader.read(_CHUNK):
                 link.server.write(data)
                 await link.server.drain()
             if link.server.can_write_eof():
                 link.server.write_eof()
+        except (ConnectionError, OSError):
+            link.abort()  # a reset on one side is a reset on the other
 
     async def _server_to_client(self, reader: asyncio.StreamReader, link: _Link) -> None:
-        with contextlib.suppress(ConnectionError, OSError):
-            while data := await reader.read(_CHUNK):
-                rule = link.rule
-                if rule is None or link.server_chunks < rule.skip_chunks:
-                    rule = self._chunk_fate(link)
-                if rule is not None and link.server_chunks >= rule.skip_chunks:
-                    if rule.forward_bytes > 0:
-                        link.client.write(data[: rule.forward_bytes])
-                        with contextlib.suppress(ConnectionError, OSError):
-                            await link.client.drain()
-                        self.stats.mid_frame_cuts += 1
-                    self.stats.cuts += 1
-                    link.abort()
-                    return
-                link.server_chunks += 1
-                if self.delay > 0:
-                    await asyncio.sleep(self.delay)
-                link.client.write(data)
-                await link.client.drain()
-            link.client.close()
+        try:
+            await self._forward_down(reader, link)
+        except (ConnectionError, OSError):
+            link.abort()
+
+    async def _forward_down(self, reader: asyncio.StreamReader, link: _Link) -> None:
+        while data := await reader.read(_CHUNK):
+            rule = link.rule
+            if rule is None or link.server_chunks < rule.skip_chunks:
+                rule = self._chunk_fate(link)
+            if rule is not None and link.server_chunks >= rule.skip_chunks:
+                if rule.forward_bytes > 0:
+                    link.client.write(data[: rule.forward_bytes])
+                    with contextlib.suppress(ConnectionError, OSError):
+                        await link.client.drain()
+                    self.stats.mid_frame_cuts += 1
+                self.stats.cuts += 1
+                link.abort()
+                return
+            link.server_chunks += 1
+            if self.delay > 0:
+                await asyncio.sleep(self.delay)
+            link.client.write(data)
+            await link.client.drain()
+        # The server is done talking but may still be listening (a half-close): pass the
+        # EOF on, after what is buffered, and keep forwarding what the client sends.
+        if link.client.can_write_eof():
+            link.client.write_eof()
 
     def _chunk_fate(self, link: _Link) -> CutRule | None:
         rule = self._chunk_rule
@@ -310,8 +358,9 @@ class FaultProxy:
 
 async def restart_client(client: WorkspaceClient, **overrides: Any) -> WorkspaceClient:
     """Crash `client` (no goodbyes; outbox writes not yet committed are lost, as in a real crash)
-    and start a new client on the same URL, token, outbox and config (`overrides` replace
-    constructor arguments). Returns the new client, started: close it, or `async with` it.
+    and start a new client on the same URL, token, outbox, config, clock and op_id minter
+    (`overrides` replace constructor arguments). Returns the new client, started: close it, or
+    `async with` it.
 
     The new client replays what the old one left in the outbox before anything else.
     """
@@ -324,6 +373,10 @@ async def restart_client(client: WorkspaceClient, **overrides: Any) -> Workspace
         "token": client.token,
         "outbox": client.outbox_path,
         "config": client.config,
+        # The app's injected clock and op_id minter too: a restarted app is the same app, and
+        # a test that pins them must not see the new client fall back to the defaults.
+        "now": client._now,
+        "new_op_id": client._mint,
     }
     options.update(overrides)
     fresh = WorkspaceClient(client.url, **options)
