@@ -62,21 +62,25 @@ _LEASE_EXPIRES_AT: Final = _COLUMNS.index("lease_expires_at")
 _CREATED_AT: Final = _COLUMNS.index("created_at")
 _DEQUEUES: Final = _COLUMNS.index("dequeue_count")
 _MAX_DEQUEUES: Final = _COLUMNS.index("max_dequeues")
+#: A probe also selects the rowid, after the columns: the enqueue order that breaks ties.
+_ROWID: Final = len(_COLUMNS)
 #: Page size of `get_many`: far below SQLite's bound on host parameters.
 _GET_MANY_CHUNK: Final = 500
 
 # The three claim probes. `status = '...'` is spelled as a literal so the planner can match each
-# probe to its partial index; each stops after `limit` rows in index order.
+# probe to its partial index; each stops after `limit` rows in index order. They select the rowid
+# too (free: every index holds it) so that merging the probes keeps their tie-break.
+_PROBE_SELECT: Final = f"SELECT {', '.join(_COLUMNS)}, rowid FROM {TABLE}"
 _PENDING_PROBE: Final = (
-    f"{_SELECT} WHERE status = 'pending' AND worker_class = ? AND available_at <= ? "
+    f"{_PROBE_SELECT} WHERE status = 'pending' AND worker_class = ? AND available_at <= ? "
     "ORDER BY available_at, created_at, rowid LIMIT ?"
 )
 _PENDING_IN_WORKSPACE_PROBE: Final = (
-    f"{_SELECT} WHERE status = 'pending' AND worker_class = ? AND workspace_id = ? "
+    f"{_PROBE_SELECT} WHERE status = 'pending' AND worker_class = ? AND workspace_id = ? "
     "AND available_at <= ? ORDER BY available_at, created_at, rowid LIMIT ?"
 )
 _LAPSED_PROBE: Final = (
-    f"{_SELECT} WHERE status = 'in_progress' AND worker_class = ? AND lease_expires_at < ? "
+    f"{_PROBE_SELECT} WHERE status = 'in_progress' AND worker_class = ? AND lease_expires_at < ? "
     "{workspaces} ORDER BY lease_expires_at, created_at, rowid LIMIT ?"
 )
 #: The probes a claim runs, for EXPLAIN QUERY PLAN (the benchmark prints them).
@@ -175,11 +179,14 @@ def _row(values: Sequence[Any]) -> ProcessRequest:
     return ProcessRequest(**data)
 
 
-def _claimable_since(raw: Sequence[Any]) -> tuple[float, float]:
-    """When a probed row became claimable (ties: the older request first)."""
-    if raw[_STATUS] == "in_progress":
-        return (raw[_LEASE_EXPIRES_AT], raw[_CREATED_AT])
-    return (raw[_AVAILABLE_AT], raw[_CREATED_AT])
+def _claimable_since(raw: Sequence[Any]) -> tuple[float, float, int]:
+    """When a probed row became claimable (ties: the older request first, then the one enqueued
+    first). The rowid is part of the key, as in each probe's ORDER BY: without it, a tie between
+    probes (a lapsed lease and a backoff ending at the same instant, two worker classes or two
+    workspaces) went to whichever probe ran first instead of the request enqueued first, unlike
+    the PostgreSQL store, which breaks it by `seq`."""
+    since = raw[_LEASE_EXPIRES_AT] if raw[_STATUS] == "in_progress" else raw[_AVAILABLE_AT]
+    return (since, raw[_CREATED_AT], raw[_ROWID])
 
 
 def _claimable_candidates(
@@ -189,7 +196,8 @@ def _claimable_candidates(
     now: float,
     limit: int,
 ) -> builtins.list[Sequence[Any]]:
-    """The first `limit` claimable rows of each probe, unparsed: one index seek per
+    """The first `limit` claimable rows of each probe, unparsed and followed by their rowid
+    (`_ROWID`; `_probed` parses one): one index seek per
     (class[, workspace]) and status. The oldest `limit` of all are among them, since every probe
     walks its index in claimable-since order."""
     found: builtins.list[Sequence[Any]] = []
@@ -209,6 +217,11 @@ def _claimable_candidates(
         # after the index seek costs nothing worth another index.
         found.extend(tx.execute(lapsed_sql, (worker_class, now, *(workspaces or ()), limit)))
     return found
+
+
+def _probed(raw: Sequence[Any]) -> ProcessRequest:
+    """A row a claim probe found (its columns, then its rowid)."""
+    return _row(raw[:_ROWID])
 
 
 def _select(tx: Transaction, request_id: str) -> ProcessRequest:
@@ -232,8 +245,13 @@ def _update(
     after: ProcessRequest,
     columns: Sequence[str] = _LIFECYCLE,
 ) -> None:
-    """Write those of `columns` that changed between `before` and `after`."""
-    changed = [c for c in columns if getattr(before, c) != getattr(after, c)]
+    """Write those of `columns` that changed between `before` and `after`.
+
+    Compared as stored, not with `==`: Python finds JSON `1`, `1.0` and `true` (or `0.0` and
+    `-0.0`) equal, so a rerun's input or a new error payload that differed from the old one only
+    in its JSON type was answered but never written.
+    """
+    changed = [c for c in columns if _to_db(c, getattr(before, c)) != _to_db(c, getattr(after, c))]
     if not changed:
         return
     assignments = ", ".join(f"{column} = ?" for column in changed)
@@ -369,7 +387,7 @@ class SQLiteQueueStore(QueueStore):
             events: builtins.list[RequestEvent] = []
             while True:
                 found = _claimable_candidates(tx, classes, workspaces, now, limit)
-                exhausted = [_row(raw) for raw in found if raw[_DEQUEUES] >= raw[_MAX_DEQUEUES]]
+                exhausted = [_probed(raw) for raw in found if raw[_DEQUEUES] >= raw[_MAX_DEQUEUES]]
                 if exhausted:
                     # Their last allowed worker died: park them, then look again.
                     for row in exhausted:
@@ -380,7 +398,7 @@ class SQLiteQueueStore(QueueStore):
                 claimed = []
                 oldest = sorted(found, key=_claimable_since)[:limit]
                 for raw, token in zip(oldest, tokens[: len(oldest)], strict=True):
-                    row = _row(raw)
+                    row = _probed(raw)
                     held = model.claim(
                         row, claim_token=token, worker_id=worker_id, lease=lease, now=now
                     )
