@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import gc
+import importlib.util
 import logging
 import math
 import signal
@@ -30,10 +31,43 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DB = Path("data/cv.db")
 
-#: What a bad database, a bad setting or a taken port raise at start-up: reported in one line
-#: and exit status 1 (a supervisor restarting on a traceback would only loop), with the
-#: traceback kept for --log-level DEBUG.
-_STARTUP_ERRORS = (DatabaseUnusable, sqlite3.Error, ValueError, OSError)
+
+def _startup_errors() -> tuple[type[BaseException], ...]:
+    """What a bad database, a bad setting or a taken port raise at start-up: reported in one
+    line and exit status 1 (a supervisor restarting on a traceback would only loop), with the
+    traceback kept for --log-level DEBUG. PostgreSQL's: a missing schema, database or role
+    (asyncpg's errors only when the `postgres` extra is installed)."""
+    errors: list[type[BaseException]] = [
+        DatabaseUnusable,
+        sqlite3.Error,
+        ValueError,
+        OSError,
+        _MissingPostgresExtra,
+    ]
+    # Only with the extra: `cv_server.pg` imports asyncpg, which `[server]` alone lacks.
+    if importlib.util.find_spec("asyncpg") is not None:
+        import asyncpg  # type: ignore[import-untyped]
+
+        from cv_server.pg.errors import PostgresBackendError
+
+        errors += [asyncpg.PostgresError, PostgresBackendError]
+    return tuple(errors)
+
+
+class _MissingPostgresExtra(RuntimeError):
+    """`--database-url` without asyncpg installed."""
+
+
+def _needs_asyncpg(database_url: str | None) -> None:
+    if not database_url:
+        return
+    if importlib.util.find_spec("asyncpg") is None:
+        raise _MissingPostgresExtra(
+            "--database-url needs the postgres extra (asyncpg): pip install -e '.[server,postgres]'"
+        )
+
+
+_STARTUP_ERRORS = _startup_errors()
 
 
 def _add_backend_args(parser: argparse.ArgumentParser) -> None:
@@ -146,6 +180,7 @@ async def _serve_app(config: ServerConfig, host: str, port: int) -> None:
     # keeps the total within the deadline; a commit in flight is shielded and still awaited.
     runner = web.AppRunner(app, shutdown_timeout=config.drain_seconds / 2, access_log=None)
     try:
+        _needs_asyncpg(config.database_url)
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()
@@ -211,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "token":
         database_url = args.database_url and _with_schema(args.database_url, args.schema)
         try:
+            _needs_asyncpg(database_url)
             token = asyncio.run(
                 _token(args.db or DEFAULT_DB, database_url, args.workspace, args.ttl)
             )

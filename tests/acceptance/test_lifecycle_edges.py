@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 from typing import IO
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import pytest
@@ -149,6 +150,23 @@ def test_a_corrupted_database_file_is_refused_in_one_line_by_serve_and_token(
     token = _refused_start("token", "--db", str(db), "--workspace", "acc")
     _assert_one_clear_line(token, "file is not a database")
     assert token.stdout == ""  # nothing a script could mistake for a token
+
+
+def test_a_postgresql_database_role_or_schema_that_is_missing_is_one_line(
+    postgres_url: str,
+) -> None:
+    """Each was a traceback (asyncpg's errors and the backend's own were not start-up errors)."""
+    parsed = urlsplit(postgres_url)
+    no_db = urlunsplit(parsed._replace(path="/cv_no_such_database"))
+    serve = _refused_start("serve", "--database-url", no_db, "--port", str(free_port()))
+    _assert_one_clear_line(serve, "cv_no_such_database", "does not exist")
+    no_role = urlunsplit(parsed._replace(netloc=f"cv_no_such_role@{parsed.hostname}:{parsed.port}"))
+    token = _refused_start("token", "--database-url", no_role, "--workspace", "acc")
+    _assert_one_clear_line(token, "cv_no_such_role")
+    assert token.stdout == ""
+    no_schema = ("--database-url", postgres_url, "--schema", "cv_no_such_schema")
+    token = _refused_start("token", *no_schema, "--workspace", "acc")
+    _assert_one_clear_line(token, "cv_no_such_schema", "create it first")
 
 
 def test_a_database_written_by_a_newer_schema_is_refused_at_start_up(tmp_path: Path) -> None:
