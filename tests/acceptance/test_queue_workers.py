@@ -205,7 +205,9 @@ async def test_four_workers_one_killed_one_drained_finish_every_request_exactly_
     for request_id, outcome in by_id.items():
         # Each request's stage ran to its end once — or once more per lease re-drive (a stage
         # slower than its lease under load is re-driven; its write dedupes all the same).
-        runs = [name for name in ends.get(request_id, []) if name != "victim"]
+        # The victim's runs count too: it may finish a request or two before it is caught
+        # holding one (the others start later), and the one it was killed holding never ended.
+        runs = ends.get(request_id, [])
         assert outcome.request is not None
         assert 1 <= len(runs) <= outcome.request.dequeue_count, (request_id, runs, outcome)
 
