@@ -49,6 +49,7 @@ from cv_workspace_client._worker_parts import RunMeter, SingleFlight, TtlCache, 
 from cv_workspace_client.errors import (
     AuthError,
     ForbiddenError,
+    InvalidRequestError,
     WorkspaceError,
 )
 from cv_workspace_client.providers import Provider
@@ -323,7 +324,7 @@ class Worker:
             self._lease_lost(row, "the stage stopped on a lost lease")
             return
         except ExpectedError as exc:
-            kind, value, cache, shared = "error", exc.payload(), None, False
+            kind, value, cache, shared = "error", _expected_payload(exc), None, False
         except Exception as exc:
             failure = exc
         finally:
@@ -340,9 +341,20 @@ class Worker:
             self.stats.shared_runs += 1
         telemetry = meter.finish(**({"shared": True} if shared else {}))
         try:
-            await self._report_success(claimed, kind, value, cache, telemetry)
+            if not await self._report_success(claimed, kind, value, cache, telemetry):
+                # It reported a failure instead (a result with no JSON form): nothing completed,
+                # and nothing to cache — a cached non-answer would replay the same failure on
+                # every retry without running the handler again.
+                return
         except LeaseLostError:
             self._lease_lost(row, "its completion was refused")
+            return
+        except InvalidRequestError as exc:
+            # A final 4xx (a result over the server's body limit, say): sending it again cannot
+            # succeed, and leaving it unacknowledged would park the request in progress for a
+            # whole lease per attempt. Fail it now: backoff, then poison with a clear code.
+            message = f"the server refused the completion: {exc.code}: {exc.message}"
+            await self._report_failure(claimed, {"code": "result_refused", "message": message})
             return
         except WorkspaceError as exc:
             # Not acknowledged: the lease lapses and the row re-drives; the stage's writes
@@ -399,7 +411,9 @@ class Worker:
         value: Any,
         cache: Literal["hit", "miss"] | None,
         telemetry: dict[str, Any] | None,
-    ) -> None:
+    ) -> bool:
+        """Complete the request with `value`; False if it reported a failure instead (the value
+        has no JSON form). Raises what the completion raises."""
         item: dict[str, Any] = {"request_id": claimed.request.request_id}
         item["claim_token"] = claimed.claim_token
         if kind == "error":
@@ -420,7 +434,7 @@ class Worker:
             await self._report_failure(
                 claimed, {"code": "invalid_result", "message": f"not JSON: {exc}"}
             )
-            return
+            return False
         if size > self.config.batch_result_max_bytes:
             row = claimed.request
             await api.complete(
@@ -435,6 +449,7 @@ class Worker:
             )
         else:
             await self._completer.complete(claimed.request.workspace_id, item)
+        return True
 
     async def _report_failure(self, claimed: api.Claim, error: dict[str, Any]) -> None:
         row = claimed.request
@@ -455,6 +470,25 @@ class Worker:
     def _lease_lost(self, row: api.QueuedRequest, why: str) -> None:
         self.stats.leases_lost += 1
         logger.warning("request %s: lease lost (%s); completing nothing", row.request_id, why)
+
+
+def _expected_payload(exc: ExpectedError) -> dict[str, Any]:
+    """The error payload of an expected error, in a form JSON can carry.
+
+    seed 003: an expected error is an answer, never retried. Details with no JSON form (a set,
+    NaN, an object) would otherwise fail the completion as `invalid_result` and turn the answer
+    into retries ending in poison; they travel as their `repr` instead.
+    """
+    payload = exc.payload()
+    try:
+        json.dumps(payload, allow_nan=False)
+    except (TypeError, ValueError):
+        payload = {
+            "code": str(exc.code),
+            "message": str(exc.message),
+            "details": repr(exc.details)[:2000],
+        }
+    return payload
 
 
 def _error_payload(exc: BaseException) -> dict[str, Any]:
