@@ -93,6 +93,9 @@ class WorkspaceSocket:
         self._subs: dict[str, list[Subscription]] = {}
         self._closed = False
         self._opened = asyncio.Event()
+        #: Set when the socket stops for good (auth refused, or closed): `wait_open` must not
+        #: wait for a connection that will never come.
+        self._stopped = asyncio.Event()
         self._closing: set[asyncio.Task[Any]] = set()
 
     @property
@@ -100,8 +103,23 @@ class WorkspaceSocket:
         return self._frames is not None
 
     async def wait_open(self) -> None:
-        """Return once the socket is connected (tests and benchmarks use it)."""
-        await self._opened.wait()
+        """Return once the socket is connected (tests and benchmarks use it). Raise the final
+        error (`AuthError` / `ForbiddenError`) once the socket gave up, `RuntimeError` once closed.
+        """
+        # Waiting on `_opened` alone hung forever (`connect(ws)` without a timeout) once the
+        # server had refused the token: `_run` has returned, nothing would ever set it again.
+        if not self._stopped.is_set() and not self._opened.is_set():
+            opened = asyncio.ensure_future(self._opened.wait())
+            stopped = asyncio.ensure_future(self._stopped.wait())
+            try:
+                await asyncio.wait({opened, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                opened.cancel()
+                stopped.cancel()
+        if self._stopped.is_set():
+            if self.final_error is not None:
+                raise self.final_error
+            raise RuntimeError("the websocket is closed")
 
     def ensure_running(self) -> None:
         if self._closed or self.final_error is not None:
@@ -191,6 +209,7 @@ class WorkspaceSocket:
 
     async def close(self, *, abort: bool = False) -> None:
         self._closed = True
+        self._stopped.set()
         ws = self._ws
         if ws is not None and not abort:
             with contextlib.suppress(Exception):
@@ -325,6 +344,7 @@ class WorkspaceSocket:
         """Auth is gone: stop reconnecting; subscriptions raise; ops fall back to HTTP (which
         gets the same answer and fails them with it)."""
         self.final_error = error
+        self._stopped.set()
         for subs in self._subs.values():
             for sub in subs:
                 sub.fail(error)

@@ -67,6 +67,8 @@ class Subscription:
         self._ended = False
         self._registered = False
         self._waiter: asyncio.Future[None] | None = None
+        #: The catch-up read under way, if any (`end` cancels it).
+        self._reading: asyncio.Future[tuple[int, list[Committed]]] | None = None
 
     # -- app side ----------------------------------------------------------------------------------
 
@@ -187,6 +189,8 @@ class Subscription:
 
     def end(self) -> None:
         self._ended = True
+        if self._reading is not None:
+            self._reading.cancel()
         self._wake()
 
     # -- internals ---------------------------------------------------------------------------------
@@ -205,9 +209,26 @@ class Subscription:
         """Read one page of the log after the last delivered clock, queueing what is new. True
         if it delivered something (with `full_only`: and the page was full, so more may follow).
         One page per call: `_ready` never holds more than `catchup_page` ops."""
-        head, entries = await self._owner.read_log(
-            self.workspace_id, self.sub_doc, self._tracker.last, self._page
+        # Once ended (the client closed, `aclose` from another task), a read can only fail or
+        # hold the app up: the app iterating got the client's `RuntimeError` (session gone), or
+        # waited out a retry delay of up to `retry_cap_seconds` (reads are retried forever here)
+        # before it saw the end of the iteration. `end()` cancels the read; what is already
+        # delivered stays delivered.
+        if self._ended:
+            raise StopAsyncIteration
+        reading = asyncio.ensure_future(
+            self._owner.read_log(self.workspace_id, self.sub_doc, self._tracker.last, self._page)
         )
+        self._reading = reading
+        try:
+            head, entries = await reading
+        except (Exception, asyncio.CancelledError):
+            current = asyncio.current_task()
+            if self._ended and (current is None or not current.cancelling()):
+                raise StopAsyncIteration from None
+            raise  # the app's own task is being cancelled, or a real error
+        finally:
+            self._reading = None
         if head < self._tracker.last:
             # The log ends before what this subscription already holds (a `since` naming clocks
             # that do not exist, or a server restored from an older copy): ops later committed
