@@ -44,6 +44,8 @@ _FINAL_CLOSE = {4001: ("unauthorized", AuthError), 4003: ("forbidden_workspace",
 #: The server refused a frame as too large: the batches in flight get `body_too_large`, which makes
 #: the machine halve a multi-op batch (and fail a lone op) instead of resending it as it was.
 _CLOSE_FRAME_TOO_LARGE = 1009
+#: Closes that say the server is failing (internal error, try again later, bad gateway).
+_SERVER_ERROR_CLOSES = frozenset({1011, 1013, 1014})
 
 
 class SocketOwner(Protocol):
@@ -248,8 +250,13 @@ class WorkspaceSocket:
             # A connection that carried frames proves the server is up: reconnect at once. One
             # that died before saying anything waits one short jittered delay first, so a server
             # that accepts and drops at once is not hammered (and an idle socket cut now and then
-            # is not pushed towards the 300 s cap).
-            failures = 0 if heard else 1
+            # is not pushed towards the 300 s cap). One the server ended with an error of its
+            # own (1011, 1013, 1014) proves the opposite, frames or not: back off as after a
+            # failed connect, or a subscription that fails on every catch-up is a tight loop.
+            if ws.close_code in _SERVER_ERROR_CLOSES:
+                failures += 1
+            else:
+                failures = 0 if heard else 1
 
     async def _serve(self, ws: aiohttp.ClientWebSocketResponse) -> bool:
         frames: asyncio.Queue[str] = asyncio.Queue()

@@ -9,14 +9,16 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
+from aiohttp import web
 
 from cv_mutations import NodeIncrement, NodeInsert
 from cv_workspace_client import ForbiddenError, Subscription, WorkspaceClient
 from cv_workspace_client.testing import FaultProxy
 
-from .helpers import WS, fast_config, token_for
+from .helpers import WS, RecordingSleep, fast_config, token_for
 
 TIMEOUT = 30
 OTHER = "ws2"
@@ -264,3 +266,42 @@ async def test_reconnects_to_a_refusing_server_back_off_with_a_growing_attempt_n
     # Connection refused again and again: the delay grows with each failure (full jitter over
     # base * 2^n), it is never reset to the first step.
     assert failures_seen[:8] == list(range(1, 9))
+
+
+async def test_a_server_closing_with_1011_after_answering_is_not_reconnected_to_in_a_tight_loop(
+    aiohttp_server: Any,
+) -> None:
+    """A connection that carried frames proves the server is up, so the SDK reconnects at once;
+    but one the server then ends with 1011 (an internal error: a subscription that fails on
+    every catch-up, say) proves the opposite, and must back off like a failed connect."""
+    connections = 0
+    calm = asyncio.Event()
+
+    async def socket_route(request: web.Request) -> web.WebSocketResponse:
+        nonlocal connections
+        connections += 1
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        frame = await ws.receive_json(timeout=10)
+        await ws.send_json({"type": "synced", "sub_doc": frame["sub_doc"], "clock": 0})
+        if connections < 6:
+            await ws.close(code=1011, message=b"subscription failed; reconnect")
+        else:  # from the sixth connection on, the server behaves: the client stays
+            calm.set()
+            async for _ in ws:
+                pass
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/v1/workspaces/{ws}/socket", socket_route)
+    server = await aiohttp_server(app)
+    sleep = RecordingSleep()
+    url = str(server.make_url("")).rstrip("/")
+    async with WorkspaceClient(url, token=token_for(WS), config=fast_config(sleep=sleep)) as client:
+        sub = client.subscribe(WS, "tree")
+        reader = asyncio.create_task(drain(sub))
+        await asyncio.wait_for(calm.wait(), TIMEOUT)
+        await sub.aclose()
+        await asyncio.wait_for(reader, TIMEOUT)
+    # One backoff wait before each of the five reconnects that followed a 1011.
+    assert len(sleep.delays) >= 5, sleep.delays
