@@ -236,7 +236,10 @@ class WorkspaceSocket:
                     autoping=True,
                 )
             except aiohttp.WSServerHandshakeError as exc:
-                if exc.status in (401, 403):
+                # A 4xx refusal of the upgrade is final (DESIGN §6), not only 401/403: a wrong
+                # path or a proxy that refuses upgrades (400, 404) was retried forever, silently;
+                # now the subscriptions raise it and ops go over HTTP. 408 and 429 are retried.
+                if 400 <= exc.status < 500 and exc.status not in (408, 429):
                     self._final(error_from_problem(exc.status, None))
                     return
                 failures += 1

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from cv_mutations import NodeIncrement, NodeInsert
-from cv_workspace_client import ForbiddenError, Subscription, WorkspaceClient
+from cv_workspace_client import ForbiddenError, Subscription, WorkspaceClient, WorkspaceError
 from cv_workspace_client.testing import FaultProxy
 
 from .helpers import WS, RecordingSleep, fast_config, token_for
@@ -305,3 +305,31 @@ async def test_a_server_closing_with_1011_after_answering_is_not_reconnected_to_
         await asyncio.wait_for(reader, TIMEOUT)
     # One backoff wait before each of the five reconnects that followed a 1011.
     assert len(sleep.delays) >= 5, sleep.delays
+
+
+@pytest.mark.parametrize("status", [400, 404])
+async def test_an_upgrade_refused_with_a_4xx_fails_the_subscription_instead_of_retrying_forever(
+    aiohttp_server: Any, status: int
+) -> None:
+    attempts = 0
+
+    async def refuse(request: web.Request) -> web.Response:
+        nonlocal attempts
+        attempts += 1
+        return web.Response(status=status, text="no websockets here")
+
+    app = web.Application()
+    app.router.add_get("/v1/workspaces/{ws}/socket", refuse)
+    server = await aiohttp_server(app)
+    sleep = RecordingSleep()
+    url = str(server.make_url("")).rstrip("/")
+    config = fast_config(sleep=sleep)
+    async with (
+        WorkspaceClient(url, token=token_for(WS), config=config) as client,
+        client.subscribe(WS, "tree") as sub,
+    ):
+        with pytest.raises(WorkspaceError) as caught:
+            await asyncio.wait_for(drain(sub), TIMEOUT)
+    assert not caught.value.retryable
+    assert attempts == 1
+    assert sleep.delays == []
