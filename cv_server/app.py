@@ -124,6 +124,15 @@ async def readyz(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if not state.ready or state.shutting_down:
         raise Problem(503, "unavailable", "not ready")
+    # A load balancer routes by this answer. While the database is unreachable every route
+    # answers 5xx, so the instance is not ready (it used to say "ready" regardless); /healthz
+    # stays 200, since a restart would not bring the database back. One cheap read; no timeout
+    # of our own (DESIGN §10 gives none): the prober's own timeout bounds a hung one, and on
+    # PostgreSQL the statement_timeout guard does.
+    try:
+        await request.app[STORES].oplog.head("readyz", "readyz")
+    except Exception:
+        raise Problem(503, "unavailable", "the database is unreachable") from None
     return web.json_response({"status": "ready"})
 
 
