@@ -15,10 +15,11 @@ nobody, which the lease re-drives.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import secrets
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Protocol
 from urllib.parse import quote
@@ -182,7 +183,10 @@ async def enqueue(
     headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
     path = _ws_path(workspace_id, "requests")
     config = _config_of(host)
-    safe = bool(deterministic) or idempotency_key is not None
+    # A rerun re-opens a *finished* request: if the lost attempt's run finished before the
+    # retry arrives, a repeat re-opens it once more (the stage runs twice). So a rerun is safe
+    # to repeat only under an Idempotency-Key, deterministic id or not.
+    safe = (bool(deterministic) and not body.get("rerun", False)) or idempotency_key is not None
     answer: Any = None
     replayed = False
     attempts = config.retry_attempts if safe else 1
@@ -272,7 +276,7 @@ async def replay(host: QueueHost, workspace_id: str, request_id: str) -> QueuedR
 
 async def stream_events(
     host: QueueHost, workspace_id: str, request_id: str, patience: float
-) -> AsyncIterator[tuple[str, Any]]:
+) -> AsyncGenerator[tuple[str, Any], None]:
     """The SSE stream of one request: `(event, data)` pairs — `queued`, then `done` or `error`.
 
     Ends when the server ends the stream (or the connection drops: the caller reconnects).
@@ -341,8 +345,15 @@ async def wait_request(
     deadline shorter than `timeout` is simply waited out again. Past `timeout`, the answer is a
     `RequestOutcome` with status `timeout` — never an exception that would lose the request id.
     """
+    if timeout <= 0:
+        # No wait at all: one look at the row (a stream bounded by a deadline already past
+        # could not even deliver the `done` of a request that finished long ago).
+        row = await get_request(host, workspace_id, request_id)
+        if row.is_finished:
+            return await _outcome(host, row)
+        return RequestOutcome(request_id, "timeout", row)
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + max(0.0, timeout)
+    deadline = loop.time() + timeout
     config = _config_of(host)
     backoff = backoff_for(config)
     last: QueuedRequest | None = None
@@ -350,23 +361,41 @@ async def wait_request(
     while True:
         remaining = deadline - loop.time()
         saw_event = False
+        finished: QueuedRequest | None = None
         try:
-            async for event, data in stream_events(
-                host, workspace_id, request_id, max(0.0, remaining)
+            # The stream's own HTTP timeout only catches a dead peer, 10 s past the deadline: on
+            # a stalled link (no reset, no byte) the wait overran `timeout` by that much. Each
+            # stream is bounded by the wait's own deadline. `aclosing` releases the connection
+            # as soon as we leave, not when a finalizer gets round to it.
+            async with (
+                asyncio.timeout_at(deadline),
+                contextlib.aclosing(
+                    stream_events(host, workspace_id, request_id, max(0.0, remaining))
+                ) as events,
             ):
-                saw_event = True
-                if event == "done":
-                    return await _outcome(host, QueuedRequest.from_json(data))
-                if event == "queued":
-                    last = QueuedRequest.from_json(data)
-                elif event == "error" and isinstance(data, dict) and data.get("code") != "TIMEOUT":
-                    raise error_from_problem(None, data)
+                async for event, data in events:
+                    saw_event = True
+                    if event == "done":
+                        finished = QueuedRequest.from_json(data)
+                        break
+                    if event == "queued":
+                        last = QueuedRequest.from_json(data)
+                    elif (
+                        event == "error"
+                        and isinstance(data, dict)
+                        and data.get("code") != "TIMEOUT"
+                    ):
+                        raise error_from_problem(None, data)
             # Ended without `done`: the server's deadline, or a dropped stream.
             failures = 0 if saw_event else failures + 1
+        except TimeoutError:  # our bound, mid-stream (`stream_events` wraps its own timeouts)
+            return RequestOutcome(request_id, "timeout", last)
         except WorkspaceError as exc:
             if not is_retryable(exc):
                 raise
             failures += 1
+        if finished is not None:  # outside the deadline: a known outcome is never a timeout
+            return await _outcome(host, finished)
         remaining = deadline - loop.time()
         if remaining <= 0:
             return RequestOutcome(request_id, "timeout", last)
@@ -509,7 +538,8 @@ class QueueMethods:
         With a `job_id`, the id is deterministic by default (hash of workspace, job, branch and
         stage): enqueueing it again coalesces into the live request, or returns the finished
         one — pass `rerun=True` to run a finished one again on purpose. Without, each enqueue is
-        a new request; an `Idempotency-Key` is minted (or use yours) so a retry cannot fork it.
+        a new request. Without a `job_id`, or with `rerun`, an `Idempotency-Key` is minted (or
+        use yours) so a retry cannot fork it.
         """
         body: dict[str, Any] = {"stage": stage}
         for name, value in (
@@ -525,7 +555,9 @@ class QueueMethods:
         if rerun:
             body["rerun"] = True
         is_deterministic = deterministic if deterministic is not None else job_id is not None
-        if idempotency_key is None and not is_deterministic:
+        # A rerun is not coalesced away like a plain deterministic repeat (see `enqueue`): it
+        # needs its own key too, so that a retry after a lost answer cannot run the stage again.
+        if idempotency_key is None and (rerun or not is_deterministic):
             idempotency_key = "auto-" + secrets.token_hex(16)
         return await enqueue(self, workspace_id, body, idempotency_key=idempotency_key)
 
