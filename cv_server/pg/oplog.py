@@ -208,17 +208,19 @@ class PostgresOpLogStore(OpLogStore):
         lane = self._lane(key)
         async with lane.lock, self.pool.acquire() as conn:
             try:
-                if lane.doc is None:
-                    doc = await sql.load_sub_doc(conn, workspace_id, sub_doc)
-                    if doc.clock == 0:
-                        return 0, doc.state  # never written: not worth a cache entry
-                    lane.doc = doc
-                else:
-                    await sql.catch_up(conn, workspace_id, sub_doc, lane.doc)
+                # The head, the snapshot and the log read in one snapshot of the database, so
+                # the state must end exactly at the head: a snapshot (or a cache) ahead of the
+                # log is rebuilt or reported as corruption, never served as a state that is
+                # not durable (it used to be returned as is).
+                async with conn.transaction(isolation="repeatable_read", readonly=True):
+                    head = await sql.read_head(conn, workspace_id, sub_doc)
+                    doc = await self._caught_up(conn, key, lane, head)
             except BaseException:
                 lane.doc = None
                 raise
-            return lane.doc.clock, copy_state(lane.doc.state)
+            if doc.clock == 0:
+                lane.doc = None  # never written: not worth a cache entry
+            return doc.clock, copy_state(doc.state)
 
     async def head(self, workspace_id: str, sub_doc: str) -> int:
         self._check_open()
@@ -278,6 +280,7 @@ class PostgresOpLogStore(OpLogStore):
         return group
 
     async def _drain(self, key: tuple[str, str], lane: _Lane) -> None:
+        group: list[_Pending] = []
         try:
             while lane.pending:
                 group = self._take_group(lane)
@@ -296,6 +299,24 @@ class PostgresOpLogStore(OpLogStore):
                 for pending, result in zip(group, results, strict=True):
                     if not pending.future.done():
                         pending.future.set_result(result)
+                group = []
+        except BaseException as exc:
+            # Only what `except Exception` lets through gets here (the drainer cancelled,
+            # KeyboardInterrupt): without this, the group in flight and the appends queued
+            # behind it were never answered and their callers hung forever. Answer them with
+            # an ordinary error (not CancelledError: their callers were not cancelled).
+            for pending in group:
+                if not pending.future.done():
+                    pending.future.set_exception(
+                        RuntimeError(f"{key}: the op-log lane stopped mid-commit ({exc!r})")
+                    )
+            while lane.pending:
+                pending = lane.pending.popleft()
+                if not pending.future.done():
+                    pending.future.set_exception(
+                        RuntimeError(f"{key}: the op-log lane stopped ({exc!r}); not applied")
+                    )
+            raise
         finally:
             # No await between the last `while` check and this line: an append that arrives
             # after it sees `drainer is None` and starts a new drainer.
@@ -348,7 +369,8 @@ class PostgresOpLogStore(OpLogStore):
     async def _caught_up(
         self, conn: asyncpg.Connection, key: tuple[str, str], lane: _Lane, head: int
     ) -> sql.CachedSubDoc:
-        """The lane's cached sub-doc at exactly `head` (call holding the head row lock)."""
+        """The lane's cached sub-doc at exactly `head` (call holding the head row lock, or in a
+        repeatable-read transaction that read `head`)."""
         workspace_id, sub_doc = key
         doc = lane.doc
         if doc is None or doc.clock > head:
