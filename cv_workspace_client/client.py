@@ -160,7 +160,8 @@ class WorkspaceClient(QueueMethods):
 
     async def close(self) -> None:
         """Stop: pending ops stay in the outbox (a file outbox replays them on the next start);
-        their awaiters get `StillPendingError` (file) or `ClientClosedError` (memory)."""
+        their awaiters get `StillPendingError` (file) or `ClientClosedError` (memory), or
+        `OutboxError("outbox_sync_failed")` if the file could not be made durable."""
         await self._shutdown(abort=False)
 
     async def abort(self) -> None:
@@ -191,11 +192,22 @@ class WorkspaceClient(QueueMethods):
         await outbox.close(abort=abort)
         self._state = "closed"
         durable = outbox.durable and not abort
-        for future, op_id in self._futures.values():
-            if not future.done():
-                future.set_exception(
-                    StillPendingError(op_id) if durable else ClientClosedError(op_id)
+        for seq, (future, op_id) in self._futures.items():
+            if future.done():
+                continue
+            error: WorkspaceError
+            if not durable:
+                error = ClientClosedError(op_id)
+            elif outbox.synced(seq):
+                error = StillPendingError(op_id)
+            else:
+                # The close's final fsync failed (the outbox's directory removed, a disk error):
+                # "it stays in the outbox and will be replayed" would be false, and the app would
+                # never re-submit an op nothing will replay.
+                error = OutboxError(
+                    "outbox_sync_failed", f"op {op_id} could not be made durable in the outbox"
                 )
+            future.set_exception(error)
         self._futures.clear()
         self._settle_sync_waiters(closing=True)
         if self._session is not None:
