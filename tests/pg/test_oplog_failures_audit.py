@@ -201,12 +201,11 @@ async def test_a_connection_killed_before_commit_answers_with_an_error_and_the_r
         async with holder.transaction():
             await holder.execute("SELECT pg_advisory_xact_lock(4242)")
             appending = asyncio.create_task(store.append(WS, DOC, [increment(), increment(lost)]))
+            # The batch's own backend: the only one waiting on lock 4242, which only the trigger
+            # for `lost` takes. (Not identified by pg_stat_activity.query: inside this
+            # transaction that view is a snapshot taken at its first read, possibly of an
+            # earlier statement of the batch.)
             [victim] = await wait_for_blocked(holder)
-            query = await holder.fetchval(
-                "SELECT query FROM pg_stat_activity WHERE pid = $1", victim
-            )
-            # The batch's own backend, found by what it runs: its write statement or COMMIT.
-            assert "new_ops" in query or "COMMIT" in query.upper()
             assert await holder.fetchval("SELECT pg_terminate_backend($1)", victim)
             with pytest.raises(Exception) as raised:  # noqa: PT011 - whichever the driver says
                 await asyncio.wait_for(appending, BOUND)
