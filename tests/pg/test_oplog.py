@@ -4,8 +4,6 @@ catch-up, NOTIFY on commit, group commit, and a cache that never runs ahead of t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
@@ -15,35 +13,16 @@ from cv_server.oplog import Committed
 from cv_server.pg import Notifier
 from cv_server.pg.oplog import (
     OpLogCorrupted,
-    PostgresOpLogStore,
     oplog_payload,
     parse_oplog_payload,
 )
 from cv_server.pg.oplog_sql import OPS_TABLE, SNAPSHOTS_TABLE
 from tests.contract.oplog_contract import DOC, WS, all_entries, append_one, field_value, increment
-from tests.pg.helpers import settings_for
+from tests.pg.conftest import Opener
 
 pytestmark = pytest.mark.postgres
 
 TIMEOUT = 60.0
-
-Opener = Callable[..., Any]
-
-
-@pytest.fixture
-async def open_store(postgres_url: str, schema: str) -> AsyncIterator[Opener]:
-    """Opens stores on the test schema, each with its own pool (as separate servers would)."""
-    opened: list[PostgresOpLogStore] = []
-
-    async def open_store(**kwargs: Any) -> PostgresOpLogStore:
-        kwargs.setdefault("channel", f"cv_oplog_{schema}")
-        store = await PostgresOpLogStore.open(postgres_url, settings_for(schema), **kwargs)
-        opened.append(store)
-        return store
-
-    yield open_store
-    for store in opened:
-        await store.close()
 
 
 async def test_two_instances_writing_one_sub_doc_get_gap_free_clocks_and_no_double_apply(
