@@ -14,7 +14,7 @@ from typing import Final
 from pydantic import JsonValue
 
 from cv_mutations.ops import NodeDelete, NodeIncrement, NodeInsert, NodeMove, NodeUpdate, Op
-from cv_mutations.state import ROOT, Node, SubDocState, _copy_json
+from cv_mutations.state import ROOT, Node, SubDocState, copy_json
 
 __all__ = ["REJECTION_CODES", "OpRejected", "Undo", "apply_op"]
 
@@ -63,7 +63,7 @@ def _insert(state: SubDocState, op: NodeInsert) -> Undo:
         raise OpRejected("index_out_of_range", f"index {index} > {len(siblings)} children")
     # A deep copy: pydantic keeps the caller's nested lists and dicts inside a (frozen) op, so a
     # shallow copy let a caller who edits them after the apply edit the state too.
-    nodes[op.node_id] = Node(parent=op.parent_id, children=[], fields=_copy_json(op.fields))
+    nodes[op.node_id] = Node(parent=op.parent_id, children=[], fields=copy_json(op.fields))
     siblings.insert(index, op.node_id)
 
     def undo() -> None:
@@ -135,7 +135,7 @@ def _update(state: SubDocState, op: NodeUpdate) -> Undo:
     fields = _node(state, op.node_id).fields
     before = {key: fields.get(key, _MISSING) for key in (*op.set, *op.unset)}
     # Deep copies, for the same reason as in `_insert`.
-    fields.update({key: _copy_json(value) for key, value in op.set.items()})
+    fields.update({key: copy_json(value) for key, value in op.set.items()})
     for key in op.unset:
         fields.pop(key, None)
 

@@ -12,7 +12,7 @@ from typing import Any, Final
 
 from pydantic import JsonValue
 
-__all__ = ["ROOT", "InvalidState", "Node", "SubDocState"]
+__all__ = ["ROOT", "InvalidState", "Node", "SubDocState", "copy_json"]
 
 ROOT: Final = "root"
 
@@ -21,12 +21,12 @@ class InvalidState(ValueError):
     """A serialized state that breaks the tree invariants."""
 
 
-def _copy_json(value: Any) -> Any:
+def copy_json(value: Any) -> Any:
     """A deep copy of a JSON value (dicts and lists rebuilt; scalars are immutable)."""
     if isinstance(value, dict):
-        return {key: _copy_json(item) for key, item in value.items()}
+        return {key: copy_json(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [_copy_json(item) for item in value]
+        return [copy_json(item) for item in value]
     return value
 
 
@@ -105,7 +105,7 @@ class SubDocState:
             # Deep copy: a state must share no mutable value with its input (as `to_json` shares
             # none with its output), or a caller reusing `data` would edit the state behind the
             # log's back.
-            nodes[node_id] = Node(parent=parent, children=list(children), fields=_copy_json(fields))
+            nodes[node_id] = Node(parent=parent, children=list(children), fields=copy_json(fields))
         state = cls(nodes)
         state.check()
         return state

@@ -34,9 +34,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
 from cv_mutations import Node, OpRejected, SubDocState, Undo, apply_op
+from cv_mutations.state import copy_json
 from cv_server.oplog.store import Committed, IncomingOp, LogEntry, Outcome, Rejected
 
 __all__ = [
@@ -223,20 +224,12 @@ def plan_commit(
     return CommitPlan(outcomes, entries, fingerprints, rejections, undos, clock, base_clock)
 
 
-def _copy_json(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _copy_json(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_copy_json(item) for item in value]
-    return value  # str, int, float, bool, None are immutable
-
-
 def copy_state(state: SubDocState) -> SubDocState:
     """A deep copy sharing nothing mutable with `state` (cheaper than a JSON round trip)."""
     return SubDocState(
         {
             node_id: Node(
-                parent=node.parent, children=list(node.children), fields=_copy_json(node.fields)
+                parent=node.parent, children=list(node.children), fields=copy_json(node.fields)
             )
             for node_id, node in state.nodes.items()
         }

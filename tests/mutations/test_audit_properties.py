@@ -28,7 +28,6 @@ from cv_mutations import (
     NodeMove,
     NodeUpdate,
     Op,
-    OpRejected,
     SubDocState,
     apply_op,
     canonical_json,
@@ -39,26 +38,12 @@ from cv_mutations.schema import SCHEMA_DIR
 from cv_server.oplog import pipeline
 from cv_server.oplog.pipeline import Recorded, RecordedCommit, RecordedRejection, plan_commit
 from cv_server.oplog.store import Committed, IncomingOp, Rejected
+from tests.mutations.helpers import outcome, start_state
 from tests.mutations.strategies import json_values, op_sequences, pool_ops, pool_trees
 
 AUDIT = settings(max_examples=150, deadline=None)
 
 Sequence = tuple[list[NodeInsert], list[Op]]
-
-
-def start_state(start: list[NodeInsert]) -> SubDocState:
-    state = SubDocState.empty()
-    for insert in start:
-        apply_op(state, insert)
-    return state
-
-
-def try_apply(state: SubDocState, op: Op) -> str | None:
-    try:
-        apply_op(state, op)
-    except OpRejected as rejection:
-        return rejection.code
-    return None
 
 
 def containers(value: Any) -> Iterator[list[Any] | dict[str, Any]]:
@@ -216,7 +201,7 @@ def test_increment_edges_apply_as_json_numbers_or_leave_the_state_alone(
     state = SubDocState.empty()
     apply_op(state, NodeUpdate(node_id="root", set={"n": start}))
     before = state.dumps()
-    code = try_apply(state, NodeIncrement(node_id="root", field="n", by=by))
+    code = outcome(state, NodeIncrement(node_id="root", field="n", by=by))
     if expected is None:
         assert code == "not_a_number"
         assert state.dumps() == before
@@ -240,10 +225,10 @@ def test_a_snapshot_reloaded_mid_sequence_answers_the_rest_like_the_cached_state
     cut = data.draw(st.integers(min_value=0, max_value=len(ops)))
     cached = start_state(start)
     for op in ops[:cut]:
-        try_apply(cached, op)
+        outcome(cached, op)
     reloaded = SubDocState.loads(cached.dumps())
     for op in ops[cut:]:
-        assert try_apply(cached, op) == try_apply(reloaded, op), op
+        assert outcome(cached, op) == outcome(reloaded, op), op
         assert cached == reloaded
 
 

@@ -8,28 +8,13 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from cv_mutations import REJECTION_CODES, NodeInsert, Op, OpRejected, SubDocState, Undo, apply_op
+from tests.mutations.helpers import outcome, start_state
 from tests.mutations.reference import reference_apply, tree_problems
 from tests.mutations.strategies import aimed_op, op_sequences, pool_trees
 
 PROPERTY = settings(max_examples=300, deadline=None)
 
 Sequence = tuple[list[NodeInsert], list[Op]]
-
-
-def start_state(start: list[NodeInsert]) -> SubDocState:
-    state = SubDocState.empty()
-    for insert in start:
-        apply_op(state, insert)
-    return state
-
-
-def outcome(state: SubDocState, op: Op) -> str | None:
-    """Apply `op`; its rejection code, or None when it applied."""
-    try:
-        apply_op(state, op)
-    except OpRejected as rejection:
-        return rejection.code
-    return None
 
 
 def _refuse_non_json(constant: str) -> None:
