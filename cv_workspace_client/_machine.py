@@ -44,7 +44,6 @@ from cv_workspace_client.errors import (
     OpRejectedError,
     OutboxError,
     ProtocolError,
-    RateLimitedError,
     StillPendingError,
     WorkspaceError,
 )
@@ -502,7 +501,7 @@ class OutboxMachine:
             if lane.failures >= self.max_attempts:
                 self._give_up(lane, error)
                 return
-            if isinstance(error, RateLimitedError) and error.retry_after is not None:
+            if error.retry_after is not None:  # a 429's or 503's Retry-After wins over jitter
                 delay = min(max(error.retry_after, 0.0), self.retry_after_cap)
             else:
                 delay = self._backoff(lane.failures)

@@ -32,7 +32,6 @@ from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
     ConnectionFailedError,
     ProtocolError,
-    RateLimitedError,
     WorkspaceError,
     error_from_problem,
 )
@@ -157,7 +156,7 @@ async def _retried(host: QueueHost, method: str, path: str, **kwargs: Any) -> An
     if config.retry_attempts <= 1:
         raise first_error
     delay = backoff_for(config)(1)
-    if isinstance(first_error, RateLimitedError) and first_error.retry_after is not None:
+    if first_error.retry_after is not None:
         delay = min(max(first_error.retry_after, 0.0), config.retry_cap_seconds)
     await config.sleep(delay)
     retry_config = dataclasses.replace(config, retry_attempts=config.retry_attempts - 1)

@@ -1,8 +1,8 @@
 """Retry policy wiring: tenacity's full-jitter wait for both the op machine's delay generator and
 the retried reads, and the one "is this retryable?" rule (seed 004).
 
-Only errors that may succeed later are retried: connection errors, timeouts, 5xx and 429 (whose
-Retry-After wins over the jitter). A 4xx is an answer, never retried.
+Only errors that may succeed later are retried: connection errors, timeouts, 5xx and 429 (a
+Retry-After that came with a 429 or a 5xx wins over the jitter). A 4xx is an answer, never retried.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tenacity import (
 )
 
 from cv_workspace_client.config import ClientConfig
-from cv_workspace_client.errors import RateLimitedError, WorkspaceError
+from cv_workspace_client.errors import WorkspaceError
 
 __all__ = ["backoff_for", "is_retryable", "retrying"]
 
@@ -53,7 +53,7 @@ def retrying(config: ClientConfig, *, forever: bool = False) -> AsyncRetrying:
 
     def wait(state: RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome is not None else None
-        if isinstance(exc, RateLimitedError) and exc.retry_after is not None:
+        if isinstance(exc, WorkspaceError) and exc.retry_after is not None:
             return min(max(exc.retry_after, 0.0), config.retry_cap_seconds)
         return backoff(state.attempt_number)
 

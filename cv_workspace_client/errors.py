@@ -34,6 +34,10 @@ __all__ = [
 class WorkspaceError(Exception):
     """Base of every SDK error. `code` is stable; `message` is for humans."""
 
+    #: Seconds the server (or a proxy in front of it) asked the client to wait before trying
+    #: again (`Retry-After`); only a 429 or a 5xx answer carries one.
+    retry_after: float | None = None
+
     #: True when the same request may succeed later (the SDK retries it with backoff).
     retryable: ClassVar[bool] = False
 
@@ -57,13 +61,22 @@ class ConnectionFailedError(WorkspaceError):
 
 
 class ServerError(WorkspaceError):
-    """A 5xx answer (`internal`, `unavailable`, ...)."""
+    """A 5xx answer (`internal`, `unavailable`, ...). `retry_after` is the `Retry-After` that came
+    with it (a 503 from a server or proxy in maintenance, RFC 9110 §10.2.3), if any."""
 
     retryable = True
 
-    def __init__(self, code: str, message: str = "", *, status: int | None = None) -> None:
+    def __init__(
+        self,
+        code: str,
+        message: str = "",
+        *,
+        status: int | None = None,
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(code, message)
         self.status = status
+        self.retry_after = retry_after
 
 
 class RateLimitedError(WorkspaceError):
@@ -213,7 +226,7 @@ def error_from_problem(
     if code == "rate_limited" or status == 429:
         return RateLimitedError(code, message, retry_after=retry_after)
     if code in ("internal", "unavailable") or (status is not None and status >= 500):
-        return ServerError(code, message, status=status)
+        return ServerError(code, message, status=status, retry_after=retry_after)
     final = _FINAL_BY_CODE.get(code)
     if final is NotFoundError:
         return NotFoundError(code, message, status=status)

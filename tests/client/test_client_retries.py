@@ -109,6 +109,30 @@ async def test_a_429_waits_the_retry_after_the_server_asked_for(
     assert fake.requests == [[commit.op_id], [commit.op_id]]  # the same op_id, twice
 
 
+async def test_a_503_with_retry_after_waits_what_the_server_or_proxy_asked_for(
+    scripted: tuple[ScriptedServer, str],
+) -> None:
+    # A server or a proxy in maintenance answers 503 with Retry-After (RFC 9110 §10.2.3): the
+    # client waits that long (not a random jitter) and resends under the same op_id.
+    fake, url = scripted
+    fake.script.append(problem(503, "unavailable", retry_after=120))
+    sleep = RecordingSleep()
+    async with client_for(url, sleep) as client:
+        commit = await client.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
+    assert sleep.delays == [120.0]
+    assert fake.requests == [[commit.op_id], [commit.op_id]]
+
+
+async def test_reads_honour_a_503s_retry_after(scripted: tuple[ScriptedServer, str]) -> None:
+    fake, url = scripted
+    fake.script.append(problem(503, "unavailable", retry_after=45))
+    sleep = RecordingSleep()
+    async with client_for(url, sleep) as client:
+        clock, _ = await client.get_state(WS, "tree")
+    assert clock == 0
+    assert sleep.delays == [45.0]
+
+
 async def test_5xx_answers_are_retried_with_full_jitter_under_the_same_op_id(
     scripted: tuple[ScriptedServer, str],
 ) -> None:

@@ -64,6 +64,10 @@ def test_retry_after_is_read_as_seconds_or_as_an_http_date() -> None:
     assert parse_retry_after(None) is None
     assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past
     assert parse_retry_after("soon") is None
+    unavailable = error_from_problem(503, {"code": "unavailable"}, retry_after=30.0)
+    assert isinstance(unavailable, ServerError)
+    assert unavailable.retry_after == 30.0
+    assert error_from_problem(500, {"code": "internal"}).retry_after is None
     limited = error_from_problem(429, {"code": "rate_limited"}, retry_after=4.0)
     assert isinstance(limited, RateLimitedError)
     assert limited.retry_after == 4.0
