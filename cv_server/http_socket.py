@@ -23,7 +23,7 @@ from cv_mutations import is_valid_sub_doc, is_valid_workspace_id
 from cv_server.http_docs import commit_and_publish, publish
 from cv_server.hub import Connection, Subscription
 from cv_server.inputs import check_since, decode_json, parse_apply_body
-from cv_server.keys import CONFIG, CONNECTIONS, HUB, STATE, STORES
+from cv_server.keys import CONFIG, CONNECTIONS, HUB, METRICS, STATE, STORES
 from cv_server.oplog import LogEntry, Outcome
 from cv_server.problems import Problem
 from cv_server.security import authenticate
@@ -210,7 +210,10 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
 
     # `?batch=1`: the client reads a JSON array of frames as those frames, in order.
     batch_bytes = config.max_ws_frame_bytes if request.query.get("batch") == "1" else 0
-    conn = Connection(ws, config.subscriber_queue_limit, batch_bytes)
+    metrics = app[METRICS]
+    conn = Connection(
+        ws, config.subscriber_queue_limit, batch_bytes, on_too_slow=metrics.count_too_slow
+    )
     session = _Session(app, conn, workspace_id)
     app[CONNECTIONS].add(conn)
     try:

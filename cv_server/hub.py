@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 import orjson
@@ -54,10 +54,18 @@ class Connection:
     one per frame (on both ends, the per-message cost is most of what a frame costs).
     """
 
-    def __init__(self, ws: web.WebSocketResponse, limit: int, batch_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        ws: web.WebSocketResponse,
+        limit: int,
+        batch_bytes: int = 0,
+        on_too_slow: Callable[[], None] | None = None,
+    ) -> None:
         self.ws = ws
         self.limit = limit
         self.batch_bytes = batch_bytes
+        #: Called once when this connection is cut off as too slow (`/metrics` counts them).
+        self._on_too_slow = on_too_slow
         self._queue: deque[str] = deque()
         self._ready = asyncio.Event()
         # Set when the queue is at or below half the limit: catch-up waits on it (`room`).
@@ -82,7 +90,9 @@ class Connection:
         return self.send(orjson.dumps(body).decode())
 
     def too_slow(self) -> None:
-        self.close(CLOSE_TOO_SLOW, b"subscriber too far behind; reconnect and catch up")
+        closing = self.close(CLOSE_TOO_SLOW, b"subscriber too far behind; reconnect and catch up")
+        if closing is not None and self._on_too_slow is not None:
+            self._on_too_slow()
 
     def close(self, code: int, message: bytes = b"") -> asyncio.Task[bool] | None:
         """Start closing with `code`; returns the closing task (None if already closing)."""

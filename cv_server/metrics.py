@@ -26,6 +26,9 @@ class Metrics:
             else:
                 self.ops_rejected += 1
 
+    def count_too_slow(self) -> None:
+        self.ws_too_slow += 1
+
     def render(self) -> str:
         lines = [
             "# TYPE cv_ops_committed_total counter",

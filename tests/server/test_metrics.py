@@ -1,0 +1,88 @@
+"""`/metrics` says what happened: every apply counted once by its outcome, whichever route it
+came by; slow subscribers cut off are counted."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import WSMsgType
+from aiohttp.test_utils import TestClient
+
+from cv_server import ServerConfig, create_app
+from cv_server.hub import CLOSE_TOO_SLOW
+from tests.server.conftest import ClientFactory, auth
+from tests.server.helpers import insert, post_ops
+
+SOCKET = "/v1/workspaces/ws1/socket"
+
+
+async def scrape(client: TestClient[Any, Any]) -> dict[str, float]:
+    """The samples of `/metrics`, by name (no labels in this exposition)."""
+    response = await client.get("/metrics")
+    assert response.status == 200
+    samples: dict[str, float] = {}
+    for line in (await response.text()).splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+async def test_applies_are_counted_once_by_outcome_over_http_and_the_websocket(
+    client: TestClient[Any, Any],
+) -> None:
+    before = await scrape(client)
+    # HTTP: two commits, then the same two again (duplicates) and a rejection.
+    first = [insert("a", op_id="op-aaaaaaaa"), insert("b", op_id="op-bbbbbbbb")]
+    await post_ops(client, first)
+    await post_ops(client, first)
+    await post_ops(client, [insert("a", op_id="op-a2222222")])  # node_exists: rejected
+    # Websocket: one commit, its replay (a duplicate), one rejection.
+    ws = await client.ws_connect(SOCKET, headers=auth("ws1"))
+    acks = 0
+    for req, op in enumerate(
+        [
+            insert("c", op_id="op-cccccccc"),
+            insert("c", op_id="op-cccccccc"),
+            insert("c", op_id="op-c2222222"),
+        ]
+    ):
+        await ws.send_json({"type": "apply", "req": req, "sub_doc": "tree", "ops": [op]})
+        frame = await ws.receive_json(timeout=5)
+        assert frame["type"] == "ack", frame
+        acks += 1
+    await ws.close()
+    assert acks == 3
+    after = await scrape(client)
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+    assert delta["cv_ops_committed_total"] == 3
+    assert delta["cv_ops_duplicate_total"] == 3
+    assert delta["cv_ops_rejected_total"] == 2
+
+
+async def test_a_subscriber_cut_off_as_too_slow_is_counted(
+    aiohttp_client: ClientFactory, make_config: Callable[..., ServerConfig]
+) -> None:
+    client = await aiohttp_client(create_app(make_config(subscriber_queue_limit=20)))
+    assert (await scrape(client))["cv_ws_closed_too_slow_total"] == 0
+    stalled = await client.ws_connect(SOCKET, headers=auth("ws1"), max_msg_size=0)
+    await stalled.send_json({"type": "subscribe", "sub_doc": "tree", "since": 0})
+    assert (await stalled.receive_json(timeout=5))["type"] == "synced"
+    during = await scrape(client)
+    assert during["cv_ws_connections"] == 1
+    assert during["cv_subscriptions"] == 1
+    # Big ops fill the stalled socket's kernel buffers, then its queue passes the limit (20).
+    blob = "x" * 50_000
+    for i in range(300):
+        op = {"type": "node.insert", "node_id": f"n{i}", "parent_id": "root", "fields": {"b": blob}}
+        await post_ops(client, [op])
+    async with asyncio.timeout(30):
+        while True:
+            msg = await stalled.receive()
+            if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSED, WSMsgType.CLOSING):
+                break
+    assert stalled.close_code == CLOSE_TOO_SLOW
+    # Counted when the server cut it off, before the close frame left.
+    assert (await scrape(client))["cv_ws_closed_too_slow_total"] == 1
