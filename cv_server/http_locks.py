@@ -1,15 +1,19 @@
 """HTTP routes of the compute lock (layer 2, DESIGN §8, seed 000), for workers.
 
 `POST /v1/workspaces/{ws}/locks/acquire` `{"job_id", "task", "holder"?}` →
-`{"acquired": true, "token", "expires_at"}` or `{"acquired": false, "locked": true, "holder",
-"expires_at"}`; `POST .../locks/release` `{"job_id", "task", "token"}` → `{"released": bool}`.
+`{"acquired": true, "token", "expires_at", "expires_in", "ttl"}` or `{"acquired": false,
+"locked": true, "holder", "expires_at", "expires_in", "ttl"}`; `POST .../locks/release`
+`{"job_id", "task", "token"}` → `{"released": bool}`.
 The TTL is the server's (`compute_lock_ttl_seconds`, 60 s), not the caller's: a lock that any
 client could make eternal would turn one crashed worker into a stuck column.
+
+`expires_at` is on the store's clock (`ComputeLockStore.clock`), which is not the worker's:
+`expires_in` (seconds left, as of the answer) and `ttl` (the lock's lifetime) are durations, so a
+worker can time its compute against the lock with its own clock, however far that one is off.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from aiohttp import web
@@ -49,20 +53,14 @@ async def acquire(request: web.Request) -> web.Response:
     if not isinstance(holder, str) or not 0 < len(holder) <= 256 or "\x00" in holder:
         raise Problem(422, "invalid_field", "holder must be a string of 1..256 chars, without NUL")
     ttl = request.app[CONFIG].compute_lock_ttl_seconds
-    outcome = await request.app[STORES].locks.acquire(
-        workspace_id, body["job_id"], body["task"], holder, ttl, time.time()
-    )
+    locks = request.app[STORES].locks
+    now = await locks.clock()
+    outcome = await locks.acquire(workspace_id, body["job_id"], body["task"], holder, ttl, now)
+    timing = {"expires_at": outcome.expires_at, "expires_in": outcome.expires_at - now, "ttl": ttl}
     if isinstance(outcome, Acquired):
-        return web.json_response(
-            {"acquired": True, "token": outcome.token, "expires_at": outcome.expires_at}
-        )
+        return web.json_response({"acquired": True, "token": outcome.token, **timing})
     return web.json_response(
-        {
-            "acquired": False,
-            "locked": True,
-            "holder": outcome.holder,
-            "expires_at": outcome.expires_at,
-        }
+        {"acquired": False, "locked": True, "holder": outcome.holder, **timing}
     )
 
 
@@ -72,7 +70,10 @@ async def release(request: web.Request) -> web.Response:
     token = body.get("token")
     if not isinstance(token, str) or not token or "\x00" in token:
         raise Problem(422, "invalid_field", "token is required (a string without NUL)")
-    released = await request.app[STORES].locks.release(
-        workspace_id, body["job_id"], body["task"], token, time.time()
+    locks = request.app[STORES].locks
+    # The store's clock, as for acquire: release sweeps dead locks of other keys, and a server
+    # whose own clock ran ahead would sweep live ones.
+    released = await locks.release(
+        workspace_id, body["job_id"], body["task"], token, await locks.clock()
     )
     return web.json_response({"released": released})

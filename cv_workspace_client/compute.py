@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -65,8 +66,9 @@ ComputeStatus = Literal["present", "computed", "locked"]
 
 #: Share of a lock's lifetime kept free at its end: the compute (call + write) must be done by
 #: `expires_at - LOCK_MARGIN_FRACTION * lifetime`. The rest of the lifetime is the budget; the
-#: margin (6 s of the 60 s TTL) absorbs the write's last round trip and clock skew between worker
-#: and server. Derived from the TTL (DESIGN §10), not a constant of its own.
+#: margin (6 s of the 60 s TTL) absorbs the write's last round trip (clock skew between worker and
+#: server does not enter: the lock is timed on the worker's clock from the server's durations).
+#: Derived from the TTL (DESIGN §10), not a constant of its own.
 LOCK_MARGIN_FRACTION = 0.1
 
 
@@ -108,12 +110,32 @@ class LockAnswer:
     `acquired` with a `token` (ours to release), or locked by `holder` until `expires_at` (epoch
     seconds, the server's clock). `token` is None with `acquired` when the lock is ours but its
     token was lost (see `acquire_lock`): it then lapses at `expires_at` instead of being released.
+    `expires_in` (seconds left when the server answered) and `ttl` (the lock's lifetime) are
+    durations, free of any clock: None when the server did not send them.
     """
 
     acquired: bool
     expires_at: float
     token: str | None = None
     holder: str | None = None
+    expires_in: float | None = None
+    ttl: float | None = None
+
+    def local_span(self, asked_at: float) -> tuple[float, float]:
+        """`(acquired_at, expires_at)` of the lock on the clock that read `asked_at` just before
+        the acquisition was sent.
+
+        The server's `expires_at` is on the server's clock; a worker whose clock is behind would
+        think it had time left after the lock lapsed (and a second worker paid for the same
+        call), one whose clock is ahead would never dare compute. The server measured
+        `expires_in` after we asked, so `asked_at + expires_in` is never later than the real
+        expiry, whatever either clock says. A server that sends no durations: its `expires_at`.
+        """
+        if self.expires_in is None:
+            return asked_at, self.expires_at
+        expires_at = asked_at + self.expires_in
+        lifetime = self.ttl if self.ttl is not None else self.expires_in
+        return expires_at - max(lifetime, self.expires_in), expires_at
 
 
 def _locks_path(workspace_id: str, verb: str) -> str:
@@ -153,14 +175,27 @@ async def acquire_lock(
     )
     try:
         expires_at = float(answer["expires_at"])
+        expires_in, ttl = _duration(answer, "expires_in"), _duration(answer, "ttl")
         if answer.get("acquired") is True:
-            return LockAnswer(True, expires_at, token=str(answer["token"]), holder=holder)
+            token = str(answer["token"])
+            return LockAnswer(True, expires_at, token, holder, expires_in, ttl)
         other = answer.get("holder")
         if other == holder:
-            return LockAnswer(True, expires_at, token=None, holder=holder)
-        return LockAnswer(False, expires_at, holder=other if isinstance(other, str) else None)
+            return LockAnswer(True, expires_at, None, holder, expires_in, ttl)
+        other = other if isinstance(other, str) else None
+        return LockAnswer(False, expires_at, None, other, expires_in, ttl)
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError("bad_answer", f"lock answer: {exc!r}") from None
+
+
+def _duration(answer: dict[str, Any], name: str) -> float | None:
+    """A duration of a lock answer: absent → None; anything but a finite number ≥ 0 → ValueError."""
+    raw = answer.get(name)
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or not 0 <= raw < math.inf:
+        raise ValueError(f"{name} must be a finite number of seconds >= 0: {raw!r}")
+    return float(raw)
 
 
 async def release_lock(
@@ -181,7 +216,7 @@ async def release_lock(
 
 def compute_budget(acquired_at: float, expires_at: float, now: float) -> float:
     """Seconds the compute may still take, given when we asked for the lock, when it expires and
-    the time now (all epoch seconds). ≤ 0 means: do not start.
+    the time now, all three on one clock (see `LockAnswer.local_span`). ≤ 0 means: do not start.
 
     The lock's lifetime is `expires_at - acquired_at` (the server's TTL, seen from here); the last
     `LOCK_MARGIN_FRACTION` of it is kept free so the write is committed while the lock is still
@@ -243,7 +278,8 @@ async def compute_once(
         lease: called before each acquisition and before the compute starts; raises to stop (the
             stage's `ensure_lease`: a stage that lost its queue claim must not pay for a call).
         polling: the acquisition retry schedule while waiting.
-        now: epoch-seconds clock, compared with the lock's `expires_at` (injectable).
+        now: the clock that times the compute against the lock (injectable); only its
+            differences count, so it need not agree with the server's.
 
     Raises:
         LockExpiringError: the compute outran the lock's budget; it is cancelled rather than
@@ -331,7 +367,10 @@ async def _holding(
         #    So the compute — call and write — must be done `LOCK_MARGIN_FRACTION` of the lock's
         #    lifetime before `expires_at`, or it is cancelled and we raise: the stage fails, the
         #    queue re-drives it, and the next attempt re-checks before paying again.
-        budget = compute_budget(asked_at, lock.expires_at, now())
+        #    The lock's span is read on our clock (`LockAnswer.local_span`): the server's
+        #    `expires_at` against our clock would be off by however far the two clocks are.
+        acquired_at, expires_at = lock.local_span(asked_at)
+        budget = compute_budget(acquired_at, expires_at, now())
         if budget <= 0:
             raise LockExpiringError(
                 f"lock {job_id}/{task} was granted too close to its expiry to compute under it"
@@ -349,7 +388,7 @@ async def _holding(
             # not unsent, DESIGN §6): releasing now would let a waiter double-check before that
             # write lands and pay for the same call again. So the key is handed back only once
             # the client has nothing pending; otherwise it lapses at its TTL (the margin away).
-            release = await _writes_landed(client, lock.expires_at - now())
+            release = await _writes_landed(client, expires_at - now())
             raise LockExpiringError(
                 f"compute of {job_id}/{task} outran its lock budget ({budget:.1f} s); "
                 "cancelled before the lock could lapse"

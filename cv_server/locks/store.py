@@ -7,13 +7,17 @@ the key, so two workspaces never contend (seed 000 anti-pattern: the queue, not 
 cross-workspace coordinator).
 
 Time is a parameter (`now`, epoch seconds) and so is the TTL: callers pass
-`ServerConfig.compute_lock_ttl_seconds` (60 s, DESIGN §10); the stores read no clock.
+`ServerConfig.compute_lock_ttl_seconds` (60 s, DESIGN §10); the verbs read no clock. Which clock
+`now` should come from is the store's to say (`clock`): with several server instances on one
+PostgreSQL database, each instance's own wall clock would judge the same lock differently (one
+running ahead takes live locks over, and sweeps them as dead), so there it is the database's.
 """
 
 from __future__ import annotations
 
 import abc
 import math
+import time
 from dataclasses import dataclass
 
 __all__ = ["AcquireOutcome", "Acquired", "ComputeLockStore", "LockInfo", "Locked", "check_ttl"]
@@ -71,6 +75,12 @@ class ComputeLockStore(abc.ABC):
     - every acquisition mints a fresh token; only that token releases the lock, so a holder that
       outran its TTL can never release the lock of whoever took the key over.
     """
+
+    async def clock(self) -> float:
+        """The time now (epoch seconds) on the clock every user of this store shares: pass it as
+        `now` when there is no clock to inject. The default, this process's wall clock, is right
+        for a store only one process opens (embedded SQLite)."""
+        return time.time()
 
     @abc.abstractmethod
     async def acquire(

@@ -11,6 +11,9 @@ Each verb is **one statement** (one implicit transaction, one round trip):
   keys, skipping rows another transaction holds (`SKIP LOCKED`): sweeping never waits, and two
   sweeps never wait on each other.
 
+`clock` reads the database server's clock: the HTTP routes pass it as `now`, so every instance
+judges a lock's expiry (and sweeps dead ones) on the same clock, whatever its machine's says.
+
 Tables come from `migrations/003_compute_locks.sql`; names are unqualified (see
 `pool.PostgresSettings.schema`).
 """
@@ -76,6 +79,10 @@ WITH {_SWEEP_CTE}
 DELETE FROM {TABLE} WHERE {_KEY} AND token = $6
 """
 
+#: The database server's clock: the one every instance shares (`ComputeLockStore.clock`).
+#: clock_timestamp, not now(): the time of the reading, not of some transaction's start.
+_CLOCK: Final = "SELECT extract(epoch FROM clock_timestamp())::float8"
+
 _LIVE: Final = (
     f"SELECT holder, token, acquired_at, expires_at FROM {TABLE} WHERE {_KEY} AND expires_at > $4"
 )
@@ -98,6 +105,13 @@ class PostgresComputeLockStore(ComputeLockStore):
         self._sweep_limit = sweep_limit
         self._new_token = new_token
         self._retry_policy = retry_policy
+
+    async def clock(self) -> float:
+        """The database server's clock: several instances (several machines) share this store,
+        and a lock must lapse at the same moment for all of them."""
+        async with self._pool.acquire() as conn:
+            now: float = await conn.fetchval(_CLOCK)
+        return now
 
     async def acquire(
         self, workspace_id: str, job_id: str, task: str, holder: str, ttl: float, now: float
