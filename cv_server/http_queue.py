@@ -5,6 +5,7 @@ blobs, the worker verbs (claim / heartbeat / complete / fail) and the operator v
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 from typing import Any
@@ -31,6 +32,7 @@ from cv_server.queue import (
     random_request_id,
     request_fingerprint,
 )
+from cv_server.queue.model import fence
 from cv_server.security import authenticate, authorize
 
 __all__ = ["routes"]
@@ -74,6 +76,25 @@ def _opt_str(body: dict[str, Any], name: str, *, max_len: int = 256) -> str | No
             422, "invalid_field", f"{name} must be a string of 1..{max_len} chars, without NUL"
         )
     return value
+
+
+def _patience(request: web.Request, ceiling: float) -> float:
+    """The `?timeout=` seconds of a wait, within 0..`ceiling` (`ceiling` when absent).
+
+    NaN is refused like any non-number: `float()` reads "nan", and min/max let it through as 0,
+    so a client whose deadline arithmetic went wrong got an instant answer and polled in a
+    tight loop instead of hearing about its bug. A negative or infinite wait is clamped.
+    """
+    raw = request.query.get("timeout")
+    if raw is None:
+        return ceiling
+    try:
+        timeout = float(raw)
+    except ValueError:
+        timeout = math.nan
+    if math.isnan(timeout):
+        raise Problem(400, "invalid_field", "timeout must be a number of seconds")
+    return max(0.0, min(timeout, ceiling))
 
 
 def _stream_url(row: ProcessRequest) -> str:
@@ -230,11 +251,7 @@ async def stream_request(request: web.Request) -> web.StreamResponse:
     """
     row = await _row(request)
     config = request.app[CONFIG]
-    try:
-        timeout = float(request.query.get("timeout", config.waiter_deadline_seconds))
-    except ValueError:
-        raise Problem(400, "invalid_field", "timeout must be a number of seconds") from None
-    timeout = max(0.0, min(timeout, config.waiter_deadline_seconds))
+    timeout = _patience(request, config.waiter_deadline_seconds)
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -387,12 +404,9 @@ async def wait_for_work(request: web.Request) -> web.Response:
     classes = frozenset(request.query.getall("worker_classes", []))
     if not classes:
         raise Problem(422, "invalid_field", "name at least one worker_classes")
-    try:
-        patience = float(request.query.get("timeout", "2"))
-    except ValueError:
-        raise Problem(400, "invalid_field", "timeout must be a number of seconds") from None
+    patience = _patience(request, 2.0)
     workspaces = None if "*" in claims.workspaces else frozenset(claims.workspaces)
-    woken = await request.app[WORK_SIGNALS].wait(classes, workspaces, max(0.0, min(patience, 2.0)))
+    woken = await request.app[WORK_SIGNALS].wait(classes, workspaces, patience)
     return web.json_response({"pending": True}) if woken else web.Response(status=204)
 
 
@@ -430,6 +444,16 @@ async def complete(request: web.Request) -> web.Response:
     blob_ref = None
     encoded = json.dumps(result, separators=(",", ":")).encode()
     if len(encoded) > config.blob_threshold_bytes:  # seed 003: claim check for big payloads
+        # Answer a retried or refused completion before storing its payload: a holder retrying
+        # after a lost answer stored every attempt's copy, and a holder whose lease was lost
+        # stored one the row would never name; each stayed for the whole blob retention (24 h).
+        # The store fences again below (the row may change meanwhile); this only saves the put.
+        if row.status == "done" and row.claim_token == token:
+            return web.json_response({"status": row.status})
+        try:
+            fence(row, token)
+        except QueueError as exc:
+            raise _queue_problem(exc) from None
         blob_ref = await stores.blobs.put(row.workspace_id, encoded, time.time())
         result = None
     try:

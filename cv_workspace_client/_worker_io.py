@@ -144,6 +144,17 @@ class Completer:
             return api.CompletionOutcome(request_id, error=exc)
         return api.CompletionOutcome(request_id, status=status)
 
-    async def close(self) -> None:
-        if self._sender is not None and not self._sender.done():
-            await self._sender
+    async def close(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        """Let the batch in flight (and what is queued behind it) go out, for at most `timeout`
+        seconds (None: no bound); past it, abandon it: its stages hear `completion_aborted`."""
+        sender = self._sender
+        if sender is None or sender.done():
+            return
+        await asyncio.wait({sender}, timeout=timeout)
+        if not sender.done():
+            sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)
+        for _, _, future in self._queued:  # never sent: nobody may wait on them forever
+            if not future.done():
+                future.set_exception(WorkspaceError("completion_aborted", "the worker stopped"))
+        self._queued.clear()

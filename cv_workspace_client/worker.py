@@ -275,6 +275,8 @@ class Worker:
     async def _drain(self) -> None:
         """seed 004 §9: finish in-flight work within the deadline; past it cancel (the rows
         re-drive after their lease — nothing is acknowledged that did not happen)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_seconds
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=self.config.drain_seconds)
             if pending:
@@ -288,7 +290,12 @@ class Worker:
                 for task in pending:
                     task.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
-        await self._completer.close()
+        # The completions already handed to the completer get what is left of the same
+        # deadline: one whose answer never comes (a stalled server or link) otherwise held the
+        # drain for the client's whole request timeout and retries. Abandoned, it was either
+        # committed (the row is done) or not (the lease lapses and the row re-drives): never a
+        # completion of work that did not happen.
+        await self._completer.close(max(0.0, deadline - loop.time()))
 
     # -- one request -------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """The work queue on PostgreSQL, shared by every server instance (DESIGN §7, §9; issue 7).
 
 - **Claims** are one statement (`queue_sql.claim_sql`): each partial index is probed on its own
+  (per worker class, and per workspace when the token is restricted, as a LATERAL index walk)
   with `FOR UPDATE SKIP LOCKED`, so claimers on any instance never wait on each other nor get
   the same row, and a claim costs an index walk whatever the backlog.
 - **Every other verb** locks the row(s) it changes (`SELECT ... FOR UPDATE`), applies the pure
@@ -302,7 +303,7 @@ class PostgresQueueStore(QueueStore):
         if scope is None:
             return []
         classes, workspaces = scope
-        query = sql.claim_sql(len(classes), None if workspaces is None else len(workspaces))
+        query = sql.claim_sql(workspaces is not None)
         tokens = [self._new_token() for _ in range(limit)]
 
         async def attempt() -> tuple[builtins.list[ProcessRequest], builtins.list[RequestEvent]]:
@@ -318,8 +319,6 @@ class PostgresQueueStore(QueueStore):
                     None if workspaces is None else list(workspaces),
                     self.channel,
                     self.instance_id,
-                    *classes,
-                    *(workspaces or ()),
                 )
             # Parked rows (n = 0) come first, then the claimed ones in claim order.
             rows = [(row["n"], sql.request_from_row(row)) for row in found]

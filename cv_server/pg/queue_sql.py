@@ -135,17 +135,22 @@ def request_from_row(row: Mapping[str, Any]) -> ProcessRequest:
     return ProcessRequest(**{column: row[column] for column in COLUMNS})
 
 
-@functools.lru_cache(maxsize=256)
-def claim_sql(classes: int, workspaces: int | None) -> str:
-    """The claim statement for `classes` worker classes and `workspaces` allowed workspaces
-    (None: all). Parameters: $1 now, $2 limit, $3 worker_id, $4 lease, $5 claim tokens (one per
-    possible row), $6 the classes, $7 the workspaces (if restricted), $8 channel, $9 instance
-    id; then the classes one by one, then the workspaces one by one.
+@functools.lru_cache(maxsize=2)
+def claim_sql(restricted: bool) -> str:
+    """The claim statement, for a worker whose token covers only some workspaces (`restricted`)
+    or all of them. Parameters: $1 now, $2 limit, $3 worker_id, $4 lease, $5 claim tokens (one
+    per possible row), $6 the worker classes, $7 the workspaces (NULL when all are allowed), $8
+    channel, $9 instance id.
 
-    One statement, one implicit transaction, one round trip:
+    One statement, one implicit transaction, one round trip, of the same size whatever the
+    number of classes and workspaces: the scope travels as two arrays. (It used to be spelled
+    with one probe per class and workspace, each its own CTE and parameters: a worker naming
+    thousands of classes, or a token covering a thousand workspaces, made a statement the
+    server could not plan within the 5 s statement_timeout, or at all - "stack depth limit
+    exceeded" - so the claim answered 500 and such a worker could never claim.)
 
-    - one pending probe per class (and per allowed workspace), each an index walk of its partial
-      index in claimable-since order that stops after `limit` rows;
+    - one pending probe per class (and per allowed workspace), a LATERAL index walk of its
+      partial index in claimable-since order that stops after `limit` rows;
     - one probe of lapsed leases (their workers died) that may still run; one of lapsed leases
       that were dequeued `max_dequeues` times, which are parked as poison (seed 003);
     - the oldest `limit` candidates by when they became claimable are claimed, each under its own
@@ -154,31 +159,28 @@ def claim_sql(classes: int, workspaces: int | None) -> str:
     - a parked row is announced (NOTIFY, fired at commit) to waiters on every instance.
 
     The claim itself is `model.claim` and the parking `model.poison_exhausted`, spelled in SQL
-    (tests compare the rows with the model's).
+    (tests compare the rows with the model's). Classes and workspaces must be distinct
+    (`store.claim_scope` makes them so): a pair probed twice would offer its rows twice.
     """
-    first_class = 10
-    first_ws = first_class + classes
     # $7 is NULL when every workspace is allowed (always referenced, so its type is known).
     ws_filter = " AND ($7::text[] IS NULL OR workspace_id = ANY($7::text[]))"
-    probes: list[str] = []
-    for c in range(classes):
-        class_param = f"${first_class + c}"
-        targets: list[str | None] = (
-            [None] if workspaces is None else [f"${first_ws + w}" for w in range(workspaces)]
-        )
-        for ws_param in targets:
-            ws_clause = "" if ws_param is None else f" AND workspace_id = {ws_param}"
-            probes.append(
-                f"SELECT request_id, available_at AS since, created_at, seq FROM {TABLE}"
-                f" WHERE status = 'pending' AND worker_class = {class_param}{ws_clause}"
-                " AND available_at <= $1::float8"
-                " ORDER BY available_at, created_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED"
-            )
+    scope = "unnest($6::text[]) AS c(worker_class)"
+    ws_clause = ""
+    if restricted:
+        scope += " CROSS JOIN unnest($7::text[]) AS w(workspace_id)"
+        ws_clause = " AND p.workspace_id = w.workspace_id"
+    pending = (
+        f"SELECT probe.* FROM {scope} CROSS JOIN LATERAL ("
+        f"SELECT p.request_id, p.available_at AS since, p.created_at, p.seq FROM {TABLE} p"
+        f" WHERE p.status = 'pending' AND p.worker_class = c.worker_class{ws_clause}"
+        " AND p.available_at <= $1::float8"
+        " ORDER BY p.available_at, p.created_at, p.seq LIMIT $2 FOR UPDATE SKIP LOCKED) probe"
+    )
     lapsed_where = (
         "status = 'in_progress' AND worker_class = ANY($6::text[]) AND lease_expires_at < $1"
         f"{ws_filter}"
     )
-    ctes = [f"pending_{i} AS ({probe})" for i, probe in enumerate(probes)]
+    ctes = [f"pending AS ({pending})"]
     ctes.append(
         f"lapsed AS (SELECT request_id, lease_expires_at AS since, created_at, seq FROM {TABLE}"
         f" WHERE {lapsed_where} AND dequeue_count < max_dequeues"
@@ -189,12 +191,10 @@ def claim_sql(classes: int, workspaces: int | None) -> str:
         f" WHERE {lapsed_where} AND dequeue_count >= max_dequeues"
         " LIMIT $2 FOR UPDATE SKIP LOCKED)"
     )
-    candidates = " UNION ALL ".join(
-        [f"SELECT * FROM pending_{i}" for i in range(len(probes))] + ["SELECT * FROM lapsed"]
-    )
     ctes.append(
         "chosen AS (SELECT request_id, row_number() OVER (ORDER BY since, created_at, seq) AS n"
-        f" FROM ({candidates}) c ORDER BY since, created_at, seq LIMIT $2)"
+        " FROM (SELECT * FROM pending UNION ALL SELECT * FROM lapsed) c"
+        " ORDER BY since, created_at, seq LIMIT $2)"
     )
     returning = ", ".join(f"t.{c}" for c in COLUMNS)
     ctes.append(

@@ -205,16 +205,14 @@ async def test_every_claim_probe_walks_its_partial_index(migrated: asyncpg.Pool)
             " FROM generate_series(1, 20000) i"
         )
         for workspaces in (None, 2):
-            query = sql.claim_sql(1, workspaces)
+            query = sql.claim_sql(workspaces is not None)
             ws_list = None if workspaces is None else ["ws-1", "ws-2"]
-            args = [1e9, 16, "w", LEASE, ["t"] * 16, [STAGE], ws_list, "ch", "i", STAGE]
+            args = [1e9, 16, "w", LEASE, ["t"] * 16, [STAGE], ws_list, "ch", "i"]
             # EXPLAIN ANALYZE runs the claim: roll it back, each case sees the same backlog.
             transaction = conn.transaction()
             await transaction.start()
             try:
-                plan = await conn.fetch(
-                    f"EXPLAIN (ANALYZE, FORMAT JSON) {query}", *args, *(ws_list or [])
-                )
+                plan = await conn.fetch(f"EXPLAIN (ANALYZE, FORMAT JSON) {query}", *args)
             finally:
                 await transaction.rollback()
             nodes = _plan_nodes(plan[0][0][0]["Plan"])  # json arrives decoded
