@@ -27,7 +27,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from cv_mutations import Op
-from cv_workspace_client.errors import WorkspaceError
+from cv_workspace_client.errors import (
+    AuthError,
+    ForbiddenError,
+    InvalidRequestError,
+    NotFoundError,
+    OpRejectedError,
+    WorkspaceError,
+)
 from cv_workspace_client.models import Commit
 from cv_workspace_client.providers import Provider
 
@@ -149,6 +156,11 @@ def op_id_for(request_id: str, run: int, key: str) -> str:
     return base64.urlsafe_b64encode(digest).decode("ascii")
 
 
+#: Errors that are the server's final word on a write (it was not applied, and a retry of the same
+#: op gets the same answer): a handler may catch these and go on.
+_FINAL_ANSWERS = (OpRejectedError, InvalidRequestError, AuthError, ForbiddenError, NotFoundError)
+
+
 class LeaseState:
     """Whether the worker still holds the request; the worker's heartbeat flips it, once."""
 
@@ -182,6 +194,9 @@ class StageContext:
         self._writes = 0
         self._settled = asyncio.Event()
         self._settled.set()
+        #: The first write of this run that ended without the server's final answer (its retries
+        #: ran out, the client closed, the outbox failed): it may still commit later, or never.
+        self._unsettled: BaseException | None = None
 
     @property
     def input(self) -> Any:
@@ -230,16 +245,32 @@ class StageContext:
         self._settled.clear()
         try:
             return await self.client.apply_op(self.workspace_id, sub_doc, derived)
+        except BaseException as exc:
+            if self._unsettled is None and not isinstance(exc, _FINAL_ANSWERS):
+                self._unsettled = exc
+            raise
         finally:
             self._writes -= 1
             if self._writes == 0:
                 self._settled.set()
 
     async def writes_settled(self) -> None:
-        """Return once no `apply_op` of this context is in flight. The worker awaits it before
-        completing, so a write the handler spawned but did not await still lands first (seed
-        004: never ack before the work's writes committed)."""
+        """Return once no `apply_op` of this context is in flight, and every one of them got the
+        server's answer. The worker awaits it before completing (seed 004: never ack before the
+        work's writes committed), so a write the handler spawned but did not await lands first.
+
+        Raises the first write's error that was not a final answer (`StillPendingError` once its
+        retries ran out, say), even if the handler caught it or never looked: the write waits in
+        the outbox uncommitted, so the run fails and is re-driven, and its writes, under the
+        same op_ids, dedupe with whatever the outbox replays. A rejection is an answer (the same
+        op gets the same one again): it does not fail the run here.
+        """
+        # One turn of the loop first: a write spawned with `create_task(ctx.apply_op(...))` just
+        # before the handler returned has not started yet, so it is not counted in flight yet.
+        await asyncio.sleep(0)
         await self._settled.wait()
+        if self._unsettled is not None:
+            raise self._unsettled
 
     async def compute(
         self,

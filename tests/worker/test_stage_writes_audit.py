@@ -9,11 +9,15 @@ server dedupes them, while a deliberate `rerun` (run + 1) writes anew (stage.py'
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from cv_mutations import NodeIncrement, NodeInsert
+from cv_server import ServerConfig, create_app
 from cv_workspace_client import WorkspaceClient
 from cv_workspace_client import _queue_api as api
 from cv_workspace_client.errors import OpRejectedError
@@ -26,8 +30,10 @@ from cv_workspace_client.stage import (
 )
 from cv_workspace_client.worker import Worker, WorkerConfig
 from tests.worker.conftest import (
+    SECRET,
     WS,
     MakeServer,
+    ServerFactory,
     fast_client_config,
     open_client,
     running,
@@ -338,3 +344,58 @@ async def test_a_result_larger_than_the_server_accepts_fails_at_once_instead_of_
     assert "body_too_large" in outcome.error["message"]
     assert calls == 2
     assert worker.stats.completed == 0
+
+
+async def test_a_spawned_write_still_pending_fails_the_run_instead_of_completing_it(
+    aiohttp_server: ServerFactory, tmp_path: Path
+) -> None:
+    # The handler spawns a write and returns without awaiting it; the write's retries run out
+    # (StillPendingError: it waits in the outbox, not committed). Completing the request then
+    # would acknowledge work whose write never landed (seed 004: never ack before the work's
+    # writes committed). The run must fail instead; its re-drive writes under the same op_id.
+    refused: list[str] = []
+
+    @web.middleware
+    async def flaky_ops(request: web.Request, handler: Any) -> web.StreamResponse:
+        if (
+            request.method == "POST"
+            and request.path.endswith("/docs/flaky/ops")
+            and len(refused) < 2
+        ):
+            refused.append(request.path)
+            return web.json_response({"code": "unavailable", "detail": "injected"}, status=503)
+        return await handler(request)
+
+    app = create_app(
+        ServerConfig(db_path=tmp_path / "s.db", token_secret=SECRET, failure_backoff_seconds=0.0)
+    )
+    app.middlewares.append(flaky_ops)
+    server = await aiohttp_server(app)
+    runs: list[int] = []
+
+    async def spawns_a_write(ctx: StageContext) -> Any:
+        runs.append(ctx.request.dequeue_count)
+        op_ids.append(ctx.op_id_for("k"))
+        spawned.append(
+            asyncio.create_task(
+                ctx.apply_op("flaky", NodeInsert(node_id="n", parent_id="root"), key="k")
+            )
+        )
+        return "ok"
+
+    spawned: list[asyncio.Task[Any]] = []
+    op_ids: list[str] = []
+    config = dataclasses.replace(fast_client_config(), retry_attempts=2, ops_over_websocket=False)
+    async with WorkspaceClient(url_of(server), token=token_for(WS), config=config) as client:
+        worker = Worker(client, {"w": spawns_a_write}, config=FAST)
+        async with running(worker):
+            answer = await api.enqueue(client, WS, {"stage": "w", "job_id": "J1"})
+            outcome = await api.wait_request(client, WS, answer.request_id, timeout=30)
+            # Done only once the write is in the log.
+            _, entries = await client.read_ops(WS, "flaky", since=0, limit=100)
+        await asyncio.gather(*spawned, return_exceptions=True)
+    assert outcome.status == "done"
+    assert len(refused) == 2
+    assert runs == [1, 2]
+    assert op_ids[0] == op_ids[1]  # the re-drive wrote under the same op_id
+    assert [e.op_id for e in entries] == [op_ids[0]]  # committed once
