@@ -237,10 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
         database_url = args.database_url and _with_schema(args.database_url, args.schema)
-        config = dataclasses.replace(
-            ServerConfig(db_path=args.db or DEFAULT_DB, database_url=database_url),
-            **parse_overrides(args.set),
-        )
+        try:
+            config = dataclasses.replace(
+                ServerConfig(db_path=args.db or DEFAULT_DB, database_url=database_url),
+                **parse_overrides(args.set),
+            )
+        except ValueError as exc:  # a setting that cannot work (ServerConfig says which)
+            raise SystemExit(f"cv-server: --set: {exc}") from None
         _run(_serve(config, args.host, args.port))
         return 0
     if args.command == "token":

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 __all__ = ["ServerConfig"]
@@ -52,3 +53,21 @@ class ServerConfig:
 
     # -- shutdown (seed 004) --
     drain_seconds: float = 25.0
+
+    def __post_init__(self) -> None:
+        # A setting that cannot work is refused here, at start-up, in one line naming it, rather
+        # than served: `compute_lock_ttl_seconds=0` answered 500 to every lock acquisition,
+        # `max_dequeues=0` refused every enqueue and `max_ops_per_request=0` every apply as if
+        # the client had sent something wrong.
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.name in _MAY_BE_ZERO:
+                if not (math.isfinite(value) and value >= 0):
+                    raise ValueError(f"{field.name} must be a finite number >= 0, not {value!r}")
+            elif field.type in ("int", "float") and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{field.name} must be a finite number > 0, not {value!r}")
+
+
+#: Settings for which 0 means something: retry a failed request at once, keep no result inline
+#: (every result to the blob store), drain nothing at shutdown.
+_MAY_BE_ZERO = frozenset({"failure_backoff_seconds", "blob_threshold_bytes", "drain_seconds"})
