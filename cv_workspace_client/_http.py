@@ -4,12 +4,14 @@ typed errors. No retry logic here: the machine (ops) and tenacity (reads) decide
 from __future__ import annotations
 
 import email.utils
+import io
 import json
 import time
 from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+from aiohttp.payload import TOO_LARGE_BYTES_BODY
 
 from cv_workspace_client.errors import (
     ConnectionFailedError,
@@ -18,7 +20,15 @@ from cv_workspace_client.errors import (
     error_from_problem,
 )
 
-__all__ = ["HttpApi", "parse_retry_after"]
+__all__ = ["HttpApi", "body_payload", "parse_retry_after"]
+
+
+def body_payload(data: bytes) -> bytes | io.BytesIO:
+    """What to hand aiohttp as a request body. Past aiohttp's own threshold (1 MiB) raw bytes
+    make it warn (`ResourceWarning`); an app running with warnings as errors (`-W error`, a
+    test suite) then saw the send fail, over and over under the same op_id, and the op wedged
+    its sub-doc instead of getting the server's answer (`body_too_large`, say)."""
+    return io.BytesIO(data) if len(data) > TOO_LARGE_BYTES_BODY else data
 
 
 class HttpApi:
@@ -73,7 +83,11 @@ class HttpApi:
             headers["Content-Type"] = "application/json"
         try:
             async with self.session.request(
-                method, self.base_url + path, data=data, params=params, headers=headers
+                method,
+                self.base_url + path,
+                data=None if data is None else body_payload(data),
+                params=params,
+                headers=headers,
             ) as response:
                 raw = await response.read()
                 if response.status == 200:

@@ -358,8 +358,10 @@ class OutboxMachine:
             self._pending -= 1
             lanes[lane.key] = lane
             if entry.awaited:
+                # The outbox's own errors already carry a code: say it once in the message.
+                reason = error.message if isinstance(error, WorkspaceError) else str(error)
                 outcomes.append(
-                    (seq, OutboxError("outbox_write_failed", f"op {entry.row.op_id}: {error}"))
+                    (seq, OutboxError("outbox_write_failed", f"op {entry.row.op_id}: {reason}"))
                 )
         if outcomes:
             self._out.append(Resolve(tuple(outcomes)))

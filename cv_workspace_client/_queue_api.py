@@ -26,7 +26,7 @@ from urllib.parse import quote
 
 import aiohttp
 
-from cv_workspace_client._http import parse_retry_after
+from cv_workspace_client._http import body_payload, parse_retry_after
 from cv_workspace_client._retry import backoff_for, is_retryable, retrying
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
@@ -113,7 +113,11 @@ async def _call(
         all_headers["Content-Type"] = "application/json"
     try:
         async with host.session.request(
-            method, host.url + path, data=data, params=params, headers=all_headers
+            method,
+            host.url + path,
+            data=None if data is None else body_payload(data),
+            params=params,
+            headers=all_headers,
         ) as response:
             raw = await response.read()
             if 200 <= response.status < 300:

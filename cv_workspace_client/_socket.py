@@ -143,8 +143,15 @@ class WorkspaceSocket:
             f'{{"type":"apply","req":{send.batch_id},"sub_doc":{json.dumps(send.sub_doc)},'
             f'"ops":{send.ops_json()},"atomic":{atomic}}}'
         )
+        size = _utf8_len(frame)
+        if size > self.owner.config.max_batch_bytes:
+            # A batch at the cap, or a single op over it (it travels alone). A frame's envelope is
+            # longer than an HTTP body's, so an op that fits the server's body limit could overrun
+            # its frame limit and be refused as final `body_too_large` (a replayed one then
+            # dropped with nobody told): HTTP, where it fits if anywhere.
+            return False
         frames.put_nowait(frame)
-        self._frame_sizes[send.batch_id] = _utf8_len(frame)
+        self._frame_sizes[send.batch_id] = size
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.owner.config.request_timeout_seconds
         self._in_flight[send.batch_id] = deadline

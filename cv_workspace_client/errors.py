@@ -187,7 +187,11 @@ class ClientClosedError(WorkspaceError):
 
 
 class OutboxError(WorkspaceError):
-    """The outbox could not be written or opened (`outbox_locked`, `outbox_write_failed`).
+    """The outbox could not be opened or written: `outbox_locked` (another client has it open),
+    `outbox_foreign` (the file is another application's database: left untouched),
+    `outbox_version` (written by a newer SDK), `outbox_open_failed` (unreadable or damaged: left
+    as it was), `outbox_write_failed`, `outbox_sync_failed` (the fsync failed, or the file was
+    removed or replaced while open).
 
     An op whose outbox write failed was never sent.
     """

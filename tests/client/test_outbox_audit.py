@@ -23,7 +23,7 @@ from aiohttp.test_utils import TestServer
 
 from cv_mutations import NodeIncrement, NodeInsert
 from cv_server import ServerConfig, create_app
-from cv_workspace_client import StillPendingError, WorkspaceClient
+from cv_workspace_client import WorkspaceClient
 from cv_workspace_client._machine import OutboxRow
 from cv_workspace_client._outbox import OutboxWrite, SQLiteOutbox
 from cv_workspace_client.errors import OutboxError
@@ -379,7 +379,8 @@ async def test_ops_whose_outbox_directory_vanished_are_not_reported_as_waiting_i
 ) -> None:
     """The outbox's directory is removed while a client is offline: the syncer's fsync fails, new
     ops fail with a typed `OutboxError`, and an op in flight at close is told its fsync failed,
-    not `StillPendingError` ("it stays in the outbox and will be replayed": nothing will)."""
+    not `StillPendingError` ("it stays in the outbox and will be replayed": nothing will) — nor is
+    the op fsynced before the directory went: the file that held it is gone."""
     held: list[asyncio.StreamWriter] = []
 
     async def never_answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -423,8 +424,10 @@ async def test_ops_whose_outbox_directory_vanished_are_not_reported_as_waiting_i
         silent.close()
         for writer in held:
             writer.close()
-    with pytest.raises(StillPendingError):
-        await before  # it was on disk before the directory went
+    # Fsynced before the directory went, but gone with it: nothing will replay it either.
+    with pytest.raises(OutboxError) as gone:
+        await before
+    assert gone.value.code == "outbox_sync_failed"
     with pytest.raises(OutboxError) as lost:
         await after
     assert lost.value.code == "outbox_sync_failed"
