@@ -40,6 +40,8 @@ class ServerConfig:
     failure_backoff_seconds: float = 30.0
     max_dequeues: int = 5
     waiter_deadline_seconds: float = 60.0
+    #: Request waiters re-read their rows this often; on PostgreSQL the LISTEN connection must
+    #: also answer a trivial query this often (a silently dead one is replaced).
     sweep_seconds: float = 5.0
     blob_retention_seconds: float = 24 * 3600.0
     #: Expired blobs and idempotency keys are reaped this often (seed 003: hourly).

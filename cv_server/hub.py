@@ -206,7 +206,7 @@ class Subscription:
         # The read in flight may have been answered before that commit, and `_wake` is cleared
         # once the subscription goes live, so this news must be kept here or it is lost: the
         # subscriber would stall short of the head until some later commit (none may come).
-        self._known_head = 0  # a clock the log is known to hold
+        self._known_head = 0  # a clock announced during the read in flight
         self._reread = False  # the LISTEN connection came back during the read: read again
 
     def start(self) -> None:
@@ -262,8 +262,12 @@ class Subscription:
                 while True:
                     await self.conn.room()  # paced by the peer: see `Connection.room`
                     page = min(self.page, self.conn.catch_up_page)
-                    # Cleared before the read is sent: a reconnect during it sets it again.
+                    # Cleared before the read is sent: news during it sets them again. News
+                    # from before this read is covered by it; kept across reads, a head the log
+                    # never reaches (a hand-sent NOTIFY, a failover that lost commits) had the
+                    # subscription re-read the log in a tight loop, never synced.
                     self._reread = False
+                    self._known_head = 0
                     head, entries = await store.read_since(
                         self.workspace_id, self.sub_doc, self.cursor.last, page
                     )

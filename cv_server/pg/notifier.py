@@ -12,6 +12,12 @@ away are lost for good; the subscriber's answer is to catch up from the log, whi
 because LISTEN was active again before the catch-up started. A missed notification is covered by
 catch-up, never by re-applying anything.
 
+A connection can also die without a word: a NAT or firewall that dropped an idle flow, or a
+database host gone in a failover, leaves a half-open TCP connection that neither closes nor
+errors, and then simply delivers nothing more. So the notifier also asks the connection a
+trivial query every sweep interval, and treats one it does not answer in time like one that was
+terminated.
+
 Payloads stay well under PostgreSQL's 8000-byte limit: send ids and clocks, never bodies.
 """
 
@@ -27,6 +33,7 @@ from typing import Any, Final
 
 import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
 
+from cv_server.config import ServerConfig
 from cv_server.pg.errors import NotifyPayloadTooLarge
 from cv_server.pg.pool import PostgresSettings, connect
 
@@ -49,6 +56,11 @@ NOTIFY_PAYLOAD_LIMIT: Final = 8000
 #: crosses instances, so waiting minutes would be a needless outage.
 _RECONNECT_BASE_SECONDS: Final = 0.1
 _RECONNECT_CAP_SECONDS: Final = 2.0
+
+#: How often the LISTEN connection must prove it is alive: the waiter sweep of DESIGN §10 (5 s,
+#: seed 003), the same bound on how long a lost push may go unnoticed. It must answer within
+#: its `statement_timeout` (DESIGN §10 guard, 5 s).
+_CHECK_EVERY_SECONDS: Final = ServerConfig().sweep_seconds
 
 
 def check_payload(payload: str) -> None:
@@ -100,6 +112,8 @@ class Notifier:
 
     Call `await start()` once (it raises if the first connection fails, so a misconfigured server
     fails at start), `await listen(...)` per channel subscriber, and `await close()` at the end.
+    `check_every`: seconds between checks that the connection answers a trivial query within
+    `settings.statement_timeout_seconds` (one that does not is replaced).
     """
 
     def __init__(
@@ -110,8 +124,12 @@ class Notifier:
         delays: Callable[[], Iterator[float]] = reconnect_delays,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         connector: Callable[[str, PostgresSettings], Awaitable[asyncpg.Connection]] = connect,
+        check_every: float = _CHECK_EVERY_SECONDS,
     ) -> None:
+        if check_every <= 0:
+            raise ValueError("check_every must be positive")
         self._dsn = dsn
+        self._check_every = check_every
         self._connector = connector
         self._settings = settings or PostgresSettings(application_name="cv-server-listen")
         self._delays = delays
@@ -158,8 +176,14 @@ class Notifier:
             self._subscriptions.setdefault(channel, []).append(subscription)
             if self.connected and channel not in self._listening:
                 assert self._conn is not None
-                await self._conn.add_listener(channel, self._dispatch)
-                self._listening.add(channel)
+                try:
+                    await self._command(self._conn.add_listener(channel, self._dispatch))
+                except Exception as exc:
+                    # The reconnect LISTENs on every channel, this one included, and then
+                    # calls `on_reconnect`: the promise above holds either way.
+                    self._replace(f"LISTEN {channel!r} failed ({exc!r})")
+                else:
+                    self._listening.add(channel)
         return subscription
 
     async def close(self) -> None:
@@ -172,7 +196,12 @@ class Notifier:
             conn, self._conn = self._conn, None
             self._listening.clear()
             if conn is not None and not conn.is_closed():
-                await conn.close()
+                try:
+                    # A graceful close waits for the server to hang up: on a dead path it never
+                    # does, and an unbounded wait here held the server's shutdown forever.
+                    await conn.close(timeout=self._settings.statement_timeout_seconds)
+                except Exception:  # timed out or already broken: asyncpg aborted the socket
+                    conn.terminate()
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -187,14 +216,19 @@ class Notifier:
             self._listening.discard(subscription.channel)
             if self.connected:
                 assert self._conn is not None
-                await self._conn.remove_listener(subscription.channel, self._dispatch)
+                try:
+                    await self._command(
+                        self._conn.remove_listener(subscription.channel, self._dispatch)
+                    )
+                except Exception as exc:  # the reconnect will not LISTEN on it again
+                    self._replace(f"UNLISTEN {subscription.channel!r} failed ({exc!r})")
 
     async def _connect(self) -> None:
         """Open a connection and LISTEN on every channel; call with `_lock` held."""
         conn = await self._connector(self._dsn, self._settings)
         try:
             for channel in self._subscriptions:
-                await conn.add_listener(channel, self._dispatch)
+                await self._command(conn.add_listener(channel, self._dispatch))
         except BaseException:
             conn.terminate()
             raise
@@ -202,6 +236,17 @@ class Notifier:
         conn.add_termination_listener(self._on_terminated)
         self._conn = conn
         self._listening = set(self._subscriptions)
+
+    async def _command(self, command: Awaitable[object]) -> None:
+        """Await one command on a LISTEN connection for at most its `statement_timeout`. On a
+        dead path a command is never answered, and it runs holding `_lock`: unbounded, it held
+        every reconnect (and every `listen`) forever."""
+        await asyncio.wait_for(command, self._settings.statement_timeout_seconds)
+
+    def _replace(self, reason: str) -> None:
+        """Have the supervisor replace the connection (call holding `_lock` or not)."""
+        logger.warning("notification connection unusable: %s", reason)
+        self._lost.set()
 
     def _on_terminated(self, conn: asyncpg.Connection) -> None:
         if conn is self._conn and not self._closing:
@@ -214,9 +259,35 @@ class Notifier:
             except Exception:  # one broken subscriber must not starve the others
                 logger.exception("notification subscriber of %r failed", channel)
 
+    async def _until_lost(self) -> None:
+        """Return once the connection is lost: terminated, or silent and deaf to a check."""
+        while True:
+            try:
+                await asyncio.wait_for(self._lost.wait(), self._check_every)
+                return
+            except TimeoutError:
+                pass
+            if not await self._answers():
+                return
+
+    async def _answers(self) -> bool:
+        """Whether the connection answers a trivial query in time. A half-open connection never
+        terminates by itself: without this, the notifier stayed connected to nothing, with no
+        error and no reconnect, and no other instance's commit reached a subscriber again."""
+        async with self._lock:  # one query at a time on the connection (`listen` uses it too)
+            conn = self._conn
+            if conn is None or conn.is_closed():
+                return False
+            try:
+                await self._command(conn.execute("SELECT 1"))
+            except Exception as exc:  # a timeout or a broken connection: replace it either way
+                logger.warning("notification connection did not answer (%r)", exc)
+                return False
+        return True
+
     async def _supervise(self) -> None:
         while not self._closing:
-            await self._lost.wait()
+            await self._until_lost()
             logger.warning("notification connection lost; reconnecting")
             async with self._lock:
                 old, self._conn = self._conn, None

@@ -106,7 +106,11 @@ async def open_postgres_stores(config: ServerConfig) -> Stores:
     pool, schema = await _prepared_pool(dsn, PostgresSettings())
     queue = PostgresQueueStore(pool, channel=channel_name(QUEUE_CHANNEL, schema))
     # Named after the instance, so an operator (or a test) can tell the listeners apart.
-    notifier = Notifier(dsn, PostgresSettings(application_name=listen_application_name(queue)))
+    notifier = Notifier(
+        dsn,
+        PostgresSettings(application_name=listen_application_name(queue)),
+        check_every=config.sweep_seconds,
+    )
     oplog_channel = channel_name(OPLOG_CHANNEL, schema)
     try:
         await notifier.start()
