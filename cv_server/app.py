@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Final
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from cv_server import http_docs, http_locks, http_queue, http_socket
 from cv_server.backends import Stores, open_stores
@@ -36,6 +39,34 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+#: Where aiohttp's quote of a malformed request begins (`...: b'GET /x?token=... HTTP/1.1'`).
+_QUOTED_INPUT = re.compile(r":?\s*(?:b'|b\"|bytearray\().*", re.DOTALL)
+_TOKEN_LIKE = re.compile(r"(cvt1\.|token=|Bearer\s+)[^\s&'\"]*", re.IGNORECASE)
+
+
+class _MalformedRequestLog(logging.Filter):
+    """Rewrites aiohttp's report of a request it could not parse (`aiohttp.server`).
+
+    aiohttp logs it at ERROR with a traceback whose message quotes the offending line: a
+    `?token=` (how a browser reaches the socket) or an Authorization header with one stray
+    byte put a valid bearer token, in full, in the server's log. It is the client's error, so
+    one WARNING line naming what was wrong, without the quoted input and without a traceback.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            what = _QUOTED_INPUT.sub("", exc.message.strip().partition("\n")[0]).rstrip(":. ")
+            what = _TOKEN_LIKE.sub(r"\1<redacted>", what)
+            record.msg, record.args = "%s: %s %s", (record.getMessage(), type(exc).__name__, what)
+            record.exc_info, record.exc_text = None, None
+            if record.levelno > logging.WARNING:  # BadHttpMethod is already DEBUG: left so
+                record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_MALFORMED_REQUEST_LOG: Final = _MalformedRequestLog()
+
 
 @web.middleware
 async def problems_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -50,8 +81,13 @@ async def problems_middleware(request: web.Request, handler: Handler) -> web.Str
         return problem_response(Problem(404, "not_found", f"no route for {request.path}"))
     except web.HTTPMethodNotAllowed:
         return problem_response(Problem(405, "method_not_allowed", request.method))
-    except web.HTTPException:
-        raise
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        # aiohttp's own refusals (a plain GET on the socket route: "No WebSocket UPGRADE hdr")
+        # went out as text/plain with no `code`; every error is problem+json (DESIGN §5).
+        code = "bad_request" if exc.status < 500 else "internal"
+        return problem_response(Problem(exc.status, code, exc.text or exc.reason))
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return problem_response(Problem(500, "internal", "unexpected server error"))
@@ -144,6 +180,9 @@ async def metrics(request: web.Request) -> web.Response:
 def create_app(config: ServerConfig) -> web.Application:
     """Build the application. Stores open in `cleanup_ctx`, i.e. when the app starts."""
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[problems_middleware])
+    server_log = logging.getLogger("aiohttp.server")
+    if _MALFORMED_REQUEST_LOG not in server_log.filters:
+        server_log.addFilter(_MALFORMED_REQUEST_LOG)
     app[CONFIG] = config
     app[STATE] = ServerState()
     app[METRICS] = Metrics()

@@ -26,7 +26,7 @@ from cv_server.inputs import check_since, decode_json, parse_apply_body
 from cv_server.keys import CONFIG, CONNECTIONS, HUB, METRICS, STATE, STORES
 from cv_server.oplog import LogEntry, Outcome
 from cv_server.problems import Problem
-from cv_server.security import authenticate
+from cv_server.security import authenticate, seconds_left
 
 __all__ = ["CLOSE_FORBIDDEN", "CLOSE_UNAUTHORIZED", "routes"]
 
@@ -195,8 +195,10 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
     ws = web.WebSocketResponse(max_msg_size=config.max_ws_frame_bytes, autoping=True)
     close_code: int | None = None
     reason = b""
+    expires_in: float | None = None
     try:
         claims = authenticate(request, allow_query=True)
+        expires_in = seconds_left(claims)
         if not is_valid_workspace_id(workspace_id) or not claims.allows(workspace_id):
             close_code, reason = CLOSE_FORBIDDEN, b"forbidden workspace"
     except Problem as problem:
@@ -216,6 +218,15 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
     )
     session = _Session(app, conn, workspace_id)
     app[CONNECTIONS].add(conn)
+    expiry = None
+    if expires_in is not None:
+        # HTTP refuses a token from the second it expires; the socket was authorized once, at
+        # its handshake, and kept subscribing and applying under an expired token for as long
+        # as it stayed open. It is closed then, with the handshake's own 4001. A timer, so no
+        # frame pays for the check.
+        expiry = asyncio.get_running_loop().call_later(
+            max(0.0, expires_in), conn.close, CLOSE_UNAUTHORIZED, b"token expired"
+        )
     try:
         async for msg in ws:
             if msg.type == WSMsgType.TEXT:
@@ -225,6 +236,8 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
             if conn.closing:
                 break
     finally:
+        if expiry is not None:
+            expiry.cancel()
         app[CONNECTIONS].discard(conn)
         # Acks may no longer reach the client, but the commits themselves finish: the client
         # replays and the server answers from the dedupe record.

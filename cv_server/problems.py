@@ -16,6 +16,7 @@ __all__ = ["PROBLEM_BASE", "Problem", "problem_response"]
 PROBLEM_BASE: Final = "https://cv-workspace.dev/problems/"
 
 _TITLES: Final = {
+    "bad_request": "The request is not one this route accepts",
     "malformed_json": "The body is not valid JSON of the expected shape",
     "body_too_large": "The body is larger than the server accepts",
     "too_many_ops": "Too many ops in one request",

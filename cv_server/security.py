@@ -11,7 +11,7 @@ from cv_server.auth import TokenClaims, TokenError, verify_token
 from cv_server.keys import SECRET
 from cv_server.problems import Problem
 
-__all__ = ["authenticate", "authorize", "bearer_token"]
+__all__ = ["authenticate", "authorize", "bearer_token", "seconds_left"]
 
 
 def bearer_token(request: web.Request, *, allow_query: bool = False) -> str | None:
@@ -55,3 +55,9 @@ def authorize(request: web.Request, workspace_id: str) -> TokenClaims:
     if not claims.allows(workspace_id):
         raise Problem(403, "forbidden_workspace", f"the token does not grant {workspace_id!r}")
     return claims
+
+
+def seconds_left(claims: TokenClaims) -> float | None:
+    """Seconds until `claims` expire, on the clock `authenticate` checks (None: never). For
+    what outlives one check, as a socket outlives its handshake."""
+    return None if claims.expires_at is None else claims.expires_at - now()
