@@ -24,6 +24,7 @@ __all__ = [
     "ALL_WORKSPACES",
     "TokenClaims",
     "TokenError",
+    "check_grant",
     "mint_token",
     "new_secret",
     "verify_token",
@@ -63,14 +64,15 @@ def _sign(secret: bytes, signed_part: str) -> str:
     return _b64(hmac.new(secret, signed_part.encode(), hashlib.sha256).digest())
 
 
-def mint_token(
-    secret: bytes, workspaces: Sequence[str], *, now: float, ttl: float | None = None
-) -> str:
-    # Refused here rather than minted: a token naming no valid workspace (`ws1,ws2`, `ws 1`)
-    # grants nothing, and one whose ttl is not a positive finite number is expired on arrival
-    # (`--ttl -60`) or cannot be encoded at all (`--ttl inf` was a traceback): `cv-server token`
-    # printed the first two and exited 0, so the mistake surfaced only as 401/403 at use.
-    # At least 1 s: `exp` is in whole seconds, so a shorter ttl could be expired at once.
+def check_grant(workspaces: Sequence[str], ttl: float | None) -> None:
+    """Raise `ValueError` unless a token for `workspaces` with `ttl` can work.
+
+    Refused rather than minted: a token naming no valid workspace (`ws1,ws2`, `ws 1`) grants
+    nothing, and one whose ttl is not a positive finite number is expired on arrival (`--ttl
+    -60`) or cannot be encoded at all (`--ttl inf` was a traceback): `cv-server token` printed
+    the first two and exited 0, so the mistake surfaced only as 401/403 at use. At least 1 s:
+    `exp` is in whole seconds, so a shorter ttl could be expired at once.
+    """
     if not workspaces:
         raise ValueError("a token must name at least one workspace")
     for workspace in workspaces:
@@ -78,6 +80,12 @@ def mint_token(
             raise ValueError(f"workspace {workspace!r} must be '*' or match [A-Za-z0-9_-]{{1,64}}")
     if ttl is not None and not (math.isfinite(ttl) and ttl >= 1):
         raise ValueError(f"ttl must be a finite number of seconds >= 1, not {ttl!r}")
+
+
+def mint_token(
+    secret: bytes, workspaces: Sequence[str], *, now: float, ttl: float | None = None
+) -> str:
+    check_grant(workspaces, ttl)
     payload: dict[str, object] = {"ws": sorted(set(workspaces)), "iat": int(now)}
     if ttl is not None:
         payload["exp"] = int(now + ttl)

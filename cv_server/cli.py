@@ -20,7 +20,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from aiohttp import web
 
 from cv_server.app import create_app
-from cv_server.auth import mint_token
+from cv_server.auth import check_grant, mint_token
 from cv_server.backends import DatabaseUnusable, hold_serving_lock, open_sqlite_database
 from cv_server.config import ServerConfig
 from cv_server.meta import sqlite_token_secret
@@ -248,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "token":
         database_url = args.database_url and _with_schema(args.database_url, args.schema)
+        try:  # before the database is opened (or created): the arguments alone are wrong
+            check_grant(args.workspace, args.ttl)
+        except ValueError as exc:
+            raise SystemExit(f"cv-server token: {exc}") from None
         try:
             _needs_asyncpg(database_url)
             token = asyncio.run(

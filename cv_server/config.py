@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 __all__ = ["ServerConfig"]
@@ -15,10 +15,12 @@ class ServerConfig:
 
     #: Embedded SQLite file (the default backend).
     db_path: Path | None = None
-    #: PostgreSQL DSN (the scale-out backend); wins over `db_path` when set.
-    database_url: str | None = None
-    #: HMAC secret for bearer tokens; read from (or created in) the database when None.
-    token_secret: bytes | None = None
+    #: PostgreSQL DSN (the scale-out backend); wins over `db_path` when set. Not in the repr:
+    #: it may carry a password.
+    database_url: str | None = field(default=None, repr=False)
+    #: HMAC secret for bearer tokens; read from (or created in) the database when None. Not in
+    #: the repr: whoever holds it mints tokens for every workspace.
+    token_secret: bytes | None = field(default=None, repr=False)
 
     # -- request limits (DESIGN §11) --
     max_body_bytes: int = 1024 * 1024
@@ -61,13 +63,13 @@ class ServerConfig:
         # than served: `compute_lock_ttl_seconds=0` answered 500 to every lock acquisition,
         # `max_dequeues=0` refused every enqueue and `max_ops_per_request=0` every apply as if
         # the client had sent something wrong.
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if field.name in _MAY_BE_ZERO:
+        for setting in fields(self):
+            value = getattr(self, setting.name)
+            if setting.name in _MAY_BE_ZERO:
                 if not (math.isfinite(value) and value >= 0):
-                    raise ValueError(f"{field.name} must be a finite number >= 0, not {value!r}")
-            elif field.type in ("int", "float") and not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{field.name} must be a finite number > 0, not {value!r}")
+                    raise ValueError(f"{setting.name} must be a finite number >= 0, not {value!r}")
+            elif setting.type in ("int", "float") and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{setting.name} must be a finite number > 0, not {value!r}")
 
 
 #: Settings for which 0 means something: retry a failed request at once, keep no result inline

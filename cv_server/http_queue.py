@@ -182,8 +182,10 @@ async def enqueue(request: web.Request) -> web.Response:
             raise _queue_problem(exc) from None
         return web.json_response(_enqueue_answer(enqueued), status=202)
 
-    if not 0 < len(key) <= 255:
-        raise Problem(422, "invalid_field", "Idempotency-Key must be 1..255 chars")
+    # Printable text only: a header that is not UTF-8 reaches us with lone surrogates, which no
+    # store can encode (the enqueue answered 500, and clients retry a 500).
+    if not 0 < len(key) <= 255 or not key.isprintable():
+        raise Problem(422, "invalid_field", "Idempotency-Key must be 1..255 printable chars")
     # seed 004: fingerprint of the raw bytes as received, scoped to the workspace.
     fingerprint = request_fingerprint("POST", request.path_qs, raw)
     begun = await stores.idempotency.begin(workspace_id, key, fingerprint, now)

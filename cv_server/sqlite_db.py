@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import queue
 import sqlite3
 import threading
@@ -68,6 +69,19 @@ class _Job(Generic[T]):
 _STOP = object()
 
 
+def _create_owner_only(path: str) -> None:
+    """Create the database file readable by its owner only, if it does not exist yet.
+
+    The file holds the token secret: at SQLite's default (0644 under the usual umask) any local
+    user could read it and mint a token for every workspace. SQLite gives the `-wal` and `-shm`
+    files the mode of the database file. An existing file keeps the mode its operator chose."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    os.close(fd)
+
+
 def _connect(path: str, *, readonly: bool = False) -> sqlite3.Connection:
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
@@ -114,6 +128,7 @@ class SQLiteDatabase:
         self = cls(path, max_group=max_group, readers=readers)
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            _create_owner_only(self.path)
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._writer = threading.Thread(
             target=self._run_writer,

@@ -291,3 +291,73 @@ async def test_a_worker_token_for_one_workspace_never_claims_anothers_requests(
     assert pending.status == 204
     both = await server.post("/v1/queue/claim", json={**classes, "limit": 10}, headers=auth("ws1"))
     assert len((await both.json())["requests"]) == 2
+
+
+# -- follow-ups: headers that are not text, the secret's file -------------------------------------
+
+
+async def test_an_idempotency_key_that_is_not_text_is_refused_not_a_server_error(
+    make_server_config: Callable[..., ServerConfig],
+) -> None:
+    # aiohttp hands a non-UTF-8 header over with lone surrogates; the stores cannot encode them
+    # (SQLite: "surrogates not allowed") and the enqueue answered 500, which clients retry.
+    app = create_app(make_server_config())
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        body = b'{"stage":"evaluate","job_id":"J1","input":{}}'
+        head = (
+            f"POST /v1/workspaces/ws1/requests HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Authorization: Bearer {token_for('ws1')}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n"
+        ).encode()
+        answer = await _raw_request(
+            "127.0.0.1", port, head + b"Idempotency-Key: k\xff\xfe\r\n\r\n" + body
+        )
+    finally:
+        await runner.cleanup()
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert b" 422 " in status_line, answer[:300]
+    assert b'"code": "invalid_field"' in rest or b'"code":"invalid_field"' in rest
+
+
+async def test_the_sqlite_files_holding_the_token_secret_are_readable_by_their_owner_only(
+    tmp_path: Path,
+) -> None:
+    # The database keeps the token secret: readable by any local user, it let them mint a `*`
+    # token for every workspace.
+    db = tmp_path / "data" / "cv.db"
+    app = create_app(ServerConfig(db_path=db))
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5)
+    await runner.setup()
+    try:
+        files = [db, Path(f"{db}-wal"), Path(f"{db}-shm")]
+        modes = {path.name: path.stat().st_mode & 0o777 for path in files if path.exists()}
+    finally:
+        await runner.cleanup()
+    assert "cv.db" in modes, modes
+    assert "cv.db-wal" in modes, modes
+    assert all(mode & 0o077 == 0 for mode in modes.values()), {k: oct(v) for k, v in modes.items()}
+
+
+def test_cv_server_token_blames_the_arguments_not_the_secret_and_creates_no_database(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "cv.db"
+    with pytest.raises(SystemExit) as exited:
+        cv_server_main(["token", "--db", str(db), "--workspace", "ws1", "--ttl", "0"])
+    message = str(exited.value.code)
+    assert "ttl" in message
+    assert "secret" not in message
+    assert not db.exists()
+
+
+def test_the_config_repr_leaves_out_the_secret_and_the_database_url() -> None:
+    config = ServerConfig(
+        database_url="postgresql://app:hunter2@db.internal/cv", token_secret=b"s3cr3t-bytes"
+    )
+    assert "hunter2" not in repr(config)
+    assert "s3cr3t" not in repr(config)
