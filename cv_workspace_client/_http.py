@@ -31,6 +31,12 @@ def body_payload(data: bytes) -> bytes | io.BytesIO:
     return io.BytesIO(data) if len(data) > TOO_LARGE_BYTES_BODY else data
 
 
+#: What a bare status from a proxy means, in the server's own codes. A 413 (nginx's
+#: `client_max_body_size`) is the server's `body_too_large`: the SDK halves the batch, and
+#: only an op too large alone fails (`http_413` failed every op of the batch for good).
+_PROXY_PROBLEMS: dict[int, dict[str, Any]] = {413: {"code": "body_too_large"}}
+
+
 class HttpApi:
     """Routes of the v1 wire contract over one `aiohttp.ClientSession`."""
 
@@ -82,12 +88,16 @@ class HttpApi:
         if data is not None:
             headers["Content-Type"] = "application/json"
         try:
+            # Redirects are not followed: aiohttp turned a redirected POST of ops into a GET
+            # (whose 404 then failed the ops for good), or sent them wherever the redirect
+            # pointed and took that host's answer for the commit. The SDK talks to its URL only.
             async with self.session.request(
                 method,
                 self.base_url + path,
                 data=None if data is None else body_payload(data),
                 params=params,
                 headers=headers,
+                allow_redirects=False,
             ) as response:
                 raw = await response.read()
                 if response.status == 200:
@@ -95,14 +105,31 @@ class HttpApi:
                         return json.loads(raw)
                     except ValueError as exc:
                         raise ProtocolError("bad_answer", f"invalid JSON: {exc}") from None
+                if response.status < 400:
+                    # Every route answers 200 or a problem (DESIGN §5): a 201, a 204 or a 3xx
+                    # comes from something in between, and says nothing of the request. Not a
+                    # final answer (`http_204` used to fail an op for good): resent under its
+                    # op_id like a lost one.
+                    location = response.headers.get("Location")
+                    where = f" to {location}" if location else ""
+                    raise ProtocolError(
+                        "bad_answer", f"HTTP {response.status}{where} is not an answer of the API"
+                    )
                 problem: Any = None
                 try:
                     problem = json.loads(raw) if raw else None
                 except ValueError:
                     problem = None
+                if not isinstance(problem, dict) or not problem.get("code"):
+                    # Not the server's problem+json: a proxy's page, read by its status alone.
+                    if response.status == 408:
+                        # The request was not received in time: nothing was applied, and it
+                        # may well go through next time (`http_408` failed the op for good).
+                        raise ConnectionFailedError("timeout", "HTTP 408 before an answer")
+                    problem = _PROXY_PROBLEMS.get(response.status)
                 raise error_from_problem(
                     response.status,
-                    problem if isinstance(problem, dict) else None,
+                    problem,
                     retry_after=parse_retry_after(response.headers.get("Retry-After")),
                 )
         except WorkspaceError:

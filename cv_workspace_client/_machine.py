@@ -567,7 +567,9 @@ def _parse_results(
     outcomes: list[Commit | WorkspaceError] = []
     for entry, result in zip(entries, results, strict=True):
         op_id = entry.row.op_id
-        if not isinstance(result, Mapping) or result.get("op_id", op_id) != op_id:
+        # The server names the op every result answers: one that does not (a proxy that
+        # rewrote the answer) could be answering another op of the batch, reordered.
+        if not isinstance(result, Mapping) or result.get("op_id") != op_id:
             return ProtocolError("bad_results", f"result does not answer op {op_id}")
         error = result.get("error")
         if isinstance(error, Mapping):

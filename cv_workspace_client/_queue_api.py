@@ -118,6 +118,9 @@ async def _call(
             data=None if data is None else body_payload(data),
             params=params,
             headers=all_headers,
+            # Not followed: aiohttp turned a redirected POST (an enqueue, a completion) into a
+            # GET, or sent it wherever the redirect pointed and took that host's answer.
+            allow_redirects=False,
         ) as response:
             raw = await response.read()
             if 200 <= response.status < 300:
@@ -126,6 +129,12 @@ async def _call(
                 except ValueError as exc:
                     raise ProtocolError("bad_answer", f"invalid JSON: {exc}") from None
                 return response.status, decoded, response.headers
+            if response.status < 400:  # a 3xx from something in between: not an answer
+                location = response.headers.get("Location")
+                where = f" to {location}" if location else ""
+                raise ProtocolError(
+                    "bad_answer", f"HTTP {response.status}{where} is not an answer of the API"
+                )
             problem: Any = None
             try:
                 problem = json.loads(raw) if raw else None

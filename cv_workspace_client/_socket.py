@@ -29,6 +29,7 @@ from cv_workspace_client.errors import (
     ConnectionFailedError,
     ForbiddenError,
     InvalidRequestError,
+    ProtocolError,
     WorkspaceError,
     error_from_problem,
 )
@@ -99,6 +100,9 @@ class WorkspaceSocket:
         #: wait for a connection that will never come.
         self._stopped = asyncio.Event()
         self._closing: set[asyncio.Task[Any]] = set()
+        #: What the server sent on this connection that the protocol does not allow (see
+        #: `_breach`); None while it keeps to it.
+        self._broken: ProtocolError | None = None
 
     @property
     def is_open(self) -> bool:
@@ -263,7 +267,8 @@ class WorkspaceSocket:
             # is not pushed towards the 300 s cap). One the server ended with an error of its
             # own (1011, 1013, 1014) proves the opposite, frames or not: back off as after a
             # failed connect, or a subscription that fails on every catch-up is a tight loop.
-            if ws.close_code in _SERVER_ERROR_CLOSES:
+            # So does one that broke the protocol: it may do it again on every connection.
+            if ws.close_code in _SERVER_ERROR_CLOSES or self._broken is not None:
                 failures += 1
             else:
                 failures = 0 if heard else 1
@@ -274,6 +279,7 @@ class WorkspaceSocket:
             frames.put_nowait(_subscribe_frame(sub_doc, min(s.resume_since() for s in subs)))
         self._ws = ws
         self._frames = frames
+        self._broken = None
         self.connections += 1
         self._opened.set()
         writer = asyncio.get_running_loop().create_task(
@@ -286,6 +292,15 @@ class WorkspaceSocket:
                 if message.type is aiohttp.WSMsgType.TEXT:
                     heard = True
                     self._dispatch(message.data)
+                elif message.type is aiohttp.WSMsgType.ERROR:
+                    # aiohttp refused a message (over `max_msg_size`, not UTF-8, a bad frame)
+                    # and is closing the connection itself, with a code of its own (1009 for
+                    # a message too large: not the server refusing one of ours).
+                    self._breach(f"an unreadable message ({message.data})")
+                elif message.type is aiohttp.WSMsgType.BINARY:
+                    self._breach("a binary message")
+                if self._broken is not None:
+                    break
         finally:
             self._ws = None
             self._frames = None
@@ -294,11 +309,11 @@ class WorkspaceSocket:
             sizes = self._frame_sizes
             in_flight = self._forget_in_flight()
             if not self._closed:
-                lost: WorkspaceError = ConnectionFailedError(
+                lost: WorkspaceError = self._broken or ConnectionFailedError(
                     "connection_lost", "the websocket closed"
                 )
                 too_large: int | None = None
-                if ws.close_code == _CLOSE_FRAME_TOO_LARGE and in_flight:
+                if ws.close_code == _CLOSE_FRAME_TOO_LARGE and in_flight and not self._broken:
                     # The server refused one message, not every batch in flight: the others
                     # (other sub-docs' batches) may even have been committed, their acks lost
                     # with the connection. Only the largest frame gets the final
@@ -311,6 +326,8 @@ class WorkspaceSocket:
                             "body_too_large", "the server refused the frame"
                         )
                     self.owner.batch_failed(batch_id, error)
+        if self._broken is not None:  # after the batches were failed: a close may take a while
+            await ws.close(code=aiohttp.WSCloseCode.PROTOCOL_ERROR)
         final = _FINAL_CLOSE.get(ws.close_code or 0)
         if final is not None:
             code, cls = final
@@ -321,6 +338,7 @@ class WorkspaceSocket:
         try:
             frame = orjson.loads(text)
         except orjson.JSONDecodeError:
+            self._breach("a message that is not JSON")
             return
         if isinstance(frame, dict):
             self._dispatch_frame(frame)
@@ -330,13 +348,33 @@ class WorkspaceSocket:
                 for item in frame:
                     if isinstance(item, dict):
                         self._dispatch_frame(item)
+                    else:
+                        self._breach("a frame that is not a JSON object")
+        else:
+            self._breach("a message that is not a JSON object or array")
+
+    def _breach(self, what: str) -> None:
+        """The server sent `what`, which the protocol does not allow. Whatever it was meant to
+        carry (an op, an ack) is lost, and nothing else would notice: ignored, it left a
+        subscription short of an op the server had sent until a later one exposed the hole, and
+        an op waiting out its whole ack deadline. So the connection is dropped once this message
+        is handled: the batches in flight are resent under their op_ids, the subscriptions
+        resume from what they hold, and the reconnect backs off."""
+        if self._broken is None:
+            self._broken = ProtocolError("protocol_error", f"the server sent {what}")
 
     def _dispatch_frame(self, frame: dict[str, Any]) -> None:
         kind = frame.get("type")
         if kind == "op" or kind == "synced":
             sub_doc = frame.get("sub_doc")
             subs = self._subs.get(sub_doc, ()) if isinstance(sub_doc, str) else ()
-            if kind == "op" and subs:
+            if not subs:
+                return
+            clock = frame.get("clock")
+            if not isinstance(clock, int) or isinstance(clock, bool):
+                self._breach(f"a {kind} frame without a valid clock")
+                return
+            if kind == "op":
                 parse_frame_op(frame)  # once, however many subscriptions share the frame
             for sub in subs:
                 sub.feed(frame)
@@ -356,6 +394,12 @@ class WorkspaceSocket:
             elif isinstance(frame.get("sub_doc"), str) and not error.retryable:
                 for sub in self._subs.get(frame["sub_doc"], ()):
                     sub.fail(error)
+            elif req is None:
+                # An error naming no request: the server could not read one of our messages
+                # (its applies are lost with it) or failed a subscription for now. Which
+                # batches it concerns is unknown; resending them all is harmless (op_ids).
+                # A `req` no longer in flight is a late answer to a batch already resent.
+                self._breach(f"the error {error.code!r} naming no request")
 
     def _final(self, error: WorkspaceError) -> None:
         """Auth is gone: stop reconnecting; subscriptions raise; ops fall back to HTTP (which

@@ -54,6 +54,12 @@ class ResumeTracker:
             self.gaps += 1
         return Verdict.GAP
 
+    def retract(self, clock: int) -> None:
+        """The op `offer` just delivered at `clock` could not be handed to the app after all (its
+        frame was unreadable): it is due again, from another source."""
+        if clock == self.last:
+            self.last = clock - 1
+
     def behind(self, head: int) -> bool:
         """True when the server says the sub-doc is at `head` (a `synced` frame, a catch-up page)
         and ops up to it were not all delivered: the caller must catch up to `head`."""

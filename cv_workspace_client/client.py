@@ -314,7 +314,8 @@ class WorkspaceClient(QueueMethods):
                 answer = await http.get_state(workspace_id, sub_doc)
         try:
             return int(answer["clock"]), SubDocState.from_json(answer["state"])
-        except (KeyError, TypeError, ValueError) as exc:
+        # OverflowError: `int()` of the `Infinity` Python's JSON reader takes.
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ProtocolError("bad_answer", f"state answer: {exc}") from None
 
     async def read_ops(
@@ -552,7 +553,7 @@ class WorkspaceClient(QueueMethods):
                 for e in answer["ops"]
             ]
             return int(answer["clock"]), entries
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # as in `get_state`
             raise ProtocolError("bad_answer", f"ops answer: {exc}") from None
 
     # -- helpers -----------------------------------------------------------------------------------

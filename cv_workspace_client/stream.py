@@ -115,14 +115,38 @@ class Subscription:
                 frame = self._frames.popleft()
                 clock = frame["clock"]
                 if frame.get("type") == "synced":
-                    if self._tracker.behind(clock) and await self._read_page():
-                        # More to fetch up to that head: the next page once this one is taken.
-                        self._frames.appendleft(frame)
+                    if self._tracker.behind(clock):
+                        if await self._read_page():
+                            # More to fetch up to that head: the next page once this one is
+                            # taken.
+                            self._frames.appendleft(frame)
+                    elif clock < self._tracker.last:
+                        # The server says its head is behind what it already sent: it lost
+                        # those clocks (restored from an older copy), and the ops it commits
+                        # next at them would be dropped here as already seen. Or the frame is
+                        # stale (a previous subscription's): the log tells which, and the read
+                        # refuses a head behind the last clock delivered.
+                        await self._read_page()
                     continue
                 verdict = self._tracker.offer(clock)
                 if verdict is Verdict.DELIVER:
                     committed = frame.get(PARSED)
-                    return committed if isinstance(committed, Committed) else _committed(frame)
+                    if isinstance(committed, Committed):
+                        return committed
+                    try:
+                        return _committed(frame)
+                    except (InvalidOp, KeyError, TypeError, ValueError):
+                        # The frame's op cannot be read (mangled on the way, say): this clock
+                        # is not delivered, and is taken from the log instead. Raising the
+                        # parse error with the clock counted as delivered skipped it for good.
+                        self._tracker.retract(clock)
+                        await self._read_page()
+                        if self._tracker.last < clock:
+                            raise ProtocolError(
+                                "bad_frame",
+                                f"{self.sub_doc}: the op at clock {clock} could not be read",
+                            ) from None
+                        continue
                 if verdict is Verdict.GAP:
                     # Something between was lost: fetch it from the log (a page at a time), then
                     # judge this again.
@@ -163,10 +187,11 @@ class Subscription:
         return max(self._received, self._tracker.last)
 
     def feed(self, frame: dict[str, Any]) -> None:
-        """An `op` or `synced` frame for this sub-doc arrived."""
-        clock = frame.get("clock")
-        if self._ended or not isinstance(clock, int) or isinstance(clock, bool):
+        """An `op` or `synced` frame for this sub-doc arrived; its `clock` is an int (the socket
+        checked it, once for every subscription it feeds the frame to)."""
+        if self._ended:
             return
+        clock: int = frame["clock"]
         if len(self._frames) >= self._buffer:
             # Bounded memory: drop live frames and fill the hole from the log once drained.
             self._lagging = True

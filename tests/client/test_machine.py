@@ -274,6 +274,20 @@ def test_an_answer_that_does_not_fit_the_batch_is_retried_not_trusted() -> None:
     assert machine.pending_count == 2
 
 
+def test_results_that_do_not_name_their_op_are_retried_not_matched_by_position() -> None:
+    # A proxy that rewrote the answer, dropping op_ids (and maybe reordering): matched by
+    # position, each op could be resolved with another op's clock.
+    machine = make_machine()
+    machine.submit("ws", "tree", [inc(), inc()])
+    (send,) = of_type(persist_all(machine), Send)
+    anonymous = [{"clock": 2, "duplicate": False}, {"clock": 1, "duplicate": False}]
+    machine.batch_answered(send.batch_id, anonymous)
+    decisions = machine.decisions()
+    assert of_type(decisions, Resolve) == []
+    assert len(of_type(decisions, Wait)) == 1
+    assert machine.pending_count == 2
+
+
 def test_an_answer_for_a_batch_no_longer_in_flight_is_ignored() -> None:
     machine = make_machine()
     machine.submit("ws", "tree", [inc()])

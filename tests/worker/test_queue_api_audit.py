@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from cv_server.keys import WAITERS
@@ -258,3 +260,36 @@ async def test_a_cancelled_wait_releases_its_stream_and_its_server_waiter(
     assert isinstance(cancelled[0], asyncio.CancelledError)
     assert in_use == 0
     assert row.status == "pending"  # the wait ended, never the work
+
+
+async def test_a_redirected_enqueue_is_not_followed_and_is_retried_under_its_key(
+    aiohttp_server: Callable[..., Any],
+) -> None:
+    # aiohttp followed redirects: a 302 turned the enqueue into a GET elsewhere, and a 307 sent
+    # it wherever the redirect pointed, whose answer was taken. Not followed, it is retried.
+    posts: list[str | None] = []
+    elsewhere: list[str] = []
+
+    async def requests(request: web.Request) -> web.Response:
+        posts.append(request.headers.get("Idempotency-Key"))
+        if len(posts) == 1:
+            raise web.HTTPFound("/elsewhere")
+        return web.json_response(
+            {"request_id": "r1", "status": "pending", "coalesced": False, "stream_url": "/s"},
+            status=202,
+        )
+
+    async def other(request: web.Request) -> web.Response:
+        elsewhere.append(request.method)
+        return web.json_response({"request_id": "wrong", "status": "done"}, status=200)
+
+    app = web.Application()
+    app.router.add_post(f"/v1/workspaces/{WS}/requests", requests)
+    app.router.add_route("*", "/elsewhere", other)
+    server = await aiohttp_server(app)
+    url = str(server.make_url("")).rstrip("/")
+    async with WorkspaceClient(url, token="t", config=fast_client_config()) as client:
+        answer = await api.enqueue(client, WS, {"stage": "s"}, idempotency_key="key-1")
+    assert answer.request_id == "r1"
+    assert posts == ["key-1", "key-1"]
+    assert elsewhere == []
