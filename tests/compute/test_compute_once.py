@@ -306,11 +306,13 @@ async def test_a_compute_that_outruns_its_lock_is_cancelled_before_the_lock_laps
     provider = GatedProvider()  # the gate never opens: a provider that hangs
     check, compute = cell(client, provider)
     cancelled = asyncio.Event()
+    cancelled_at: list[float] = []
 
     async def hanging() -> JsonValue:
         try:
             return await compute()
         except asyncio.CancelledError:
+            cancelled_at.append(time.time())
             cancelled.set()
             raise
 
@@ -320,8 +322,10 @@ async def test_a_compute_that_outruns_its_lock_is_cancelled_before_the_lock_laps
 
     assert raised.value.code == "compute_lock_expiring"
     assert cancelled.is_set()
-    # Given up with the margin still ahead: before the lock (TTL 1 s from `asked`) could lapse.
-    assert time.time() < asked + 1.0
+    # Cancelled with the margin still ahead: before the lock (TTL 1 s from `asked`) could lapse.
+    # (The moment of the cancel, not of the return: the release's round trip comes after it and
+    # on a loaded machine may end past the TTL, which proves nothing about the cancel.)
+    assert cancelled_at[0] < asked + 1.0
     assert (await acquire_lock(client, WS, JOB, FIELD, "next")).acquired  # and released
 
 
