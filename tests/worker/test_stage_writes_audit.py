@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -356,7 +357,9 @@ async def test_a_spawned_write_still_pending_fails_the_run_instead_of_completing
     refused: list[str] = []
 
     @web.middleware
-    async def flaky_ops(request: web.Request, handler: Any) -> web.StreamResponse:
+    async def flaky_ops(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
         if (
             request.method == "POST"
             and request.path.endswith("/docs/flaky/ops")
