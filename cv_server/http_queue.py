@@ -1,5 +1,12 @@
 """HTTP routes of the work queue (layer 1, DESIGN §5, §7; seed 003): enqueue, poll, SSE stream,
 blobs, the worker verbs (claim / heartbeat / complete / fail) and the operator verbs.
+
+The queue verbs are given `now=None`: the store takes the time from its own clock
+(`QueueStore.clock`), which on PostgreSQL is the database's, shared by every instance. This
+server's wall clock may be off (an NTP step, a misconfigured host): judged on it, a live lease
+looked lapsed (the stage ran twice) and backed-off or abandoned work was handed out late. The
+times in the answers (`lease_expires_at`, `available_at`) are on the store's clock; workers use
+only their differences (the lease granted = `lease_expires_at - claimed_at`).
 """
 
 from __future__ import annotations
@@ -173,11 +180,10 @@ async def enqueue(request: web.Request) -> web.Response:
     raw, body = await _json_body(request)
     req, rerun = _new_request(workspace_id, body, request.app[CONFIG].max_dequeues)
     stores = request.app[STORES]
-    now = time.time()
     key = request.headers.get("Idempotency-Key")
     if key is None:
         try:
-            enqueued = await stores.queue.enqueue(req, now, rerun=rerun)
+            enqueued = await stores.queue.enqueue(req, now=None, rerun=rerun)
         except QueueError as exc:
             raise _queue_problem(exc) from None
         return web.json_response(_enqueue_answer(enqueued), status=202)
@@ -188,7 +194,10 @@ async def enqueue(request: web.Request) -> web.Response:
         raise Problem(422, "invalid_field", "Idempotency-Key must be 1..255 printable chars")
     # seed 004: fingerprint of the raw bytes as received, scoped to the workspace.
     fingerprint = request_fingerprint("POST", request.path_qs, raw)
-    begun = await stores.idempotency.begin(workspace_id, key, fingerprint, now)
+    # The key's 24 h retention (DESIGN §10) is judged on this server's clock: a skew of
+    # minutes moves a key's expiry by minutes out of a day, and whether its owner is alive is
+    # decided by a lock, not by time (pg/idempotency.py). Not worth a round trip per enqueue.
+    begun = await stores.idempotency.begin(workspace_id, key, fingerprint, time.time())
     if isinstance(begun, Replay):
         return web.json_response(
             begun.body, status=begun.status_code, headers={"Idempotency-Replayed": "true"}
@@ -208,7 +217,9 @@ async def enqueue(request: web.Request) -> web.Response:
     )
     try:
         try:
-            enqueued = await stores.queue.enqueue(req, now, rerun=rerun, idempotency=completion)
+            enqueued = await stores.queue.enqueue(
+                req, now=None, rerun=rerun, idempotency=completion
+            )
         except BaseException as exc:
             await stores.idempotency.abandon(workspace_id, key, time.time())
             if isinstance(exc, QueueError):
@@ -323,7 +334,7 @@ async def claim(request: web.Request) -> web.Response:
             classes,
             worker_id,
             config.lease_seconds,
-            time.time(),
+            now=None,
             limit=limit,
             workspace_ids=workspaces,
         )
@@ -333,7 +344,7 @@ async def claim(request: web.Request) -> web.Response:
             {"requests": [row.to_json(include_claim_token=True) for row in rows]}
         )
     row = await queue.claim(
-        classes, worker_id, config.lease_seconds, time.time(), workspace_ids=workspaces
+        classes, worker_id, config.lease_seconds, now=None, workspace_ids=workspaces
     )
     if row is None:
         return web.Response(status=204)
@@ -382,7 +393,7 @@ async def complete_batch(request: web.Request) -> web.Response:
             raise Problem(
                 403, "forbidden_workspace", f"the token does not grant {row.workspace_id!r}"
             )
-    outcomes = await stores.queue.complete_many(completions, time.time())
+    outcomes = await stores.queue.complete_many(completions, now=None)
     answers: list[dict[str, Any]] = []
     for completion, outcome in zip(completions, outcomes, strict=True):
         if isinstance(outcome, QueueError):
@@ -426,7 +437,7 @@ async def heartbeat(request: web.Request) -> web.Response:
     config = request.app[CONFIG]
     try:
         row = await request.app[STORES].queue.heartbeat(
-            row.request_id, _claim_token(body), config.lease_seconds, time.time()
+            row.request_id, _claim_token(body), config.lease_seconds, now=None
         )
     except QueueError as exc:
         raise _queue_problem(exc) from None
@@ -463,7 +474,7 @@ async def complete(request: web.Request) -> web.Response:
             row.request_id,
             token,
             result,
-            time.time(),
+            now=None,
             error=error,
             blob_ref=blob_ref,
             cache=cache,
@@ -485,7 +496,7 @@ async def fail(request: web.Request) -> web.Response:
             _claim_token(body),
             body.get("error"),
             config.failure_backoff_seconds,
-            time.time(),
+            now=None,
         )
     except QueueError as exc:
         raise _queue_problem(exc) from None
@@ -527,7 +538,7 @@ async def list_requests(request: web.Request) -> web.Response:
 async def replay(request: web.Request) -> web.Response:
     row = await _row(request)
     try:
-        after = await request.app[STORES].queue.replay_poison(row.request_id, time.time())
+        after = await request.app[STORES].queue.replay_poison(row.request_id, now=None)
     except QueueError as exc:
         raise _queue_problem(exc) from None
     return web.json_response(after.to_json())

@@ -19,6 +19,11 @@
   `poison` (wake waiters) — while claims (`in_progress`), which no listener acts on, commit
   without NOTIFY and are announced locally only. A missed notification costs at most a worker
   poll or a waiter sweep (DESIGN §7); nothing depends on it for correctness.
+- **One clock.** Leases, backoffs and availability are judged on the database server's clock
+  (`clock`), not on the machine of whichever instance serves the call: one running ahead would
+  hand a live request to a second worker, one running behind would hand out backed-off or
+  abandoned work late. A verb given `now=None` reads it inside its own statements
+  (`queue_sql.DB_NOW`), so it costs no extra round trip.
 
 Payloads are small (ids and status, never bodies): `[instance, [[workspace_id, request_id,
 status, run, worker_class], ...]]`, split to stay under PostgreSQL's 8000-byte limit.
@@ -199,41 +204,60 @@ class PostgresQueueStore(QueueStore):
             queue_payloads(self.instance_id, events),
         )
 
+    # -- time -------------------------------------------------------------------------------------
+
+    async def clock(self) -> float:
+        """The database server's clock: several instances (several machines) share this store,
+        and a lease must lapse at the same moment for all of them."""
+        async with self._pool.acquire() as conn:
+            now: float = await conn.fetchval(f"SELECT {sql.DB_NOW}")
+        return now
+
     # -- enqueuers --------------------------------------------------------------------------------
 
     async def enqueue(
         self,
         req: NewRequest,
-        now: float,
+        now: float | None,
         *,
         rerun: bool = False,
         idempotency: KeyCompletion[Enqueued] | None = None,
     ) -> Enqueued:
-        fresh = model.new_row(req, now)
-        arrived = [RequestEvent.of(fresh)]
+        # The new row but for its creation time, which the insert stamps (`sql.insert_values`:
+        # the database's when now is None) and returns; the announcement names no time.
+        template = model.new_row(req, 0.0 if now is None else now)
+        arrived = [RequestEvent.of(template)]
+        values = sql.insert_values(template, now)
 
         async def plain() -> tuple[Enqueued, builtins.list[RequestEvent]]:
             # The common case in one statement: insert (announcing it) unless the id exists;
             # an existing row is answered as it stands, which needs no lock.
             (payload,) = queue_payloads(self.instance_id, arrived)
             async with self._pool.acquire() as conn:
-                inserted = await conn.fetchval(
-                    sql.INSERT_NEW_AND_NOTIFY, *sql.row_values(fresh), self.channel, payload
+                inserted = await conn.fetchrow(
+                    sql.INSERT_NEW_AND_NOTIFY, *values, self.channel, payload
                 )
                 if inserted is not None:
+                    fresh = model.new_row(req, inserted["created_at"])
                     return Enqueued(fresh, coalesced=False), arrived
-                found = await conn.fetchrow(f"{sql.SELECT} WHERE request_id = $1", req.request_id)
-            answer, _ = model.decide_enqueue(_existing(found, req), req, now)
+                found = await conn.fetchrow(sql.READ_ONE, req.request_id)
+            existing = _existing(found, req)
+            answer, _ = model.decide_enqueue(existing, req, _at(now, found))
             return answer, []
 
         async def in_transaction() -> tuple[Enqueued, builtins.list[RequestEvent]]:
             async with self._pool.acquire() as conn, conn.transaction():
                 events: builtins.list[RequestEvent] = []
-                if await conn.fetchval(sql.INSERT_IF_ABSENT, *sql.row_values(fresh)) is not None:
+                inserted = await conn.fetchrow(sql.INSERT_IF_ABSENT, *values)
+                if inserted is not None:
+                    fresh = model.new_row(req, inserted["created_at"])
                     answer, events = Enqueued(fresh, coalesced=False), arrived
                 else:
-                    existing = _existing(await conn.fetchrow(sql.LOCK_ONE, req.request_id), req)
-                    answer, write = model.decide_enqueue(existing, req, now, rerun=rerun)
+                    found = await conn.fetchrow(sql.LOCK_ONE, req.request_id)
+                    existing = _existing(found, req)
+                    answer, write = model.decide_enqueue(
+                        existing, req, _at(now, found), rerun=rerun
+                    )
                     if write:  # a rerun rewrites the whole request
                         await conn.execute(sql.REWRITE, *sql.row_values(answer.row))
                         events = [RequestEvent.of(answer.row)]
@@ -294,7 +318,7 @@ class PostgresQueueStore(QueueStore):
         worker_classes: str | Sequence[str],
         worker_id: str,
         lease: float,
-        now: float,
+        now: float | None,
         *,
         limit: int,
         workspace_ids: Collection[str] | None = None,
@@ -328,15 +352,16 @@ class PostgresQueueStore(QueueStore):
         return await self._write(attempt)
 
     async def heartbeat(
-        self, request_id: str, claim_token: str, lease: float, now: float
+        self, request_id: str, claim_token: str, lease: float, now: float | None
     ) -> ProcessRequest:
         return await self._transition(
             request_id,
-            lambda row: model.Transition(model.heartbeat(row, claim_token, lease, now), True),
+            now,
+            lambda row, at: model.Transition(model.heartbeat(row, claim_token, lease, at), True),
             announce=False,
         )
 
-    async def complete_many(self, completions: Sequence[Completion], now: float) -> Outcomes:
+    async def complete_many(self, completions: Sequence[Completion], now: float | None) -> Outcomes:
         batch = list(completions)
         if not batch:
             return []
@@ -344,10 +369,10 @@ class PostgresQueueStore(QueueStore):
         async def attempt() -> tuple[Outcomes, builtins.list[RequestEvent]]:
             async with self._pool.acquire() as conn, conn.transaction():
                 ids = sorted({item.request_id for item in batch})
-                current = {
-                    row.request_id: row
-                    for row in map(sql.request_from_row, await conn.fetch(sql.LOCK_MANY, ids))
-                }
+                locked = await conn.fetch(sql.LOCK_MANY, ids)
+                current = {row.request_id: row for row in map(sql.request_from_row, locked)}
+                # No row found: every item is refused, and no time is needed.
+                at = _at(now, locked[0]) if locked else 0.0
                 outcomes: Outcomes = []
                 changed: dict[str, ProcessRequest] = {}
                 events: builtins.list[RequestEvent] = []
@@ -361,7 +386,7 @@ class PostgresQueueStore(QueueStore):
                             row,
                             item.claim_token,
                             item.result,
-                            now,
+                            at,
                             error=item.error,
                             blob_ref=item.blob_ref,
                             cache=item.cache,
@@ -382,17 +407,17 @@ class PostgresQueueStore(QueueStore):
         return await self._write(attempt)
 
     async def fail(
-        self, request_id: str, claim_token: str, error: Any, backoff: float, now: float
+        self, request_id: str, claim_token: str, error: Any, backoff: float, now: float | None
     ) -> ProcessRequest:
         return await self._transition(
-            request_id, lambda row: model.fail(row, claim_token, error, backoff, now)
+            request_id, now, lambda row, at: model.fail(row, claim_token, error, backoff, at)
         )
 
     # -- operators --------------------------------------------------------------------------------
 
-    async def replay_poison(self, request_id: str, now: float) -> ProcessRequest:
+    async def replay_poison(self, request_id: str, now: float | None) -> ProcessRequest:
         return await self._transition(
-            request_id, lambda row: model.Transition(model.replay_poison(row, now), True)
+            request_id, now, lambda row, at: model.Transition(model.replay_poison(row, at), True)
         )
 
     async def close(self) -> None:
@@ -406,18 +431,20 @@ class PostgresQueueStore(QueueStore):
     async def _transition(
         self,
         request_id: str,
-        rule: Callable[[ProcessRequest], model.Transition],
+        now: float | None,
+        rule: Callable[[ProcessRequest, float], model.Transition],
         *,
         announce: bool = True,
     ) -> ProcessRequest:
-        """Lock the row, apply `rule`, write what changed (announcing it unless told not to)."""
+        """Lock the row, apply `rule` at `now` (None: the database's time as it locked the
+        row), write what changed (announcing it unless told not to)."""
 
         async def attempt() -> tuple[ProcessRequest, builtins.list[RequestEvent]]:
             async with self._pool.acquire() as conn, conn.transaction():
                 found = await conn.fetchrow(sql.LOCK_ONE, request_id)
                 if found is None:
                     raise RequestNotFound(f"no request {request_id!r}")
-                after, changed = rule(sql.request_from_row(found))
+                after, changed = rule(sql.request_from_row(found), _at(now, found))
                 if not changed:
                     return after, []
                 events = [RequestEvent.of(after)] if announce else []
@@ -425,6 +452,15 @@ class PostgresQueueStore(QueueStore):
                 return after, events
 
         return await self._write(attempt)
+
+
+def _at(now: float | None, found: Any) -> float:
+    """The time of a verb: `now`, or the database's, read by the statement that returned the
+    row `found` (`sql.READ_ONE`, `LOCK_ONE`, `LOCK_MANY`)."""
+    if now is not None:
+        return now
+    db_now: float = found["db_now"]
+    return db_now
 
 
 def _existing(found: Any, req: NewRequest) -> ProcessRequest:

@@ -4,6 +4,10 @@ Tables come from `migrations/006_process_requests.sql`; names are unqualified (t
 the connection's `search_path`, see `pool.PostgresSettings.schema`). JSON columns travel as
 Python objects through the pool's codec, except inside `unnest` arrays, where they travel as
 text and are cast back (`json_text`).
+
+Time: a verb given `now=None` takes it from the database (`DB_NOW`), the one clock every instance
+shares, in the very statement that needs it (the claim, the insert of a new row) or in the one
+that locks the row(s) the verb then changes (`db_now` column): never an extra round trip.
 """
 
 from __future__ import annotations
@@ -18,17 +22,20 @@ from cv_server.queue.model import ProcessRequest
 
 __all__ = [
     "COLUMNS",
+    "DB_NOW",
     "INSERT_IF_ABSENT",
     "INSERT_NEW_AND_NOTIFY",
     "LIFECYCLE",
     "LOCK_MANY",
     "LOCK_ONE",
     "NOTIFY_MANY",
+    "READ_ONE",
     "REWRITE",
     "SELECT",
     "TABLE",
     "UPDATE_LIFECYCLE_AND_NOTIFY",
     "claim_sql",
+    "insert_values",
     "json_text",
     "lifecycle_arrays",
     "list_sql",
@@ -63,23 +70,37 @@ _SQL_TYPES: Final = {
     "telemetry": "text",
 }
 
+#: The database server's clock, in epoch seconds: the time every instance judges leases,
+#: backoffs and availability by (`QueueStore.clock`). The statement's start, not
+#: clock_timestamp(): one value however many rows (and probes) of a statement compare with it.
+DB_NOW: Final = "extract(epoch FROM statement_timestamp())::float8"
+
 _COLUMN_LIST: Final = ", ".join(COLUMNS)
 SELECT: Final = f"SELECT {_COLUMN_LIST} FROM {TABLE}"
-LOCK_ONE: Final = f"{SELECT} WHERE request_id = $1 FOR UPDATE"
+# These also read the database's clock (`db_now`): the time of a verb given now=None.
+_SELECT_AT: Final = f"SELECT {_COLUMN_LIST}, {DB_NOW} AS db_now FROM {TABLE}"
+READ_ONE: Final = f"{_SELECT_AT} WHERE request_id = $1"
+LOCK_ONE: Final = f"{READ_ONE} FOR UPDATE"
 # In id order: two transactions locking overlapping batches then queue instead of deadlocking.
-LOCK_MANY: Final = f"{SELECT} WHERE request_id = ANY($1::text[]) ORDER BY request_id FOR UPDATE"
+LOCK_MANY: Final = f"{_SELECT_AT} WHERE request_id = ANY($1::text[]) ORDER BY request_id FOR UPDATE"
 
-_VALUES: Final = ", ".join(f"${i}" for i in range(1, len(COLUMNS) + 1))
+#: The columns a new row takes from `now` (`model.new_row`): the database's when now is None.
+_STAMPED: Final = frozenset({"created_at", "available_at"})
+_VALUES: Final = ", ".join(
+    f"coalesce(${i}::float8, {DB_NOW})" if column in _STAMPED else f"${i}"
+    for i, column in enumerate(COLUMNS, start=1)
+)
 _NEXT: Final = len(COLUMNS) + 1
+#: Parameters: `insert_values`. Returns the new row's creation time (none if the id existed).
 INSERT_IF_ABSENT: Final = (
     f"INSERT INTO {TABLE} ({_COLUMN_LIST}) VALUES ({_VALUES})"
-    " ON CONFLICT (request_id) DO NOTHING RETURNING request_id"
+    " ON CONFLICT (request_id) DO NOTHING RETURNING request_id, created_at"
 )
 # One statement, hence one transaction: the row and the announcement of its arrival commit
 # together, and the announcement only if the row was new.
 INSERT_NEW_AND_NOTIFY: Final = f"""
 WITH inserted AS ({INSERT_IF_ABSENT})
-SELECT request_id, pg_notify(${_NEXT}, ${_NEXT + 1}) FROM inserted
+SELECT request_id, created_at, pg_notify(${_NEXT}, ${_NEXT + 1}) FROM inserted
 """
 #: A rerun re-opens a finished request: every column but the key is written.
 REWRITE: Final = (
@@ -116,8 +137,14 @@ def json_text(value: Any) -> str | None:
 
 
 def row_values(row: ProcessRequest) -> list[Any]:
-    """The parameters of `INSERT_IF_ABSENT` / `REWRITE`, in `COLUMNS` order."""
+    """The parameters of `REWRITE`, in `COLUMNS` order."""
     return [getattr(row, column) for column in COLUMNS]
+
+
+def insert_values(row: ProcessRequest, now: float | None) -> list[Any]:
+    """The parameters of `INSERT_IF_ABSENT`: `row`'s, its creation time `now` (None: the
+    database's, which the insert returns)."""
+    return [now if column in _STAMPED else getattr(row, column) for column in COLUMNS]
 
 
 def lifecycle_arrays(rows: Sequence[ProcessRequest]) -> list[list[Any]]:
@@ -161,7 +188,10 @@ def claim_sql(restricted: bool) -> str:
     The claim itself is `model.claim` and the parking `model.poison_exhausted`, spelled in SQL
     (tests compare the rows with the model's). Classes and workspaces must be distinct
     (`store.claim_scope` makes them so): a pair probed twice would offer its rows twice.
+    A NULL `now` is the database's (`DB_NOW`): a lease is judged, and granted, on the clock
+    every instance shares, not on the claiming machine's.
     """
+    now = f"coalesce($1::float8, {DB_NOW})"
     # $7 is NULL when every workspace is allowed (always referenced, so its type is known).
     ws_filter = " AND ($7::text[] IS NULL OR workspace_id = ANY($7::text[]))"
     scope = "unnest($6::text[]) AS c(worker_class)"
@@ -173,12 +203,12 @@ def claim_sql(restricted: bool) -> str:
         f"SELECT probe.* FROM {scope} CROSS JOIN LATERAL ("
         f"SELECT p.request_id, p.available_at AS since, p.created_at, p.seq FROM {TABLE} p"
         f" WHERE p.status = 'pending' AND p.worker_class = c.worker_class{ws_clause}"
-        " AND p.available_at <= $1::float8"
+        f" AND p.available_at <= {now}"
         " ORDER BY p.available_at, p.created_at, p.seq LIMIT $2 FOR UPDATE SKIP LOCKED) probe"
     )
     lapsed_where = (
-        "status = 'in_progress' AND worker_class = ANY($6::text[]) AND lease_expires_at < $1"
-        f"{ws_filter}"
+        "status = 'in_progress' AND worker_class = ANY($6::text[])"
+        f" AND lease_expires_at < {now}{ws_filter}"
     )
     ctes = [f"pending AS ({pending})"]
     ctes.append(
@@ -199,13 +229,13 @@ def claim_sql(restricted: bool) -> str:
     returning = ", ".join(f"t.{c}" for c in COLUMNS)
     ctes.append(
         f"claimed AS (UPDATE {TABLE} t SET status = 'in_progress',"
-        " claim_token = ($5::text[])[chosen.n], claimed_by = $3::text, claimed_at = $1,"
-        " lease_expires_at = $1::float8 + $4::float8, dequeue_count = t.dequeue_count + 1"
+        f" claim_token = ($5::text[])[chosen.n], claimed_by = $3::text, claimed_at = {now},"
+        f" lease_expires_at = {now} + $4::float8, dequeue_count = t.dequeue_count + 1"
         f" FROM chosen WHERE t.request_id = chosen.request_id RETURNING {returning}, chosen.n)"
     )
     ctes.append(
         f"parked AS (UPDATE {TABLE} t SET status = 'poison', lease_expires_at = NULL,"
-        " finished_at = $1, error = coalesce(t.error, json_build_object("
+        f" finished_at = {now}, error = coalesce(t.error, json_build_object("
         "'code', 'lease_lapsed', 'message',"
         " 'the lease lapsed on dequeue ' || t.dequeue_count || ' of ' || t.max_dequeues))"
         " FROM doomed WHERE t.request_id = doomed.request_id"

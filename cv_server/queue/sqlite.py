@@ -20,6 +20,7 @@ import builtins
 import json
 import secrets
 import sqlite3
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import fields
 from typing import Any, Final, TypeVar
@@ -261,6 +262,12 @@ def _update(
     )
 
 
+def _now(now: float | None) -> float:
+    """`now`, or this store's clock (`SQLiteQueueStore.clock`) read when the verb is called, as
+    the routes did before they handed the choice of clock to the store."""
+    return time.time() if now is None else now
+
+
 class SQLiteQueueStore(QueueStore):
     """`QueueStore` on a `SQLiteDatabase` whose schema includes `create_schema` (and, to complete
     idempotency keys with an enqueue, `idempotency_sqlite.create_schema`)."""
@@ -285,16 +292,22 @@ class SQLiteQueueStore(QueueStore):
             return
         self._announce(task.result()[1])
 
+    async def clock(self) -> float:
+        """This process's wall clock: only one process opens the file (DESIGN §9)."""
+        return time.time()
+
     # -- enqueuers --------------------------------------------------------------------------------
 
     async def enqueue(
         self,
         req: NewRequest,
-        now: float,
+        now: float | None,
         *,
         rerun: bool = False,
         idempotency: KeyCompletion[Enqueued] | None = None,
     ) -> Enqueued:
+        now = _now(now)
+
         def job(tx: Transaction) -> tuple[Enqueued, list[RequestEvent]]:
             found = tx.execute(f"{_SELECT} WHERE request_id = ?", (req.request_id,)).fetchone()
             existing = None if found is None else _row(found)
@@ -372,11 +385,12 @@ class SQLiteQueueStore(QueueStore):
         worker_classes: str | Sequence[str],
         worker_id: str,
         lease: float,
-        now: float,
+        now: float | None,
         *,
         limit: int,
         workspace_ids: Collection[str] | None = None,
     ) -> builtins.list[ProcessRequest]:
+        now = _now(now)
         scope = claim_scope(worker_classes, workspace_ids, lease, limit)
         if scope is None:
             return []
@@ -410,8 +424,10 @@ class SQLiteQueueStore(QueueStore):
         return await self._write(job)
 
     async def heartbeat(
-        self, request_id: str, claim_token: str, lease: float, now: float
+        self, request_id: str, claim_token: str, lease: float, now: float | None
     ) -> ProcessRequest:
+        now = _now(now)
+
         def job(tx: Transaction) -> tuple[ProcessRequest, list[RequestEvent]]:
             row = _select(tx, request_id)
             extended = model.heartbeat(row, claim_token, lease, now)
@@ -421,8 +437,9 @@ class SQLiteQueueStore(QueueStore):
         return await self._write(job)
 
     async def complete_many(
-        self, completions: Sequence[Completion], now: float
+        self, completions: Sequence[Completion], now: float | None
     ) -> builtins.list[ProcessRequest | QueueError]:
+        now = _now(now)
         batch = list(completions)
 
         def job(
@@ -455,8 +472,10 @@ class SQLiteQueueStore(QueueStore):
         return await self._write(job)
 
     async def fail(
-        self, request_id: str, claim_token: str, error: Any, backoff: float, now: float
+        self, request_id: str, claim_token: str, error: Any, backoff: float, now: float | None
     ) -> ProcessRequest:
+        now = _now(now)
+
         def job(tx: Transaction) -> tuple[ProcessRequest, list[RequestEvent]]:
             row = _select(tx, request_id)
             after, changed = model.fail(row, claim_token, error, backoff, now)
@@ -469,7 +488,9 @@ class SQLiteQueueStore(QueueStore):
 
     # -- operators --------------------------------------------------------------------------------
 
-    async def replay_poison(self, request_id: str, now: float) -> ProcessRequest:
+    async def replay_poison(self, request_id: str, now: float | None) -> ProcessRequest:
+        now = _now(now)
+
         def job(tx: Transaction) -> tuple[ProcessRequest, list[RequestEvent]]:
             row = _select(tx, request_id)
             replayed = model.replay_poison(row, now)

@@ -6,6 +6,12 @@ in one transaction, or does the same in one SQL statement.
 
 Time is a parameter everywhere (`now`, epoch seconds) and so are the lease and the backoff:
 callers pass `ServerConfig.lease_seconds` (120 s) and `failure_backoff_seconds` (30 s).
+Which clock `now` should come from is the store's to say (`clock`): with several server instances
+on one PostgreSQL database, each instance's own wall clock would judge the same lease differently
+(one running ahead hands a live request to a second worker, one running behind hands out a
+backed-off or abandoned request late), so there it is the database's. A verb given `now=None`
+reads the store's clock itself, as part of its write: on PostgreSQL inside the statement, so the
+shared clock costs no extra round trip.
 """
 
 from __future__ import annotations
@@ -82,13 +88,22 @@ class QueueStore(abc.ABC):
                 except Exception:
                     logger.exception("queue listener failed on %s", event)
 
+    # -- time -------------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def clock(self) -> float:
+        """The time now (epoch seconds) on the clock every user of this store shares; a verb
+        given `now=None` reads the same clock, as part of its write. This process's wall clock
+        is right for a store only one process opens (embedded SQLite); a store several server
+        instances share needs one clock for all of them (PostgreSQL: the database's)."""
+
     # -- enqueuers --------------------------------------------------------------------------------
 
     @abc.abstractmethod
     async def enqueue(
         self,
         req: NewRequest,
-        now: float,
+        now: float | None,
         *,
         rerun: bool = False,
         idempotency: KeyCompletion[Enqueued] | None = None,
@@ -127,7 +142,7 @@ class QueueStore(abc.ABC):
         worker_classes: str | Sequence[str],
         worker_id: str,
         lease: float,
-        now: float,
+        now: float | None,
         *,
         workspace_ids: Collection[str] | None = None,
     ) -> ProcessRequest | None:
@@ -150,7 +165,7 @@ class QueueStore(abc.ABC):
         worker_classes: str | Sequence[str],
         worker_id: str,
         lease: float,
-        now: float,
+        now: float | None,
         *,
         limit: int,
         workspace_ids: Collection[str] | None = None,
@@ -162,7 +177,7 @@ class QueueStore(abc.ABC):
 
     @abc.abstractmethod
     async def heartbeat(
-        self, request_id: str, claim_token: str, lease: float, now: float
+        self, request_id: str, claim_token: str, lease: float, now: float | None
     ) -> ProcessRequest:
         """Extend the lease to `now + lease`; return the row.
 
@@ -175,7 +190,7 @@ class QueueStore(abc.ABC):
         request_id: str,
         claim_token: str,
         result: Any,
-        now: float,
+        now: float | None,
         *,
         error: Any = None,
         blob_ref: str | None = None,
@@ -196,7 +211,7 @@ class QueueStore(abc.ABC):
 
     @abc.abstractmethod
     async def complete_many(
-        self, completions: Sequence[Completion], now: float
+        self, completions: Sequence[Completion], now: float | None
     ) -> builtins.list[ProcessRequest | QueueError]:
         """Complete a batch in one transaction (one commit); one outcome per completion, in order:
         the finished row, or the `LeaseLost` / `RequestNotFound` that `complete` would raise. A
@@ -204,7 +219,7 @@ class QueueStore(abc.ABC):
 
     @abc.abstractmethod
     async def fail(
-        self, request_id: str, claim_token: str, error: Any, backoff: float, now: float
+        self, request_id: str, claim_token: str, error: Any, backoff: float, now: float | None
     ) -> ProcessRequest:
         """Record an unexpected error: the row is pending again from `now + backoff`, or poison
         if it was dequeued `max_dequeues` times. Raises like `heartbeat`."""
@@ -212,7 +227,7 @@ class QueueStore(abc.ABC):
     # -- operators --------------------------------------------------------------------------------
 
     @abc.abstractmethod
-    async def replay_poison(self, request_id: str, now: float) -> ProcessRequest:
+    async def replay_poison(self, request_id: str, now: float | None) -> ProcessRequest:
         """Put a poison request back in the queue by hand, its dequeue count reset.
 
         Raises `RequestNotFound`, or `InvalidTransition` if the request is not poison.

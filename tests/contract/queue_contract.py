@@ -625,6 +625,100 @@ class QueueContract:
         await store.claim(STAGE, "w", LEASE, LEASE * 2)
         assert statuses == ["pending", "in_progress", "pending", "poison", "in_progress"]
 
+    # -- the store's clock (now=None) -------------------------------------------------------------
+
+    async def test_the_store_clock_is_shared_by_every_instance(
+        self, store: QueueStore, peer_store: QueueStore
+    ) -> None:
+        first = await store.clock()
+        second = await peer_store.clock()
+        third = await store.clock()
+        assert first <= second <= third
+
+    async def test_verbs_given_no_time_take_it_from_the_store_clock(
+        self, store: QueueStore
+    ) -> None:
+        # Readings of the store's clock before and after each verb bracket the time it wrote.
+        before = await store.clock()
+        new, _ = await store.enqueue(request(), None)
+        after = await store.clock()
+        assert before <= new.created_at == new.available_at <= after
+
+        before = await store.clock()
+        held = await store.claim(STAGE, "w1", LEASE, None)
+        after = await store.clock()
+        assert held is not None
+        assert held.claim_token is not None
+        assert held.claimed_at is not None
+        assert before <= held.claimed_at <= after
+        assert held.lease_expires_at == held.claimed_at + LEASE
+        assert await store.claim(STAGE, "w2", LEASE, None) is None  # its lease is live
+
+        before = await store.clock()
+        beat = await store.heartbeat(held.request_id, held.claim_token, LEASE, None)
+        after = await store.clock()
+        assert beat.lease_expires_at is not None
+        assert before + LEASE <= beat.lease_expires_at <= after + LEASE
+
+        before = await store.clock()
+        failed = await store.fail(held.request_id, held.claim_token, {"m": "x"}, BACKOFF, None)
+        after = await store.clock()
+        assert failed.status == "pending"
+        assert before + BACKOFF <= failed.available_at <= after + BACKOFF
+        assert await store.claim(STAGE, "w2", LEASE, None) is None  # backed off
+
+    async def test_batch_and_operator_verbs_given_no_time_take_it_from_the_store_clock(
+        self, store: QueueStore
+    ) -> None:
+        await store.enqueue(request("a"), None)
+        await store.enqueue(request("b", max_dequeues=1), None)
+        before = await store.clock()
+        batch = await store.claim_many(STAGE, "w1", LEASE, None, limit=2)
+        after = await store.clock()
+        assert len(batch) == 2
+        assert all(r.claimed_at is not None and before <= r.claimed_at <= after for r in batch)
+        first, second = batch
+        assert first.claim_token is not None
+        assert second.claim_token is not None
+
+        unknown = Completion("no-such-request", "token", None)
+        assert isinstance(
+            (await store.complete_many([unknown], None))[0], RequestNotFound
+        )  # no row to read the time with: nothing needs it
+        before = await store.clock()
+        done, missing = await store.complete_many(
+            [Completion(first.request_id, first.claim_token, {"ok": 1}), unknown], None
+        )
+        after = await store.clock()
+        assert isinstance(done, ProcessRequest)
+        assert isinstance(missing, RequestNotFound)
+        assert done.finished_at is not None
+        assert before <= done.finished_at <= after
+
+        poison = await store.fail(second.request_id, second.claim_token, {"m": "x"}, BACKOFF, None)
+        assert poison.status == "poison"
+        before = await store.clock()
+        replayed = await store.replay_poison(second.request_id, None)
+        after = await store.clock()
+        assert before <= replayed.available_at <= after
+
+    async def test_a_rerun_given_no_time_reopens_at_the_store_clock(
+        self, store: QueueStore
+    ) -> None:
+        await store.enqueue(request(), 1.0)
+        held = await self.claimed(store, 1.0)
+        assert held.claim_token is not None
+        await store.complete(held.request_id, held.claim_token, {"ok": 1}, 2.0)
+        before = await store.clock()
+        rerun, coalesced = await store.enqueue(request(), None, rerun=True)
+        after = await store.clock()
+        assert not coalesced
+        assert rerun.run == 2
+        assert before <= rerun.created_at == rerun.available_at <= after
+        answered, coalesced = await store.enqueue(request(), None)  # the live row, as it stands
+        assert coalesced
+        assert answered == rerun
+
     # -- idempotency keys committed with the enqueue ----------------------------------------------
 
     async def test_an_enqueue_completes_its_idempotency_key_in_the_same_transaction(
