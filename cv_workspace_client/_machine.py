@@ -11,7 +11,8 @@ events (methods)                       decisions (what the shell must do next)
 `batch_answered` (results arrived)     `Resolve` the app's awaiters; `Forget` answered rows
 `batch_failed` (retryable or final)    `Wait` `delay` seconds, then call `timer_fired(token)`
 `timer_fired` / `connection_opened`    `CountAttempt` for rows whose send failed (outbox column)
-`restore` (rows found in the outbox)
+`restore` (rows found in the outbox)   `Load` the next page of a lane's backlog, then `loaded`
+`loaded` / `load_failed`
 
 The rules it keeps, each of which a test pins:
 
@@ -27,6 +28,11 @@ The rules it keeps, each of which a test pins:
 - A final 4xx is never retried. A whole-request problem naming one op (`op_index`) fails that op
   alone and resends the others (nothing of the request was applied); `too_many_ops` and
   `body_too_large` on a multi-op batch halve the lane's batch size instead of failing anything.
+- A large backlog is restored a page per lane at a time (`restore` with the lanes' summaries,
+  then `Load` / `loaded`): memory is bounded by lanes x pages, not by the backlog. Restored rows
+  still on disk are a barrier: no batch reaches past them into the lane's new ops, so every
+  restored op leaves before any new op of its sub-doc, in seq order (DESIGN §6), as when all
+  the rows were loaded at once.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ __all__ = [
     "CountAttempt",
     "Decision",
     "Forget",
+    "LaneBacklog",
+    "Load",
     "OutboxMachine",
     "OutboxRow",
     "Persist",
@@ -81,6 +89,17 @@ class OutboxRow:
     created_at: float
     attempts: int = 0
     atomic_group: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LaneBacklog:
+    """What the outbox holds for one `(workspace, sub_doc)` when a client starts: `count` rows,
+    the highest of them `last_seq`."""
+
+    workspace_id: str
+    sub_doc: str
+    count: int
+    last_seq: int
 
 
 # -- decisions -------------------------------------------------------------------------------------
@@ -145,7 +164,20 @@ class Wait:
     token: int
 
 
-Decision = Persist | Send | Resolve | Forget | CountAttempt | Wait
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Read the lane's restored rows with `after_seq < seq <= up_to_seq`, in seq order: the first
+    `limit`, plus the rest of the last one's atomic group (a group never straddles two pages).
+    Then call `loaded(workspace_id, sub_doc, rows)` (or `load_failed`)."""
+
+    workspace_id: str
+    sub_doc: str
+    after_seq: int
+    up_to_seq: int
+    limit: int
+
+
+Decision = Persist | Send | Resolve | Forget | CountAttempt | Wait | Load
 
 
 # -- state ----------------------------------------------------------------------------------------
@@ -173,6 +205,13 @@ class _Lane:
     last_error: WorkspaceError | None = None
     #: The highest clock the server reported for this sub-doc to this client.
     clock: int = 0
+    #: Restored entries in `queue` (always its head: new ops queue behind them).
+    restored: int = 0
+    #: Restored rows still on disk only, all after `loaded_up_to` (the barrier for new ops).
+    on_disk: int = 0
+    loaded_up_to: int = 0
+    #: A `Load` is out (one at a time per lane).
+    loading: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -193,6 +232,8 @@ class OutboxMachine:
         max_attempts: sends per lane before giving up (DESIGN §10: 5).
         max_batch_ops / max_batch_bytes: stay under the server's request limits.
         retry_after_cap: the most a server's Retry-After may make a lane wait.
+        restore_page: restored rows read per `Load`; default two batches (`2 * max_batch_ops`),
+            so the next batch is being read while one is in flight. Not a tunable of its own.
     """
 
     def __init__(
@@ -205,9 +246,12 @@ class OutboxMachine:
         max_batch_ops: int = 1000,
         max_batch_bytes: int = 1_000_000,
         retry_after_cap: float = 300.0,
+        restore_page: int | None = None,
     ) -> None:
         if max_attempts < 1 or max_batch_ops < 1 or max_batch_bytes < 1:
             raise ValueError("max_attempts, max_batch_ops and max_batch_bytes must be >= 1")
+        if restore_page is not None and restore_page < 1:
+            raise ValueError("restore_page must be >= 1")
         self._now = now
         self.new_op_id = new_op_id
         self._backoff = backoff
@@ -215,6 +259,7 @@ class OutboxMachine:
         self.max_batch_ops = max_batch_ops
         self.max_batch_bytes = max_batch_bytes
         self.retry_after_cap = retry_after_cap
+        self.restore_page = restore_page or 2 * max_batch_ops
         self._lanes: dict[Key, _Lane] = {}
         self._batches: dict[int, _Batch] = {}
         self._unpersisted: dict[int, _Entry] = {}
@@ -224,6 +269,8 @@ class OutboxMachine:
         self._next_token = 1
         self._pending = 0
         self._restored = False
+        #: Seqs up to this one were restored; new ops get higher ones.
+        self._restored_seq = 0
 
     # -- queries -----------------------------------------------------------------------------------
 
@@ -243,6 +290,13 @@ class OutboxMachine:
         if not self._pending:
             return None
         heads = [lane.queue[0].row.seq for lane in self._lanes.values() if lane.queue]
+        # A lane whose loaded restored rows are all answered still has older ones on disk: none
+        # of them is below `loaded_up_to + 1`.
+        heads.extend(
+            lane.loaded_up_to + 1
+            for lane in self._lanes.values()
+            if lane.on_disk and not lane.restored
+        )
         heads.extend(self._unpersisted)
         return min(heads, default=None)
 
@@ -261,7 +315,7 @@ class OutboxMachine:
 
     def workspaces(self) -> set[str]:
         """Workspaces with unanswered ops."""
-        return {key[0] for key, lane in self._lanes.items() if lane.queue}
+        return {key[0] for key, lane in self._lanes.items() if lane.queue or lane.on_disk}
 
     def decisions(self) -> list[Decision]:
         """Drain the decisions taken since the last call (oldest first). Call after every event."""
@@ -270,19 +324,76 @@ class OutboxMachine:
 
     # -- events ------------------------------------------------------------------------------------
 
-    def restore(self, rows: Iterable[OutboxRow]) -> None:
-        """Load the rows a previous client left in the outbox. Call once, before any `submit`:
-        replayed ops go first, in their original order, with their original op_ids."""
+    def restore(
+        self, rows: Iterable[OutboxRow], backlog: Iterable[LaneBacklog] | None = None
+    ) -> None:
+        """Take the rows a previous client left in the outbox. Call once, before any `submit`:
+        replayed ops go first, in their original order, with their original op_ids.
+
+        `rows` is all of them, or (with `backlog`, each lane's count and last seq) the first
+        rows of each lane, whole atomic groups: the rest is read page by page (`Load`)."""
         if self._restored or self._next_seq != 1:
             raise RuntimeError("restore() must be called once, before any submit()")
         self._restored = True
         for row in sorted(rows, key=lambda r: r.seq):
-            entry = _Entry(row, persisted=True, awaited=False, size=_size(row))
-            self._lane(row.workspace_id, row.sub_doc).queue.append(entry)
-            self._next_seq = max(self._next_seq, row.seq + 1)
+            lane = self._lane(row.workspace_id, row.sub_doc)
+            lane.queue.append(_Entry(row, persisted=True, awaited=False, size=_size(row)))
+            lane.restored += 1
+            lane.loaded_up_to = row.seq
+            self._restored_seq = max(self._restored_seq, row.seq)
             self._pending += 1
+        for summary in backlog or ():
+            lane = self._lane(summary.workspace_id, summary.sub_doc)
+            on_disk = max(summary.count - lane.restored, 0)
+            lane.on_disk = on_disk
+            self._pending += on_disk
+            self._restored_seq = max(self._restored_seq, summary.last_seq)
+        self._next_seq = self._restored_seq + 1
         for lane in self._lanes.values():
             self._maybe_send(lane)
+
+    def loaded(self, workspace_id: str, sub_doc: str, rows: Sequence[OutboxRow]) -> None:
+        """The rows a `Load` read: they queue behind the lane's restored rows, ahead of its new
+        ops. An answer no `Load` is waiting for is ignored."""
+        lane = self._lanes.get((workspace_id, sub_doc))
+        if lane is None or not lane.loading:
+            return
+        lane.loading = False
+        after = lane.loaded_up_to
+        fresh = sorted(
+            (
+                row
+                for row in rows
+                if after < row.seq <= self._restored_seq
+                and (row.workspace_id, row.sub_doc) == lane.key
+            ),
+            key=lambda row: row.seq,
+        )
+        entries = [_Entry(row, persisted=True, awaited=False, size=_size(row)) for row in fresh]
+        if len(rows) < self.restore_page or len(entries) >= lane.on_disk:
+            # A short page is the end of the lane's backlog: whatever was counted beyond it is
+            # gone from the file, and waiting for it would wedge the lane for good.
+            self._pending -= max(lane.on_disk - len(entries), 0)
+            lane.on_disk = 0
+        else:
+            lane.on_disk -= len(entries)
+        if entries:
+            ahead = [lane.queue.popleft() for _ in range(lane.restored)]
+            lane.queue.extendleft(reversed(ahead + entries))
+            lane.restored += len(entries)
+            lane.loaded_up_to = fresh[-1].seq
+        self._maybe_send(lane)
+
+    def load_failed(self, workspace_id: str, sub_doc: str, error: WorkspaceError) -> None:
+        """A `Load` could not be read. The lane gives up as after its last failed send (its new
+        ops cannot leave before the unread rows): awaiters get `StillPendingError`, and the next
+        connect, submit to it or `retry_parked` loads again."""
+        lane = self._lanes.get((workspace_id, sub_doc))
+        if lane is None or not lane.loading:
+            return
+        lane.loading = False
+        lane.last_error = error
+        self._give_up(lane, error)
 
     def submit(
         self,
@@ -433,6 +544,17 @@ class OutboxMachine:
         self._maybe_send(lane)
 
     def _maybe_send(self, lane: _Lane) -> None:
+        cap = lane.batch_cap
+        if lane.on_disk:
+            # Restored rows on disk are a barrier: a batch is a prefix of the loaded restored
+            # rows, never reaching into the new ops queued behind them. The next page is read
+            # while the last batch of loaded ones is under way (a lane that gave up reads again
+            # once it is unparked).
+            if not lane.loading and not lane.parked and lane.restored <= self.max_batch_ops:
+                self._load(lane)
+            cap = min(cap, lane.restored)
+            if not cap:
+                return
         if lane.in_flight is not None or lane.waiting_token is not None or lane.parked:
             return
         if not lane.queue or not lane.queue[0].persisted:
@@ -447,14 +569,18 @@ class OutboxMachine:
                 if not entry.persisted:
                     return
                 entries.append(entry)
+            if lane.on_disk and len(entries) == lane.restored:
+                # The group runs to the end of what is loaded: the rest of it may be on disk
+                # (the outbox loads groups whole, but a part of one must never leave alone).
+                if not lane.loading:
+                    self._load(lane)
+                return
         else:
             size = 0
             for entry in lane.queue:
                 if not entry.persisted or entry.row.atomic_group is not None:
                     break
-                if entries and (
-                    len(entries) >= lane.batch_cap or size + entry.size > self.max_batch_bytes
-                ):
+                if entries and (len(entries) >= cap or size + entry.size > self.max_batch_bytes):
                     break
                 entries.append(entry)
                 size += entry.size
@@ -472,6 +598,12 @@ class OutboxMachine:
             )
         )
 
+    def _load(self, lane: _Lane) -> None:
+        lane.loading = True
+        self._out.append(
+            Load(lane.key[0], lane.key[1], lane.loaded_up_to, self._restored_seq, self.restore_page)
+        )
+
     def _answer(
         self,
         lane: _Lane,
@@ -483,6 +615,8 @@ class OutboxMachine:
             head = lane.queue.popleft()
             if head is not entry:  # pragma: no cover - a broken invariant must be loud
                 raise AssertionError("answered entries are not the head of their lane")
+        if lane.restored:  # restored entries are the head of the lane: these go first
+            lane.restored -= min(lane.restored, len(entries))
         self._pending -= len(entries)
         self._out.append(Forget(tuple(entry.row.seq for entry in entries)))
         resolved = tuple(
@@ -523,6 +657,8 @@ class OutboxMachine:
                 # Nothing of the request was applied: only the named op is bad.
                 culprit = entries[error.op_index]
                 lane.queue.remove(culprit)
+                if culprit.row.seq <= self._restored_seq:
+                    lane.restored -= 1
                 self._pending -= 1
                 self._out.append(Forget((culprit.row.seq,)))
                 if culprit.awaited:

@@ -26,6 +26,14 @@ How the SQLite file is written, and why:
 
 `locking_mode=EXCLUSIVE` keeps a second client (another process) from replaying the same rows
 concurrently: it fails to open with `outbox_locked` instead.
+
+A large backlog (a client offline for long: a million ops) is not read whole at start. `open`
+with `page_rows` reads each lane's count (`backlog`) and first page; the rest is read a page at
+a time (`read_lane`, in the executor, on the same connection: `locking_mode=EXCLUSIVE` keeps
+any second connection out, even in this process). A partial index on `(workspace_id, sub_doc,
+seq)` over the backlog's seqs makes the counts and each page range reads, whatever other lanes
+hold; rows written later are above its bound, so it costs the op path nothing (a full index
+measured +50% per single-row commit).
 """
 
 from __future__ import annotations
@@ -37,12 +45,12 @@ import os
 import queue
 import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cv_workspace_client._machine import OutboxRow
+from cv_workspace_client._machine import LaneBacklog, OutboxRow
 from cv_workspace_client.errors import OutboxError
 
 __all__ = ["MemoryOutbox", "Outbox", "OutboxSync", "OutboxWrite", "SQLiteOutbox"]
@@ -69,6 +77,11 @@ CREATE TABLE IF NOT EXISTS outbox (
     atomic_group INTEGER
 )
 """
+
+#: The backlog found at open, by lane, made when it is more than a page: `WHERE seq <= last`,
+#: so the rows written afterwards are not in it. An index is no change of schema: SDKs of
+#: schema 1 open the file as before (and ignore it).
+_BACKLOG_INDEX = "outbox_backlog"
 
 _COLUMNS = [
     "seq",
@@ -107,12 +120,14 @@ class OutboxWrite:
 
 
 class Outbox(abc.ABC):
-    """Where pending ops live. `rows` is what a previous client left, in seq order."""
+    """Where pending ops live. `rows` is what a previous client left, in seq order (or, when
+    opened with a page size, the first page of each lane); `backlog` counts them per lane."""
 
     durable: bool = False
 
     def __init__(self) -> None:
         self.rows: list[OutboxRow] = []
+        self.backlog: list[LaneBacklog] = []
 
     @abc.abstractmethod
     def write(self, job: OutboxWrite) -> None:
@@ -133,6 +148,13 @@ class Outbox(abc.ABC):
     @abc.abstractmethod
     async def pending(self) -> list[OutboxRow]:
         """The rows currently stored, in seq order (for diagnostics and tests)."""
+
+    @abc.abstractmethod
+    async def read_lane(
+        self, workspace_id: str, sub_doc: str, after_seq: int, up_to_seq: int, limit: int
+    ) -> list[OutboxRow]:
+        """The lane's rows with `after_seq < seq <= up_to_seq` in seq order: the first `limit`,
+        and the rest of the last one's atomic group (a group never straddles two pages)."""
 
 
 class MemoryOutbox(Outbox):
@@ -159,6 +181,17 @@ class MemoryOutbox(Outbox):
 
     async def pending(self) -> list[OutboxRow]:
         return [self._rows[seq] for seq in sorted(self._rows)]
+
+    async def read_lane(
+        self, workspace_id: str, sub_doc: str, after_seq: int, up_to_seq: int, limit: int
+    ) -> list[OutboxRow]:
+        rows = (
+            self._rows[seq]
+            for seq in sorted(self._rows)
+            if after_seq < seq <= up_to_seq
+            and (self._rows[seq].workspace_id, self._rows[seq].sub_doc) == (workspace_id, sub_doc)
+        )
+        return _page(rows, limit)
 
 
 def _with_attempt(row: OutboxRow) -> OutboxRow:
@@ -225,6 +258,8 @@ class SQLiteOutbox(Outbox):
         self._durable = 0
         self._wanted = False
         self._thread: threading.Thread | None = None
+        #: Held by a `read_lane` in the executor, and by `close` around closing the connection.
+        self._reading = threading.Lock()
         #: Transactions committed, writes they carried, and fsyncs made (a group sync covers many
         #: commits: fsyncs < groups under load).
         self.groups_committed = 0
@@ -238,8 +273,10 @@ class SQLiteOutbox(Outbox):
         *,
         sync: OutboxSync = "alongside",
         busy_timeout_ms: int = _BUSY_TIMEOUT_MS,
+        page_rows: int | None = None,
     ) -> SQLiteOutbox:
-        """Create the file if needed, load what is pending, and start the syncer thread.
+        """Create the file if needed, load what is pending (with `page_rows`: each lane's first
+        `page_rows` rows, the rest through `read_lane`), and start the syncer thread.
 
         Raises `OutboxError("outbox_locked")` if another client holds the file for longer than
         `busy_timeout_ms`."""
@@ -247,17 +284,18 @@ class SQLiteOutbox(Outbox):
         self._loop = loop = asyncio.get_running_loop()
         try:
             # Opening may wait up to busy_timeout_ms for the lock: not on the event loop.
-            self._conn, self.rows, self._identity = await loop.run_in_executor(
-                None, self._open_file
-            )
+            opened = await loop.run_in_executor(None, self._open_file, page_rows)
         except BaseException as exc:
             raise _as_outbox_error(exc, self.path) from None
-        self._written_seq = self._durable = max((row.seq for row in self.rows), default=0)
+        self._conn, self.rows, self.backlog, self._identity = opened
+        self._written_seq = self._durable = max((lane.last_seq for lane in self.backlog), default=0)
         self._thread = threading.Thread(target=self._sync_loop, name="cv-outbox-sync", daemon=True)
         self._thread.start()
         return self
 
-    def _open_file(self) -> tuple[sqlite3.Connection, list[OutboxRow], tuple[int, int]]:
+    def _open_file(
+        self, page_rows: int | None
+    ) -> tuple[sqlite3.Connection, list[OutboxRow], list[LaneBacklog], tuple[int, int]]:
         # Inside the error translation of `open`: a directory that cannot be made (a file in the
         # way, no permission) is an `outbox_open_failed`, not a bare OSError out of `start()`.
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
@@ -265,13 +303,23 @@ class SQLiteOutbox(Outbox):
         try:
             identity = _identity(self.path)
             assert identity is not None  # just opened, under our lock
-            rows = _load(conn)
+            if page_rows is None:
+                rows = _load(conn)
+                backlog = _backlog(conn, rows[-1].seq if rows else 0)
+            else:
+                last = _index_backlog(conn, page_rows)
+                backlog = _backlog(conn, last)
+                rows = [
+                    row
+                    for lane in backlog
+                    for row in _read_lane(conn, lane.workspace_id, lane.sub_doc, 0, last, page_rows)
+                ]
             # The WAL file was just created: make its directory entry durable once.
             _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         except BaseException:
             conn.close()
             raise
-        return conn, rows, identity
+        return conn, rows, backlog, identity
 
     # -- API (event loop side) ---------------------------------------------------------------------
 
@@ -333,6 +381,29 @@ class SQLiteOutbox(Outbox):
             raise OutboxError("outbox_closed", "the outbox is closed")
         return _load(self._conn)
 
+    async def read_lane(
+        self, workspace_id: str, sub_doc: str, after_seq: int, up_to_seq: int, limit: int
+    ) -> list[OutboxRow]:
+        """Read in the executor (a page of a large backlog takes milliseconds), on the owning
+        connection: the event loop's writes go on meanwhile, SQLite serializes the calls."""
+        assert self._loop is not None
+        return await self._loop.run_in_executor(
+            None, self._read_lane_off_loop, workspace_id, sub_doc, after_seq, up_to_seq, limit
+        )
+
+    def _read_lane_off_loop(
+        self, workspace_id: str, sub_doc: str, after_seq: int, up_to_seq: int, limit: int
+    ) -> list[OutboxRow]:
+        # `close` takes the lock before closing the connection: never closed under a read.
+        with self._reading:
+            conn = self._conn
+            if conn is None or self._closed:
+                raise OutboxError("outbox_closed", "the outbox is closed")
+            try:
+                return _read_lane(conn, workspace_id, sub_doc, after_seq, up_to_seq, limit)
+            except sqlite3.Error as exc:
+                raise OutboxError("outbox_read_failed", str(exc)) from None
+
     async def settings(self) -> dict[str, Any]:
         """The durability settings the connection runs with (journal_mode, synchronous,
         locking_mode), as SQLite reports them."""
@@ -362,7 +433,8 @@ class SQLiteOutbox(Outbox):
                 self._thread.join()
             if conn is not None:
                 # Closing checkpoints the WAL into the file (synced before and after).
-                conn.close()
+                with self._reading:
+                    conn.close()
 
         await self._loop.run_in_executor(None, finish)
         closed = OutboxError("outbox_closed", "the outbox closed before the fsync")
@@ -505,11 +577,15 @@ def _connect(path: str, busy_timeout_ms: int) -> sqlite3.Connection:
         # One client per outbox file: two would replay the same rows side by side. The lock is a
         # POSIX lock on the file: the kernel drops it when its holder dies, even by SIGKILL.
         conn.execute("PRAGMA locking_mode = EXCLUSIVE")
-        # Takes (and, in EXCLUSIVE mode, keeps) the write lock before anything is read or
+        # Takes (and, in EXCLUSIVE mode, keeps) the exclusive lock before anything is read or
         # written. The file is identified first: a file that is not an outbox (the app's own
         # database passed by mistake) is refused before it is changed in any way; the switch to
         # WAL below would rewrite its header and lock the app out of it.
-        conn.execute("BEGIN IMMEDIATE")
+        # EXCLUSIVE, not IMMEDIATE: two clients starting at once on a new file each took a
+        # shared lock, one the write lock; in EXCLUSIVE locking mode the other keeps its shared
+        # lock while it waits, so the first could not commit either, and both failed with
+        # `outbox_locked` (an app started twice, nobody running).
+        conn.execute("BEGIN EXCLUSIVE")
         _claim(conn)
         conn.execute("COMMIT")
         conn.execute("PRAGMA journal_mode = WAL")
@@ -532,7 +608,8 @@ def _claim(conn: sqlite3.Connection) -> None:
     application_id = conn.execute("PRAGMA application_id").fetchone()[0]
     version = conn.execute("PRAGMA user_version").fetchone()[0]
     tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master")}
-    if application_id == APPLICATION_ID or (application_id == 0 and tables == {"outbox"}):
+    ours = tables - {_BACKLOG_INDEX} == {"outbox"}
+    if application_id == APPLICATION_ID or (application_id == 0 and ours):
         if version > SCHEMA_VERSION:
             raise OutboxError(
                 "outbox_version",
@@ -601,6 +678,86 @@ def _load(conn: sqlite3.Connection) -> list[OutboxRow]:
             OutboxRow(seq, workspace_id, sub_doc, op_id, op, created_at, attempts, atomic_group)
         )
     return rows
+
+
+def _index_backlog(conn: sqlite3.Connection, page_rows: int) -> int:
+    """Make (or drop) the backlog index as the rows found at open need; return their last seq.
+
+    Kept as it is when it already fits (a client that crashed before answering anything), so
+    an outbox that needs nothing is not written to."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        first, last = conn.execute("SELECT min(seq), max(seq) FROM outbox").fetchone()
+        wanted = None
+        if last is not None and last - first + 1 > page_rows:
+            # The bound is a literal: SQLite uses a partial index only for a query that repeats
+            # its WHERE term, and the reads below do (a bound parameter would not).
+            wanted = (
+                f"CREATE INDEX {_BACKLOG_INDEX} ON outbox (workspace_id, sub_doc, seq)"
+                f" WHERE seq <= {int(last)}"
+            )
+        found = conn.execute(
+            "SELECT sql FROM sqlite_master WHERE type = 'index' AND name = ?", (_BACKLOG_INDEX,)
+        ).fetchone()
+        if (found and found[0]) != wanted:
+            if found is not None:
+                conn.execute(f"DROP INDEX {_BACKLOG_INDEX}")
+            if wanted is not None:
+                conn.execute(wanted)
+        conn.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+        raise
+    return int(last or 0)
+
+
+def _backlog(conn: sqlite3.Connection, last: int) -> list[LaneBacklog]:
+    """Rows per lane up to seq `last`, from the backlog index alone when there is one (no op
+    text read): ~0.15 s for 1,000,000."""
+    cursor = conn.execute(
+        "SELECT workspace_id, sub_doc, count(*), max(seq) FROM outbox"
+        f" WHERE seq <= {int(last)} GROUP BY workspace_id, sub_doc"
+    )
+    return [LaneBacklog(*lane) for lane in cursor]
+
+
+def _read_lane(
+    conn: sqlite3.Connection,
+    workspace_id: str,
+    sub_doc: str,
+    after_seq: int,
+    up_to_seq: int,
+    limit: int,
+) -> list[OutboxRow]:
+    cursor = conn.execute(
+        "SELECT seq, op_id, op, created_at, attempts, atomic_group FROM outbox"
+        f" WHERE workspace_id = ? AND sub_doc = ? AND seq > ? AND seq <= {int(up_to_seq)}"
+        " ORDER BY seq",
+        (workspace_id, sub_doc, after_seq),
+    )
+    try:
+        # The lane's two strings are shared by all its rows.
+        rows = (
+            OutboxRow(seq, workspace_id, sub_doc, op_id, op, created_at, attempts, group)
+            for seq, op_id, op, created_at, attempts, group in cursor
+        )
+        return _page(rows, limit)
+    finally:
+        cursor.close()  # ends the read: it must not hold the connection's snapshot open
+
+
+def _page(rows: Iterator[OutboxRow], limit: int) -> list[OutboxRow]:
+    """The first `limit` of `rows` (in seq order), and the rest of the last one's atomic group:
+    an atomic call's ops travel in one request, so they must be loaded together."""
+    page: list[OutboxRow] = []
+    for row in rows:
+        if len(page) >= limit and (
+            row.atomic_group is None or row.atomic_group != page[-1].atomic_group
+        ):
+            break
+        page.append(row)
+    return page
 
 
 def _as_outbox_error(exc: BaseException, path: str) -> BaseException:

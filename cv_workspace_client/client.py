@@ -36,6 +36,7 @@ from cv_workspace_client._http import HttpApi
 from cv_workspace_client._machine import (
     CountAttempt,
     Forget,
+    Load,
     OutboxMachine,
     Persist,
     Resolve,
@@ -144,7 +145,13 @@ class WorkspaceClient(QueueMethods):
         if self._state != "new":
             raise RuntimeError("a closed WorkspaceClient cannot be restarted; make a new one")
         if self.outbox_path is not None:
-            self._outbox = await SQLiteOutbox.open(self.outbox_path, sync=self.config.outbox_sync)
+            # A large backlog is read a page per sub-doc at a time, the machine's page: two
+            # batches (`2 * max_batch_ops`), so memory stays bounded by sub-docs x pages.
+            self._outbox = await SQLiteOutbox.open(
+                self.outbox_path,
+                sync=self.config.outbox_sync,
+                page_rows=self._machine.restore_page,
+            )
         else:
             self._outbox = MemoryOutbox()
         self._session = aiohttp.ClientSession(
@@ -152,7 +159,7 @@ class WorkspaceClient(QueueMethods):
         )
         self._http = HttpApi(self._session, self.url, self.token)
         self._state = "open"
-        self._machine.restore(self._outbox.rows)
+        self._machine.restore(self._outbox.rows, self._outbox.backlog)
         if self.config.ops_over_websocket:
             for workspace_id in self._machine.workspaces():
                 self._socket(workspace_id)
@@ -403,6 +410,8 @@ class WorkspaceClient(QueueMethods):
                         write.attempts.extend(decision.seqs)
                     elif isinstance(decision, Wait) and sending:
                         self._spawn(self._wait(decision))
+                    elif isinstance(decision, Load) and sending:
+                        self._spawn(self._load(decision))
                 if write:
                     if write.inserts:
                         seqs = [row.seq for row in write.inserts]
@@ -459,6 +468,18 @@ class WorkspaceClient(QueueMethods):
     async def _wait(self, wait: Wait) -> None:
         await self.config.sleep(wait.delay)
         self._machine.timer_fired(wait.workspace_id, wait.sub_doc, wait.token)
+        self._kick()
+
+    async def _load(self, load: Load) -> None:
+        assert self._outbox is not None
+        try:
+            rows = await self._outbox.read_lane(
+                load.workspace_id, load.sub_doc, load.after_seq, load.up_to_seq, load.limit
+            )
+        except OutboxError as exc:
+            self._machine.load_failed(load.workspace_id, load.sub_doc, exc)
+        else:
+            self._machine.loaded(load.workspace_id, load.sub_doc, rows)
         self._kick()
 
     def _resolve(self, resolve: Resolve) -> None:

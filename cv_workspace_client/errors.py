@@ -191,7 +191,8 @@ class OutboxError(WorkspaceError):
     `outbox_foreign` (the file is another application's database: left untouched),
     `outbox_version` (written by a newer SDK), `outbox_open_failed` (unreadable or damaged: left
     as it was), `outbox_write_failed`, `outbox_sync_failed` (the fsync failed, or the file was
-    removed or replaced while open).
+    removed or replaced while open), `outbox_read_failed` (a page of a large backlog could not be
+    read: the `last_error` of the `StillPendingError` its sub-doc's new ops get).
 
     An op whose outbox write failed was never sent.
     """

@@ -216,9 +216,11 @@ def rss_mib() -> float:
 async def test_100k_ops_left_offline_start_fast_replay_in_full_batches_in_order(
     tmp_path: Path,
 ) -> None:
-    """Measured: start 0.5 s and +62 MiB RSS (every pending row is held in memory: linear, about
-    0.6 KiB per op), 100 requests of 1,000 ops, replay 2.8 s. The file stops growing: everything
-    answered leaves it the same size (free pages, reused), and the WAL is checkpointed away."""
+    """Measured: start 0.5 s and +62 MiB RSS before paged loading (every pending row held in
+    memory: about 0.6 KiB per op; now a page per sub-doc), 100 requests of 1,000 ops, replay
+    2.8 s. The file stops growing: everything answered leaves it the same size (free pages,
+    reused) but for the backlog index the paged open makes once, and the WAL is checkpointed
+    away."""
     count = 100_000
     path = tmp_path / "app.outbox"
     offline = await SQLiteOutbox.open(path)
@@ -252,7 +254,9 @@ async def test_100k_ops_left_offline_start_fast_replay_in_full_batches_in_order(
     assert start_rss < 300
     assert requests == [1000] * 100
     assert logged == [f"op{seq:010d}" for seq in range(1, count + 1)]
-    assert size(path) <= file_before
+    # The backlog index (about 20 bytes per op of these small ops) is made once, at the paged
+    # open; its pages are freed with the rows and reused like theirs.
+    assert size(path) <= file_before * 1.25
     assert size(f"{path}-wal") == 0
 
 

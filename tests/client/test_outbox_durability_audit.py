@@ -347,6 +347,7 @@ async def test_two_processes_starting_at_once_on_one_outbox_one_wins_the_other_g
                 cwd=REPO,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
             )
             for tag in (1, 2)
         ]
@@ -360,7 +361,8 @@ async def test_two_processes_starting_at_once_on_one_outbox_one_wins_the_other_g
                 proc.stdin.write(b"close\n")
                 await proc.stdin.drain()
             assert await asyncio.wait_for(proc.wait(), TIMEOUT) == 0
-        assert sorted(said.values()) == ["opened", "outbox_locked"], said
+        errors = [(await proc.stderr.read()).decode() for proc in procs if proc.stderr]
+        assert sorted(said.values()) == ["opened", "outbox_locked"], (said, errors)
         winner = next(tag for tag, word in said.items() if word == "opened")
         outbox = await SQLiteOutbox.open(path)
         try:
