@@ -46,7 +46,7 @@ from cv_server.oplog.store import IncomingOp, LogEntry, OpLogStore, Outcome
 from cv_server.pg import oplog_sql as sql
 from cv_server.pg.migrations import migrate
 from cv_server.pg.notifier import check_payload
-from cv_server.pg.pool import PostgresSettings, create_pool
+from cv_server.pg.pool import PostgresSettings, close_pool, create_pool
 from cv_server.pg.retry import SerializationRetryPolicy, run_with_retry
 
 __all__ = [
@@ -238,7 +238,8 @@ class PostgresOpLogStore(OpLogStore):
             await asyncio.gather(*drainers, return_exceptions=True)
         self._lanes.clear()
         if self._owns_pool:
-            await self.pool.close()
+            # Bounded: a graceful close on a dead path never ends (see `close_pool`).
+            await close_pool(self.pool, PostgresSettings().statement_timeout_seconds)
 
     # -- lanes -----------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ out of `public`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
 
 __all__ = [
     "PostgresSettings",
+    "close_pool",
     "connect",
     "connection_settings",
     "create_pool",
@@ -109,6 +111,19 @@ async def create_pool(dsn: str, settings: PostgresSettings | None = None) -> asy
     )
     assert pool is not None  # create_pool only returns None when awaited without a DSN loop bug
     return pool
+
+
+async def close_pool(pool: asyncpg.Pool, timeout: float) -> None:  # noqa: ASYNC109
+    """Close `pool` gracefully within `timeout` seconds, else terminate it.
+
+    A graceful close waits for every connection to be released and for the server to see each
+    one end: on a dead path (a half-open connection after a failover, a firewall that dropped
+    the flow) that never comes, and the server's shutdown hung on it past any deadline.
+    Terminated, the sockets are closed here and PostgreSQL ends the sessions by itself."""
+    try:
+        await asyncio.wait_for(pool.close(), timeout)
+    except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+        pool.terminate()
 
 
 async def connect(dsn: str, settings: PostgresSettings | None = None) -> asyncpg.Connection:

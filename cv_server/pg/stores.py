@@ -12,6 +12,7 @@ deployments (and test runs) that share a database in separate schemas never wake
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from cv_server.pg.meta import postgres_token_secret
 from cv_server.pg.migrations import migrate
 from cv_server.pg.notifier import Notifier
 from cv_server.pg.oplog import OPLOG_CHANNEL, PostgresOpLogStore, parse_oplog_payload
-from cv_server.pg.pool import PostgresSettings, create_pool
+from cv_server.pg.pool import PostgresSettings, close_pool, create_pool
 from cv_server.pg.queue import QUEUE_CHANNEL, PostgresQueueStore
 
 __all__ = [
@@ -103,7 +104,8 @@ async def open_postgres_stores(config: ServerConfig) -> Stores:
     if not config.database_url:
         raise ValueError("ServerConfig.database_url is required for the PostgreSQL backend")
     dsn = config.database_url
-    pool, schema = await _prepared_pool(dsn, PostgresSettings())
+    settings = PostgresSettings()
+    pool, schema = await _prepared_pool(dsn, settings)
     queue = PostgresQueueStore(pool, channel=channel_name(QUEUE_CHANNEL, schema))
     # Named after the instance, so an operator (or a test) can tell the listeners apart.
     notifier = Notifier(
@@ -165,7 +167,9 @@ async def open_postgres_stores(config: ServerConfig) -> Stores:
         # Closed in reverse: the stores first (finishing queued appends), then the LISTEN
         # connection, the pool last.
         _closers=[
-            pool.close,
+            # Bounded like a statement: on a dead path a graceful close never ends (and with
+            # it the server's shutdown); past the bound the pool is terminated.
+            functools.partial(close_pool, pool, settings.statement_timeout_seconds),
             notifier.close,
             locks.close,
             blobs.close,

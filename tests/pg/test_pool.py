@@ -8,7 +8,9 @@ import asyncpg  # type: ignore[import-untyped]
 import pytest
 
 from cv_server.pg import PostgresSettings, connect, create_pool
+from cv_server.pg.pool import close_pool
 from tests.pg.helpers import settings_for
+from tests.pg.test_broadcast_audit import Relay
 
 pytestmark = pytest.mark.postgres
 
@@ -69,3 +71,25 @@ def test_a_schema_name_that_would_need_quoting_is_refused() -> None:
         with pytest.raises(ValueError, match="invalid schema name"):
             PostgresSettings(schema=bad)
     assert PostgresSettings(schema="cv_test_0a1b").schema == "cv_test_0a1b"
+
+
+async def test_closing_a_pool_whose_connections_went_silent_ends_within_its_bound(
+    postgres_url: str, schema: str
+) -> None:
+    # A failover or a firewall that dropped the flows leaves half-open connections: asyncpg's
+    # graceful close waits for answers that never come, and the server's shutdown hung on it.
+    relay = Relay(postgres_url)
+    try:
+        through = await relay.start()
+        pool = await create_pool(through, settings_for(schema))
+        assert await pool.fetchval("SELECT 1") == 1
+        for port in list(relay.links):
+            relay.freeze(port)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        async with asyncio.timeout(20):  # the old close never returned
+            await close_pool(pool, 1.0)
+        assert loop.time() - began < 10
+        assert pool.is_closing()
+    finally:
+        await relay.close()
