@@ -45,6 +45,7 @@ import os
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -260,6 +261,8 @@ class SQLiteOutbox(Outbox):
         self._thread: threading.Thread | None = None
         #: Held by a `read_lane` in the executor, and by `close` around closing the connection.
         self._reading = threading.Lock()
+        #: The descriptor holding `<path>.lock` (see `_take_file_lock`), closed last.
+        self._lock_fd: int | None = None
         #: Transactions committed, writes they carried, and fsyncs made (a group sync covers many
         #: commits: fsyncs < groups under load).
         self.groups_committed = 0
@@ -299,7 +302,12 @@ class SQLiteOutbox(Outbox):
         # Inside the error translation of `open`: a directory that cannot be made (a file in the
         # way, no permission) is an `outbox_open_failed`, not a bare OSError out of `start()`.
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        conn = _connect(self.path, self.busy_timeout_ms)
+        self._lock_fd = _take_file_lock(self.path, self.busy_timeout_ms)
+        try:
+            conn = _connect(self.path, self.busy_timeout_ms)
+        except BaseException:
+            self._release_file_lock()
+            raise
         try:
             identity = _identity(self.path)
             assert identity is not None  # just opened, under our lock
@@ -318,8 +326,14 @@ class SQLiteOutbox(Outbox):
             _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         except BaseException:
             conn.close()
+            self._release_file_lock()
             raise
         return conn, rows, backlog, identity
+
+    def _release_file_lock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)
 
     # -- API (event loop side) ---------------------------------------------------------------------
 
@@ -435,6 +449,7 @@ class SQLiteOutbox(Outbox):
                 # Closing checkpoints the WAL into the file (synced before and after).
                 with self._reading:
                     conn.close()
+            self._release_file_lock()  # last: the file is ours until the connection is gone
 
         await self._loop.run_in_executor(None, finish)
         closed = OutboxError("outbox_closed", "the outbox closed before the fsync")
@@ -758,6 +773,45 @@ def _page(rows: Iterator[OutboxRow], limit: int) -> list[OutboxRow]:
             break
         page.append(row)
     return page
+
+
+#: Waits between two tries of a held outbox lock, in ms, then the last one again: SQLite's own
+#: busy handler's schedule (sqliteDefaultBusyCallback), which this lock stands in front of.
+_LOCK_RETRY_MS = (1, 2, 5, 10, 15, 20, 25, 25, 25, 50, 50, 100)
+
+
+def _take_file_lock(path: str, busy_timeout_ms: int) -> int | None:
+    """Hold `<path>.lock` (flock, exclusive) for this client, waiting up to `busy_timeout_ms`.
+
+    SQLite's own lock is not enough to pick one of two clients starting at once: each takes a
+    shared lock and asks for the exclusive one, and in EXCLUSIVE locking mode the one that waits
+    keeps its shared lock, so neither gets it and both fail with `outbox_locked` (an app started
+    twice, running nowhere). flock is granted whole or not at all: one of them wins. The kernel
+    drops it when its holder dies, even by SIGKILL. A sidecar file, as the server's: flock on the
+    database itself could clash with SQLite's POSIX locks (NFS emulates flock with them)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no flock; SQLite's own lock alone
+        return None
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    deadline = time.monotonic() + busy_timeout_ms / 1000
+    tries = 0
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise OutboxError(
+                    "outbox_locked", f"another client holds the outbox {os.path.basename(path)}"
+                ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        wait = _LOCK_RETRY_MS[min(tries, len(_LOCK_RETRY_MS) - 1)] / 1000
+        tries += 1
+        time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
 
 
 def _as_outbox_error(exc: BaseException, path: str) -> BaseException:
