@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,8 @@ from aiohttp.test_utils import TestClient
 
 from cv_server import ServerConfig, create_app
 from cv_server.auth import mint_token
+from cv_server.cli import _with_schema
+from tests.pg.helpers import fresh_schema
 
 SECRET = b"integration-test-secret-0123456789"
 
@@ -41,3 +43,30 @@ async def client(
     aiohttp_client: ClientFactory, make_config: Callable[..., ServerConfig]
 ) -> TestClient[Any, Any]:
     return await aiohttp_client(create_app(make_config()))
+
+
+BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+@pytest.fixture(params=BACKENDS)
+async def make_server_config(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[Callable[..., ServerConfig]]:
+    """A config factory for the backend under test, SQLite or PostgreSQL (a fresh schema per
+    test): for tests that must hold on both."""
+    if request.param == "sqlite":
+
+        def make_sqlite(**overrides: Any) -> ServerConfig:
+            return ServerConfig(db_path=tmp_path / "cv.db", token_secret=SECRET, **overrides)
+
+        yield make_sqlite
+        return
+    postgres_url: str = request.getfixturevalue("postgres_url")
+    async with fresh_schema(postgres_url) as schema:
+
+        def make_postgres(**overrides: Any) -> ServerConfig:
+            return ServerConfig(
+                database_url=_with_schema(postgres_url, schema), token_secret=SECRET, **overrides
+            )
+
+        yield make_postgres

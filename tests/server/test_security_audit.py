@@ -17,35 +17,8 @@ from aiohttp.test_utils import TestClient
 
 from cv_server import ServerConfig, create_app
 from cv_server.auth import mint_token, verify_token
-from cv_server.cli import _with_schema
 from cv_server.cli import main as cv_server_main
-from tests.pg.helpers import fresh_schema
 from tests.server.conftest import SECRET, ClientFactory, auth, token_for
-
-BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
-
-
-@pytest.fixture(params=BACKENDS)
-async def make_server_config(
-    request: pytest.FixtureRequest, tmp_path: Path
-) -> AsyncIterator[Callable[..., ServerConfig]]:
-    """A config factory for the backend under test (a fresh PostgreSQL schema per test)."""
-    if request.param == "sqlite":
-
-        def make_sqlite(**overrides: Any) -> ServerConfig:
-            return ServerConfig(db_path=tmp_path / "cv.db", token_secret=SECRET, **overrides)
-
-        yield make_sqlite
-        return
-    postgres_url: str = request.getfixturevalue("postgres_url")
-    async with fresh_schema(postgres_url) as schema:
-
-        def make_postgres(**overrides: Any) -> ServerConfig:
-            return ServerConfig(
-                database_url=_with_schema(postgres_url, schema), token_secret=SECRET, **overrides
-            )
-
-        yield make_postgres
 
 
 @pytest.fixture
