@@ -20,7 +20,7 @@ from cv_workspace_client.errors import (
     error_from_problem,
 )
 
-__all__ = ["HttpApi", "body_payload", "parse_retry_after"]
+__all__ = ["HttpApi", "body_payload", "not_an_answer", "parse_retry_after"]
 
 
 def body_payload(data: bytes) -> bytes | io.BytesIO:
@@ -29,6 +29,14 @@ def body_payload(data: bytes) -> bytes | io.BytesIO:
     test suite) then saw the send fail, over and over under the same op_id, and the op wedged
     its sub-doc instead of getting the server's answer (`body_too_large`, say)."""
     return io.BytesIO(data) if len(data) > TOO_LARGE_BYTES_BODY else data
+
+
+def not_an_answer(status: int, location: str | None) -> ProtocolError:
+    """A status below 400 no route of the API answers (a 201, a 204, a 3xx that is not
+    followed): it comes from something in between and says nothing of the request, so it is
+    retried like a lost answer (under the same op_id / Idempotency-Key), never final."""
+    where = f" to {location}" if location else ""
+    return ProtocolError("bad_answer", f"HTTP {status}{where} is not an answer of the API")
 
 
 #: What a bare status from a proxy means, in the server's own codes. A 413 (nginx's
@@ -106,15 +114,9 @@ class HttpApi:
                     except ValueError as exc:
                         raise ProtocolError("bad_answer", f"invalid JSON: {exc}") from None
                 if response.status < 400:
-                    # Every route answers 200 or a problem (DESIGN §5): a 201, a 204 or a 3xx
-                    # comes from something in between, and says nothing of the request. Not a
-                    # final answer (`http_204` used to fail an op for good): resent under its
-                    # op_id like a lost one.
-                    location = response.headers.get("Location")
-                    where = f" to {location}" if location else ""
-                    raise ProtocolError(
-                        "bad_answer", f"HTTP {response.status}{where} is not an answer of the API"
-                    )
+                    # Every route answers 200 or a problem (DESIGN §5); `http_204` used to fail
+                    # an op for good.
+                    raise not_an_answer(response.status, response.headers.get("Location"))
                 problem: Any = None
                 try:
                     problem = json.loads(raw) if raw else None

@@ -803,9 +803,7 @@ def _take_file_lock(path: str, busy_timeout_ms: int) -> int | None:
         except BlockingIOError:
             if time.monotonic() >= deadline:
                 os.close(fd)
-                raise OutboxError(
-                    "outbox_locked", f"another client holds the outbox {os.path.basename(path)}"
-                ) from None
+                raise _locked_error(path) from None
         except BaseException:
             os.close(fd)
             raise
@@ -814,13 +812,15 @@ def _take_file_lock(path: str, busy_timeout_ms: int) -> int | None:
         time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
 
 
+def _locked_error(path: str) -> OutboxError:
+    return OutboxError("outbox_locked", f"another client holds the outbox {os.path.basename(path)}")
+
+
 def _as_outbox_error(exc: BaseException, path: str) -> BaseException:
     if isinstance(exc, OutboxError):
         return exc
     if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
-        return OutboxError(
-            "outbox_locked", f"another client holds the outbox {os.path.basename(path)}"
-        )
+        return _locked_error(path)
     if isinstance(exc, sqlite3.Error | OSError):
         return OutboxError("outbox_open_failed", str(exc))
     return exc

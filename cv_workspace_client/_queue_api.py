@@ -26,7 +26,7 @@ from urllib.parse import quote
 
 import aiohttp
 
-from cv_workspace_client._http import body_payload, parse_retry_after
+from cv_workspace_client._http import body_payload, not_an_answer, parse_retry_after
 from cv_workspace_client._retry import backoff_for, is_retryable, retrying
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
@@ -129,12 +129,8 @@ async def _call(
                 except ValueError as exc:
                     raise ProtocolError("bad_answer", f"invalid JSON: {exc}") from None
                 return response.status, decoded, response.headers
-            if response.status < 400:  # a 3xx from something in between: not an answer
-                location = response.headers.get("Location")
-                where = f" to {location}" if location else ""
-                raise ProtocolError(
-                    "bad_answer", f"HTTP {response.status}{where} is not an answer of the API"
-                )
+            if response.status < 400:  # a 3xx from something in between
+                raise not_an_answer(response.status, response.headers.get("Location"))
             problem: Any = None
             try:
                 problem = json.loads(raw) if raw else None
