@@ -45,6 +45,19 @@ from typing import Any
 
 import orjson
 
+# The vocabulary (values in, decisions out) has its own module; re-exported here (`__all__`).
+from cv_workspace_client._machine_effects import (
+    CountAttempt,
+    Decision,
+    Forget,
+    LaneBacklog,
+    Load,
+    OutboxRow,
+    Persist,
+    Resolve,
+    Send,
+    Wait,
+)
 from cv_workspace_client.errors import (
     InvalidRequestError,
     OpRejectedError,
@@ -73,111 +86,6 @@ Key = tuple[str, str]
 
 #: Server-side request limits that mean "send fewer ops at once", not "this op is bad".
 _BATCH_TOO_BIG = frozenset({"too_many_ops", "body_too_large"})
-
-
-@dataclass(frozen=True, slots=True)
-class OutboxRow:
-    """One op as the outbox stores it. `op_json` is sent verbatim on every attempt, so the server
-    fingerprints the same bytes each time (DESIGN §4). `atomic_group` is the seq of the first op
-    of an atomic `apply_ops` call (its ops always travel together), None otherwise."""
-
-    seq: int
-    workspace_id: str
-    sub_doc: str
-    op_id: str
-    op_json: str
-    created_at: float
-    attempts: int = 0
-    atomic_group: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class LaneBacklog:
-    """What the outbox holds for one `(workspace, sub_doc)` when a client starts: `count` rows,
-    the highest of them `last_seq`."""
-
-    workspace_id: str
-    sub_doc: str
-    count: int
-    last_seq: int
-
-
-# -- decisions -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Persist:
-    """Write these rows to the outbox durably, then call `persisted(seqs)` (or `persist_failed`)."""
-
-    rows: tuple[OutboxRow, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    """Send these rows as one request (`{"ops": [...], "atomic": atomic}`); report the outcome with
-    `batch_answered(batch_id, results)` or `batch_failed(batch_id, error)`."""
-
-    batch_id: int
-    workspace_id: str
-    sub_doc: str
-    rows: tuple[OutboxRow, ...]
-    atomic: bool
-
-    def body(self) -> str:
-        """The HTTP body / websocket `ops` array, built from the stored op texts unchanged."""
-        ops = ",".join(row.op_json for row in self.rows)
-        return f'{{"ops":[{ops}],"atomic":{"true" if self.atomic else "false"}}}'
-
-    def ops_json(self) -> str:
-        return "[" + ",".join(row.op_json for row in self.rows) + "]"
-
-
-@dataclass(frozen=True, slots=True)
-class Resolve:
-    """Settle the app's awaiters: `(seq, Commit | WorkspaceError)` per op somebody awaits."""
-
-    outcomes: tuple[tuple[int, Commit | WorkspaceError], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Forget:
-    """The server answered these rows: delete them from the outbox (no hurry, no fsync needed:
-    a row that survives a crash is replayed and answered as a duplicate)."""
-
-    seqs: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class CountAttempt:
-    """A send of these rows failed: bump their `attempts` column (diagnostics only)."""
-
-    seqs: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Wait:
-    """Call `timer_fired(workspace_id, sub_doc, token)` after `delay` seconds."""
-
-    workspace_id: str
-    sub_doc: str
-    delay: float
-    token: int
-
-
-@dataclass(frozen=True, slots=True)
-class Load:
-    """Read the lane's restored rows with `after_seq < seq <= up_to_seq`, in seq order: the first
-    `limit`, plus the rest of the last one's atomic group (a group never straddles two pages).
-    Then call `loaded(workspace_id, sub_doc, rows)` (or `load_failed`)."""
-
-    workspace_id: str
-    sub_doc: str
-    after_seq: int
-    up_to_seq: int
-    limit: int
-
-
-Decision = Persist | Send | Resolve | Forget | CountAttempt | Wait | Load
 
 
 # -- state ----------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cv_workspace_client._machine import LaneBacklog, OutboxRow
+from cv_workspace_client._machine_effects import LaneBacklog, OutboxRow
 from cv_workspace_client.errors import OutboxError
 
 __all__ = ["MemoryOutbox", "Outbox", "OutboxSync", "OutboxWrite", "SQLiteOutbox"]
