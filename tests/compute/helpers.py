@@ -1,24 +1,39 @@
 """Helpers for the compute-lock tests: tokens, a provider whose calls wait at a gate, a request
-log of the real server, and a stage context built the way a worker builds one."""
+log of the real server, a stage context built the way a worker builds one, and the one cell
+(`FIELD` of `JOB` in the `JOBS` sub-doc) that the compute tests race for."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from pydantic import JsonValue
 
+from cv_mutations import NodeInsert, NodeUpdate
 from cv_server.auth import mint_token
 from cv_workspace_client import ClientConfig, WorkspaceClient
-from cv_workspace_client.providers import ProviderResult, fake_answer
+from cv_workspace_client.compute import ComputeResult, LockPolling, compute_once
+from cv_workspace_client.providers import Provider, ProviderResult, fake_answer
 from cv_workspace_client.stage import StageContext, StageRequest
+from cv_workspace_client.stages import JOBS as JOBS  # re-exported: the cell's sub-doc
 
 SECRET = b"compute-test-secret-0123456789abcdef"
 WS = "ws1"
+JOB = "job1"
+FIELD = "eval:fit"
+
+Check = Callable[[], Awaitable[JsonValue | None]]
+Compute = Callable[[], Awaitable[JsonValue]]
 
 
 def token_for(*workspaces: str) -> str:
@@ -158,3 +173,127 @@ def stage_context(
         claimed_at=time.time(),
     )
     return StageContext(request, client, provider=provider, worker_id=worker_id)
+
+
+# -- the cell: `FIELD` of `JOB` in `WS`'s `JOBS` sub-doc -------------------------------------------
+
+
+async def seed_job(client: WorkspaceClient, **fields: JsonValue) -> None:
+    """Insert the `JOB` node (with `fields`) that the cell lives on."""
+    await client.apply_op(WS, JOBS, NodeInsert(node_id=JOB, parent_id="root", fields=fields))
+
+
+def cell(
+    client: WorkspaceClient, provider: Provider, *, prompt: str = f"{JOB}/{FIELD}"
+) -> tuple[Check, Compute]:
+    """The check and compute of the cell, as a stage writes them: the compute pays for one
+    provider call for `prompt` and writes its answer."""
+
+    async def check() -> JsonValue | None:
+        _, state = await client.get_state(WS, JOBS)
+        node = state.nodes.get(JOB)
+        return None if node is None else node.fields.get(FIELD)
+
+    async def compute() -> JsonValue:
+        answer = await provider.complete(prompt)
+        await client.apply_op(WS, JOBS, NodeUpdate(node_id=JOB, set={FIELD: answer.text}))
+        return answer.text
+
+    return check, compute
+
+
+async def compute_or_wait(
+    client: WorkspaceClient,
+    provider: Provider,
+    holder: str,
+    *,
+    wait: float,
+    polling: LockPolling,
+    prompt: str = f"{JOB}/{FIELD}",
+    check: Check | None = None,
+    compute: Compute | None = None,
+) -> ComputeResult[JsonValue]:
+    """`compute_once` of the cell for `holder`, waiting up to `wait` s when the lock is held: on
+    the value's broadcast, polling the lock to take it over if the holder goes away. `check` and
+    `compute` default to `cell`'s."""
+    cell_check, cell_compute = cell(client, provider, prompt=prompt)
+    return await compute_once(
+        client,
+        WS,
+        JOB,
+        FIELD,
+        check=cell_check if check is None else check,
+        compute=cell_compute if compute is None else compute,
+        holder=holder,
+        sub_doc=JOBS,
+        wait=wait,
+        polling=polling,
+    )
+
+
+def timed(compute: Compute, started: list[float]) -> Compute:
+    """`compute`, noting in `started` the wall-clock time each call begins (when it pays)."""
+
+    async def timed_compute() -> JsonValue:
+        started.append(time.time())
+        return await compute()
+
+    return timed_compute
+
+
+async def eval_writes(client: WorkspaceClient, workspace: str = WS) -> list[tuple[str, str]]:
+    """(job, field) of every committed `eval:` write in the log, duplicates included."""
+    _, entries = await client.read_ops(workspace, JOBS, since=0, limit=1000)
+    writes = []
+    for entry in entries:
+        raw = entry.op.model_dump()
+        if raw["type"] == "node.update":
+            writes += [(raw["node_id"], k) for k in raw["set"] if k.startswith("eval:")]
+    return writes
+
+
+async def cell_writes(client: WorkspaceClient) -> int:
+    """How many committed ops set `FIELD` (a double write shows as 2)."""
+    return [field for _, field in await eval_writes(client)].count(FIELD)
+
+
+# -- a holder process that dies mid-call -----------------------------------------------------------
+
+HOLDER_SCRIPT = """
+import asyncio, sys
+from cv_workspace_client import WorkspaceClient
+from cv_workspace_client.compute import compute_once
+
+async def main(url, token):
+    async with WorkspaceClient(url, token=token) as client:
+        async def check():
+            return None
+        async def compute():
+            print("calling", flush=True)  # the provider call is paid from here on
+            await asyncio.Event().wait()  # a provider that has not answered yet
+        await compute_once(client, "ws1", "job1", "eval:fit", check=check, compute=compute,
+                           holder="doomed")
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+@asynccontextmanager
+async def holder_process(url: str, tmp_path: Path) -> AsyncIterator[asyncio.subprocess.Process]:
+    """A worker process that takes the cell's lock and hangs in its provider call (it prints
+    `calling` once it is paid); SIGKILLed on exit, so its lock is never released."""
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER_SCRIPT)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(script),
+        url,
+        token_for(WS),
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    try:
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        await asyncio.wait_for(proc.wait(), 10)

@@ -25,7 +25,7 @@ from cv_workspace_client.stages.evaluate import column_prompt, parse_columns
 from cv_workspace_client.worker import Worker, WorkerConfig
 
 from .conftest import OpenClient, StartServer
-from .helpers import WS, GatedProvider, RequestLog, Watched
+from .helpers import WS, GatedProvider, RequestLog, Watched, eval_writes
 
 FAST = WorkerConfig(idle_initial_seconds=0.01, idle_max_seconds=0.05)
 COLUMNS = ["fit", "seniority", "remote", "salary"]
@@ -48,17 +48,6 @@ async def workers(
         for worker in running:
             worker.stop()
         await asyncio.wait_for(asyncio.gather(*tasks), 30)
-
-
-async def cell_writes(client: WorkspaceClient, workspace: str = WS) -> list[tuple[str, str]]:
-    """(job, field) of every committed `eval:` write in the log, duplicates included."""
-    _, entries = await client.read_ops(workspace, JOBS, since=0, limit=1000)
-    writes = []
-    for entry in entries:
-        raw = entry.op.model_dump()
-        if raw["type"] == "node.update":
-            writes += [(raw["node_id"], k) for k in raw["set"] if k.startswith("eval:")]
-    return writes
 
 
 async def race_two_runs(
@@ -99,7 +88,7 @@ async def race_two_runs(
                 await provider.arrived_for(prompt).reach(2)
             provider.open(prompt)
         outcomes = [await api.wait_request(clients[0], WS, i, timeout=30) for i in ids]
-    return provider, [o.result for o in outcomes], await cell_writes(clients[0])
+    return provider, [o.result for o in outcomes], await eval_writes(clients[0])
 
 
 def prompt_of(column: str) -> str:
@@ -168,7 +157,7 @@ async def test_the_compute_lock_does_not_coordinate_across_workspaces_the_queue_
     assert [o.status for o in outcomes] == ["done", "done"]
     assert provider.calls == 2 * len(COLUMNS)
     for ws, client, _ in enqueued:
-        assert sorted(await cell_writes(client, ws)) == sorted((JOB, t) for t in eval_tasks())
+        assert sorted(await eval_writes(client, ws)) == sorted((JOB, t) for t in eval_tasks())
     assert sum(w.stats.completed for w in running) == 2
     assert {o.request.claimed_by for o in outcomes if o.request} <= {"w0", "w1"}
 

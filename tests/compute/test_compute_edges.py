@@ -5,10 +5,7 @@ followers that give up. Each test counts provider calls: the number that must st
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,9 +15,8 @@ import pytest
 from aiohttp import web
 from pydantic import JsonValue
 
-from cv_mutations import NodeIncrement, NodeInsert, NodeUpdate
+from cv_mutations import NodeIncrement, NodeInsert
 from cv_server import ServerConfig, create_app
-from cv_workspace_client import WorkspaceClient
 from cv_workspace_client._worker_parts import SingleFlight
 from cv_workspace_client.compute import (
     ComputeResult,
@@ -31,45 +27,25 @@ from cv_workspace_client.compute import (
 )
 
 from .conftest import OpenClient, ServerFactory, StartServer
-from .helpers import SECRET, WS, GatedProvider, RequestLog, Watched, fast_config, token_for
+from .helpers import (
+    FIELD,
+    JOB,
+    JOBS,
+    SECRET,
+    WS,
+    GatedProvider,
+    RequestLog,
+    Watched,
+    cell,
+    cell_writes,
+    compute_or_wait,
+    fast_config,
+    holder_process,
+    seed_job,
+    timed,
+)
 
-JOBS = "jobs"
-JOB = "job1"
-FIELD = "eval:fit"
 FAST_POLL = LockPolling(initial_seconds=0.02, max_seconds=0.1)
-
-Check = Callable[[], Awaitable[JsonValue | None]]
-Compute = Callable[[], Awaitable[JsonValue]]
-
-
-async def seed_job(client: WorkspaceClient) -> None:
-    await client.apply_op(WS, JOBS, NodeInsert(node_id=JOB, parent_id="root"))
-
-
-def cell(client: WorkspaceClient, provider: GatedProvider) -> tuple[Check, Compute]:
-    """The check and compute of `FIELD` of `JOB`, as a stage writes them."""
-
-    async def check() -> JsonValue | None:
-        _, state = await client.get_state(WS, JOBS)
-        node = state.nodes.get(JOB)
-        return None if node is None else node.fields.get(FIELD)
-
-    async def compute() -> JsonValue:
-        answer = await provider.complete(f"{JOB}/{FIELD}")
-        await client.apply_op(WS, JOBS, NodeUpdate(node_id=JOB, set={FIELD: answer.text}))
-        return answer.text
-
-    return check, compute
-
-
-async def cell_writes(client: WorkspaceClient) -> int:
-    """How many committed ops set `FIELD` (a double write shows as 2)."""
-    _, entries = await client.read_ops(WS, JOBS, since=0, limit=1000)
-    return sum(
-        1
-        for entry in entries
-        if (raw := entry.op.model_dump())["type"] == "node.update" and FIELD in raw["set"]
-    )
 
 
 # -- waiting for a dead holder ---------------------------------------------------------------------
@@ -98,21 +74,14 @@ async def test_a_waiter_takes_over_a_dead_holders_lock_while_the_sub_doc_keeps_c
         await client.apply_op(WS, JOBS, NodeIncrement(node_id="busy", field="n"))
         return await read()
 
-    async def timed_compute() -> JsonValue:
-        started.append(time.time())
-        return await compute()
-
-    result = await compute_once(
+    result = await compute_or_wait(
         client,
-        WS,
-        JOB,
-        FIELD,
-        check=check,
-        compute=timed_compute,
-        holder="w",
-        sub_doc=JOBS,
+        provider,
+        "w",
         wait=4.0,
         polling=FAST_POLL,
+        check=check,
+        compute=timed(compute, started),
     )
 
     assert result.status == "computed"
@@ -121,49 +90,17 @@ async def test_a_waiter_takes_over_a_dead_holders_lock_while_the_sub_doc_keeps_c
     assert started[0] <= dead.expires_at + 1.5  # and not only at the end of the wait
 
 
-_HOLDER_SCRIPT = """
-import asyncio, sys
-from cv_workspace_client import WorkspaceClient
-from cv_workspace_client.compute import compute_once
-
-async def main(url, token):
-    async with WorkspaceClient(url, token=token) as client:
-        async def check():
-            return None
-        async def compute():
-            print("calling", flush=True)  # the provider call is paid from here on
-            await asyncio.Event().wait()  # a provider that has not answered yet
-        await compute_once(client, "ws1", "job1", "eval:fit", check=check, compute=compute,
-                           holder="doomed")
-
-asyncio.run(main(sys.argv[1], sys.argv[2]))
-"""
-
-
 async def test_a_holder_process_sigkilled_mid_call_is_taken_over_once_after_its_ttl(
     start_server: StartServer, open_client: OpenClient, tmp_path: Path
 ) -> None:
     url = await start_server(compute_lock_ttl_seconds=1.0)
     client = await open_client(url)
     await seed_job(client)
-    script = tmp_path / "holder.py"
-    script.write_text(_HOLDER_SCRIPT)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(script),
-        url,
-        token_for(WS),
-        stdout=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
-    )
-    try:
+    async with holder_process(url, tmp_path) as proc:
         assert proc.stdout is not None
         async with asyncio.timeout(30):
             line = await proc.stdout.readline()
         assert line.strip() == b"calling"
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        await asyncio.wait_for(proc.wait(), 10)
     assert proc.returncode == -signal.SIGKILL
     held = await acquire_lock(client, WS, JOB, FIELD, "probe")  # the dead holder's lock
     assert not held.acquired
@@ -171,24 +108,11 @@ async def test_a_holder_process_sigkilled_mid_call_is_taken_over_once_after_its_
     assert held.holder.startswith("doomed#")
     provider = GatedProvider()
     provider.gate.set()
-    check, compute = cell(client, provider)
+    _, compute = cell(client, provider)
     started: list[float] = []
 
-    async def timed_compute() -> JsonValue:
-        started.append(time.time())
-        return await compute()
-
-    result = await compute_once(
-        client,
-        WS,
-        JOB,
-        FIELD,
-        check=check,
-        compute=timed_compute,
-        holder="next",
-        sub_doc=JOBS,
-        wait=10,
-        polling=FAST_POLL,
+    result = await compute_or_wait(
+        client, provider, "next", wait=10, polling=FAST_POLL, compute=timed(compute, started)
     )
 
     assert result.status == "computed"
@@ -210,20 +134,8 @@ async def test_a_holder_cancelled_mid_call_releases_its_lock_for_the_waiter_at_o
         compute_once(clients[0], WS, JOB, FIELD, check=check, compute=compute, holder="a")
     )
     await provider.arrived.reach(1)
-    waiter_check, waiter_compute = cell(clients[1], provider)
     waiter = asyncio.create_task(
-        compute_once(
-            clients[1],
-            WS,
-            JOB,
-            FIELD,
-            check=waiter_check,
-            compute=waiter_compute,
-            holder="b",
-            sub_doc=JOBS,
-            wait=10,
-            polling=FAST_POLL,
-        )
+        compute_or_wait(clients[1], provider, "b", wait=10, polling=FAST_POLL)
     )
     await request_log.wait_locked(JOB, FIELD)
     holder.cancel()
@@ -448,20 +360,8 @@ async def test_a_write_still_in_flight_when_the_budget_runs_out_is_not_raced_by_
         compute_once(holder_client, WS, JOB, FIELD, check=check, compute=cut_compute, holder="a")
     )
     await asyncio.wait_for(held.wait(), 10)  # paid, and the write is on its way
-    waiter_check, waiter_compute = cell(waiter_client, provider)
     waiter = asyncio.create_task(
-        compute_once(
-            waiter_client,
-            WS,
-            JOB,
-            FIELD,
-            check=waiter_check,
-            compute=waiter_compute,
-            holder="b",
-            sub_doc=JOBS,
-            wait=10,
-            polling=FAST_POLL,
-        )
+        compute_or_wait(waiter_client, provider, "b", wait=10, polling=FAST_POLL)
     )
     await asyncio.wait_for(cut.wait(), 10)
     # The waiter's next poll. Had the key been handed over, it wins it: let it get as far as

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 
 import pytest
 from pydantic import JsonValue
 
-from cv_mutations import NodeInsert, NodeUpdate
-from cv_workspace_client import WorkspaceClient
+from cv_mutations import NodeUpdate
 from cv_workspace_client.compute import (
     LOCK_MARGIN_FRACTION,
     ComputeResult,
@@ -25,36 +23,21 @@ from cv_workspace_client.stage import LeaseLostError
 from cv_workspace_client.testing import FaultProxy
 
 from .conftest import OpenClient, StartServer
-from .helpers import WS, GatedProvider, RequestLog
+from .helpers import (
+    FIELD,
+    JOB,
+    JOBS,
+    WS,
+    GatedProvider,
+    RequestLog,
+    cell,
+    compute_or_wait,
+    seed_job,
+    timed,
+)
 
-JOBS = "jobs"
-JOB = "job1"
-FIELD = "eval:fit"
 FAST_POLL = LockPolling(initial_seconds=0.02, max_seconds=0.2)
 NO_POLL = LockPolling(initial_seconds=3600, max_seconds=3600)
-
-Check = Callable[[], Awaitable[JsonValue | None]]
-Compute = Callable[[], Awaitable[JsonValue]]
-
-
-async def seed_job(client: WorkspaceClient, **fields: JsonValue) -> None:
-    await client.apply_op(WS, JOBS, NodeInsert(node_id=JOB, parent_id="root", fields=fields))
-
-
-def cell(client: WorkspaceClient, provider: GatedProvider) -> tuple[Check, Compute]:
-    """The check and compute of one cell (`FIELD` of `JOB`), as a stage would write them."""
-
-    async def check() -> JsonValue | None:
-        _, state = await client.get_state(WS, JOBS)
-        node = state.nodes.get(JOB)
-        return None if node is None else node.fields.get(FIELD)
-
-    async def compute() -> JsonValue:
-        answer = await provider.complete(f"{JOB}/{FIELD}")
-        await client.apply_op(WS, JOBS, NodeUpdate(node_id=JOB, set={FIELD: answer.text}))
-        return answer.text
-
-    return check, compute
 
 
 async def done_count(tasks: list[asyncio.Task[ComputeResult[JsonValue]]], n: int) -> None:
@@ -116,19 +99,8 @@ async def test_locked_callers_that_wait_get_the_value_from_the_broadcast(
     provider = GatedProvider()
     tasks = []
     for i, client in enumerate(clients):
-        check, compute = cell(client, provider)
-        run = compute_once(
-            client,
-            WS,
-            JOB,
-            FIELD,
-            check=check,
-            compute=compute,
-            holder=f"w{i}",
-            sub_doc=JOBS,
-            wait=10,
-            polling=NO_POLL,  # no second acquisition: only the broadcast can end the wait
-        )
+        # NO_POLL: no second acquisition, only the broadcast can end the wait.
+        run = compute_or_wait(client, provider, f"w{i}", wait=10, polling=NO_POLL)
         tasks.append(asyncio.create_task(run))
     await provider.arrived.reach(1)
     async with asyncio.timeout(10):
@@ -181,24 +153,11 @@ async def test_a_crashed_holder_blocks_the_key_for_at_most_one_ttl(
     assert crashed.acquired
     provider = GatedProvider()
     provider.gate.set()
-    check, compute = cell(client, provider)
+    _, compute = cell(client, provider)
     started: list[float] = []
 
-    async def timed_compute() -> JsonValue:
-        started.append(time.time())
-        return await compute()
-
-    result = await compute_once(
-        client,
-        WS,
-        JOB,
-        FIELD,
-        check=check,
-        compute=timed_compute,
-        holder="w",
-        sub_doc=JOBS,
-        wait=10,
-        polling=FAST_POLL,
+    result = await compute_or_wait(
+        client, provider, "w", wait=10, polling=FAST_POLL, compute=timed(compute, started)
     )
 
     assert result.status == "computed"
@@ -224,20 +183,8 @@ async def test_a_waiter_takes_over_when_the_holder_gives_up_without_writing(
         compute_once(clients[0], WS, JOB, FIELD, check=check, compute=failing, holder="a")
     )
     await provider.arrived.reach(1)
-    waiter_check, waiter_compute = cell(clients[1], provider)
     waiter = asyncio.create_task(
-        compute_once(
-            clients[1],
-            WS,
-            JOB,
-            FIELD,
-            check=waiter_check,
-            compute=waiter_compute,
-            holder="b",
-            sub_doc=JOBS,
-            wait=10,
-            polling=FAST_POLL,
-        )
+        compute_or_wait(clients[1], provider, "b", wait=10, polling=FAST_POLL)
     )
     await request_log.wait_locked(JOB, FIELD)
     provider.gate.set()

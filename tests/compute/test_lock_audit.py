@@ -12,7 +12,6 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +21,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from pydantic import JsonValue
 
-from cv_mutations import NodeInsert, NodeUpdate
 from cv_server import ServerConfig, create_app
 from cv_server.cli import _with_schema
-from cv_workspace_client import WorkspaceClient
 from cv_workspace_client._worker_parts import TtlCache, request_key
 from cv_workspace_client.compute import (
     ComputeResult,
@@ -35,23 +32,28 @@ from cv_workspace_client.compute import (
     compute_once,
     release_lock,
 )
-from cv_workspace_client.providers import Provider, ProviderResult, fake_answer
+from cv_workspace_client.providers import ProviderResult, fake_answer
 from cv_workspace_client.stage import StageRequest
 from cv_workspace_client.stages.fake_provider import create_fake_provider_app
 from tests.pg.helpers import fresh_schema
 
-from .conftest import ServerFactory
-from .helpers import SECRET, WS, fast_config, token_for
+from .conftest import OpenClient, ServerFactory, StartServer
+from .helpers import (
+    FIELD,
+    JOB,
+    SECRET,
+    WS,
+    cell,
+    cell_writes,
+    compute_or_wait,
+    holder_process,
+    seed_job,
+    token_for,
+)
 
-JOBS = "jobs"
-JOB = "job1"
-FIELD = "eval:fit"
 FAST_POLL = LockPolling(initial_seconds=0.02, max_seconds=0.1)
 RACERS = 16
-
-Check = Callable[[], Awaitable[JsonValue | None]]
-Compute = Callable[[], Awaitable[JsonValue]]
-StartServer = Callable[..., Awaitable[str]]
+PROMPT = f"{WS}/{JOB}/{FIELD}"  # this file's cell asks it; the value checks recompute its answer
 
 
 # -- fixtures: a real server on SQLite or on PostgreSQL -------------------------------------------
@@ -85,19 +87,6 @@ def start_server(backend: dict[str, Any], aiohttp_server: ServerFactory) -> Star
     return start
 
 
-@pytest.fixture
-async def open_client() -> AsyncIterator[Callable[..., Awaitable[WorkspaceClient]]]:
-    async with AsyncExitStack() as stack:
-
-        async def open_(url: str, *workspaces: str) -> WorkspaceClient:
-            client = WorkspaceClient(
-                url, token=token_for(*(workspaces or (WS,))), config=fast_config()
-            )
-            return await stack.enter_async_context(client)
-
-        yield open_
-
-
 # -- helpers ---------------------------------------------------------------------------------------
 
 
@@ -128,38 +117,11 @@ class HangingFirstProvider:
             self.in_flight -= 1
 
 
-async def seed_job(client: WorkspaceClient) -> None:
-    await client.apply_op(WS, JOBS, NodeInsert(node_id=JOB, parent_id="root"))
-
-
-def cell(client: WorkspaceClient, provider: Provider, workspace: str = WS) -> tuple[Check, Compute]:
-    async def check() -> JsonValue | None:
-        _, state = await client.get_state(workspace, JOBS)
-        node = state.nodes.get(JOB)
-        return None if node is None else node.fields.get(FIELD)
-
-    async def compute() -> JsonValue:
-        answer = await provider.complete(f"{workspace}/{JOB}/{FIELD}")
-        await client.apply_op(workspace, JOBS, NodeUpdate(node_id=JOB, set={FIELD: answer.text}))
-        return answer.text
-
-    return check, compute
-
-
-async def cell_writes(client: WorkspaceClient) -> int:
-    _, entries = await client.read_ops(WS, JOBS, since=0, limit=1000)
-    return sum(
-        1
-        for entry in entries
-        if (raw := entry.op.model_dump())["type"] == "node.update" and FIELD in raw["set"]
-    )
-
-
 # -- N racers, one call ----------------------------------------------------------------------------
 
 
 async def test_sixteen_racing_tasks_pay_for_one_call_and_all_get_its_value(
-    start_server: StartServer, open_client: Callable[..., Awaitable[WorkspaceClient]]
+    start_server: StartServer, open_client: OpenClient
 ) -> None:
     url = await start_server()
     clients = [await open_client(url) for _ in range(4)]
@@ -181,18 +143,8 @@ async def test_sixteen_racing_tasks_pay_for_one_call_and_all_get_its_value(
 
     async def racer(i: int) -> ComputeResult[JsonValue]:
         client = clients[i % len(clients)]
-        check, compute = cell(client, provider)
-        return await compute_once(
-            client,
-            WS,
-            JOB,
-            FIELD,
-            check=check,
-            compute=compute,
-            holder=f"w{i}",
-            sub_doc=JOBS,
-            wait=20,
-            polling=FAST_POLL,
+        return await compute_or_wait(
+            client, provider, f"w{i}", wait=20, polling=FAST_POLL, prompt=PROMPT
         )
 
     tasks = [asyncio.create_task(racer(i)) for i in range(RACERS)]
@@ -242,7 +194,7 @@ asyncio.run(main(*sys.argv[1:4], int(sys.argv[4])))
 
 async def test_sixteen_racers_in_four_processes_pay_for_one_call(
     start_server: StartServer,
-    open_client: Callable[..., Awaitable[WorkspaceClient]],
+    open_client: OpenClient,
     aiohttp_server: ServerFactory,
     tmp_path: Path,
 ) -> None:
@@ -295,50 +247,18 @@ async def test_sixteen_racers_in_four_processes_pay_for_one_call(
     assert await cell_writes(client) == 1
 
 
-_HOLDER_SCRIPT = """
-import asyncio, sys
-from cv_workspace_client import WorkspaceClient
-from cv_workspace_client.compute import compute_once
-
-async def main(url, token):
-    async with WorkspaceClient(url, token=token) as client:
-        async def check():
-            return None
-        async def compute():
-            print("calling", flush=True)  # the provider call is paid from here on
-            await asyncio.Event().wait()  # a provider that has not answered yet
-        await compute_once(client, "ws1", "job1", "eval:fit", check=check, compute=compute,
-                           holder="doomed")
-
-asyncio.run(main(sys.argv[1], sys.argv[2]))
-"""
-
-
 async def test_a_sigkilled_holder_is_taken_over_by_exactly_one_of_eight_waiters_after_its_ttl(
     start_server: StartServer,
-    open_client: Callable[..., Awaitable[WorkspaceClient]],
+    open_client: OpenClient,
     tmp_path: Path,
 ) -> None:
     url = await start_server(compute_lock_ttl_seconds=1.0)
     clients = [await open_client(url) for _ in range(2)]
     await seed_job(clients[0])
-    script = tmp_path / "holder.py"
-    script.write_text(_HOLDER_SCRIPT)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(script),
-        url,
-        token_for(WS),
-        stdout=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
-    )
-    try:
+    async with holder_process(url, tmp_path) as proc:
         assert proc.stdout is not None
         async with asyncio.timeout(30):
             assert (await proc.stdout.readline()).strip() == b"calling"
-    finally:
-        proc.kill()
-        await asyncio.wait_for(proc.wait(), 10)
     dead = await acquire_lock(clients[0], WS, JOB, FIELD, "probe")
     assert not dead.acquired
     assert (dead.holder or "").startswith("doomed#")
@@ -353,18 +273,8 @@ async def test_a_sigkilled_holder_is_taken_over_by_exactly_one_of_eight_waiters_
 
     async def waiter(i: int) -> ComputeResult[JsonValue]:
         client = clients[i % 2]
-        check, compute = cell(client, Instant())
-        return await compute_once(
-            client,
-            WS,
-            JOB,
-            FIELD,
-            check=check,
-            compute=compute,
-            holder=f"w{i}",
-            sub_doc=JOBS,
-            wait=15,
-            polling=FAST_POLL,
+        return await compute_or_wait(
+            client, Instant(), f"w{i}", wait=15, polling=FAST_POLL, prompt=PROMPT
         )
 
     async with asyncio.timeout(30):
@@ -383,7 +293,7 @@ async def test_a_sigkilled_holder_is_taken_over_by_exactly_one_of_eight_waiters_
 @pytest.mark.parametrize("worker_skew", [0.0, -30.0], ids=["same-clock", "worker-30s-behind"])
 async def test_a_compute_longer_than_the_lock_is_cancelled_before_a_racer_can_take_over(
     start_server: StartServer,
-    open_client: Callable[..., Awaitable[WorkspaceClient]],
+    open_client: OpenClient,
     worker_skew: float,
 ) -> None:
     # No heartbeat extends a compute lock (DESIGN §8: a 60 s TTL, nothing else). What keeps a
@@ -395,7 +305,7 @@ async def test_a_compute_longer_than_the_lock_is_cancelled_before_a_racer_can_ta
     clients = [await open_client(url) for _ in range(2)]
     await seed_job(clients[0])
     provider = HangingFirstProvider()
-    check, compute = cell(clients[0], provider)
+    check, compute = cell(clients[0], provider, prompt=PROMPT)
 
     def skewed() -> float:
         return time.time() + worker_skew
@@ -407,20 +317,8 @@ async def test_a_compute_longer_than_the_lock_is_cancelled_before_a_racer_can_ta
     )
     async with asyncio.timeout(10):
         await provider.first_arrived.wait()
-    racer_check, racer_compute = cell(clients[1], provider)
     racer = asyncio.create_task(
-        compute_once(
-            clients[1],
-            WS,
-            JOB,
-            FIELD,
-            check=racer_check,
-            compute=racer_compute,
-            holder="next",
-            sub_doc=JOBS,
-            wait=10,
-            polling=FAST_POLL,
-        )
+        compute_or_wait(clients[1], provider, "next", wait=10, polling=FAST_POLL, prompt=PROMPT)
     )
     try:
         async with asyncio.timeout(15):
@@ -437,14 +335,14 @@ async def test_a_compute_longer_than_the_lock_is_cancelled_before_a_racer_can_ta
 
 
 async def test_a_worker_whose_clock_is_ahead_of_the_server_still_computes(
-    start_server: StartServer, open_client: Callable[..., Awaitable[WorkspaceClient]]
+    start_server: StartServer, open_client: OpenClient
 ) -> None:
     url = await start_server()  # the real 60 s TTL
     client = await open_client(url)
     await seed_job(client)
     provider = HangingFirstProvider()
     provider.calls = 1  # every call answers at once
-    check, compute = cell(client, provider)
+    check, compute = cell(client, provider, prompt=PROMPT)
 
     result = await compute_once(
         client,
@@ -473,7 +371,7 @@ async def pg_dsn(postgres_url: str) -> AsyncIterator[str]:
 async def test_an_instance_whose_clock_is_ahead_does_not_take_over_a_live_lock(
     pg_dsn: str,
     aiohttp_server: ServerFactory,
-    open_client: Callable[..., Awaitable[WorkspaceClient]],
+    open_client: OpenClient,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Two cv-server instances on one database; the second's clock runs 90 s ahead (NTP off, a
@@ -515,7 +413,7 @@ async def test_an_instance_whose_clock_is_ahead_does_not_take_over_a_live_lock(
 
 
 async def test_a_partitioned_holders_late_release_does_not_free_the_new_holders_lock(
-    start_server: StartServer, open_client: Callable[..., Awaitable[WorkspaceClient]]
+    start_server: StartServer, open_client: OpenClient
 ) -> None:
     url = await start_server(compute_lock_ttl_seconds=0.3)
     old_client, new_client = [await open_client(url) for _ in range(2)]
@@ -580,7 +478,7 @@ _BAD_REQUESTS: list[tuple[str, str, bytes, int, str]] = [
 
 
 async def test_hostile_lock_requests_get_stable_4xx_codes_and_change_nothing(
-    start_server: StartServer, open_client: Callable[..., Awaitable[WorkspaceClient]]
+    start_server: StartServer, open_client: OpenClient
 ) -> None:
     url = await start_server()
     client = await open_client(url)
@@ -622,7 +520,7 @@ async def test_hostile_lock_requests_get_stable_4xx_codes_and_change_nothing(
 
 
 async def test_the_same_key_in_two_workspaces_is_two_locks_and_two_cells(
-    start_server: StartServer, open_client: Callable[..., Awaitable[WorkspaceClient]]
+    start_server: StartServer, open_client: OpenClient
 ) -> None:
     url = await start_server()
     client = await open_client(url, WS, "ws2")
