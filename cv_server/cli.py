@@ -104,8 +104,11 @@ def _with_schema(database_url: str, schema: str | None) -> str:
 _SETTABLE = {
     f.name: f.type
     for f in dataclasses.fields(ServerConfig)
-    if f.type in ("int", "float") and f.name not in ("db_path", "database_url", "token_secret")
+    if f.type in ("int", "float", "float | None")
+    and f.name not in ("db_path", "database_url", "token_secret")
 }
+#: What switches off a setting that may be None (`--set socket_heartbeat_seconds=off`).
+_OFF = frozenset({"off", "none"})
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -117,6 +120,9 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         kind = _SETTABLE.get(name)
         if not sep or kind is None:
             raise SystemExit(f"cv-server: --set {item!r}: settable: {', '.join(sorted(_SETTABLE))}")
+        if kind == "float | None" and raw.strip().lower() in _OFF:
+            overrides[name] = None
+            continue
         try:
             value = int(raw) if kind == "int" else float(raw)
         except ValueError:

@@ -28,6 +28,12 @@ class ServerConfig:
     max_ws_frame_bytes: int = 1024 * 1024
     #: Live ops a subscriber may have queued before it is closed (4008) to resume by catch-up.
     subscriber_queue_limit: int = 10_000
+    #: The server pings a websocket peer after this long without hearing from it and closes the
+    #: connection if no pong comes within half of it (aiohttp's heartbeat): a peer gone without
+    #: a goodbye (power lost, a NAT that forgot the flow) otherwise keeps its connection, its
+    #: subscriptions and their queues until the OS gives up on the TCP connection, hours later.
+    #: DESIGN §10's heartbeat (60 s). None switches it off.
+    socket_heartbeat_seconds: float | None = 60.0
     #: Page size of catch-up reads.
     catchup_page: int = 1000
     #: Ops between two state snapshots (a cache of the log; bounds restart replay time).
@@ -63,6 +69,11 @@ class ServerConfig:
         # than served: `compute_lock_ttl_seconds=0` answered 500 to every lock acquisition,
         # `max_dequeues=0` refused every enqueue and `max_ops_per_request=0` every apply as if
         # the client had sent something wrong.
+        heartbeat = self.socket_heartbeat_seconds
+        if heartbeat is not None and not (math.isfinite(heartbeat) and heartbeat > 0):
+            raise ValueError(
+                f"socket_heartbeat_seconds must be a finite number > 0 or None, not {heartbeat!r}"
+            )
         for setting in fields(self):
             value = getattr(self, setting.name)
             if setting.name in _MAY_BE_ZERO:

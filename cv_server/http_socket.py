@@ -192,7 +192,11 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
     app = request.app
     config = app[CONFIG]
     workspace_id = request.match_info["ws"]
-    ws = web.WebSocketResponse(max_msg_size=config.max_ws_frame_bytes, autoping=True)
+    ws = web.WebSocketResponse(
+        max_msg_size=config.max_ws_frame_bytes,
+        autoping=True,
+        heartbeat=config.socket_heartbeat_seconds,
+    )
     close_code: int | None = None
     reason = b""
     expires_in: float | None = None

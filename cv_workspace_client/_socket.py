@@ -231,6 +231,10 @@ class WorkspaceSocket:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+        if ws is not None:
+            # An abort sends no close frame (a crash does not), but the connection is still
+            # released: the heartbeat's timer would keep it alive past the client otherwise.
+            _release(ws)
         self._forget_in_flight()
 
     async def _run(self) -> None:
@@ -245,6 +249,7 @@ class WorkspaceSocket:
                     self.owner.socket_url(self.workspace_id),
                     headers=self.owner.auth_headers(),
                     autoping=True,
+                    heartbeat=self.owner.config.socket_heartbeat_seconds,
                 )
             except aiohttp.WSServerHandshakeError as exc:
                 # A 4xx refusal of the upgrade is final (DESIGN §6), not only 401/403: a wrong
@@ -293,6 +298,11 @@ class WorkspaceSocket:
                     heard = True
                     self._dispatch(message.data)
                 elif message.type is aiohttp.WSMsgType.ERROR:
+                    if isinstance(message.data, aiohttp.ServerTimeoutError):
+                        # No pong within the heartbeat: the connection is dead, not the
+                        # server at fault. Lost like a reset (batches resent, subscriptions
+                        # resume), and reconnected as after any connection that carried frames.
+                        break
                     # aiohttp refused a message (over `max_msg_size`, not UTF-8, a bad frame)
                     # and is closing the connection itself, with a code of its own (1009 for
                     # a message too large: not the server refusing one of ours).
@@ -328,6 +338,7 @@ class WorkspaceSocket:
                     self.owner.batch_failed(batch_id, error)
         if self._broken is not None:  # after the batches were failed: a close may take a while
             await ws.close(code=aiohttp.WSCloseCode.PROTOCOL_ERROR)
+        _release(ws)
         final = _FINAL_CLOSE.get(ws.close_code or 0)
         if final is not None:
             code, cls = final
@@ -414,6 +425,19 @@ class WorkspaceSocket:
             task = asyncio.get_running_loop().create_task(ws.close())
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
+
+
+def _release(ws: aiohttp.ClientWebSocketResponse) -> None:
+    """Give the connection under `ws` back (closed) once it is done with, however it ended.
+
+    aiohttp's `receive` marks a websocket closed without releasing its connection when the
+    connection was lost (its `ClientError` branch), and `close()` is then a no-op: the
+    connection stayed referenced until garbage collection (a ResourceWarning), and with a
+    heartbeat its timers kept it alive past the client. `ClientResponse.close()` is idempotent;
+    the response is reached through a private attribute, so its absence is tolerated."""
+    response = getattr(ws, "_response", None)
+    if isinstance(response, aiohttp.ClientResponse):
+        response.close()
 
 
 def _subscribe_frame(sub_doc: str, since: int) -> str:

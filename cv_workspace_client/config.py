@@ -4,6 +4,7 @@ overridden, and tests shrink them (or inject `sleep` / `backoff`) instead of wai
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -26,6 +27,14 @@ class ClientConfig:
     #: Deadline of one HTTP request or websocket ack. aiohttp's own default total timeout (5 min):
     #: a request that outlives it is treated as a lost connection and retried under its op_id.
     request_timeout_seconds: float = 300.0
+
+    #: The websocket pings the server after this long without hearing from it, and drops the
+    #: connection if no pong comes within half of it (aiohttp's heartbeat). A connection that
+    #: died without closing (a NAT that forgot the flow, a server that lost power) is otherwise
+    #: noticed only by the ack deadline above or by the OS, hours later, while a subscription
+    #: waits on it. DESIGN §10's heartbeat (60 s); the pings also keep NAT flows from idling
+    #: out. None switches it off.
+    socket_heartbeat_seconds: float | None = 60.0
 
     # -- batching: stay under the server's request limits (ServerConfig defaults) --
     #: = the server's `max_ops_per_request`.
@@ -62,6 +71,9 @@ class ClientConfig:
             raise ValueError("retry_attempts must be >= 1")
         if self.retry_base_seconds < 0 or self.retry_cap_seconds < 0:
             raise ValueError("retry delays must be >= 0")
+        heartbeat = self.socket_heartbeat_seconds
+        if heartbeat is not None and not 0 < heartbeat < math.inf:
+            raise ValueError("socket_heartbeat_seconds must be a finite number > 0 or None")
         if self.max_batch_ops < 1 or self.max_batch_bytes < 1:
             raise ValueError("batch limits must be >= 1")
         if self.outbox_sync not in ("alongside", "before_send"):

@@ -39,6 +39,9 @@ Faults:
 - `cut_open(...)`: arm every connection open right now (long-lived websockets): each is cut at its
   next server chunk.
 - `drop_all()`: abort every open connection now (both sides see a reset).
+- `silence_open()`: every open connection goes silent both ways, and stays open: bytes are read
+  and thrown away, nothing is closed or reset. What a NAT that forgot the flow, or a peer that
+  lost power, looks like: only a heartbeat (or the OS, hours later) notices.
 - `delay`: seconds to hold each server chunk before forwarding it.
 - `refuse`: while True, new connections are accepted and aborted at once (connection refused /
   reset as the client sees it).
@@ -87,13 +90,15 @@ class ProxyStats:
     mid_frame_cuts: int = 0
     #: Connections aborted by `drop_all`.
     dropped: int = 0
+    #: Connections made silent by `silence_open`.
+    silenced: int = 0
     open: int = 0
 
 
 class _Link:
     """One proxied connection: the client's and the server's stream writers, and its fate."""
 
-    __slots__ = ("client", "dead", "rule", "server", "server_chunks")
+    __slots__ = ("client", "dead", "rule", "server", "server_chunks", "silent")
 
     def __init__(self, client: asyncio.StreamWriter, server: asyncio.StreamWriter) -> None:
         self.client = client
@@ -101,6 +106,8 @@ class _Link:
         self.rule: CutRule | None = None
         self.server_chunks = 0
         self.dead = False
+        #: Bytes are swallowed both ways (see `FaultProxy.silence_open`).
+        self.silent = False
 
     def abort(self) -> None:
         self.dead = True
@@ -208,6 +215,15 @@ class FaultProxy:
             link.rule = CutRule(link.server_chunks + skip_chunks, forward_bytes)
         return len(live)
 
+    def silence_open(self) -> int:
+        """Make every open connection silent both ways without closing it (see the module
+        docstring); returns how many. New connections are not affected."""
+        live = [link for link in self._links if not link.dead and not link.silent]
+        for link in live:
+            link.silent = True
+        self.stats.silenced += len(live)
+        return len(live)
+
     def drop_all(self) -> int:
         """Abort every open connection now (those still connecting to the server included);
         returns how many."""
@@ -308,9 +324,11 @@ class FaultProxy:
     async def _client_to_server(self, reader: asyncio.StreamReader, link: _Link) -> None:
         try:
             while data := await reader.read(_CHUNK):
+                if link.silent:
+                    continue
                 link.server.write(data)
                 await link.server.drain()
-            if link.server.can_write_eof():
+            if link.server.can_write_eof() and not link.silent:
                 link.server.write_eof()
         except (ConnectionError, OSError):
             link.abort()  # a reset on one side is a reset on the other
@@ -323,6 +341,8 @@ class FaultProxy:
 
     async def _forward_down(self, reader: asyncio.StreamReader, link: _Link) -> None:
         while data := await reader.read(_CHUNK):
+            if link.silent:
+                continue
             rule = link.rule
             if rule is None or link.server_chunks < rule.skip_chunks:
                 rule = self._chunk_fate(link)
@@ -342,7 +362,7 @@ class FaultProxy:
             await link.client.drain()
         # The server is done talking but may still be listening (a half-close): pass the
         # EOF on, after what is buffered, and keep forwarding what the client sends.
-        if link.client.can_write_eof():
+        if link.client.can_write_eof() and not link.silent:
             link.client.write_eof()
 
     def _chunk_fate(self, link: _Link) -> CutRule | None:
