@@ -263,20 +263,26 @@ class WorkspaceSocket:
             except (TimeoutError, aiohttp.ClientError, OSError):
                 failures += 1
                 continue
+            loop = asyncio.get_running_loop()
+            opened = loop.time()
             heard = await self._serve(ws)
             if self.final_error is not None:
                 return
-            # A connection that carried frames proves the server is up: reconnect at once. One
-            # that died before saying anything waits one short jittered delay first, so a server
-            # that accepts and drops at once is not hammered (and an idle socket cut now and then
-            # is not pushed towards the 300 s cap). One the server ended with an error of its
-            # own (1011, 1013, 1014) proves the opposite, frames or not: back off as after a
-            # failed connect, or a subscription that fails on every catch-up is a tight loop.
-            # So does one that broke the protocol: it may do it again on every connection.
+            lived = loop.time() - opened
+            # A connection proves the server up only if it carried frames and stayed up longer
+            # than the first backoff step: then reconnect at once (an idle socket cut now and
+            # then is not pushed towards the 300 s cap, and a long outage's backoff does not
+            # outlive it). A shorter one counts as a failure, frames or not, and the delay grows
+            # as after a refused connect: a server in a crash loop that accepts, answers and
+            # drops was reconnected to at once, forever, by every client (one that dropped
+            # before a frame, after one short delay each time). So does one the server ended
+            # with an error of its own (1011, 1013, 1014), or one that broke the protocol.
             if ws.close_code in _SERVER_ERROR_CLOSES or self._broken is not None:
                 failures += 1
+            elif heard and lived >= self.owner.config.retry_base_seconds:
+                failures = 0
             else:
-                failures = 0 if heard else 1
+                failures += 1
 
     async def _serve(self, ws: aiohttp.ClientWebSocketResponse) -> bool:
         frames: asyncio.Queue[str] = asyncio.Queue()
