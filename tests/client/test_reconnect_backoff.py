@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from aiohttp import web
 
 from cv_workspace_client import WorkspaceClient
@@ -81,21 +82,14 @@ async def _failures_before_calm(
     return failures_seen
 
 
-async def test_a_server_that_answers_then_drops_every_connection_is_backed_off_more_each_time(
-    aiohttp_server: Any,
+@pytest.mark.parametrize("answer", [True, False], ids=["after_a_frame", "before_a_frame"])
+async def test_a_server_that_drops_every_connection_at_once_is_backed_off_more_each_time(
+    aiohttp_server: Any, answer: bool
 ) -> None:
-    # Each connection carried a frame, and was reconnected to at once, forever: a tight loop
-    # of connects, upgrades and catch-up reads against a server that cannot stay up.
-    server = FlappingServer(answer=True)
-    failures = await _failures_before_calm(aiohttp_server, server, retry_base_seconds=1.0)
-    assert failures == list(range(1, FLAPS + 1))
-
-
-async def test_a_server_that_drops_every_connection_before_a_frame_is_backed_off_more_each_time(
-    aiohttp_server: Any,
-) -> None:
-    # The delay stayed at the first step (up to 1 s) however many times it happened.
-    server = FlappingServer(answer=False)
+    # Dropped after a frame, each connection was reconnected to at once, forever: a tight loop
+    # of connects, upgrades and catch-up reads against a server that cannot stay up. Dropped
+    # before one, the delay stayed at the first step (up to 1 s) however often it happened.
+    server = FlappingServer(answer=answer)
     failures = await _failures_before_calm(aiohttp_server, server, retry_base_seconds=1.0)
     assert failures == list(range(1, FLAPS + 1))
 
