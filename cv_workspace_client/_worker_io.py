@@ -50,17 +50,34 @@ class Heartbeat:
 
     async def _beat(self) -> None:
         row = self._claimed.request
-        try:
-            await api.heartbeat(
-                self._client, row.workspace_id, row.request_id, self._claimed.claim_token
-            )
-        except LeaseLostError:
-            if not self._stopped:
-                self._lease.lost = True
-                self._stage_task.cancel()
-            return
-        except WorkspaceError as exc:
-            logger.warning("heartbeat of %s failed (%s); trying again", row.request_id, exc)
+        # A beat has half the interval to be answered (beats run at most every half lease, so
+        # a second beat still lands inside the lease). One sent on a connection that went
+        # silent (a NAT that forgot the flow) otherwise waited out the client's request
+        # timeout (300 s), the lease lapsed meanwhile and a second worker ran the request
+        # while this one still did. The abandoned request's connection is closed, so the
+        # next beat, at once, goes out on a fresh one.
+        bound = self._every / 2
+        while not self._stopped:
+            try:
+                async with asyncio.timeout(bound):
+                    await api.heartbeat(
+                        self._client, row.workspace_id, row.request_id, self._claimed.claim_token
+                    )
+            except TimeoutError:
+                logger.warning(
+                    "heartbeat of %s unanswered after %.1f s; sending another",
+                    row.request_id,
+                    bound,
+                )
+                continue
+            except LeaseLostError:
+                if not self._stopped:
+                    self._lease.lost = True
+                    self._stage_task.cancel()
+                return
+            except WorkspaceError as exc:
+                logger.warning("heartbeat of %s failed (%s); trying again", row.request_id, exc)
+            break
         if not self._stopped:
             self._timer = self._schedule()
 

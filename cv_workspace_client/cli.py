@@ -28,6 +28,7 @@ import signal
 import sys
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from cv_workspace_client._queue_api import QueueClient
 from cv_workspace_client.errors import WorkspaceError
@@ -60,6 +61,16 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _need_url(args: argparse.Namespace) -> str:
     if not args.url:
         raise UsageError("--url (or $CV_URL) is required")
+    # A URL that is not http(s) with a host fails every call before a byte is sent, as a
+    # connection error: `cv-worker` retried such claims forever (exit only by signal) instead
+    # of naming the bad argument.
+    try:
+        parts = urlsplit(str(args.url))
+        host = parts.hostname
+    except ValueError:  # an unbalanced IPv6 bracket, say
+        host = None
+    if not host or parts.scheme not in ("http", "https"):
+        raise UsageError(f"--url must be an http:// or https:// URL with a host, not {args.url!r}")
     return str(args.url)
 
 

@@ -393,6 +393,24 @@ async def _holding(
                 f"compute of {job_id}/{task} outran its lock budget ({budget:.1f} s); "
                 "cancelled before the lock could lapse"
             ) from None
+        except asyncio.CancelledError:
+            # Cancelled from outside: the stage's heartbeat was answered `lease_lost`, or the
+            # drain deadline passed. Mid-call (nothing sent) the key goes back at once, so a
+            # waiter takes over now. But mid-write the op is already on its way (a cancelled
+            # `apply_op` is not unsent, DESIGN §6): released now, the worker that re-drove
+            # the request took the key, double-checked before that write landed and paid for
+            # the same call again. So with anything unanswered on the client the key is kept;
+            # it lapses at its TTL, by when the write is in and the next check finds it. (The
+            # pending ops may be another stage's: then the cost is a wait, never a double pay.)
+            if client.pending_count() > 0:
+                release = False
+                log.warning(
+                    "compute of %s/%s cancelled with writes unanswered; its lock lapses at "
+                    "its TTL instead of being released",
+                    job_id,
+                    task,
+                )
+            raise
         return ComputeResult("computed", computed)
     finally:
         # 5. Release — only the lock our acquisition took: the token fences out a lapsed lock

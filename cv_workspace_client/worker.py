@@ -170,12 +170,18 @@ class Worker:
         #: Stages running now (a stage whose outcome awaits the server's ack no longer counts:
         #: the next claim overlaps that ack; at most `concurrency` more await theirs).
         self._running = 0
+        #: `time.monotonic()` of the first `stop()`: where the drain deadline starts.
+        self._stop_requested_at: float | None = None
 
     # -- lifetime ----------------------------------------------------------------------------------
 
     def stop(self) -> None:
         """Drain: stop claiming; `run()` returns once in-flight stages finished (or the drain
         deadline cancelled them). Safe from a signal handler; idempotent."""
+        if self._stop_requested_at is None:
+            # The drain deadline counts from here, not from when the claim loop noticed: a
+            # claim in flight may hold the loop for part of it (see `_claim`).
+            self._stop_requested_at = time.monotonic()
         self._stopping.set()
         self._slot_freed.set()  # wakes a claim loop that waits for a free slot
 
@@ -210,13 +216,21 @@ class Worker:
                 await asyncio.sleep(0)  # let every stage finishing in this tick free its slot
                 continue
             try:
-                claims = await api.claim(
-                    self.client, self.worker_classes, self.worker_id, limit=free
-                )
+                claims = await self._claim(free)
             except (AuthError, ForbiddenError) as exc:
                 logger.error("worker %s: the server refused the token: %s", self.worker_id, exc)
                 return exc
             except WorkspaceError as exc:
+                if not exc.retryable:
+                    # DESIGN §6: a 4xx answer is final. A claim's body never changes (the same
+                    # classes, worker id and limit), so the refusal (a class name or worker id
+                    # over the server's limits, say) would repeat forever: the worker logged a
+                    # warning every 2 s, ran nothing — not even its valid stages — and looked
+                    # alive to its supervisor. Surface it like a refused token.
+                    logger.error(
+                        "worker %s: the server refused its claims: %s", self.worker_id, exc
+                    )
+                    return exc
                 logger.warning("worker %s: claim failed (%s); retrying", self.worker_id, exc)
                 await self._until(asyncio.sleep(delay))
                 delay = min(delay * 2, self.config.idle_max_seconds)
@@ -237,6 +251,45 @@ class Worker:
                 else min(delay * 2, self.config.idle_max_seconds)
             )
         return None
+
+    def _drain_left(self) -> float:
+        """Seconds left of the drain deadline (its full length before any `stop()`)."""
+        if self._stop_requested_at is None:
+            return self.config.drain_seconds
+        elapsed = time.monotonic() - self._stop_requested_at
+        return max(0.0, self.config.drain_seconds - elapsed)
+
+    async def _claim(self, limit: int) -> list[api.Claim]:
+        """One claim call; `stop()` bounds it by the drain deadline.
+
+        A claim whose answer never comes (a stalled server or link) otherwise held `stop()` for
+        the client's whole request timeout (5 min by default), far past the drain deadline
+        (seed 004 §9: 25 s, under the orchestrator's grace period). Its answer is still awaited
+        until the deadline — it may lease rows to us, which we then run — and abandoned past
+        it: rows it leased are then leased to nobody and re-drive after their lease, exactly
+        like a claim whose answer was lost (never a row run twice, nor acknowledged unrun).
+        """
+        claiming = asyncio.ensure_future(
+            api.claim(self.client, self.worker_classes, self.worker_id, limit=limit)
+        )
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({claiming, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not claiming.done():
+                await asyncio.wait({claiming}, timeout=self._drain_left())
+        finally:
+            for task in (claiming, stop):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(claiming, stop, return_exceptions=True)
+        if claiming.cancelled():
+            logger.warning(
+                "worker %s: claim still unanswered at the drain deadline; abandoned (any row "
+                "it leased re-drives after its lease)",
+                self.worker_id,
+            )
+            return []
+        return claiming.result()
 
     def _task_done(self, slot: _Slot, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -276,9 +329,11 @@ class Worker:
         """seed 004 §9: finish in-flight work within the deadline; past it cancel (the rows
         re-drive after their lease — nothing is acknowledged that did not happen)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.drain_seconds
+        # From `stop()` on (a claim in flight may have used part of it), or from now.
+        left = self._drain_left()
+        deadline = loop.time() + left
         if self._tasks:
-            _, pending = await asyncio.wait(set(self._tasks), timeout=self.config.drain_seconds)
+            _, pending = await asyncio.wait(set(self._tasks), timeout=left)
             if pending:
                 self.stats.cancelled_at_drain += len(pending)
                 logger.warning(
@@ -402,7 +457,16 @@ class Worker:
         cache: Literal["miss"] | None = "miss" if stage.ttl is not None else None
 
         async def run_handler() -> Any:
-            value = await stage.handler(ctx)
+            try:
+                value = await stage.handler(ctx)
+            except ExpectedError:
+                # An expected error completes the request (done, final, never retried): an
+                # acknowledgement like a result, so it too waits for the run's writes, and a
+                # write left unsettled fails the run instead (raised from here) — otherwise a
+                # handler that wrote, then answered with an error, was acknowledged before
+                # its write committed, and nothing would ever re-drive it.
+                await ctx.writes_settled()
+                raise
             await ctx.writes_settled()
             return value
 
