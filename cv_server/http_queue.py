@@ -17,6 +17,7 @@ import secrets
 import time
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from cv_mutations import is_valid_workspace_id
@@ -55,6 +56,10 @@ _ERROR_STATUS = {
 }
 
 
+#: The largest `max_dequeues` an enqueue may ask for: PostgreSQL's `integer` column.
+_MAX_DEQUEUES = 2**31 - 1
+
+
 def _queue_problem(exc: QueueError) -> Problem:
     return Problem(_ERROR_STATUS.get(exc.code, 409), exc.code, exc.message)
 
@@ -82,6 +87,20 @@ def _opt_str(body: dict[str, Any], name: str, *, max_len: int = 256) -> str | No
         raise Problem(
             422, "invalid_field", f"{name} must be a string of 1..{max_len} chars, without NUL"
         )
+    return value
+
+
+def _payload(body: dict[str, Any], name: str) -> Any:
+    """The JSON member `name` (input, result, error, telemetry) a request row will keep; 422 if
+    nested past what orjson writes (255 levels, as `inputs.parse_ops` for ops). A row holding a
+    payload ~500 levels deep was stored but could not be read back (Python's recursion limit):
+    its GET, stream and its workspace's listing answered 500 for good, and each claim of it
+    committed but answered 500, losing every attempt until it turned poison."""
+    value = body.get(name)
+    try:
+        orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        raise Problem(422, "invalid_field", f"{name} is nested too deeply") from None
     return value
 
 
@@ -154,14 +173,22 @@ def _new_request(
     # not `NewRequest`'s default, which is frozen to `ServerConfig()`'s value at import.
     if "max_dequeues" in body:
         max_dequeues = body["max_dequeues"]
-        if not isinstance(max_dequeues, int) or isinstance(max_dequeues, bool) or max_dequeues < 1:
-            raise Problem(422, "invalid_field", "max_dequeues must be a positive integer")
+        # Bounded by the store's column (PostgreSQL integer; SQLite stops at 2**63): a larger
+        # count reached the store and failed there, a 500 (clients retry a 500).
+        if (
+            not isinstance(max_dequeues, int)
+            or isinstance(max_dequeues, bool)
+            or not 1 <= max_dequeues <= _MAX_DEQUEUES
+        ):
+            raise Problem(
+                422, "invalid_field", f"max_dequeues must be an integer in 1..{_MAX_DEQUEUES}"
+            )
     try:
         req = NewRequest(
             workspace_id=workspace_id,
             stage=stage,
             request_id=request_id,
-            input=body.get("input"),
+            input=_payload(body, "input"),
             job_id=job_id,
             branch_path=branch_path,
             worker_class=_opt_str(body, "worker_class", max_len=64),
@@ -370,7 +397,7 @@ async def complete_batch(request: web.Request) -> web.Response:
             or not _storable(item["request_id"])
         ):
             raise Problem(422, "invalid_field", "each completion needs request_id (no NUL)")
-        result = item.get("result")
+        result = _payload(item, "result")
         encoded = json.dumps(result, separators=(",", ":")).encode()
         try:
             completions.append(
@@ -378,9 +405,9 @@ async def complete_batch(request: web.Request) -> web.Response:
                     request_id=item["request_id"],
                     claim_token=_claim_token(item),
                     result=result,
-                    error=item.get("error"),
+                    error=_payload(item, "error"),
                     cache=item.get("cache"),
-                    telemetry=item.get("telemetry"),
+                    telemetry=_payload(item, "telemetry"),
                 )
             )
         except ValueError as exc:
@@ -449,7 +476,8 @@ async def complete(request: web.Request) -> web.Response:
     row = await _row(request)
     _, body = await _json_body(request)
     token = _claim_token(body)
-    result, error = body.get("result"), body.get("error")
+    result, error = _payload(body, "result"), _payload(body, "error")
+    telemetry = _payload(body, "telemetry")
     cache = body.get("cache")
     if cache not in (None, "hit", "miss"):
         raise Problem(422, "invalid_field", 'cache must be "hit", "miss" or absent')
@@ -478,7 +506,7 @@ async def complete(request: web.Request) -> web.Response:
             error=error,
             blob_ref=blob_ref,
             cache=cache,
-            telemetry=body.get("telemetry"),
+            telemetry=telemetry,
         )
     except QueueError as exc:
         raise _queue_problem(exc) from None
@@ -490,11 +518,12 @@ async def fail(request: web.Request) -> web.Response:
     row = await _row(request)
     _, body = await _json_body(request)
     config = request.app[CONFIG]
+    token, error = _claim_token(body), _payload(body, "error")
     try:
         after = await request.app[STORES].queue.fail(
             row.request_id,
-            _claim_token(body),
-            body.get("error"),
+            token,
+            error,
             config.failure_backoff_seconds,
             now=None,
         )
@@ -530,8 +559,30 @@ async def list_requests(request: web.Request) -> web.Response:
         status=status,  # type: ignore[arg-type]
         workspace_id=workspace_id,
         limit=limit,
+        after=_list_cursor(request.query.get("after")),
     )
-    return web.json_response({"requests": [row.to_json() for row in rows]})
+    # A full page may have more behind it: `?after=<next_after>` asks for the next one (there
+    # was no next page: poison requests past the first 1000 could not be found to replay).
+    last = rows[-1] if rows and len(rows) == limit else None
+    next_after = None if last is None else f"{last.created_at!r},{last.request_id}"
+    return web.json_response(
+        {"requests": [row.to_json() for row in rows], "next_after": next_after}
+    )
+
+
+def _list_cursor(raw: str | None) -> tuple[float, str] | None:
+    """The `?after=` of a listing: the `next_after` of the page before (`created_at,request_id`
+    of its last row), opaque to clients."""
+    if raw is None:
+        return None
+    created, _, request_id = raw.partition(",")
+    try:
+        created_at = float(created)
+    except ValueError:
+        created_at = math.nan
+    if not math.isfinite(created_at) or not 0 < len(request_id) <= 256 or not _storable(request_id):
+        raise Problem(422, "invalid_field", "after must be the next_after of a listing page")
+    return created_at, request_id
 
 
 @routes.post("/v1/workspaces/{ws}/requests/{id}/replay")

@@ -63,7 +63,9 @@ __all__ = [
     "get_blob",
     "get_request",
     "heartbeat",
+    "iter_requests",
     "list_requests",
+    "list_requests_page",
     "replay",
     "stream_events",
     "wait_for_work",
@@ -261,17 +263,60 @@ async def list_requests(
     workspace_id: str | None = None,
     limit: int = 100,
 ) -> list[QueuedRequest]:
-    """`GET /v1/queue/requests` (operators): oldest first."""
+    """`GET /v1/queue/requests` (operators): the first `limit` requests, oldest first."""
+    rows, _ = await list_requests_page(
+        host, status=status, workspace_id=workspace_id, limit=limit, after=None
+    )
+    return rows
+
+
+async def list_requests_page(
+    host: QueueHost,
+    *,
+    status: RequestStatus | None,
+    workspace_id: str | None,
+    limit: int,
+    after: str | None,
+) -> tuple[list[QueuedRequest], str | None]:
+    """One page of `GET /v1/queue/requests` after the cursor `after` (None: the first), and the
+    cursor of the next page (None: this was the last)."""
     params = [("limit", str(limit))]
     if status is not None:
         params.append(("status", status))
     if workspace_id is not None:
         params.append(("workspace", workspace_id))
+    if after is not None:
+        params.append(("after", after))
     answer = await _retried(host, "GET", "/v1/queue/requests", params=params)
     try:
-        return [QueuedRequest.from_json(row) for row in answer["requests"]]
-    except (KeyError, TypeError) as exc:
+        rows = [QueuedRequest.from_json(row) for row in answer["requests"]]
+        cursor = answer.get("next_after")
+    except (KeyError, TypeError, AttributeError) as exc:
         raise ProtocolError("bad_answer", f"list answer: {exc!r}") from None
+    if cursor is not None and not isinstance(cursor, str):
+        raise ProtocolError("bad_answer", "list answer: next_after is not a string")
+    return rows, cursor
+
+
+async def iter_requests(
+    host: QueueHost,
+    *,
+    status: RequestStatus | None = None,
+    workspace_id: str | None = None,
+    page: int = 100,
+) -> AsyncGenerator[QueuedRequest, None]:
+    """Every matching request, oldest first, a page at a time: a request that matches
+    throughout is yielded once even if others change status between pages (the cursor is the
+    last row's position, not an offset)."""
+    after: str | None = None
+    while True:
+        rows, after = await list_requests_page(
+            host, status=status, workspace_id=workspace_id, limit=page, after=after
+        )
+        for row in rows:
+            yield row
+        if after is None or not rows:
+            return
 
 
 async def replay(host: QueueHost, workspace_id: str, request_id: str) -> QueuedRequest:
@@ -591,6 +636,17 @@ class QueueMethods:
     ) -> list[QueuedRequest]:
         """Requests by status and workspace, oldest first (operators)."""
         return await list_requests(self, status=status, workspace_id=workspace_id, limit=limit)
+
+    def iter_requests(
+        self,
+        *,
+        status: RequestStatus | None = None,
+        workspace_id: str | None = None,
+        page: int = 100,
+    ) -> AsyncGenerator[QueuedRequest, None]:
+        """Every request by status and workspace, oldest first, fetched `page` at a time
+        (operators: every poison request, however many)."""
+        return iter_requests(self, status=status, workspace_id=workspace_id, page=page)
 
     async def replay_request(self, workspace_id: str, request_id: str) -> QueuedRequest:
         """Put a poison request back in the queue by hand."""

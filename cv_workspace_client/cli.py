@@ -234,6 +234,9 @@ def _workspace_parser() -> argparse.ArgumentParser:
     listing.add_argument("--status", choices=["pending", "in_progress", "done", "poison"])
     listing.add_argument("--workspace", default=None)
     listing.add_argument("--limit", type=int, default=100)
+    listing.add_argument(
+        "--all", action="store_true", help="every matching request, fetched --limit at a time"
+    )
     for verb, text in (
         ("show", "one request"),
         ("replay", "put a poison request back in the queue, by hand"),
@@ -292,9 +295,17 @@ async def _workspace(args: argparse.Namespace) -> int:
         if args.verb == "rerun":
             return await _enqueue(client, args, rerun=True)
         if args.verb == "list":
-            rows = await client.list_requests(
-                status=args.status, workspace_id=args.workspace, limit=args.limit
-            )
+            if args.all:
+                rows = [
+                    row
+                    async for row in client.iter_requests(
+                        status=args.status, workspace_id=args.workspace, page=args.limit
+                    )
+                ]
+            else:
+                rows = await client.list_requests(
+                    status=args.status, workspace_id=args.workspace, limit=args.limit
+                )
             _print({"requests": [row.raw for row in rows]})
         elif args.verb == "show":
             _print((await client.get_request(args.workspace, args.request_id)).raw)

@@ -302,11 +302,16 @@ class PostgresQueueStore(QueueStore):
         status: RequestStatus | None = None,
         workspace_id: str | None = None,
         limit: int = 100,
+        after: tuple[float, str] | None = None,
     ) -> builtins.list[ProcessRequest]:
         if limit < 0:
             raise ValueError(f"limit must be >= 0: {limit!r}")
-        params = [value for value in (status, workspace_id) if value is not None]
-        query = sql.list_sql(status is not None, workspace_id is not None)
+        params: builtins.list[Any] = [
+            value for value in (status, workspace_id) if value is not None
+        ]
+        if after is not None:
+            params.extend(after)
+        query = sql.list_sql(status is not None, workspace_id is not None, after is not None)
         async with self._pool.acquire() as conn:
             found = await conn.fetch(query, limit, *params)
         return [sql.request_from_row(row) for row in found]

@@ -253,12 +253,23 @@ def claim_sql(restricted: bool) -> str:
     )
 
 
-def list_sql(by_status: bool, by_workspace: bool) -> str:
-    """`list`: $1 limit, then the status and the workspace if filtered on."""
+def list_sql(by_status: bool, by_workspace: bool, after: bool = False) -> str:
+    """`list`: $1 limit, then the status and the workspace if filtered on, then the cursor's
+    created_at and request_id if paging (`after`)."""
     where: list[str] = []
     if by_status:
         where.append(f"status = ${len(where) + 2}")
     if by_workspace:
         where.append(f"workspace_id = ${len(where) + 2}")
+    if after:
+        # The cursor row's place: its created_at as listed, its seq (enqueue order, which no
+        # update changes) read now. Scoped like the listing, so a cursor naming another
+        # workspace's request tells nothing about it.
+        n = len(where) + 2
+        scope = f" AND workspace_id = ${n - 1}" if by_workspace else ""
+        where.append(
+            f"(created_at, seq) > (${n}::float8,"
+            f" (SELECT seq FROM {TABLE} WHERE request_id = ${n + 1}::text{scope}))"
+        )
     clause = f" WHERE {' AND '.join(where)}" if where else ""
     return f"{SELECT}{clause} ORDER BY created_at, seq LIMIT $1"

@@ -357,6 +357,7 @@ class SQLiteQueueStore(QueueStore):
         status: RequestStatus | None = None,
         workspace_id: str | None = None,
         limit: int = 100,
+        after: tuple[float, str] | None = None,
     ) -> builtins.list[ProcessRequest]:
         if limit < 0:
             raise ValueError(f"limit must be >= 0: {limit!r}")
@@ -368,6 +369,16 @@ class SQLiteQueueStore(QueueStore):
         if status is not None:
             where.append("status = ?")
             params.append(status)
+        if after is not None:
+            # The cursor row's place: its created_at as listed, its rowid (enqueue order, which
+            # no update changes) read now. Scoped like the listing, so a cursor naming another
+            # workspace's request tells nothing about it.
+            scope = "" if workspace_id is None else " AND workspace_id = ?"
+            where.append(
+                f"(created_at, rowid) > (?, (SELECT rowid FROM {TABLE} "
+                f"WHERE request_id = ?{scope}))"
+            )
+            params.extend([after[0], after[1], *([] if workspace_id is None else [workspace_id])])
         clause = f"WHERE {' AND '.join(where)}" if where else ""
 
         def read(conn: sqlite3.Connection) -> builtins.list[ProcessRequest]:

@@ -132,8 +132,16 @@ class QueueStore(abc.ABC):
         status: RequestStatus | None = None,
         workspace_id: str | None = None,
         limit: int = 100,
+        after: tuple[float, str] | None = None,
     ) -> builtins.list[ProcessRequest]:
-        """At most `limit` requests, oldest first, filtered by status and workspace (operators)."""
+        """At most `limit` requests, oldest first, filtered by status and workspace (operators).
+
+        Oldest first is by `created_at`, then enqueue order. `after` = `(created_at,
+        request_id)` of the last row of the previous page: the page starts right after that
+        row's place, where the row stood when it was listed. The place is kept by its enqueue
+        order, which nothing changes, not by its current `created_at` (a rerun moves it), so a
+        row that matches the filter throughout is listed exactly once, whatever changes meanwhile.
+        """
 
     # -- workers ----------------------------------------------------------------------------------
 

@@ -182,3 +182,25 @@ async def test_url_and_token_come_from_the_environment(
     assert code == 0
     assert answer["status"] == "pending"
     assert answer["request_id"].startswith("d_")
+
+
+async def test_requests_list_all_follows_every_page(
+    capsys: pytest.CaptureFixture[str], server: TestServer
+) -> None:
+    ids = []
+    for i in range(5):
+        code, answer = await _cli(
+            capsys, server, "enqueue", "--workspace", WS, "--stage", "s", "--job-id", f"J{i}"
+        )
+        assert code == 0
+        ids.append(answer["request_id"])
+    code, one_page = await _cli(
+        capsys, server, "requests", "list", "--workspace", WS, "--limit", "2"
+    )
+    assert code == 0
+    assert [row["request_id"] for row in one_page["requests"]] == ids[:2]
+    code, every = await _cli(
+        capsys, server, "requests", "list", "--workspace", WS, "--limit", "2", "--all"
+    )
+    assert code == 0
+    assert [row["request_id"] for row in every["requests"]] == ids

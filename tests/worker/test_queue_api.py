@@ -231,3 +231,18 @@ async def test_reads_are_retried_on_a_5xx_and_a_4xx_is_final(
         with pytest.raises(NotFoundError):
             await qc.get_request(WS, "gone")
     assert hits[3:] == ["gone"]
+
+
+async def test_every_request_is_listed_once_in_order_across_pages(make_server: MakeServer) -> None:
+    server = await make_server()
+    async with queue_client(server) as qc:
+        enqueued = [(await qc.enqueue(WS, stage="s", job_id=f"J{i}")).request_id for i in range(25)]
+        first_page = await qc.list_requests(workspace_id=WS, limit=10)
+        listed = [row.request_id async for row in qc.iter_requests(workspace_id=WS, page=10)]
+        pending = [
+            row.request_id
+            async for row in qc.iter_requests(status="pending", workspace_id=WS, page=7)
+        ]
+    assert [row.request_id for row in first_page] == enqueued[:10]
+    assert listed == enqueued  # 10 + 10 + 5: each once, oldest first
+    assert pending == enqueued
