@@ -28,13 +28,14 @@ class Frame:
 class Cursor:
     """Where one subscriber stands. Feed it frames; it returns the frames to send, in order."""
 
-    __slots__ = ("last", "live", "pending")
+    __slots__ = ("_forgot", "last", "live", "pending")
 
     def __init__(self, since: int) -> None:
         self.last = since
         #: False while reading the log (initially and after a gap); live frames then wait.
         self.live = False
         self.pending: deque[Frame] = deque()
+        self._forgot = False
 
     def offer(self, frames: Iterable[Frame]) -> list[Frame]:
         """Live frames from a commit. Returns what to send now; may switch to catch-up mode
@@ -77,6 +78,12 @@ class Cursor:
             return True
         return False
 
+    def forget_pending(self) -> None:
+        """Drop the live frames waiting during catch-up (the log has every one of them), to
+        bound memory; the next `go_live` then asks for one more read, past them."""
+        self.pending.clear()
+        self._forgot = True
+
     def go_live(self) -> tuple[list[Frame], bool]:
         """After the log read reached its head: flush what arrived meanwhile.
 
@@ -84,6 +91,10 @@ class Cursor:
         the log again before trying once more.
         """
         out: list[Frame] = []
+        if self._forgot:
+            # Frames were forgotten, maybe ones committed after that read's snapshot.
+            self._forgot = False
+            return out, False
         while self.pending:
             frame = self.pending[0]
             if frame.clock <= self.last:

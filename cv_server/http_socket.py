@@ -46,6 +46,13 @@ class _Session:
         self.workspace_id = workspace_id
         self.config = app[CONFIG]
         self._tails: dict[str, asyncio.Future[Any]] = {}
+        # Applies read but not answered yet. The socket stops reading while they could fill
+        # half its queue (each ends as an ack in it, often all at once from one group commit;
+        # the other half is catch-up's): nothing else bounded them, and a peer sending faster
+        # than the disk commits piled them up in the server without end.
+        self._in_flight = 0
+        self._room = asyncio.Event()
+        self._room.set()
 
     def error(self, code: str, message: str, req: Any = None, **extra: Any) -> None:
         frame: dict[str, Any] = {"type": "error", "code": code, "message": message, **extra}
@@ -117,6 +124,9 @@ class _Session:
         sub.start()
 
     def apply(self, sub_doc: str, req: Any, ops: Any, atomic: bool) -> None:
+        self._in_flight += 1
+        if self._in_flight >= self.conn.catch_up_page:
+            self._room.clear()
         store = self.app[STORES].oplog
         if store.appends_in_order:
             # The store commits appends in the order they were queued (SQLite's one writer): no
@@ -164,6 +174,9 @@ class _Session:
 
     def _finished(self, sub_doc: str, req: Any, future: asyncio.Future[Any]) -> bool:
         """Forget the finished apply; answer `internal` if it failed. True if it committed."""
+        self._in_flight -= 1
+        if self._in_flight < self.conn.catch_up_page:
+            self._room.set()
         if self._tails.get(sub_doc) is future:
             del self._tails[sub_doc]
         error = None if future.cancelled() else future.exception()
@@ -175,6 +188,10 @@ class _Session:
 
     def _ack(self, req: Any, outcomes: list[Outcome]) -> None:
         self.conn.send_json({"type": "ack", "req": req, "results": [o.to_json() for o in outcomes]})
+
+    async def room(self) -> None:
+        """Wait until fewer applies than half the queue limit are in flight (`_in_flight`)."""
+        await self._room.wait()
 
     async def wait_applies(self) -> None:
         tails = list(self._tails.values())
@@ -239,6 +256,7 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
                 session.error("malformed_json", "frames must be JSON text")
             if conn.closing:
                 break
+            await session.room()  # paced by the commits: see `_Session._in_flight`
     finally:
         if expiry is not None:
             expiry.cancel()

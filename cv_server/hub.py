@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Final
@@ -226,8 +227,11 @@ class Subscription:
                 return
         if not self.cursor.live:
             if len(self.cursor.pending) > self.pending_limit:
-                self.conn.too_slow()
-                return
+                # Catch-up, not the peer, is behind: the log holds these frames, so forget them
+                # and read on. Closing with 4008 here cut off a reader that kept up with its
+                # catch-up whenever more than the limit was committed meanwhile (a client writing
+                # as it reads), and at every reconnect again. Memory stays bounded either way.
+                self.cursor.forget_pending()
             self._wake.set()
 
     def on_head(self, head: int) -> None:
@@ -260,28 +264,33 @@ class Subscription:
         try:
             while True:
                 while True:
-                    await self.conn.room()  # paced by the peer: see `Connection.room`
-                    page = min(self.page, self.conn.catch_up_page)
-                    # Cleared before the read is sent: news during it sets them again. News
-                    # from before this read is covered by it; kept across reads, a head the log
-                    # never reaches (a hand-sent NOTIFY, a failover that lost commits) had the
-                    # subscription re-read the log in a tight loop, never synced.
-                    self._reread = False
-                    self._known_head = 0
-                    head, entries = await store.read_since(
-                        self.workspace_id, self.sub_doc, self.cursor.last, page
-                    )
-                    if not synced and self.cursor.last > head:
-                        # A `since` past the head named clocks that do not exist yet: answered
-                        # with `synced` at that clock, the ops later committed up to it were
-                        # skipped as already sent, a silent loss (a client resuming against a
-                        # restored or different database). Refuse it, naming the sub-doc.
-                        self._refuse(f"since {self.cursor.last} is past the head clock {head}")
-                        return
-                    frames = (encode_entry(self.sub_doc, entry) for entry in entries)
-                    for frame in self.cursor.from_log(frames):
-                        if not self.conn.send(frame.text):
+                    # One catch-up read at a time per connection: the sub-docs of one socket
+                    # all saw the same half-empty queue, each added a page, and together they
+                    # passed the limit (4008 at every reconnect of a healthy client).
+                    async with self.hub.catch_up_lock(self.conn):
+                        await self.conn.room()  # paced by the peer: see `Connection.room`
+                        page = min(self.page, self.conn.catch_up_page)
+                        # Cleared before the read is sent: news during it sets them again. News
+                        # from before this read is covered by it; kept across reads, a head the
+                        # log never reaches (a hand-sent NOTIFY, a failover that lost commits)
+                        # had the subscription re-read the log in a tight loop, never synced.
+                        self._reread = False
+                        self._known_head = 0
+                        head, entries = await store.read_since(
+                            self.workspace_id, self.sub_doc, self.cursor.last, page
+                        )
+                        if not synced and self.cursor.last > head:
+                            # A `since` past the head named clocks that do not exist yet:
+                            # answered with `synced` at that clock, the ops later committed up
+                            # to it were skipped as already sent, a silent loss (a client
+                            # resuming against a restored or different database). Refuse it,
+                            # naming the sub-doc.
+                            self._refuse(f"since {self.cursor.last} is past the head clock {head}")
                             return
+                        frames = (encode_entry(self.sub_doc, entry) for entry in entries)
+                        for frame in self.cursor.from_log(frames):
+                            if not self.conn.send(frame.text):
+                                return
                     if len(entries) < page:
                         break
                 await self.conn.room()  # what arrived meanwhile is flushed at once
@@ -314,6 +323,10 @@ class Hub:
     def __init__(self, store: OpLogStore) -> None:
         self.store = store
         self._topics: dict[tuple[str, str], set[Subscription]] = {}
+        # Keyed weakly: a connection's lock goes with it.
+        self._catch_up_locks: weakref.WeakKeyDictionary[Connection, asyncio.Lock] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @property
     def subscriber_count(self) -> int:
@@ -339,6 +352,13 @@ class Hub:
         for subs in list(self._topics.values()):
             for sub in list(subs):
                 sub.catch_up()
+
+    def catch_up_lock(self, conn: Connection) -> asyncio.Lock:
+        """The lock the catch-up reads of `conn`'s subscriptions take turns on."""
+        lock = self._catch_up_locks.get(conn)
+        if lock is None:
+            lock = self._catch_up_locks[conn] = asyncio.Lock()
+        return lock
 
     def _add(self, sub: Subscription) -> None:
         self._topics.setdefault((sub.workspace_id, sub.sub_doc), set()).add(sub)
