@@ -94,6 +94,8 @@ class WorkspaceSocket:
         self._frame_sizes: dict[int, int] = {}
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._subs: dict[str, list[Subscription]] = {}
+        #: The `since` of the last subscribe sent per sub-doc: what a refusal refers to.
+        self._since_sent: dict[str, int] = {}
         self._closed = False
         self._opened = asyncio.Event()
         #: Set when the socket stops for good (auth refused, or closed): `wait_open` must not
@@ -203,7 +205,7 @@ class WorkspaceSocket:
             # was: the newcomer catches up from the log, and its tracker drops the overlap.
             sub.mark_lagging()
         elif self._frames is not None:
-            self._frames.put_nowait(_subscribe_frame(sub.sub_doc, sub.resume_since()))
+            self._subscribe(sub.sub_doc)
         if self.final_error is not None:
             sub.fail(self.final_error)
         self.ensure_running()
@@ -215,6 +217,7 @@ class WorkspaceSocket:
         subs.remove(sub)
         if not subs:
             del self._subs[sub.sub_doc]
+            self._since_sent.pop(sub.sub_doc, None)
             if self._frames is not None:
                 self._frames.put_nowait(json.dumps({"type": "unsubscribe", "sub_doc": sub.sub_doc}))
 
@@ -286,10 +289,10 @@ class WorkspaceSocket:
 
     async def _serve(self, ws: aiohttp.ClientWebSocketResponse) -> bool:
         frames: asyncio.Queue[str] = asyncio.Queue()
-        for sub_doc, subs in self._subs.items():
-            frames.put_nowait(_subscribe_frame(sub_doc, min(s.resume_since() for s in subs)))
         self._ws = ws
         self._frames = frames
+        for sub_doc in self._subs:
+            self._subscribe(sub_doc)
         self._broken = None
         self.connections += 1
         self._opened.set()
@@ -409,14 +412,38 @@ class WorkspaceSocket:
             elif isinstance(error, AuthError | ForbiddenError):
                 self._final(error)
             elif isinstance(frame.get("sub_doc"), str) and not error.retryable:
-                for sub in self._subs.get(frame["sub_doc"], ()):
-                    sub.fail(error)
+                self._refused(frame["sub_doc"], error)
             elif req is None:
                 # An error naming no request: the server could not read one of our messages
                 # (its applies are lost with it) or failed a subscription for now. Which
                 # batches it concerns is unknown; resending them all is harmless (op_ids).
                 # A `req` no longer in flight is a late answer to a batch already resent.
                 self._breach(f"the error {error.code!r} naming no request")
+
+    def _subscribe(self, sub_doc: str) -> None:
+        """Ask for `sub_doc`'s feed from what its subscriptions already hold (now if the socket
+        is open; `_serve` calls this again on every connect)."""
+        since = min(s.resume_since() for s in self._subs[sub_doc])
+        self._since_sent[sub_doc] = since
+        if self._frames is not None:
+            self._frames.put_nowait(_subscribe_frame(sub_doc, since))
+
+    def _refused(self, sub_doc: str, error: WorkspaceError) -> None:
+        """The server refused the last subscribe of `sub_doc` (a `since` past its head) and
+        dropped its feed of it. Only the subscriptions at or past that `since` fail: failing every
+        one of the sub-doc failed a subscription opened meanwhile from a valid clock with another's
+        error. And the failed ones are forgotten here: left registered, they kept the sub-doc
+        marked as fed, so a subscription opened after them (the app starting over from the head)
+        was caught up once from the log and never fed live. Those left are subscribed again."""
+        subs = self._subs.pop(sub_doc, [])
+        refused = self._since_sent.pop(sub_doc, None)
+        left = [s for s in subs if refused is not None and s.resume_since() < refused]
+        for sub in subs:
+            if sub not in left:
+                sub.fail(error)
+        if left:
+            self._subs[sub_doc] = left
+            self._subscribe(sub_doc)
 
     def _final(self, error: WorkspaceError) -> None:
         """Auth is gone: stop reconnecting; subscriptions raise; ops fall back to HTTP (which

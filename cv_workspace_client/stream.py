@@ -166,7 +166,15 @@ class Subscription:
                 # Cleared before the read: `feed` or a reconnect may mark the subscription lagging
                 # again while it is under way, and that mark must survive the read's answer.
                 self._lagging = False
-                if await self._read_page(full_only=True):
+                try:
+                    more = await self._read_page(full_only=True)
+                except BaseException:
+                    # The read did not deliver (the app's task cancelled mid-read, by its own
+                    # `wait_for` timeout say): the catch-up is still due. Left cleared, the
+                    # subscription waited for a live frame to expose the hole, and none may come.
+                    self._lagging = True
+                    raise
+                if more:
                     self._lagging = True
                 continue
             if self._error is not None:
