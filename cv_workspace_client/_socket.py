@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import aiohttp
 import orjson
 
+from cv_workspace_client._liveness import Liveness, Verdict
 from cv_workspace_client._machine import Send
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
@@ -102,6 +103,8 @@ class WorkspaceSocket:
         #: wait for a connection that will never come.
         self._stopped = asyncio.Event()
         self._closing: set[asyncio.Task[Any]] = set()
+        #: The heartbeat's next tick on the open connection (`_tick`).
+        self._heartbeat: asyncio.TimerHandle | None = None
         #: What the server sent on this connection that the protocol does not allow (see
         #: `_breach`); None while it keeps to it.
         self._broken: ProtocolError | None = None
@@ -236,7 +239,7 @@ class WorkspaceSocket:
                 await self._task
         if ws is not None:
             # An abort sends no close frame (a crash does not), but the connection is still
-            # released: the heartbeat's timer would keep it alive past the client otherwise.
+            # released rather than left to garbage collection.
             _release(ws)
         self._forget_in_flight()
 
@@ -251,8 +254,8 @@ class WorkspaceSocket:
                 ws = await self.owner.session.ws_connect(
                     self.owner.socket_url(self.workspace_id),
                     headers=self.owner.auth_headers(),
-                    autoping=True,
-                    heartbeat=self.owner.config.socket_heartbeat_seconds,
+                    # Pings answered and pongs seen here (`_serve`): the heartbeat is `Liveness`.
+                    autoping=False,
                 )
             except aiohttp.WSServerHandshakeError as exc:
                 # A 4xx refusal of the upgrade is final (DESIGN §6), not only 401/403: a wrong
@@ -300,18 +303,23 @@ class WorkspaceSocket:
             _write(ws, frames, self.owner.config.max_batch_bytes)
         )
         heard = False
+        interval = self.owner.config.socket_heartbeat_seconds
+        live = None if interval is None else Liveness(interval)
+        if live is not None:
+            self._heartbeat = asyncio.get_running_loop().call_later(
+                live.interval, self._tick, ws, live
+            )
         try:
             self.owner.connection_opened(self.workspace_id)
             async for message in ws:
+                if live is not None:
+                    live.heard()
                 if message.type is aiohttp.WSMsgType.TEXT:
                     heard = True
                     self._dispatch(message.data)
+                elif message.type is aiohttp.WSMsgType.PING:
+                    await ws.pong(message.data)
                 elif message.type is aiohttp.WSMsgType.ERROR:
-                    if isinstance(message.data, aiohttp.ServerTimeoutError):
-                        # No pong within the heartbeat: the connection is dead, not the
-                        # server at fault. Lost like a reset (batches resent, subscriptions
-                        # resume), and reconnected as after any connection that carried frames.
-                        break
                     # aiohttp refused a message (over `max_msg_size`, not UTF-8, a bad frame)
                     # and is closing the connection itself, with a code of its own (1009 for
                     # a message too large: not the server refusing one of ours).
@@ -321,6 +329,9 @@ class WorkspaceSocket:
                 if self._broken is not None:
                     break
         finally:
+            if self._heartbeat is not None:
+                self._heartbeat.cancel()
+                self._heartbeat = None
             self._ws = None
             self._frames = None
             self._opened.clear()
@@ -353,6 +364,25 @@ class WorkspaceSocket:
             code, cls = final
             self._final(cls(code, "the server closed the websocket"))
         return heard
+
+    def _tick(self, ws: aiohttp.ClientWebSocketResponse, live: Liveness) -> None:
+        """The heartbeat (see `Liveness`): probe a quiet server, drop a dead connection."""
+        self._heartbeat = None
+        if self._ws is not ws:
+            return  # that connection is over
+        verdict, delay = live.tick()
+        if verdict is Verdict.DEAD:
+            # Nothing, not even a pong: the connection died without closing. Closing its
+            # transport ends `_serve`'s read, which reports it lost like a reset: batches in
+            # flight resent under their op_ids, subscriptions resumed, a reconnect at once
+            # (it carried frames).
+            _release(ws)
+            return
+        if verdict is Verdict.PING:
+            task = asyncio.get_running_loop().create_task(_ping(ws))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        self._heartbeat = asyncio.get_running_loop().call_later(delay, self._tick, ws, live)
 
     def _dispatch(self, text: str) -> None:
         try:
@@ -460,13 +490,19 @@ class WorkspaceSocket:
             task.add_done_callback(self._closing.discard)
 
 
+async def _ping(ws: aiohttp.ClientWebSocketResponse) -> None:
+    # A connection closing meanwhile fails the write; the read reports it.
+    with contextlib.suppress(ConnectionError, aiohttp.ClientError, RuntimeError):
+        await ws.ping()
+
+
 def _release(ws: aiohttp.ClientWebSocketResponse) -> None:
     """Give the connection under `ws` back (closed) once it is done with, however it ended.
 
     aiohttp's `receive` marks a websocket closed without releasing its connection when the
     connection was lost (its `ClientError` branch), and `close()` is then a no-op: the
-    connection stayed referenced until garbage collection (a ResourceWarning), and with a
-    heartbeat its timers kept it alive past the client. `ClientResponse.close()` is idempotent;
+    connection stayed referenced until garbage collection (a ResourceWarning). It is also how
+    the heartbeat drops a dead connection. `ClientResponse.close()` is idempotent;
     the response is reached through a private attribute, so its absence is tolerated."""
     response = getattr(ws, "_response", None)
     if isinstance(response, aiohttp.ClientResponse):

@@ -11,6 +11,7 @@ import pytest
 
 from cv_mutations import NodeIncrement, NodeInsert
 from cv_workspace_client import ClientConfig, WorkspaceClient
+from cv_workspace_client._liveness import Liveness, Verdict
 from cv_workspace_client.testing import FaultProxy
 
 from .helpers import WS, fast_config, server_log
@@ -84,3 +85,29 @@ def test_a_heartbeat_that_cannot_work_is_refused(value: float) -> None:
 def test_the_heartbeat_can_be_switched_off() -> None:
     assert ClientConfig(socket_heartbeat_seconds=None).socket_heartbeat_seconds is None
     assert ClientConfig().socket_heartbeat_seconds == 60.0  # DESIGN §10's heartbeat
+
+
+# -- the heartbeat's decisions, without a socket ------------------------------------------------
+
+
+def test_a_peer_heard_every_interval_is_never_probed() -> None:
+    live = Liveness(60.0)
+    for _ in range(5):
+        assert live.tick() == (Verdict.WAIT, 60.0)
+        live.heard()
+
+
+def test_a_silent_peer_is_probed_then_given_up_half_an_interval_later() -> None:
+    live = Liveness(60.0)
+    assert live.tick() == (Verdict.WAIT, 60.0)  # the handshake counts as heard
+    assert live.tick() == (Verdict.PING, 30.0)
+    assert live.tick() == (Verdict.DEAD, 0.0)
+
+
+def test_a_probe_answered_puts_the_peer_back_to_waiting() -> None:
+    live = Liveness(60.0)
+    live.tick()
+    assert live.tick() == (Verdict.PING, 30.0)
+    live.heard()  # the pong
+    assert live.tick() == (Verdict.WAIT, 60.0)
+    assert live.tick() == (Verdict.PING, 30.0)  # probed afresh after the next silent interval
