@@ -20,6 +20,7 @@ from aiohttp import web
 from pydantic import JsonValue
 
 from cv_mutations import NodeInsert, NodeUpdate
+from cv_server import ServerConfig, create_app
 from cv_server.auth import mint_token
 from cv_workspace_client import ClientConfig, WorkspaceClient
 from cv_workspace_client.compute import ComputeResult, LockPolling, compute_once
@@ -62,6 +63,44 @@ class Watched:
     async def reach(self, n: int, timeout: float = 10.0) -> None:  # noqa: ASYNC109
         async with asyncio.timeout(timeout), self._changed:
             await self._changed.wait_for(lambda: self.value >= n)
+
+
+class SlowCellWrites:
+    """A server that holds the first write of the cell (`FIELD`) until `let_go` is set (`held`
+    says it arrived) and records each lock acquisition's answer (`granted`, in order, counted
+    by `acquisitions`): a compute paid for whose write is on its way and not yet committed."""
+
+    def __init__(self) -> None:
+        self.held = asyncio.Event()
+        self.let_go = asyncio.Event()
+        self.acquisitions = Watched()
+        self.granted: list[bool] = []
+
+    @web.middleware
+    async def middleware(
+        self,
+        request: web.Request,
+        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        writing_the_cell = request.path.endswith("/docs/jobs/ops") and not self.held.is_set()
+        if writing_the_cell and FIELD.encode() in await request.read():
+            self.held.set()
+            await self.let_go.wait()
+        response = await handler(request)
+        if request.path.endswith("/locks/acquire") and isinstance(response, web.Response):
+            self.granted.append('"acquired": true' in (response.text or ""))
+            await self.acquisitions.add()
+        return response
+
+    async def serve(self, aiohttp_server: Any, db_path: Path, lock_ttl: float) -> str:
+        """Start the server (SQLite at `db_path`, the compute lock's TTL `lock_ttl`); its URL."""
+        config = ServerConfig(
+            db_path=db_path, token_secret=SECRET, compute_lock_ttl_seconds=lock_ttl
+        )
+        app = create_app(config)
+        app.middlewares.insert(0, self.middleware)
+        server = await aiohttp_server(app)
+        return str(server.make_url("")).rstrip("/")
 
 
 class GatedProvider:

@@ -35,6 +35,7 @@ from .helpers import (
     WS,
     GatedProvider,
     RequestLog,
+    SlowCellWrites,
     Watched,
     cell,
     cell_writes,
@@ -315,31 +316,8 @@ async def test_a_write_still_in_flight_when_the_budget_runs_out_is_not_raced_by_
     # not unsend the op (DESIGN §6). Handing the key over now would let a waiter double-check
     # before that write lands and pay for the same cell again. The key must stay locked until
     # its TTL, by when the late write is in and the waiter finds it.
-    held = asyncio.Event()
-    let_go = asyncio.Event()
-    acquisitions = Watched()
-    granted: list[bool] = []
-
-    @web.middleware
-    async def slow_writes(
-        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        writing_the_cell = request.path.endswith("/docs/jobs/ops") and not held.is_set()
-        if writing_the_cell and FIELD.encode() in await request.read():
-            held.set()
-            await let_go.wait()
-        response = await handler(request)
-        if request.path.endswith("/locks/acquire") and isinstance(response, web.Response):
-            granted.append('"acquired": true' in (response.text or ""))
-            await acquisitions.add()
-        return response
-
-    config = ServerConfig(
-        db_path=tmp_path / "slow.db", token_secret=SECRET, compute_lock_ttl_seconds=3.0
-    )
-    app = create_app(config)
-    app.middlewares.insert(0, slow_writes)
-    url = str((await aiohttp_server(app)).make_url("")).rstrip("/")
+    slow = SlowCellWrites()
+    url = await slow.serve(aiohttp_server, tmp_path / "slow.db", lock_ttl=3.0)
     holder_client = await open_client(url, config=fast_config(ops_over_websocket=False))
     waiter_client = await open_client(url)
     await seed_job(holder_client)
@@ -359,18 +337,18 @@ async def test_a_write_still_in_flight_when_the_budget_runs_out_is_not_raced_by_
     holder = asyncio.create_task(
         compute_once(holder_client, WS, JOB, FIELD, check=check, compute=cut_compute, holder="a")
     )
-    await asyncio.wait_for(held.wait(), 10)  # paid, and the write is on its way
+    await asyncio.wait_for(slow.held.wait(), 10)  # paid, and the write is on its way
     waiter = asyncio.create_task(
         compute_or_wait(waiter_client, provider, "b", wait=10, polling=FAST_POLL)
     )
     await asyncio.wait_for(cut.wait(), 10)
     # The waiter's next poll. Had the key been handed over, it wins it: let it get as far as
     # its double-check and provider call before the slow write lands (the double-pay order).
-    polls = acquisitions.value
-    await acquisitions.reach(polls + 1)
-    if granted[polls]:
+    polls = slow.acquisitions.value
+    await slow.acquisitions.reach(polls + 1)
+    if slow.granted[polls]:
         await provider.arrived.reach(2)
-    let_go.set()  # the slow write commits, still inside the holder's lock TTL (0.3 s margin)
+    slow.let_go.set()  # the slow write commits, still inside the holder's lock TTL (0.3 s margin)
 
     with pytest.raises(LockExpiringError):
         await asyncio.wait_for(holder, 10)

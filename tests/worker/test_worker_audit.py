@@ -32,14 +32,13 @@ from tests.compute.helpers import (
     FIELD,
     JOB,
     GatedProvider,
-    Watched,
+    SlowCellWrites,
     cell,
     cell_writes,
     compute_or_wait,
     fast_config,
     seed_job,
 )
-from tests.compute.helpers import SECRET as COMPUTE_SECRET
 from tests.compute.helpers import WS as COMPUTE_WS
 from tests.compute.helpers import token_for as compute_token_for
 from tests.worker.conftest import (
@@ -285,31 +284,8 @@ async def test_a_holder_cancelled_mid_write_keeps_the_key_until_its_write_can_la
     # committed: a cancelled `apply_op` does not unsend the op (DESIGN §6) — releasing the lock
     # on the way out let the worker that re-drove the request take the key, double-check before
     # the write landed, and pay for the same call again (DESIGN §8: once, however many race).
-    held = asyncio.Event()
-    let_go = asyncio.Event()
-    acquisitions = Watched()
-    granted: list[bool] = []
-
-    @web.middleware
-    async def slow_writes(
-        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        writing_the_cell = request.path.endswith("/docs/jobs/ops") and not held.is_set()
-        if writing_the_cell and FIELD.encode() in await request.read():
-            held.set()
-            await let_go.wait()
-        response = await handler(request)
-        if request.path.endswith("/locks/acquire") and isinstance(response, web.Response):
-            granted.append('"acquired": true' in (response.text or ""))
-            await acquisitions.add()
-        return response
-
-    config = ServerConfig(
-        db_path=tmp_path / "slow.db", token_secret=COMPUTE_SECRET, compute_lock_ttl_seconds=3.0
-    )
-    app = create_app(config)
-    app.middlewares.insert(0, slow_writes)
-    url = url_of(await aiohttp_server(app))
+    slow = SlowCellWrites()
+    url = await slow.serve(aiohttp_server, tmp_path / "slow.db", lock_ttl=3.0)
     token = compute_token_for(COMPUTE_WS)
     async with (
         WorkspaceClient(url, token=token, config=fast_config(ops_over_websocket=False)) as mine,
@@ -323,7 +299,7 @@ async def test_a_holder_cancelled_mid_write_keeps_the_key_until_its_write_can_la
             compute_once(mine, COMPUTE_WS, JOB, FIELD, check=check, compute=compute, holder="a")
         )
         try:
-            await asyncio.wait_for(held.wait(), BOUND)  # paid, and the write is on its way
+            await asyncio.wait_for(slow.held.wait(), BOUND)  # paid, and the write is on its way
             waiter = asyncio.create_task(
                 compute_or_wait(
                     theirs,
@@ -333,20 +309,20 @@ async def test_a_holder_cancelled_mid_write_keeps_the_key_until_its_write_can_la
                     polling=LockPolling(initial_seconds=0.02, max_seconds=0.1),
                 )
             )
-            await acquisitions.reach(2)  # the waiter found the key locked
+            await slow.acquisitions.reach(2)  # the waiter found the key locked
             holder.cancel()  # what the heartbeat's `lease_lost` (or the drain deadline) does
             with pytest.raises(asyncio.CancelledError):
                 await asyncio.wait_for(holder, BOUND)
             # The waiter's next poll. Had the key been handed back, it wins it: let it get as
             # far as its double-check and provider call before the slow write lands.
-            polls = acquisitions.value
-            await acquisitions.reach(polls + 1)
-            if granted[polls]:
+            polls = slow.acquisitions.value
+            await slow.acquisitions.reach(polls + 1)
+            if slow.granted[polls]:
                 await provider.arrived.reach(2)
-            let_go.set()  # the write commits, inside the holder's lock TTL
+            slow.let_go.set()  # the write commits, inside the holder's lock TTL
             result = await asyncio.wait_for(waiter, BOUND)
         finally:
-            let_go.set()
+            slow.let_go.set()
             if not holder.done():
                 holder.cancel()
             await asyncio.gather(holder, return_exceptions=True)
