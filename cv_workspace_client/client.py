@@ -271,9 +271,17 @@ class WorkspaceClient(QueueMethods):
 
         Ops submitted meanwhile do not hold it up: "nothing pending at all" would never come
         while other tasks keep writing. Returns at once when nothing is pending, and when the
-        client closes (what is left then stays in the outbox)."""
+        client closes (what is left then stays in the outbox).
+
+        Ops that gave up (`StillPendingError`) get a fresh attempt cycle: waiting for them is
+        asking for them to be sent. They are otherwise retried on the next connect or submit to
+        their sub-doc, and a client sending over HTTP (or the app's last op) may see neither:
+        the wait ran out its whole timeout on an op nothing would send again."""
         if self._machine.pending_count == 0 or self._state == "closed":
             return
+        if self._state == "open":
+            self._machine.retry_parked()
+            self._kick()
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (self._machine.last_seq, future)
         self._sync_waiters.append(entry)

@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from cv_workspace_client import WorkspaceClient
+from cv_mutations import NodeInsert
+from cv_workspace_client import StillPendingError, WorkspaceClient
+from cv_workspace_client.testing import FaultProxy
 
-from .helpers import WS, RecordingSleep, fast_config, token_for
+from .helpers import WS, RecordingSleep, fast_config, server_log, token_for
 
 #: Every wait here is bounded.
 TIMEOUT = 10.0
@@ -102,3 +104,24 @@ async def test_a_connection_that_stayed_up_past_the_first_backoff_step_is_follow
     server = FlappingServer(answer=True, lifetime=0.05)
     failures = await _failures_before_calm(aiohttp_server, server, retry_base_seconds=0.01)
     assert failures == []
+
+
+async def test_wait_synced_retries_an_op_that_gave_up_instead_of_waiting_for_ever(
+    server_url: str, token: str
+) -> None:
+    # An op whose attempts ran out stays pending; it is retried on the next connect or the next
+    # submit to its sub-doc. A client sending over HTTP has no connect to wait for: an app that
+    # then waited for it (the last op of a run, say) waited out its whole timeout.
+    config = fast_config(ops_over_websocket=False)
+    async with (
+        FaultProxy(server_url) as proxy,
+        WorkspaceClient(proxy.url, token=token, config=config) as client,
+    ):
+        proxy.refuse = True
+        with pytest.raises(StillPendingError):
+            await client.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
+        assert client.pending_count() == 1
+        proxy.refuse = False
+        await client.wait_synced(timeout=TIMEOUT)
+        assert client.pending_count() == 0
+    assert len(await server_log(server_url, "tree")) == 1
