@@ -193,12 +193,10 @@ async def test_an_expected_error_is_not_acknowledged_before_the_runs_writes_comm
 # -- SIGTERM while a claim is stalled --------------------------------------------------------------
 
 
-async def test_stop_during_a_stalled_claim_returns_within_the_drain_deadline(
+async def _stalling_claims(
     aiohttp_server: ServerFactory, tmp_path: Any
-) -> None:
-    # seed 004 §9: the drain ends within its deadline (25 s, under Kubernetes' 30 s grace). A
-    # claim whose answer never comes (a stalled server or link) held `stop()` for the client's
-    # whole request timeout (5 min by default): the worker was SIGKILLed mid-drain instead.
+) -> tuple[TestServer, asyncio.Event, asyncio.Event]:
+    """A server whose claims stall until `release` is set (`entered`: one arrived)."""
     entered = asyncio.Event()
     release = asyncio.Event()
 
@@ -213,7 +211,16 @@ async def test_stop_during_a_stalled_claim_returns_within_the_drain_deadline(
 
     app = create_app(ServerConfig(db_path=tmp_path / "cv.db", token_secret=SECRET))
     app.middlewares.append(stall_claims)
-    server = await aiohttp_server(app)
+    return await aiohttp_server(app), entered, release
+
+
+async def test_stop_during_a_stalled_claim_returns_within_the_drain_deadline(
+    aiohttp_server: ServerFactory, tmp_path: Any
+) -> None:
+    # seed 004 §9: the drain ends within its deadline (25 s, under Kubernetes' 30 s grace). A
+    # claim whose answer never comes (a stalled server or link) held `stop()` for the client's
+    # whole request timeout (5 min by default): the worker was SIGKILLed mid-drain instead.
+    server, entered, release = await _stalling_claims(aiohttp_server, tmp_path)
     drain = 0.3
     async with open_client(server) as client:
         worker = Worker(
@@ -240,21 +247,7 @@ async def test_a_claim_answered_just_after_stop_still_runs_what_it_claimed(
     # The other side of the bound above: a claim that answers within the drain deadline is
     # not abandoned — the rows it leased are this worker's, and are run and completed now,
     # not left leased to nobody for a whole lease.
-    entered = asyncio.Event()
-    release = asyncio.Event()
-
-    @web.middleware
-    async def hold_claims(
-        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        if request.path == "/v1/queue/claim" and not release.is_set():
-            entered.set()
-            await release.wait()
-        return await handler(request)
-
-    app = create_app(ServerConfig(db_path=tmp_path / "cv.db", token_secret=SECRET))
-    app.middlewares.append(hold_claims)
-    server = await aiohttp_server(app)
+    server, entered, release = await _stalling_claims(aiohttp_server, tmp_path)
     async with open_client(server) as client:
         answer = await api.enqueue(client, WS, {"stage": "echo", "job_id": "J1", "input": 7})
         worker = Worker(client, {"echo": _echo}, config=WorkerConfig(idle_initial_seconds=0.01))
