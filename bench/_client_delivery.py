@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -79,7 +80,7 @@ async def _deliver(deliveries: int) -> tuple[int, float, float]:
         for i in range(SUB_DOCS)
     ]
     for sub in subs:
-        sock._subs.setdefault(sub.sub_doc, []).append(sub)
+        sock._subs.setdefault(sub.sub_doc, []).append(weakref.ref(sub))
     seen = 0
 
     async def consume(sub: Subscription, last: int) -> None:

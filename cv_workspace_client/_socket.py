@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -94,7 +95,12 @@ class WorkspaceSocket:
         #: largest is the one the server refused (see `_serve`).
         self._frame_sizes: dict[int, int] = {}
         self._deadline_timer: asyncio.TimerHandle | None = None
-        self._subs: dict[str, list[Subscription]] = {}
+        #: The subscriptions fed from this socket, by sub-doc. Held weakly: an app leaves a
+        #: subscription with `break` and drops it without `aclose()` (`async for` never calls it),
+        #: and a strong reference here kept it buffering frames, and the server streaming its
+        #: sub-doc, for the client's whole life. A collected one is forgotten by `_forget`; a
+        #: consumer parked on its subscription keeps it alive (`stream.py`).
+        self._subs: dict[str, list[weakref.ref[Subscription]]] = {}
         #: The `since` of the last subscribe sent per sub-doc: what a refusal refers to.
         self._since_sent: dict[str, int] = {}
         self._closed = False
@@ -202,7 +208,7 @@ class WorkspaceSocket:
 
     def add(self, sub: Subscription) -> None:
         subs = self._subs.setdefault(sub.sub_doc, [])
-        subs.append(sub)
+        subs.append(weakref.ref(sub, self._collected(sub.sub_doc)))
         if len(subs) > 1:
             # The server already streams this sub-doc to us, from wherever the first subscription
             # was: the newcomer catches up from the log, and its tracker drops the overlap.
@@ -215,14 +221,41 @@ class WorkspaceSocket:
 
     def remove(self, sub: Subscription) -> None:
         subs = self._subs.get(sub.sub_doc)
-        if not subs or sub not in subs:
-            return
-        subs.remove(sub)
         if not subs:
-            del self._subs[sub.sub_doc]
-            self._since_sent.pop(sub.sub_doc, None)
-            if self._frames is not None:
-                self._frames.put_nowait(json.dumps({"type": "unsubscribe", "sub_doc": sub.sub_doc}))
+            return
+        left = [ref for ref in subs if ref() is not sub]
+        if len(left) == len(subs):
+            return
+        self._keep(sub.sub_doc, left)
+
+    def _live(self, sub_doc: str) -> list[Subscription]:
+        return [sub for ref in self._subs.get(sub_doc, ()) if (sub := ref()) is not None]
+
+    def _collected(self, sub_doc: str) -> Callable[[weakref.ref[Subscription]], None]:
+        loop = asyncio.get_running_loop()
+
+        def collected(_: weakref.ref[Subscription]) -> None:
+            # The collector may run in any thread (the outbox's syncer allocates too): the
+            # registry is only ever changed on the loop.
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to tell
+                loop.call_soon_threadsafe(self._forget, sub_doc)
+
+        return collected
+
+    def _forget(self, sub_doc: str) -> None:
+        """Drop the collected subscriptions of `sub_doc`; unsubscribe once none is left."""
+        subs = self._subs.get(sub_doc)
+        if subs is not None:
+            self._keep(sub_doc, [ref for ref in subs if ref() is not None])
+
+    def _keep(self, sub_doc: str, left: list[weakref.ref[Subscription]]) -> None:
+        if left:
+            self._subs[sub_doc] = left
+            return
+        del self._subs[sub_doc]
+        self._since_sent.pop(sub_doc, None)
+        if self._frames is not None:
+            self._frames.put_nowait(json.dumps({"type": "unsubscribe", "sub_doc": sub_doc}))
 
     # -- lifetime ---------------------------------------------------------------------------------
 
@@ -417,8 +450,8 @@ class WorkspaceSocket:
         kind = frame.get("type")
         if kind == "op" or kind == "synced":
             sub_doc = frame.get("sub_doc")
-            subs = self._subs.get(sub_doc, ()) if isinstance(sub_doc, str) else ()
-            if not subs:
+            refs = self._subs.get(sub_doc, ()) if isinstance(sub_doc, str) else ()
+            if not refs:
                 return
             clock = frame.get("clock")
             if not isinstance(clock, int) or isinstance(clock, bool):
@@ -426,8 +459,10 @@ class WorkspaceSocket:
                 return
             if kind == "op":
                 parse_frame_op(frame)  # once, however many subscriptions share the frame
-            for sub in subs:
-                sub.feed(frame)
+            for ref in refs:
+                sub = ref()
+                if sub is not None:  # collected, and `_forget` not run yet
+                    sub.feed(frame)
         elif kind == "ack":
             req = frame.get("req")
             if isinstance(req, int) and self._in_flight.pop(req, None) is not None:
@@ -453,7 +488,10 @@ class WorkspaceSocket:
     def _subscribe(self, sub_doc: str) -> None:
         """Ask for `sub_doc`'s feed from what its subscriptions already hold (now if the socket
         is open; `_serve` calls this again on every connect)."""
-        since = min(s.resume_since() for s in self._subs[sub_doc])
+        subs = self._live(sub_doc)
+        if not subs:
+            return  # every one was collected: `_forget` is on its way
+        since = min(s.resume_since() for s in subs)
         self._since_sent[sub_doc] = since
         if self._frames is not None:
             self._frames.put_nowait(_subscribe_frame(sub_doc, since))
@@ -465,14 +503,15 @@ class WorkspaceSocket:
         error. And the failed ones are forgotten here: left registered, they kept the sub-doc
         marked as fed, so a subscription opened after them (the app starting over from the head)
         was caught up once from the log and never fed live. Those left are subscribed again."""
-        subs = self._subs.pop(sub_doc, [])
+        subs = self._live(sub_doc)
+        self._subs.pop(sub_doc, None)
         refused = self._since_sent.pop(sub_doc, None)
         left = [s for s in subs if refused is not None and s.resume_since() < refused]
         for sub in subs:
             if sub not in left:
                 sub.fail(error)
         if left:
-            self._subs[sub_doc] = left
+            self._subs[sub_doc] = [weakref.ref(s, self._collected(sub_doc)) for s in left]
             self._subscribe(sub_doc)
 
     def _final(self, error: WorkspaceError) -> None:
@@ -480,8 +519,8 @@ class WorkspaceSocket:
         gets the same answer and fails them with it)."""
         self.final_error = error
         self._stopped.set()
-        for subs in self._subs.values():
-            for sub in subs:
+        for sub_doc in self._subs:
+            for sub in self._live(sub_doc):
                 sub.fail(error)
         ws = self._ws
         if ws is not None:

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import os
 import time
+import weakref
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -120,7 +121,8 @@ class WorkspaceClient(QueueMethods):
         self._http: HttpApi | None = None
         self._futures: dict[int, tuple[asyncio.Future[Commit], str]] = {}
         self._sockets: dict[str, WorkspaceSocket] = {}
-        self._subscriptions: set[Subscription] = set()
+        #: Weak: a subscription the app dropped is released (see `WorkspaceSocket._subs`).
+        self._subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pump_handle: asyncio.Handle | None = None
         self._pumping = False

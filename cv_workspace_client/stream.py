@@ -21,6 +21,12 @@ __all__ = ["PARSED", "Subscription", "parse_frame_op"]
 #: Where `parse_frame_op` leaves a frame's parsed `Committed` (not a key the server sends).
 PARSED = "\x00committed"
 
+#: Subscriptions whose consumer is parked waiting for a frame. The client holds subscriptions
+#: weakly (one dropped without `aclose()` is released), and a parked consumer task that the app
+#: did not keep is referenced by nothing but its subscription's waiter: this holds them, as the
+#: event loop holds a task that waits on a socket.
+_parked: set[Subscription] = set()
+
 
 class StreamOwner(Protocol):
     def register(self, sub: Subscription) -> None: ...
@@ -35,6 +41,8 @@ class StreamOwner(Protocol):
 class Subscription:
     """Committed ops of `workspace_id/sub_doc` after `since`. Use as `async for committed in sub`;
     leave with `break` then `await sub.aclose()`, or `async with client.subscribe(...) as sub`.
+    One left without `aclose()` and no longer referenced is released all the same (its buffer,
+    and the server's feed once no other subscription needs it).
 
     `clock` is the last clock handed to the app: to resume in a later process, subscribe again
     with `since=sub.clock`.
@@ -182,10 +190,12 @@ class Subscription:
             if self._ended:
                 raise StopAsyncIteration
             self._waiter = asyncio.get_running_loop().create_future()
+            _parked.add(self)
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+                _parked.discard(self)
 
     # -- socket side -------------------------------------------------------------------------------
 
