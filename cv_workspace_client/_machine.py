@@ -37,13 +37,10 @@ The rules it keeps, each of which a test pins:
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import orjson
 
 # The vocabulary (values in, decisions out) has its own module; re-exported here (`__all__`).
 from cv_workspace_client._machine_effects import (
@@ -58,11 +55,10 @@ from cv_workspace_client._machine_effects import (
     Send,
     Wait,
 )
+from cv_workspace_client._machine_wire import dumps_body, parse_results, row_size
 from cv_workspace_client.errors import (
     InvalidRequestError,
-    OpRejectedError,
     OutboxError,
-    ProtocolError,
     StillPendingError,
     WorkspaceError,
 )
@@ -245,7 +241,7 @@ class OutboxMachine:
         self._restored = True
         for row in sorted(rows, key=lambda r: r.seq):
             lane = self._lane(row.workspace_id, row.sub_doc)
-            lane.queue.append(_Entry(row, persisted=True, awaited=False, size=_size(row)))
+            lane.queue.append(_Entry(row, persisted=True, awaited=False, size=row_size(row)))
             lane.restored += 1
             lane.loaded_up_to = row.seq
             self._restored_seq = max(self._restored_seq, row.seq)
@@ -277,7 +273,7 @@ class OutboxMachine:
             ),
             key=lambda row: row.seq,
         )
-        entries = [_Entry(row, persisted=True, awaited=False, size=_size(row)) for row in fresh]
+        entries = [_Entry(row, persisted=True, awaited=False, size=row_size(row)) for row in fresh]
         if len(rows) < self.restore_page or len(entries) >= lane.on_disk:
             # A short page is the end of the lane's backlog: whatever was counted beyond it is
             # gone from the file, and waiting for it would wedge the lane for good.
@@ -328,12 +324,12 @@ class OutboxMachine:
                 workspace_id=workspace_id,
                 sub_doc=sub_doc,
                 op_id=op_id,
-                op_json=_dumps(body),
+                op_json=dumps_body(body),
                 created_at=now,
                 atomic_group=group,
             )
             self._next_seq += 1
-            entry = _Entry(row, persisted=False, awaited=True, size=_size(row))
+            entry = _Entry(row, persisted=False, awaited=True, size=row_size(row))
             lane.queue.append(entry)
             self._unpersisted[row.seq] = entry
             rows.append(row)
@@ -395,7 +391,7 @@ class OutboxMachine:
             return
         lane = batch.lane
         lane.in_flight = None
-        outcomes = _parse_results(batch.entries, results)
+        outcomes = parse_results([entry.row.op_id for entry in batch.entries], results)
         if isinstance(outcomes, WorkspaceError):
             self._fail(batch, outcomes)
             return
@@ -586,47 +582,3 @@ class OutboxMachine:
                 outcomes.append((entry.row.seq, StillPendingError(entry.row.op_id, error)))
         if outcomes:
             self._out.append(Resolve(tuple(outcomes)))
-
-
-def _dumps(body: dict[str, Any]) -> str:
-    """Compact UTF-8 JSON, as `json.dumps(separators=(",", ":"), ensure_ascii=False)` writes it
-    (orjson is ~15x faster; it refuses integers past 64 bits, which the standard library takes)."""
-    try:
-        return orjson.dumps(body).decode()
-    except orjson.JSONEncodeError:
-        return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
-
-
-def _size(row: OutboxRow) -> int:
-    return len(row.op_json.encode())
-
-
-def _parse_results(
-    entries: list[_Entry], results: Any
-) -> list[Commit | WorkspaceError] | WorkspaceError:
-    """One outcome per entry, or a `ProtocolError` if the answer does not fit the request."""
-    if not isinstance(results, list) or len(results) != len(entries):
-        count = len(results) if isinstance(results, list) else "no"
-        return ProtocolError("bad_results", f"{count} results for a batch of {len(entries)} ops")
-    outcomes: list[Commit | WorkspaceError] = []
-    for entry, result in zip(entries, results, strict=True):
-        op_id = entry.row.op_id
-        # The server names the op every result answers: one that does not (a proxy that
-        # rewrote the answer) could be answering another op of the batch, reordered.
-        if not isinstance(result, Mapping) or result.get("op_id") != op_id:
-            return ProtocolError("bad_results", f"result does not answer op {op_id}")
-        error = result.get("error")
-        if isinstance(error, Mapping):
-            outcomes.append(
-                OpRejectedError(
-                    str(error.get("code") or "rejected"),
-                    str(error.get("message") or ""),
-                    op_id=op_id,
-                )
-            )
-            continue
-        clock = result.get("clock")
-        if not isinstance(clock, int) or isinstance(clock, bool) or clock < 1:
-            return ProtocolError("bad_results", f"result for op {op_id} has no valid clock")
-        outcomes.append(Commit(clock=clock, op_id=op_id, duplicate=bool(result.get("duplicate"))))
-    return outcomes

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import cv_workspace_client
 
-CORE_MODULES = ["_liveness", "_machine", "_machine_effects", "_subscription", "errors", "models"]
+CORE_MODULES = [
+    "_liveness",
+    "_machine",
+    "_machine_effects",
+    "_machine_wire",
+    "_subscription",
+    "errors",
+    "models",
+]
 IO_MODULES = ("asyncio", "aiohttp", "websockets", "sqlite3", "tenacity")
 #: Also banned as direct imports (the stdlib pulls some of them in under pydantic regardless).
 DIRECT_BANS = {*IO_MODULES, "socket", "threading", "random", "time"}

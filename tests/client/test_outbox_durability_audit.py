@@ -572,9 +572,9 @@ FLOATS: list[JsonValue] = [*FLOAT_VALUES]
 
 
 def op_text(op: NodeUpdate | NodeIncrement) -> str:
-    from cv_workspace_client._machine import _dumps
+    from cv_workspace_client._machine_wire import dumps_body
 
-    return _dumps(op.model_dump(mode="json", exclude_none=True))
+    return dumps_body(op.model_dump(mode="json", exclude_none=True))
 
 
 def limit_ops() -> list[NodeUpdate | NodeIncrement]:
