@@ -199,6 +199,9 @@ class Subscription:
         self.workspace_id = workspace_id
         self.sub_doc = sub_doc
         self.cursor = Cursor(since)
+        #: The `since` the client asked for: a refusal names it, so the client can tell it from
+        #: a refusal of an earlier subscribe of the sub-doc still on its way.
+        self.since = since
         self.page = page
         self.pending_limit = pending_limit
         self._wake = asyncio.Event()
@@ -255,7 +258,13 @@ class Subscription:
         if self.conn.subscriptions.get(self.sub_doc) is self:
             del self.conn.subscriptions[self.sub_doc]
         self.conn.send_json(
-            {"type": "error", "code": "invalid_field", "message": message, "sub_doc": self.sub_doc}
+            {
+                "type": "error",
+                "code": "invalid_field",
+                "message": message,
+                "sub_doc": self.sub_doc,
+                "since": self.since,
+            }
         )
 
     async def _run(self) -> None:

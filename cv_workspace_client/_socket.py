@@ -477,7 +477,7 @@ class WorkspaceSocket:
             elif isinstance(error, AuthError | ForbiddenError):
                 self._final(error)
             elif isinstance(frame.get("sub_doc"), str) and not error.retryable:
-                self._refused(frame["sub_doc"], error)
+                self._refused(frame["sub_doc"], error, frame.get("since"))
             elif req is None:
                 # An error naming no request: the server could not read one of our messages
                 # (its applies are lost with it) or failed a subscription for now. Which
@@ -496,13 +496,20 @@ class WorkspaceSocket:
         if self._frames is not None:
             self._frames.put_nowait(_subscribe_frame(sub_doc, since))
 
-    def _refused(self, sub_doc: str, error: WorkspaceError) -> None:
+    def _refused(self, sub_doc: str, error: WorkspaceError, since: Any = None) -> None:
         """The server refused the last subscribe of `sub_doc` (a `since` past its head) and
         dropped its feed of it. Only the subscriptions at or past that `since` fail: failing every
         one of the sub-doc failed a subscription opened meanwhile from a valid clock with another's
         error. And the failed ones are forgotten here: left registered, they kept the sub-doc
         marked as fed, so a subscription opened after them (the app starting over from the head)
-        was caught up once from the log and never fed live. Those left are subscribed again."""
+        was caught up once from the log and never fed live. Those left are subscribed again.
+
+        A refusal naming another `since` than the last subscribe sent is of an earlier subscribe,
+        superseded on the server by the later one (closed, then the sub-doc subscribed afresh):
+        it failed the new subscription with the old one's error. Ignored."""
+        sent = self._since_sent.get(sub_doc)
+        if isinstance(since, int) and not isinstance(since, bool) and since != sent:
+            return
         subs = self._live(sub_doc)
         self._subs.pop(sub_doc, None)
         refused = self._since_sent.pop(sub_doc, None)

@@ -221,6 +221,38 @@ async def test_an_op_frame_sent_twice_is_yielded_once(aiohttp_server: ServerFact
         assert sub.duplicates_dropped == 4
 
 
+async def test_a_refusal_of_an_earlier_subscribe_does_not_fail_the_one_that_replaced_it(
+    aiohttp_server: ServerFactory,
+) -> None:
+    """The app opens a subscription past the head, closes it before the server's refusal
+    arrives and subscribes again from 0: the refusal crossing the new subscribe names the
+    `since` it refused, and must not fail the new subscription with the old one's error."""
+
+    async def script(peer: Peer) -> None:
+        assert (await peer.frame_of("subscribe"))["since"] == 100
+        assert (await peer.frame())["type"] == "unsubscribe"
+        assert (await peer.frame_of("subscribe"))["since"] == 0
+        refusal = "since 100 is past the head clock 3"
+        await peer.send(
+            {
+                "type": "error",
+                "code": "invalid_field",
+                "message": refusal,
+                "sub_doc": SUB,
+                "since": 100,
+            }
+        )
+        await peer.send(*(op_frame(c) for c in range(1, 4)), synced(3))
+
+    scripted = Scripted(head=3, scripts={1: script})
+    async with client_of(aiohttp_server, scripted) as client:
+        await client.connect(WS, timeout=TIMEOUT)
+        async with client.subscribe(WS, SUB, since=100):
+            pass  # registered on entry (its subscribe goes out), closed on exit (unsubscribe)
+        async with client.subscribe(WS, SUB) as fresh:
+            assert await take(fresh, 3) == [1, 2, 3]
+
+
 async def test_a_skipped_clock_is_fetched_from_the_log_before_the_next(
     aiohttp_server: ServerFactory,
 ) -> None:

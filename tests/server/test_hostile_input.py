@@ -153,6 +153,8 @@ async def test_a_since_past_the_head_is_refused_instead_of_skipping_future_clock
     await ws.send_json({"type": "subscribe", "sub_doc": "tree", "since": 10})
     error = await _next(ws, "error", "synced")
     assert (error["type"], error["code"], error["sub_doc"]) == ("error", "invalid_field", "tree")
+    # It names the refused `since`: a client tells it from a refusal of a later subscribe.
+    assert error["since"] == 10
     assert client.app[HUB].subscriber_count == 0
     # The socket stays usable and a valid resubscribe gets every clock after it.
     await ws.send_json({"type": "subscribe", "sub_doc": "tree", "since": 2})
