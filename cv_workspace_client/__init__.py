@@ -32,7 +32,7 @@ from cv_workspace_client.errors import (
     StillPendingError,
     WorkspaceError,
 )
-from cv_workspace_client.models import Commit, Committed
+from cv_workspace_client.models import Commit, Committed, SyncStatus
 from cv_workspace_client.providers import (
     CountingFakeProvider,
     OpenAICompatibleProvider,
@@ -92,6 +92,7 @@ __all__ = [
     "StageRequest",
     "StillPendingError",
     "Subscription",
+    "SyncStatus",
     "Worker",
     "WorkerConfig",
     "WorkerStats",

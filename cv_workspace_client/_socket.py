@@ -70,6 +70,8 @@ class SocketOwner(Protocol):
 
     def connection_opened(self, workspace_id: str) -> None: ...
 
+    def connection_lost(self, workspace_id: str) -> None: ...
+
     def holding(self) -> contextlib.AbstractContextManager[None]:
         """While held, answers only update the machine; its decisions are carried out (one
         outbox write, one round of resolves) when the outermost hold ends."""
@@ -368,6 +370,7 @@ class WorkspaceSocket:
             self._ws = None
             self._frames = None
             self._opened.clear()
+            self.owner.connection_lost(self.workspace_id)
             writer.cancel()
             sizes = self._frame_sizes
             in_flight = self._forget_in_flight()

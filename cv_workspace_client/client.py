@@ -19,7 +19,7 @@ import functools
 import os
 import time
 import weakref
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -48,6 +48,7 @@ from cv_workspace_client._outbox import MemoryOutbox, Outbox, OutboxWrite, SQLit
 from cv_workspace_client._queue_api import QueueMethods
 from cv_workspace_client._retry import backoff_for, retrying
 from cv_workspace_client._socket import WorkspaceSocket
+from cv_workspace_client._status import SyncSignals
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
     ClientClosedError,
@@ -59,7 +60,7 @@ from cv_workspace_client.errors import (
     StillPendingError,
     WorkspaceError,
 )
-from cv_workspace_client.models import Commit, Committed
+from cv_workspace_client.models import Commit, Committed, SyncStatus
 from cv_workspace_client.stream import Subscription
 
 __all__ = ["WorkspaceClient"]
@@ -127,8 +128,7 @@ class WorkspaceClient(QueueMethods):
         self._pump_handle: asyncio.Handle | None = None
         self._pumping = False
         self._holds = 0
-        #: `wait_synced` calls: (the last seq submitted when it was called, its future).
-        self._sync_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._signals = SyncSignals(self._machine, lambda: self.sync_status)
 
     # -- lifetime ----------------------------------------------------------------------------------
 
@@ -181,6 +181,7 @@ class WorkspaceClient(QueueMethods):
     async def _shutdown(self, *, abort: bool) -> None:
         if self._state != "open":
             self._state = "closed"
+            self._signals.close()
             return
         self._state = "closing"
         for sub in list(self._subscriptions):
@@ -218,7 +219,7 @@ class WorkspaceClient(QueueMethods):
                 )
             future.set_exception(error)
         self._futures.clear()
-        self._settle_sync_waiters(closing=True)
+        self._signals.close()
         if self._session is not None:
             await self._session.close()
 
@@ -267,6 +268,21 @@ class WorkspaceClient(QueueMethods):
         """True when nothing is pending: every op the app submitted has been answered."""
         return self._machine.pending_count == 0
 
+    @property
+    def sync_status(self) -> SyncStatus:
+        """The pending count and the workspaces connected, now (`watch_sync_status` follows it)."""
+        return SyncStatus(
+            pending=self._machine.pending_count,
+            connected=frozenset(ws for ws, sock in self._sockets.items() if sock.is_open),
+        )
+
+    def watch_sync_status(self) -> AsyncIterator[SyncStatus]:
+        """Yield `sync_status` now, then each time it changes (ops submitted or answered, a
+        workspace's websocket opened or lost), until the client closes. Coalesced: a consumer
+        that falls behind gets the latest status, not every step in between. For a "saving…" /
+        "saved" / "offline" indicator without polling."""
+        return self._signals.watch()
+
     async def wait_synced(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
         """Wait until every op submitted (or restored from the outbox) before this call has been
         answered by the server (`TimeoutError` after `timeout` seconds).
@@ -284,29 +300,7 @@ class WorkspaceClient(QueueMethods):
         if self._state == "open":
             self._machine.retry_parked()
             self._kick()
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (self._machine.last_seq, future)
-        self._sync_waiters.append(entry)
-        try:
-            async with asyncio.timeout(timeout):
-                await future
-        finally:
-            if entry in self._sync_waiters:
-                self._sync_waiters.remove(entry)
-
-    def _settle_sync_waiters(self, *, closing: bool = False) -> None:
-        if not self._sync_waiters:
-            return
-        oldest = self._machine.oldest_pending_seq()
-        waiting: list[tuple[int, asyncio.Future[None]]] = []
-        for target, future in self._sync_waiters:
-            if future.done():
-                continue
-            if closing or oldest is None or oldest > target:
-                future.set_result(None)
-            else:
-                waiting.append((target, future))
-        self._sync_waiters = waiting
+        await self._signals.wait(timeout)
 
     def retry_pending(self) -> None:
         """Start a fresh attempt cycle for ops that gave up (they are retried anyway on the next
@@ -429,7 +423,7 @@ class WorkspaceClient(QueueMethods):
                     outbox.write(write)
         finally:
             self._pumping = False
-        self._settle_sync_waiters()
+        self._signals.update()
 
     def _kick(self) -> None:
         """Something happened: act on it now (or as soon as the running pump or hold ends)."""
@@ -552,6 +546,10 @@ class WorkspaceClient(QueueMethods):
     def connection_opened(self, workspace_id: str) -> None:
         self._machine.connection_opened(workspace_id)
         self._kick()
+        self._signals.update()
+
+    def connection_lost(self, workspace_id: str) -> None:
+        self._signals.update()
 
     def register(self, sub: Subscription) -> None:
         self._check_open()

@@ -1,4 +1,5 @@
-"""What the SDK hands back: `Commit` (the answer to an op), `Committed` (an op a subscription saw).
+"""What the SDK hands back: `Commit` (the answer to an op), `Committed` (an op a subscription saw),
+`SyncStatus` (what the client has not synced yet, and which workspaces it is connected to).
 
 Pure value types: the sans-I/O core builds them.
 """
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 
 from cv_mutations import Op
 
-__all__ = ["Commit", "Committed"]
+__all__ = ["Commit", "Committed", "SyncStatus"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,3 +34,21 @@ class Committed:
     clock: int
     op_id: str | None
     op: Op
+
+
+@dataclass(frozen=True, slots=True)
+class SyncStatus:
+    """What an app shows as "saved" / "saving" / "offline".
+
+    `pending`: ops submitted (or restored from the outbox) that the server has not answered yet;
+    they are safe in the outbox either way. `connected`: the workspaces whose websocket is open
+    (ops to the others go over HTTP, and their subscriptions wait for the reconnect).
+    """
+
+    pending: int
+    connected: frozenset[str]
+
+    @property
+    def synced(self) -> bool:
+        """Nothing pending: every op submitted has been answered."""
+        return self.pending == 0

@@ -11,6 +11,7 @@ DOCUMENTED = {
     "Commit",
     "Committed",
     "Subscription",
+    "SyncStatus",
     "WorkspaceError",
     "OpRejectedError",
     "InvalidRequestError",
