@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Final
 
 import orjson
-from pydantic import BaseModel, ConfigDict, JsonValue, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
 
 from cv_mutations.ids import OpId
 
@@ -20,8 +21,9 @@ def json_size(value: object) -> int:
     """Bytes of `value` as compact UTF-8 JSON; `ValueError` if it has no such form.
 
     pydantic's `JsonValue` lets NaN, Infinity and lone surrogates through (`allow_inf_nan` does not
-    reach inside it). Either would make the state unserializable as JSON text and crash the
-    fingerprint, so they are refused at parse time, where they become `invalid_field`.
+    reach inside it), and integers longer than Python writes as text (`sys.get_int_max_str_digits`).
+    Each would make the state unserializable as JSON text and crash the fingerprint, so they are
+    refused at parse time, where they become `invalid_field`.
     """
     # orjson writes NaN/Infinity as `null` and refuses lone surrogates and integers past 64 bits:
     # only where it says null, or refuses, pay for the standard library's strict check (this
@@ -38,7 +40,10 @@ def json_size(value: object) -> int:
     except UnicodeEncodeError as exc:
         raise ValueError("strings must be valid Unicode (no lone surrogates)") from exc
     except ValueError as exc:
-        raise ValueError("numbers must be finite (no NaN or Infinity)") from exc
+        raise ValueError(
+            "numbers must be finite (no NaN or Infinity) and integers at most "
+            f"{sys.get_int_max_str_digits()} digits long"
+        ) from exc
 
 
 class OpIdEnvelope(BaseModel):
@@ -54,7 +59,12 @@ class OpIdEnvelope(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=True)
 
     op_id: OpId | None = None
-    meta: dict[str, JsonValue] | None = None
+    # The size cap is a rule JSON Schema cannot state: the description carries it to the schema.
+    meta: dict[str, JsonValue] | None = Field(
+        default=None,
+        description=f"Provenance (actor, request_id): at most {META_MAX_BYTES} bytes as compact "
+        "UTF-8 JSON.",
+    )
 
     @field_validator("meta")
     @classmethod

@@ -58,8 +58,19 @@ def _integral_float_as_int(value: object) -> object:
     return value
 
 
+def _has_json_text(value: int) -> int:
+    # An integer longer than Python writes as text (sys.get_int_max_str_digits) passed the model
+    # and then crashed the fingerprint and the client's encoder with a ValueError; inside
+    # `fields` the same integer was already `invalid_field`. Only long integers pay for the check.
+    if value.bit_length() > 64:
+        json_size(value)
+    return value
+
+
 #: A position among a parent's children.
-Index = Annotated[int, Field(ge=0), BeforeValidator(_integral_float_as_int)]
+Index = Annotated[
+    int, Field(ge=0), BeforeValidator(_integral_float_as_int), AfterValidator(_has_json_text)
+]
 
 #: Node fields as an op carries them: values that always serialize as JSON text.
 Fields = Annotated[dict[FieldName, JsonValue], AfterValidator(_is_json_text)]
@@ -84,7 +95,9 @@ class NodeInsert(_OpModel):
     node_id: NodeId
     parent_id: NodeId
     index: Index | None = None
-    fields: Fields = Field(default_factory=dict)
+    # default_factory leaves no `default` in the JSON Schema; clients generated from it must
+    # know an absent `fields` is {} (and that null is refused).
+    fields: Fields = Field(default_factory=dict, json_schema_extra={"default": {}})
 
 
 class NodeMove(_OpModel):
@@ -108,12 +121,13 @@ class NodeDelete(_OpModel):
 
 
 class NodeUpdate(_OpModel):
-    """Set and/or remove fields of `node_id`. `unset` of an absent field is a no-op."""
+    """Set and/or remove fields of `node_id`; no field may be both set and unset. `unset` of an
+    absent field is a no-op."""
 
     type: Literal["node.update"] = "node.update"
     node_id: NodeId
-    set: Fields = Field(default_factory=dict)
-    unset: list[FieldName] = Field(default_factory=list)
+    set: Fields = Field(default_factory=dict, json_schema_extra={"default": {}})
+    unset: list[FieldName] = Field(default_factory=list, json_schema_extra={"default": []})
 
     @model_validator(mode="after")
     def _set_and_unset_are_disjoint(self) -> NodeUpdate:
@@ -139,6 +153,8 @@ class NodeIncrement(_OpModel):
     def _by_is_finite(cls, value: int | float) -> int | float:
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError("by must be a finite number")
+        if isinstance(value, int):
+            _has_json_text(value)
         return value
 
 

@@ -13,6 +13,7 @@ from typing import Final
 
 from pydantic import JsonValue
 
+from cv_mutations.envelope import json_size
 from cv_mutations.ops import NodeDelete, NodeIncrement, NodeInsert, NodeMove, NodeUpdate, Op
 from cv_mutations.state import ROOT, Node, SubDocState, copy_json
 
@@ -162,6 +163,15 @@ def _increment(state: SubDocState, op: NodeIncrement) -> Undo:
     # Two finite floats can still sum to inf, which has no JSON form; the field is left as it was.
     if isinstance(total, float) and not math.isfinite(total):
         raise OpRejected("not_a_number", f"field {op.field!r} would leave the float range")
+    # Likewise two integers that each have a JSON text can sum to one digit more than Python
+    # writes (sys.get_int_max_str_digits): applied, the state's dumps() raised ValueError.
+    if isinstance(total, int) and total.bit_length() > 64:
+        try:
+            json_size(total)
+        except ValueError:
+            raise OpRejected(
+                "not_a_number", f"field {op.field!r} would have too many digits for JSON text"
+            ) from None
     had = op.field in fields
     fields[op.field] = total
 

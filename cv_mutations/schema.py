@@ -37,13 +37,23 @@ def _with_id(schema: dict[str, Any], name: str) -> dict[str, Any]:
     }
 
 
+def _union() -> dict[str, Any]:
+    schema = OP_ADAPTER.json_schema(mode="validation")
+    # pydantic adds OpenAPI's `discriminator` (with `mapping`), which is no JSON Schema keyword:
+    # Ajv refuses to compile the union with its defaults ("unknown keyword") and with its
+    # `discriminator` option too ("mapping is not supported"). `oneOf` over branches that each
+    # require their own `type` const already picks exactly one op type.
+    schema.pop("discriminator", None)
+    return schema
+
+
 def render_schemas() -> dict[str, str]:
     """File name → file text for every op and for the union."""
     files: dict[str, Any] = {}
     for op_type, model in _MODELS.items():
         name = f"{op_type}.schema.json"
         files[name] = _with_id(model.model_json_schema(mode="validation"), name)
-    files["op.schema.json"] = _with_id(OP_ADAPTER.json_schema(mode="validation"), "op.schema.json")
+    files["op.schema.json"] = _with_id(_union(), "op.schema.json")
     return {name: json.dumps(body, indent=2, sort_keys=True) + "\n" for name, body in files.items()}
 
 
@@ -54,15 +64,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=SCHEMA_DIR)
     args = parser.parse_args(argv)
     rendered = render_schemas()
+    # Schema files no model renders any more (a renamed or dropped op type): `--write` deletes
+    # them, so `--check` must count them as drift.
+    stale = sorted({p.name for p in args.dir.glob("*.schema.json")} - set(rendered))
     if args.write:
         args.dir.mkdir(parents=True, exist_ok=True)
-        for stale in set(p.name for p in args.dir.glob("*.schema.json")) - set(rendered):
-            (args.dir / stale).unlink()
+        for name in stale:
+            (args.dir / name).unlink()
         for name, text in rendered.items():
             (args.dir / name).write_text(text, encoding="utf-8")
         return 0
     if args.check:
-        drift = [
+        drift = stale + [
             name
             for name, text in rendered.items()
             if not (args.dir / name).exists() or (args.dir / name).read_text("utf-8") != text

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
@@ -319,6 +319,11 @@ def test_the_schema_and_parse_op_accept_the_same_instances(
             body.pop(key, None)
         else:
             body[key] = data.draw(_wire_values, label=key)
+    set_, unset = body.get("set"), body.get("unset")
+    if isinstance(set_, dict) and isinstance(unset, list):
+        # A field both set and unset is parse_op's own rule, which JSON Schema cannot state
+        # (the schema's description says it): a scalar "k" drawn into `unset` meets GOOD's set.
+        assume(not set_.keys() & {name for name in unset if isinstance(name, str)})
     schema_says = PER_TYPE[op_type].is_valid(body)
     assert UNION.is_valid(body) is schema_says
     assert _accepted(body) is schema_says, body
