@@ -147,15 +147,20 @@ def _api(client: WorkspaceClient) -> HttpApi:
     return HttpApi(client.session, client.url, client.token)
 
 
-async def _post_json(client: WorkspaceClient, path: str, body: dict[str, Any]) -> Any:
+async def _post_json(
+    client: WorkspaceClient, path: str, body: dict[str, Any]
+) -> tuple[dict[str, Any], int]:
+    """The JSON object `path` answered, and how many attempts it took."""
     api = _api(client)
     answer: Any = None
+    attempts = 0
     async for attempt in retrying(client.config):
         with attempt:
+            attempts += 1
             answer = await api.request("POST", path, data=json.dumps(body).encode())
     if not isinstance(answer, dict):
         raise ProtocolError("bad_answer", f"{path}: expected a JSON object")
-    return answer
+    return answer, attempts
 
 
 async def acquire_lock(
@@ -166,9 +171,11 @@ async def acquire_lock(
     Retrying an acquisition is safe because `holder` names this attempt alone (`compute_once`
     adds a random suffix): if the first answer was lost after the server took the lock, the retry
     is told "locked by `holder`" — by us. That answer comes back as `acquired` without a token:
-    the lock is ours, nobody else can take it before it lapses, but we cannot release it.
+    the lock is ours, nobody else can take it before it lapses, but we cannot release it. Only
+    on a retry, though: answered so at the first attempt, the lock is someone else's who goes by
+    the same name (two stages of one worker, say), and it is `locked` like any other.
     """
-    answer = await _post_json(
+    answer, attempts = await _post_json(
         client,
         _locks_path(workspace_id, "acquire"),
         {"job_id": job_id, "task": task, "holder": holder},
@@ -180,7 +187,7 @@ async def acquire_lock(
             token = str(answer["token"])
             return LockAnswer(True, expires_at, token, holder, expires_in, ttl)
         other = answer.get("holder")
-        if other == holder:
+        if other == holder and attempts > 1:
             return LockAnswer(True, expires_at, None, holder, expires_in, ttl)
         other = other if isinstance(other, str) else None
         return LockAnswer(False, expires_at, None, other, expires_in, ttl)
@@ -203,7 +210,7 @@ async def release_lock(
 ) -> bool:
     """`POST .../locks/release`; True if our lock was deleted (False: it had lapsed already, and
     maybe been taken over — the server only deletes the lock that `token` acquired)."""
-    answer = await _post_json(
+    answer, _ = await _post_json(
         client,
         _locks_path(workspace_id, "release"),
         {"job_id": job_id, "task": task, "token": token},
@@ -273,8 +280,9 @@ async def compute_once(
         holder: who we are (the worker id); a random suffix makes each acquisition distinct.
         sub_doc: where the value is written; needed to `wait`.
         wait: seconds to wait for another holder's write when the key is locked (None: return
-            `locked` at once). While waiting the acquisition is retried (`polling`), so a holder
-            that gave up or died (its lock lapses after the server's TTL) is taken over.
+            `locked` at once). While waiting the acquisition is retried (`polling`, and once
+            more at the deadline), so a holder that gave up or died (its lock lapses after the
+            server's TTL) is taken over.
         lease: called before each acquisition and before the compute starts; raises to stop (the
             stage's `ensure_lease`: a stage that lost its queue claim must not pay for a call).
         polling: the acquisition retry schedule while waiting.
@@ -316,8 +324,6 @@ async def compute_once(
             polls = 0
             next_poll = loop.time() + polling.delay(polls)
             while not lock.acquired:
-                if loop.time() >= deadline:
-                    return ComputeResult("locked")
                 if await follower.changed(until=min(next_poll, deadline)):
                     value = await check()
                     if value is not None:
@@ -326,14 +332,21 @@ async def compute_once(
                 # busy sub-doc (other cells, other jobs) some op lands before every poll time, and
                 # a `continue` here would never poll — a dead holder's lapsed lock would then be
                 # taken over only by the stage's re-drive after the wait, not after one TTL.
-                if loop.time() < next_poll:
-                    continue  # a change, or the deadline (seen at the top)
+                # And once more at the deadline: racers arrive within moments of the holder and
+                # wait one TTL, so a dead holder's lock lapses just before their deadline — after
+                # their last poll (polls are up to `max_seconds` apart). Giving up without asking
+                # again would leave a free key to the queue's re-drive, a backoff later.
+                at_deadline = loop.time() >= deadline
+                if loop.time() < next_poll and not at_deadline:
+                    continue  # a change
                 if lease is not None:
                     lease()
                 polls += 1
                 next_poll = loop.time() + polling.delay(polls)
                 asked_at = now()
                 lock = await acquire_lock(client, workspace_id, job_id, task, me)
+                if at_deadline and not lock.acquired:
+                    return ComputeResult("locked")
     return await _holding(
         client, workspace_id, job_id, task, lock, asked_at, check, compute, lease, now
     )
@@ -379,16 +392,24 @@ async def _holding(
         try:
             async with bound:
                 computed = await compute()
-        except TimeoutError:
-            if not bound.expired():
-                # The compute's own timeout (a provider read, a write): its failure, not the
-                # lock's — reported as it is, so nobody chases an outrun lock that was not.
+        except Exception as exc:
+            # The compute failed, or outran the lock's budget and was cancelled by it. Either
+            # way a write of it may be on its way: a cancelled `apply_op` is not unsent, and one
+            # that gave up (`StillPendingError`) waits in the outbox to be replayed (DESIGN §6).
+            # Releasing now would let a waiter double-check before that write lands and pay for
+            # the same call again (then the replay writes the cell a second time). So with
+            # anything unanswered on the client the key is handed back only once it landed
+            # (`wait_synced` also re-sends an op that gave up); otherwise it lapses at its TTL.
+            # A failure with nothing on its way (the provider's) hands the key back at once: the
+            # next racer retries, once.
+            outrun = isinstance(exc, TimeoutError) and bound.expired()
+            if outrun or client.pending_count() > 0:
+                release = False  # and so it stays if we are cancelled while waiting
+                release = await _writes_landed(client, expires_at - now())
+            if not outrun:
+                # The compute's own failure (a provider read timing out, a write refused): not
+                # the lock's — reported as it is, so nobody chases an outrun lock that was not.
                 raise
-            # The cancelled compute may have sent its write already (a cancelled `apply_op` is
-            # not unsent, DESIGN §6): releasing now would let a waiter double-check before that
-            # write lands and pay for the same call again. So the key is handed back only once
-            # the client has nothing pending; otherwise it lapses at its TTL (the margin away).
-            release = await _writes_landed(client, expires_at - now())
             raise LockExpiringError(
                 f"compute of {job_id}/{task} outran its lock budget ({budget:.1f} s); "
                 "cancelled before the lock could lapse"
