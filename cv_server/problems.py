@@ -7,15 +7,20 @@ response, so no error can take the server down or leak a stack trace.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any, Final
 
 from aiohttp import web
 
-__all__ = ["PROBLEM_BASE", "Problem", "problem_response"]
+__all__ = ["CODES", "PROBLEM_BASE", "Problem", "problem_response"]
 
 PROBLEM_BASE: Final = "https://cv-workspace.dev/problems/"
 
-_TITLES: Final = {
+#: Every code the server answers with (problem+json bodies, websocket `error` frames), and its
+#: title. The SDK maps each to a typed exception; tests/client/test_http_path_audit.py holds the
+#: two together, so a code the server starts sending fails there until it is listed here and
+#: given its SDK type.
+CODES: Final[Mapping[str, str]] = {
     "bad_request": "The request is not one this route accepts",
     "malformed_json": "The body is not valid JSON of the expected shape",
     "body_too_large": "The body is larger than the server accepts",
@@ -27,7 +32,14 @@ _TITLES: Final = {
     "forbidden_workspace": "The token does not grant this workspace",
     "not_found": "Not found",
     "method_not_allowed": "Method not allowed",
+    "unknown_message_type": "Unknown websocket message type",
     "rate_limited": "Too many requests",
+    "idempotency_key_reuse": "The Idempotency-Key was used for a different request",
+    "idempotency_key_in_progress": "The first request with this Idempotency-Key is still running",
+    "idempotency_key_lost": "The Idempotency-Key lapsed before its request finished",
+    "lease_lost": "The claim token no longer holds the request",
+    "invalid_transition": "The request is not in a state that allows this",
+    "request_id_conflict": "The request id is taken by a different request",
     "internal": "Internal server error",
     "unavailable": "The server is not ready or is shutting down",
 }
@@ -55,7 +67,7 @@ class Problem(Exception):
     def to_json(self) -> dict[str, Any]:
         return {
             "type": PROBLEM_BASE + self.code,
-            "title": _TITLES.get(self.code, self.code),
+            "title": CODES.get(self.code, self.code),
             "status": self.status,
             "detail": self.detail,
             "code": self.code,

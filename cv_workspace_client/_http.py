@@ -6,8 +6,11 @@ from __future__ import annotations
 import email.utils
 import io
 import json
+import re
+import sys
 import time
-from typing import Any
+from datetime import UTC
+from typing import Any, Final
 from urllib.parse import quote
 
 import aiohttp
@@ -111,7 +114,9 @@ class HttpApi:
                 if response.status == 200:
                     try:
                         return json.loads(raw)
-                    except ValueError as exc:
+                    # RecursionError: nested past what the JSON reader takes. It reached the
+                    # app bare from `get_state` / `read_ops` instead of being retried.
+                    except (ValueError, RecursionError) as exc:
                         raise ProtocolError("bad_answer", f"invalid JSON: {exc}") from None
                 if response.status < 400:
                     # Every route answers 200 or a problem (DESIGN §5); `http_204` used to fail
@@ -120,7 +125,7 @@ class HttpApi:
                 problem: Any = None
                 try:
                     problem = json.loads(raw) if raw else None
-                except ValueError:
+                except (ValueError, RecursionError):  # not a problem document: read the status
                     problem = None
                 if not isinstance(problem, dict) or not problem.get("code"):
                     # Not the server's problem+json: a proxy's page, read by its status alone.
@@ -143,17 +148,26 @@ class HttpApi:
             ) from exc
 
 
+#: delta-seconds (RFC 9110 §10.2.3: digits; a fraction is taken too). Python's `float()` reads
+#: far more ("-5", "nan", "inf", "1e3", "1_000", other scripts' digits).
+_DELTA_SECONDS: Final = re.compile(r"[0-9]+(?:\.[0-9]+)?")
+
+
 def parse_retry_after(value: str | None) -> float | None:
-    """`Retry-After` as seconds: delta-seconds or an HTTP date (RFC 9110 §10.2.3)."""
+    """`Retry-After` as seconds: delta-seconds or an HTTP date (RFC 9110 §10.2.3); a date in the
+    past is 0 (now). Anything else is no Retry-After (None: the caller's jitter applies). A
+    negative value read as 0 made the client retry at once a server that asked for a pause, and
+    a date past what `datetime` holds raised `OverflowError` (bare, from `get_state`).
+    A huge value is kept: the retry policy's cap (DESIGN §10) bounds the wait where it is used."""
     if not value:
         return None
     value = value.strip()
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
+    if _DELTA_SECONDS.fullmatch(value):
+        return min(float(value), sys.float_info.max)  # a digit string past a float is inf
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+        if when.tzinfo is None:  # "-0000" or no zone: HTTP dates are GMT, not local time
+            when = when.replace(tzinfo=UTC)
+        return max(0.0, when.timestamp() - time.time())
+    except (TypeError, ValueError, OverflowError):
         return None
-    return max(0.0, when.timestamp() - time.time())

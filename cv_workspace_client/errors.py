@@ -10,6 +10,8 @@ Pure: no I/O, so the sans-I/O core may import it.
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -76,7 +78,7 @@ class ServerError(WorkspaceError):
     ) -> None:
         super().__init__(code, message)
         self.status = status
-        self.retry_after = retry_after
+        self.retry_after = retry_delay(retry_after)
 
 
 class RateLimitedError(WorkspaceError):
@@ -86,7 +88,7 @@ class RateLimitedError(WorkspaceError):
 
     def __init__(self, code: str, message: str = "", *, retry_after: float | None = None) -> None:
         super().__init__(code, message)
-        self.retry_after = retry_after
+        self.retry_after = retry_delay(retry_after)
 
 
 class ProtocolError(WorkspaceError):
@@ -200,6 +202,26 @@ class OutboxError(WorkspaceError):
 
 # -- mapping ---------------------------------------------------------------------------------------
 
+
+def retry_delay(value: object) -> float | None:
+    """A server's Retry-After as a delay the client can wait: a number of seconds >= 0, or None
+    (no usable value: the caller falls back on its jitter).
+
+    NaN (which Python's JSON reader takes) made the client `asyncio.sleep(nan)`, which never
+    returns: the op, every later op of its sub-doc, or the read hung for good. A negative value
+    meant "at once", hammering a server that asked for a pause, and an integer past a float's
+    range raised `OverflowError` to the app. A huge value is kept (as the largest float): the
+    retry policy's cap (DESIGN §10, 300 s) bounds the wait where it is used.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:
+        return sys.float_info.max if value > 0 else None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
 _FINAL_BY_CODE: dict[str, type[WorkspaceError]] = {
     "unauthorized": AuthError,
     "forbidden_workspace": ForbiddenError,
@@ -225,9 +247,7 @@ def error_from_problem(
     code = raw_code if isinstance(raw_code, str) and raw_code else _code_for_status(status)
     message = str(body.get("detail") or body.get("message") or body.get("title") or "")
     if retry_after is None:
-        value = body.get("retry_after")
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            retry_after = float(value)
+        retry_after = retry_delay(body.get("retry_after"))
     if code == "rate_limited" or status == 429:
         return RateLimitedError(code, message, retry_after=retry_after)
     if code in ("internal", "unavailable") or (status is not None and status >= 500):
