@@ -465,3 +465,77 @@ async def test_closing_right_after_a_batch_loses_nothing_and_a_replay_applies_no
     await replay.close()
     await watch.close()
     await _still_serves(client, 51)
+
+
+# -- integers JSON can write but the log cannot keep ----------------------------------------------
+
+BIG = 123456789012345678901234567890  # JSON text, but past 64 bits: orjson reads it as a float
+
+
+async def _post_raw(client: TestClient[Any, Any], text: str) -> tuple[int, dict[str, Any]]:
+    resp = await client.post(
+        "/v1/workspaces/ws1/docs/tree/ops",
+        data=text,
+        headers={**auth("ws1"), "Content-Type": "application/json"},
+    )
+    body: dict[str, Any] = await resp.json()
+    return resp.status, body
+
+
+@pytest.mark.parametrize("value", [BIG, -BIG, 2**64, -(2**63) - 1])
+async def test_an_integer_past_64_bits_is_refused_not_turned_into_a_float(
+    client: TestClient[Any, Any], value: int
+) -> None:
+    """The SDK sends such an integer digit for digit; the server read it as a float and
+    committed `by: 1.2345678901234568e+29`, a value the caller never sent."""
+    await post_ops(client, [insert("n")])
+    # Written by hand: the test client's JSON encoder would be the one to choose the text.
+    text = (
+        '{"ops": [{"type": "node.increment", "node_id": "n", "field": "count", "by": 1, '
+        f'"op_id": "{new_op_id()}"}}, {{"type": "node.increment", "node_id": "n", '
+        f'"field": "count", "by": {value}, "op_id": "{new_op_id()}"}}]}}'
+    )
+    status, body = await _post_raw(client, text)
+    assert (status, body["code"], body["op_index"]) == (422, "invalid_field", 1)
+    assert "64" in body["detail"]
+    assert await counter(client) is None  # nothing of the request applied
+    assert [entry["clock"] for entry in (await get_ops(client))["ops"]] == [1]
+
+
+async def test_integers_at_the_64_bit_edges_are_kept_exactly(
+    client: TestClient[Any, Any],
+) -> None:
+    await post_ops(client, [insert("n"), increment(by=2**64 - 1)])
+    assert await counter(client) == 2**64 - 1
+    await post_ops(client, [insert("m"), {**increment("m", by=-(2**63))}])
+    assert await counter(client, "m") == -(2**63)
+    # A string of digits is not a number: it is kept as it is.
+    text = (
+        '{"ops": [{"type": "node.update", "node_id": "m", "set": {"id": "'
+        f'{BIG}"}}, "op_id": "{new_op_id()}"}}]}}'
+    )
+    status, _ = await _post_raw(client, text)
+    assert status == 200
+
+
+async def test_an_integer_past_64_bits_over_the_websocket_fails_its_apply_alone(
+    client: TestClient[Any, Any],
+) -> None:
+    await post_ops(client, [insert("n")])
+    ws = await _connect(client)
+    op_id = new_op_id()
+    await ws.send_str(
+        '{"type": "apply", "sub_doc": "tree", "req": 7, "ops": [{"type": "node.increment", '
+        f'"node_id": "n", "field": "count", "by": {BIG}, "op_id": "{op_id}"}}]}}'
+    )
+    error = await _next(ws, "error", "ack")
+    assert (error["type"], error["code"], error["req"], error["op_index"]) == (
+        "error",
+        "invalid_field",
+        7,
+        0,
+    )
+    # The socket is still good for the next apply.
+    assert (await _apply(ws, 8, [increment(by=2)]))["results"][0]["clock"] == 2
+    assert await counter(client) == 2
+    await ws.close()
