@@ -16,14 +16,23 @@ from urllib.parse import quote
 import aiohttp
 from aiohttp.payload import TOO_LARGE_BYTES_BODY
 
+from cv_mutations import SubDocState, parse_op
 from cv_workspace_client.errors import (
     ConnectionFailedError,
     ProtocolError,
     WorkspaceError,
     error_from_problem,
 )
+from cv_workspace_client.models import Committed
 
-__all__ = ["HttpApi", "body_payload", "not_an_answer", "parse_retry_after"]
+__all__ = [
+    "HttpApi",
+    "body_payload",
+    "log_answer",
+    "not_an_answer",
+    "parse_retry_after",
+    "state_answer",
+]
 
 
 def body_payload(data: bytes) -> bytes | io.BytesIO:
@@ -171,3 +180,24 @@ def parse_retry_after(value: str | None) -> float | None:
         return max(0.0, when.timestamp() - time.time())
     except (TypeError, ValueError, OverflowError):
         return None
+
+
+def state_answer(answer: Any) -> tuple[int, SubDocState]:
+    """A `GET .../docs/{sub_doc}` answer as (head clock, state); else `ProtocolError`."""
+    try:
+        return int(answer["clock"]), SubDocState.from_json(answer["state"])
+    # OverflowError: `int()` of the `Infinity` Python's JSON reader takes.
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError("bad_answer", f"state answer: {exc}") from None
+
+
+def log_answer(answer: Any) -> tuple[int, list[Committed]]:
+    """A `GET .../ops` answer as (head clock, entries); `ProtocolError` if it is not one."""
+    try:
+        entries = [
+            Committed(clock=int(e["clock"]), op_id=e.get("op_id"), op=parse_op(e["op"]))
+            for e in answer["ops"]
+        ]
+        return int(answer["clock"]), entries
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError("bad_answer", f"ops answer: {exc}") from None

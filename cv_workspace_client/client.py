@@ -33,7 +33,7 @@ from cv_mutations import (
     new_op_id,
     parse_op,
 )
-from cv_workspace_client._http import HttpApi
+from cv_workspace_client._http import HttpApi, log_answer, state_answer
 from cv_workspace_client._machine import (
     CountAttempt,
     Forget,
@@ -56,7 +56,6 @@ from cv_workspace_client.errors import (
     InvalidRequestError,
     OpRejectedError,
     OutboxError,
-    ProtocolError,
     StillPendingError,
     WorkspaceError,
 )
@@ -319,15 +318,14 @@ class WorkspaceClient(QueueMethods):
         """The sub-doc's head clock and state (retried like any idempotent read)."""
         _check_ids(workspace_id, sub_doc)
         http = self._api()
-        answer: Any = None
+        result: tuple[int, SubDocState] | None = None
         async for attempt in retrying(self.config):
             with attempt:
-                answer = await http.get_state(workspace_id, sub_doc)
-        try:
-            return int(answer["clock"]), SubDocState.from_json(answer["state"])
-        # OverflowError: `int()` of the `Infinity` Python's JSON reader takes.
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
-            raise ProtocolError("bad_answer", f"state answer: {exc}") from None
+                # Read inside the attempt: an answer that does not fit (a proxy's, a half-deployed
+                # server's) is retried like one that never came, not raised at the first try.
+                result = state_answer(await http.get_state(workspace_id, sub_doc))
+        assert result is not None
+        return result
 
     async def read_ops(
         self, workspace_id: str, sub_doc: str, since: int = 0, limit: int | None = None
@@ -573,17 +571,15 @@ class WorkspaceClient(QueueMethods):
     ) -> tuple[int, list[Committed]]:
         http = self._api()
         answer: Any = None
+        result: tuple[int, list[Committed]] | None = None
         async for attempt in retrying(self.config, forever=forever):
             with attempt:
                 answer = await http.read_ops(workspace_id, sub_doc, since, limit)
-        try:
-            entries = [
-                Committed(clock=int(e["clock"]), op_id=e.get("op_id"), op=parse_op(e["op"]))
-                for e in answer["ops"]
-            ]
-            return int(answer["clock"]), entries
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # as in `get_state`
-            raise ProtocolError("bad_answer", f"ops answer: {exc}") from None
+                if not forever:  # as in `get_state`
+                    result = log_answer(answer)
+        # A subscription's read retries a server that is down forever, not an answer it cannot
+        # read: an op the log itself cannot parse would be re-read for good. It fails typed.
+        return result if result is not None else log_answer(answer)
 
     # -- helpers -----------------------------------------------------------------------------------
 

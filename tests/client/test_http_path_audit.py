@@ -378,14 +378,16 @@ async def test_an_op_answered_by_something_else_stays_in_the_outbox_and_is_resen
 async def test_a_read_whose_json_lacks_its_fields_fails_typed(
     aiohttp_server: ServerFactory, body: str
 ) -> None:
-    """Valid JSON of the wrong shape (any content type): a `ProtocolError` at once (the shape
-    is checked after the retry loop), never a bare `KeyError` / `TypeError`."""
-    fake = Misbehaving(gets=deque([raw(200, body), raw(200, body)]))
+    """Valid JSON of the wrong shape (any content type), every time: a `ProtocolError` after
+    the last attempt (each answer is one failed attempt), never a bare `KeyError` /
+    `TypeError`."""
+    fake = Misbehaving(gets=deque(raw(200, body) for _ in range(10)))
     async with http_client(await serve(aiohttp_server, fake)) as client:
         with pytest.raises(ProtocolError):
             await client.get_state(WS, SUB)
         with pytest.raises(ProtocolError):
             await client.read_ops(WS, SUB)
+    assert fake.reads == 10  # 5 attempts each (DESIGN §10)
 
 
 async def test_a_read_that_never_gets_an_answer_fails_typed_after_the_last_attempt(

@@ -871,3 +871,38 @@ async def test_reads_whose_clock_is_not_a_number_fail_typed(aiohttp_server: Serv
             await client.get_state(WS, SUB)
         with pytest.raises(ProtocolError):
             await client.read_ops(WS, SUB)
+
+
+async def test_a_read_answer_that_does_not_fit_once_is_retried_not_raised(
+    aiohttp_server: ServerFactory,
+) -> None:
+    """A 200 whose JSON has the wrong shape (a proxy's, a server mid-deploy) is one failed
+    attempt, like an answer that never came: raised at once, it reached the app (and ended a
+    subscription's catch-up) on the first try."""
+    answers = {"state": 0, "ops": 0}
+
+    async def state(request: web.Request) -> web.Response:
+        answers["state"] += 1
+        if answers["state"] == 1:
+            return web.json_response({"status": "ok"})
+        root: dict[str, Any] = {"parent": None, "children": [], "fields": {}}
+        return web.json_response({"clock": 0, "state": {"nodes": {"root": root}}})
+
+    async def ops(request: web.Request) -> web.Response:
+        answers["ops"] += 1
+        if answers["ops"] == 1:
+            return web.json_response({"ops": "not a list", "clock": 0})
+        return web.json_response(
+            {"clock": 1, "ops": [{"clock": 1, "op_id": oid(1), "op": log_op(1)}]}
+        )
+
+    app = web.Application()
+    app.router.add_get("/v1/workspaces/{ws}/docs/{sub_doc}", state)
+    app.router.add_get("/v1/workspaces/{ws}/docs/{sub_doc}/ops", ops)
+    server = await aiohttp_server(app)
+    url = str(server.make_url("")).rstrip("/")
+    async with WorkspaceClient(url, token=token_for(WS), config=fast_config()) as client:
+        clock, _ = await asyncio.wait_for(client.get_state(WS, SUB), TIMEOUT)
+        head, entries = await asyncio.wait_for(client.read_ops(WS, SUB), TIMEOUT)
+    assert (clock, head, [e.clock for e in entries]) == (0, 1, [1])
+    assert answers == {"state": 2, "ops": 2}
