@@ -184,7 +184,11 @@ async def _serve_app(config: ServerConfig, host: str, port: int) -> None:
     # reads no body (an SSE request stream waiting for its outcome) thus held SIGTERM for twice
     # the deadline (50 s: past a 30 s termination grace period, i.e. SIGKILL). Half each way
     # keeps the total within the deadline; a commit in flight is shielded and still awaited.
-    runner = web.AppRunner(app, shutdown_timeout=config.drain_seconds / 2, access_log=None)
+    # aiohttp reads a timeout of 0 as "none": `drain_seconds=0` (drain nothing) held SIGTERM
+    # forever behind a request whose body never came. The smallest float is its "zero".
+    runner = web.AppRunner(
+        app, shutdown_timeout=config.drain_seconds / 2 or math.ulp(0.0), access_log=None
+    )
     try:
         _needs_asyncpg(config.database_url)
         await runner.setup()

@@ -105,8 +105,9 @@ class OpLogStore(abc.ABC):
         """Dedupe, apply and commit `ops`; return one outcome per op (in order) and the log
         entries this call newly committed (what must be broadcast)."""
 
-    #: True when appends commit in the order `append_nowait` was called (one writer, FIFO):
-    #: a caller may then submit the next append of a sub-doc without awaiting the previous one.
+    #: True when appends to one sub-doc commit in the order `append_nowait` was called (SQLite's
+    #: one writer; PostgreSQL's lane per sub-doc): a caller may then submit the next append of a
+    #: sub-doc without awaiting the previous one.
     appends_in_order: bool = False
 
     def append_nowait(

@@ -179,18 +179,38 @@ class PostgresOpLogStore(OpLogStore):
         *,
         atomic: bool = False,
     ) -> AppendResult:
+        # A caller cancelled here does not cancel the commit: its op may still be applied, and
+        # a retry under the same op_id then gets `duplicate: true` (seed 000).
+        return await self.append_nowait(workspace_id, sub_doc, ops, atomic=atomic)
+
+    #: A sub-doc's lane commits its appends in the order they were queued (one drainer, FIFO).
+    #: Declared so that a websocket queues its next apply at once instead of chaining a task on
+    #: the previous one: a chained apply was not queued yet when the shutdown closed the store,
+    #: and failed with a traceback ("the op-log store is closed") instead of being committed by
+    #: `close()`, which finishes what is queued.
+    appends_in_order = True
+
+    def append_nowait(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        ops: Sequence[IncomingOp],
+        *,
+        atomic: bool = False,
+    ) -> asyncio.Future[AppendResult]:
+        """`append` as the lane's own future: queued now, so appends to one sub-doc queued in
+        order commit in order."""
         self._check_open()
+        future: asyncio.Future[AppendResult] = asyncio.get_running_loop().create_future()
         if not ops:
-            return [], []
+            future.set_result(([], []))
+            return future
         key = (workspace_id, sub_doc)
         lane = self._lane(key)
-        future: asyncio.Future[AppendResult] = asyncio.get_running_loop().create_future()
         lane.pending.append(_Pending(list(ops), atomic, future))
         if lane.drainer is None:
             lane.drainer = asyncio.create_task(self._drain(key, lane), name=f"oplog-{key}")
-        # A caller cancelled here does not cancel the commit: its op may still be applied, and
-        # a retry under the same op_id then gets `duplicate: true` (seed 000).
-        return await future
+        return future
 
     async def read_since(
         self, workspace_id: str, sub_doc: str, since: int, limit: int
