@@ -95,12 +95,17 @@ def _payload(body: dict[str, Any], name: str) -> Any:
     nested past what orjson writes (255 levels, as `inputs.parse_ops` for ops). A row holding a
     payload ~500 levels deep was stored but could not be read back (Python's recursion limit):
     its GET, stream and its workspace's listing answered 500 for good, and each claim of it
-    committed but answered 500, losing every attempt until it turned poison."""
+    committed but answered 500, losing every attempt until it turned poison.
+
+    orjson also refuses an integer past 64 bits (`decode_json` reads one exactly, as ops do),
+    and such a payload was refused as "nested too deeply", naming a nesting the client never
+    sent: the answer says which of the two it is."""
     value = body.get(name)
     try:
         orjson.dumps(value)
-    except orjson.JSONEncodeError:
-        raise Problem(422, "invalid_field", f"{name} is nested too deeply") from None
+    except orjson.JSONEncodeError as exc:
+        reason = "holds an integer past 64 bits" if "64-bit" in str(exc) else "is nested too deeply"
+        raise Problem(422, "invalid_field", f"{name} {reason}") from None
     return value
 
 
