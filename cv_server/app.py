@@ -140,6 +140,7 @@ async def _on_shutdown(app: web.Application) -> None:
     app[STATE].shutting_down = True
     app[STATE].ready = False
     app[WAITERS].release_all()  # request streams end now, not at their deadline
+    app[WORK_SIGNALS].release_all()  # and idle workers' long polls, not at their 2 s ceiling
     connections = app[CONNECTIONS]
     closing = [conn.close(1001, b"server shutting down") for conn in list(connections)]
     tasks = [task for task in closing if task is not None]

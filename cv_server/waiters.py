@@ -117,6 +117,14 @@ class WorkSignals:
     def __init__(self, store: QueueStore) -> None:
         self._sleepers: set[tuple[frozenset[str], frozenset[str] | None, asyncio.Event]] = set()
         self._unlisten = store.add_listener(self._on_event)
+        self._released = False
+
+    def release_all(self) -> None:
+        """The server is shutting down: every idle worker's long poll ends now with "no work",
+        and so does any that arrives meanwhile. Left to its 2 s ceiling, each held the drain."""
+        self._released = True
+        for _, _, event in self._sleepers:
+            event.set()
 
     def close(self) -> None:
         self._unlisten()
@@ -136,11 +144,13 @@ class WorkSignals:
         self, classes: frozenset[str], workspaces: frozenset[str] | None, patience: float
     ) -> bool:
         """True if work for `classes` became pending within `patience` seconds."""
+        if self._released:
+            return False
         entry = (classes, workspaces, asyncio.Event())
         self._sleepers.add(entry)
         try:
             await asyncio.wait_for(entry[2].wait(), patience)
-            return True
+            return not self._released
         except TimeoutError:
             return False
         finally:

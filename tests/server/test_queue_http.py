@@ -214,3 +214,30 @@ async def test_batched_claim_and_complete_take_and_finish_each_row_once(
         "/v1/queue/complete", json={"completions": completions[:1]}, headers=auth("ws2")
     )
     assert denied.status == 403
+
+
+async def test_a_long_poll_ends_at_once_when_the_server_shuts_down(
+    client: TestClient[Any, Any],
+) -> None:
+    """An idle worker's long poll held the drain up to its 2 s ceiling: it is told "no work"
+    (204) as the server starts shutting down, and so is one that arrives meanwhile."""
+
+    async def poll() -> int:
+        resp = await client.get(
+            "/v1/queue/pending",
+            params={"worker_classes": "evaluate", "timeout": "2"},
+            headers=auth("ws1"),
+        )
+        return resp.status
+
+    waiting = asyncio.create_task(poll())
+    while client.app is not None and not client.app[WORK_SIGNALS]._sleepers:  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
+    assert client.app is not None
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await client.app.shutdown()
+    assert await asyncio.wait_for(waiting, 5) == 204
+    assert await asyncio.wait_for(poll(), 5) == 204
+    # Both answered well before the poll's own 2 s ceiling.
+    assert loop.time() - started < 1.0
