@@ -230,7 +230,9 @@ class WorkspaceClient(QueueMethods):
         Raises `OpRejectedError` (the server rejected it), `InvalidRequestError` / `AuthError` /
         `ForbiddenError` (final 4xx, not retried), or `StillPendingError` (no answer after the
         last attempt: the op stays in the outbox under `.op_id` and is replayed later).
-        Cancelling the call does not unsend the op.
+        Cancelling the call does not unsend the op (it is applied once); to submit the same
+        intent again after a cancel, give the op its own `op_id` (`cv_mutations.new_op_id()`)
+        and pass the same op again: the server answers `duplicate: true`.
         """
         (future,) = self._submit(workspace_id, sub_doc, [op], atomic=False)
         return await future
