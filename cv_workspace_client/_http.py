@@ -64,6 +64,11 @@ class HttpApi:
         self.session = session
         self.base_url = base_url.rstrip("/")
         self.headers: dict[str, str] = {}
+        self.set_token(token)
+
+    def set_token(self, token: str | None) -> None:
+        """Send `token` from the next request on (`WorkspaceClient.set_token`)."""
+        self.headers.pop("Authorization", None)
         if token is not None:
             self.headers["Authorization"] = f"Bearer {token}"
 

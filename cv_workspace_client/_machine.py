@@ -25,6 +25,8 @@ The rules it keeps, each of which a test pins:
   Retry-After) and resend the same rows with the same op_ids; after `max_attempts` sends the lane
   gives up: awaiters get `StillPendingError(op_id)` while the rows stay in the outbox, and the lane
   is parked until the next connect, the next submit to it, or a new client on the outbox.
+- A refused token (401 / 403: `AuthError`, `ForbiddenError`) is no answer about the ops: the
+  lane is parked as after the last attempt, its ops stay, awaiters get `StillPendingError`.
 - A final 4xx is never retried. A whole-request problem naming one op (`op_index`) fails that op
   alone and resends the others (nothing of the request was applied); `too_many_ops` and
   `body_too_large` on a multi-op batch halve the lane's batch size instead of failing anything.
@@ -57,6 +59,8 @@ from cv_workspace_client._machine_effects import (
 )
 from cv_workspace_client._machine_wire import dumps_body, parse_results, row_size
 from cv_workspace_client.errors import (
+    AuthError,
+    ForbiddenError,
     InvalidRequestError,
     OutboxError,
     StillPendingError,
@@ -549,6 +553,15 @@ class OutboxMachine:
             self._next_token += 1
             lane.waiting_token = token
             self._out.append(Wait(lane.key[0], lane.key[1], delay, token))
+            return
+        if isinstance(error, AuthError | ForbiddenError):
+            # The token was refused (expired, revoked, not for this workspace): no answer about
+            # the ops, which the server never looked at. Forgotten as answered, an offline app
+            # whose token expired lost every op it had queued (restored ones without a word).
+            # They wait, parked, for a token that may (`set_token` retries the parked lanes).
+            lane.failures = 0
+            lane.last_error = error
+            self._give_up(lane, error)
             return
         lane.failures = 0
         lane.last_error = None

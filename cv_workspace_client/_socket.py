@@ -261,6 +261,16 @@ class WorkspaceSocket:
 
     # -- lifetime ---------------------------------------------------------------------------------
 
+    def reauthorize(self) -> None:
+        """The client has a new token: a socket that gave up on the old one's refusal connects
+        again (with `owner.auth_headers()`, now the new token's); one that is open keeps its
+        connection (the server checked the token at the handshake)."""
+        if self.final_error is None or self._closed:
+            return
+        self.final_error = None
+        self._stopped.clear()
+        self.ensure_running()
+
     async def close(self, *, abort: bool = False) -> None:
         self._closed = True
         self._stopped.set()

@@ -303,6 +303,21 @@ class WorkspaceClient(QueueMethods):
             self._kick()
         await self._signals.wait(timeout)
 
+    def set_token(self, token: str) -> None:
+        """Use `token` from now on (a fresh one, after the old expired or was revoked).
+
+        Ops the server refused for the old token were not answered: they wait in the outbox
+        (their callers got `StillPendingError` with the `AuthError` / `ForbiddenError` as
+        `last_error`) and are sent now, in order, under their op_ids. Websockets that gave up on
+        the refusal connect again; subscriptions it ended must be opened again."""
+        self._check_open()
+        self.token = token
+        self._api().set_token(token)
+        for sock in self._sockets.values():
+            sock.reauthorize()
+        self._machine.retry_parked()
+        self._kick()
+
     def retry_pending(self) -> None:
         """Start a fresh attempt cycle for ops that gave up (they are retried anyway on the next
         connect and the next submit to their sub-doc)."""

@@ -111,14 +111,28 @@ async def test_an_answer_lost_after_the_commit_is_retried_and_applied_once(
 async def test_a_final_4xx_is_raised_typed_and_never_retried(server_url: str) -> None:
     sleep = RecordingSleep()
     config = fast_config(ops_over_websocket=False, sleep=sleep)
-    async with WorkspaceClient(server_url, token=token_for("other"), config=config) as client:
-        with pytest.raises(ForbiddenError) as forbidden:
-            await client.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
+    async with WorkspaceClient(server_url, token=token_for(WS), config=config) as client:
+        with pytest.raises(InvalidRequestError) as refused:
+            await client.apply_op(WS, "tree", {"type": "node.insert", "node_id": "n"})
         assert client.pending_count() == 0  # answered: gone from the outbox
     async with WorkspaceClient(server_url, token="not-a-token", config=config) as client:
         with pytest.raises(AuthError):
             await client.get_state(WS, "tree")
-    assert forbidden.value.code == "forbidden_workspace"
+    assert refused.value.code == "invalid_field"
+    assert sleep.delays == []  # nothing was retried
+
+
+async def test_an_op_refused_for_its_token_is_not_retried_and_stays_pending(
+    server_url: str,
+) -> None:
+    """A refused token is no answer about the op (tests/client/test_token_refresh.py)."""
+    sleep = RecordingSleep()
+    config = fast_config(ops_over_websocket=False, sleep=sleep)
+    async with WorkspaceClient(server_url, token=token_for("other"), config=config) as client:
+        with pytest.raises(StillPendingError) as pending:
+            await client.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
+        assert isinstance(pending.value.last_error, ForbiddenError)
+        assert client.pending_count() == 1
     assert sleep.delays == []  # nothing was retried
 
 

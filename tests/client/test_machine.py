@@ -18,12 +18,14 @@ from cv_workspace_client._machine import (
 from cv_workspace_client.errors import (
     AuthError,
     ConnectionFailedError,
+    ForbiddenError,
     InvalidRequestError,
     OpRejectedError,
     OutboxError,
     RateLimitedError,
     ServerError,
     StillPendingError,
+    WorkspaceError,
 )
 from cv_workspace_client.models import Commit
 
@@ -220,7 +222,6 @@ def test_a_submit_to_a_parked_lane_sends_the_older_ops_first() -> None:
 @pytest.mark.parametrize(
     "error",
     [
-        AuthError("unauthorized"),
         InvalidRequestError("malformed_json", status=400),
         InvalidRequestError("unknown_op_type", status=422),
     ],
@@ -360,3 +361,28 @@ def test_a_failed_outbox_write_fails_the_op_and_it_is_never_sent() -> None:
     (resolve,) = of_type(decisions, Resolve)
     assert isinstance(resolve.outcomes[0][1], OutboxError)
     assert machine.pending_count == 0
+
+
+@pytest.mark.parametrize(
+    "error",
+    [AuthError("unauthorized"), ForbiddenError("forbidden_workspace")],
+)
+def test_a_refused_token_parks_the_lane_and_keeps_its_ops(error: WorkspaceError) -> None:
+    """No answer about the ops (the server never looked at them): nothing is forgotten, the
+    awaiters hear `StillPendingError` carrying the refusal, and a retry sends them again."""
+    machine = make_machine()
+    rows = machine.submit("ws", "tree", [inc(), inc()])
+    (send,) = of_type(persist_all(machine), Send)
+    machine.batch_failed(send.batch_id, error)
+    decisions = machine.decisions()
+    assert of_type(decisions, Forget) == []
+    assert of_type(decisions, Send) == []
+    assert of_type(decisions, Wait) == []
+    (resolve,) = of_type(decisions, Resolve)
+    outcomes = [outcome for _, outcome in resolve.outcomes]
+    assert all(isinstance(o, StillPendingError) and o.last_error is error for o in outcomes)
+    assert machine.pending_count == 2
+    assert machine.is_parked("ws", "tree")
+    machine.retry_parked()  # a new token
+    (again,) = of_type(machine.decisions(), Send)
+    assert [r.seq for r in again.rows] == [r.seq for r in rows]
