@@ -116,6 +116,8 @@ class WorkspaceSocket:
         #: What the server sent on this connection that the protocol does not allow (see
         #: `_breach`); None while it keeps to it.
         self._broken: ProtocolError | None = None
+        #: The auth headers of the last connect (a refusal of stale ones is not final: `_final`).
+        self._headers: dict[str, str] = {}
 
     @property
     def is_open(self) -> bool:
@@ -211,7 +213,9 @@ class WorkspaceSocket:
     def add(self, sub: Subscription) -> None:
         subs = self._subs.setdefault(sub.sub_doc, [])
         subs.append(weakref.ref(sub, self._collected(sub.sub_doc)))
-        if len(subs) > 1:
+        # Live ones only: one collected whose `_forget` has not run yet (a reconnect between)
+        # may have no subscribe on this connection, and the newcomer would never be fed live.
+        if sum(1 for ref in subs if ref() is not None) > 1:
             # The server already streams this sub-doc to us, from wherever the first subscription
             # was: the newcomer catches up from the log, and its tracker drops the overlap.
             sub.mark_lagging()
@@ -295,10 +299,11 @@ class WorkspaceSocket:
                 await self.owner.config.sleep(self.owner.backoff(failures))
                 if self._closed:
                     return
+            self._headers = self.owner.auth_headers()
             try:
                 ws = await self.owner.session.ws_connect(
                     self.owner.socket_url(self.workspace_id),
-                    headers=self.owner.auth_headers(),
+                    headers=self._headers,
                     # Pings answered and pongs seen here (`_serve`): the heartbeat is `Liveness`.
                     autoping=False,
                 )
@@ -308,7 +313,9 @@ class WorkspaceSocket:
                 # now the subscriptions raise it and ops go over HTTP. 408 and 429 are retried.
                 if 400 <= exc.status < 500 and exc.status not in (408, 429):
                     self._final(error_from_problem(exc.status, None))
-                    return
+                    if self.final_error is not None:
+                        return
+                    continue  # refused for a token replaced meanwhile: the new one, at once
                 failures += 1
                 continue
             except (TimeoutError, aiohttp.ClientError, OSError):
@@ -536,7 +543,15 @@ class WorkspaceSocket:
 
     def _final(self, error: WorkspaceError) -> None:
         """Auth is gone: stop reconnecting; subscriptions raise; ops fall back to HTTP (which
-        gets the same answer and fails them with it)."""
+        gets the same answer and fails them with it). Unless `set_token` replaced the refused
+        token since the connect (the server closes a socket at its token's expiry, 4001, and
+        apps refresh before that): taken as final, the socket died and the subscriptions failed
+        though the client held a valid token. It connects again, with the new one."""
+        if not self._closed and self._headers != self.owner.auth_headers():
+            ws = self._ws
+            if ws is not None:
+                self._close_soon(ws)
+            return
         self.final_error = error
         self._stopped.set()
         for sub_doc in self._subs:
@@ -544,9 +559,12 @@ class WorkspaceSocket:
                 sub.fail(error)
         ws = self._ws
         if ws is not None:
-            task = asyncio.get_running_loop().create_task(ws.close())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._close_soon(ws)
+
+    def _close_soon(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        task = asyncio.get_running_loop().create_task(ws.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
 
 async def _ping(ws: aiohttp.ClientWebSocketResponse) -> None:

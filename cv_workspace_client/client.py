@@ -51,8 +51,10 @@ from cv_workspace_client._socket import WorkspaceSocket
 from cv_workspace_client._status import SyncSignals
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
+    AuthError,
     ClientClosedError,
     ConnectionFailedError,
+    ForbiddenError,
     InvalidRequestError,
     OpRejectedError,
     OutboxError,
@@ -469,9 +471,20 @@ class WorkspaceClient(QueueMethods):
         self._spawn(self._post(send))
 
     async def _post(self, send: Send) -> None:
+        sent_with = self.token  # what the request carries: its headers are copied before a wait
         try:
             results = await self._api().post_ops(send.workspace_id, send.sub_doc, send.body())
         except WorkspaceError as exc:
+            if (
+                isinstance(exc, AuthError | ForbiddenError)
+                and self.token != sent_with
+                and self._state == "open"
+            ):
+                # Refused for a token `set_token` replaced while the request was out. Reported,
+                # it parked the lane after set_token had retried the parked ones: the ops sat in
+                # the outbox (StillPendingError). The same batch goes again, with the new token.
+                self._spawn(self._post(send))
+                return
             self._machine.batch_failed(send.batch_id, exc)
         except Exception as exc:
             # Anything else (a library surprise, a warning turned into an error) must still be
