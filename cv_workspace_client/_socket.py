@@ -25,6 +25,7 @@ import orjson
 
 from cv_workspace_client._liveness import Liveness, Verdict
 from cv_workspace_client._machine import Send
+from cv_workspace_client._socket_io import ping, release, utf8_len, write_frames
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
     AuthError,
@@ -162,7 +163,7 @@ class WorkspaceSocket:
             f'{{"type":"apply","req":{send.batch_id},"sub_doc":{json.dumps(send.sub_doc)},'
             f'"ops":{send.ops_json()},"atomic":{atomic}}}'
         )
-        size = _utf8_len(frame)
+        size = utf8_len(frame)
         if size > self.owner.config.max_batch_bytes:
             # A batch at the cap, or a single op over it (it travels alone). A frame's envelope is
             # longer than an HTTP body's, so an op that fits the server's body limit could overrun
@@ -289,7 +290,7 @@ class WorkspaceSocket:
         if ws is not None:
             # An abort sends no close frame (a crash does not), but the connection is still
             # released rather than left to garbage collection.
-            _release(ws)
+            release(ws)
         self._forget_in_flight()
 
     async def _run(self) -> None:
@@ -352,7 +353,7 @@ class WorkspaceSocket:
         self.connections += 1
         self._opened.set()
         writer = asyncio.get_running_loop().create_task(
-            _write(ws, frames, self.owner.config.max_batch_bytes)
+            write_frames(ws, frames, self.owner.config.max_batch_bytes)
         )
         heard = False
         interval = self.owner.config.socket_heartbeat_seconds
@@ -411,7 +412,7 @@ class WorkspaceSocket:
                     self.owner.batch_failed(batch_id, error)
         if self._broken is not None:  # after the batches were failed: a close may take a while
             await ws.close(code=aiohttp.WSCloseCode.PROTOCOL_ERROR)
-        _release(ws)
+        release(ws)
         final = _FINAL_CLOSE.get(ws.close_code or 0)
         if final is not None:
             code, cls = final
@@ -429,10 +430,10 @@ class WorkspaceSocket:
             # transport ends `_serve`'s read, which reports it lost like a reset: batches in
             # flight resent under their op_ids, subscriptions resumed, a reconnect at once
             # (it carried frames).
-            _release(ws)
+            release(ws)
             return
         if verdict is Verdict.PING:
-            task = asyncio.get_running_loop().create_task(_ping(ws))
+            task = asyncio.get_running_loop().create_task(ping(ws))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
         self._heartbeat = asyncio.get_running_loop().call_later(delay, self._tick, ws, live)
@@ -567,66 +568,5 @@ class WorkspaceSocket:
         task.add_done_callback(self._closing.discard)
 
 
-async def _ping(ws: aiohttp.ClientWebSocketResponse) -> None:
-    # A connection closing meanwhile fails the write; the read reports it.
-    with contextlib.suppress(ConnectionError, aiohttp.ClientError, RuntimeError):
-        await ws.ping()
-
-
-def _release(ws: aiohttp.ClientWebSocketResponse) -> None:
-    """Give the connection under `ws` back (closed) once it is done with, however it ended.
-
-    aiohttp's `receive` marks a websocket closed without releasing its connection when the
-    connection was lost (its `ClientError` branch), and `close()` is then a no-op: the
-    connection stayed referenced until garbage collection (a ResourceWarning). It is also how
-    the heartbeat drops a dead connection. `ClientResponse.close()` is idempotent;
-    the response is reached through a private attribute, so its absence is tolerated."""
-    response = getattr(ws, "_response", None)
-    if isinstance(response, aiohttp.ClientResponse):
-        response.close()
-
-
 def _subscribe_frame(sub_doc: str, since: int) -> str:
     return json.dumps({"type": "subscribe", "sub_doc": sub_doc, "since": since})
-
-
-async def _write(
-    ws: aiohttp.ClientWebSocketResponse, frames: asyncio.Queue[str], max_bytes: int
-) -> None:
-    """The connection's one writer: frames leave in the order they were queued. Frames that
-    queued up meanwhile (the applies of many writers sharing this client) leave as one message,
-    a JSON array of frames, up to `max_bytes`: one write here and one read at the server."""
-    try:
-        while True:
-            first = await frames.get()
-            if frames.empty():
-                await ws.send_str(first)
-                continue
-            # `size` is the packed message's length in UTF-8 bytes: the server's frame limit
-            # (aiohttp `max_msg_size`) counts bytes, and an op's text may be non-ASCII. Counting
-            # characters packed two valid 600 KB CJK batches into one 1.2 MB message; the server
-            # closed the socket (1009) and the larger op was failed as `body_too_large` though it
-            # fits alone. `[`, `]` and one comma per extra frame are counted too.
-            batch, size = [first], _utf8_len(first) + 2
-            while not frames.empty():
-                frame = frames.get_nowait()
-                frame_size = _utf8_len(frame)
-                if size + frame_size + 1 > max_bytes:
-                    await ws.send_str(_pack(batch))
-                    batch, size = [], 2
-                batch.append(frame)
-                size += frame_size + (1 if len(batch) > 1 else 0)
-            await ws.send_str(_pack(batch))
-    except (ConnectionError, aiohttp.ClientError, RuntimeError):
-        # The reader sees the close and reports every in-flight batch as failed.
-        with contextlib.suppress(Exception):
-            await ws.close()
-
-
-def _utf8_len(text: str) -> int:
-    """Bytes of `text` once encoded (`isascii` is O(1): no encoding on the common path)."""
-    return len(text) if text.isascii() else len(text.encode())
-
-
-def _pack(frames: list[str]) -> str:
-    return frames[0] if len(frames) == 1 else f"[{','.join(frames)}]"

@@ -27,13 +27,10 @@ import aiohttp
 from cv_mutations import (
     InvalidOp,
     Op,
-    SubDocState,
-    is_valid_sub_doc,
-    is_valid_workspace_id,
     new_op_id,
     parse_op,
 )
-from cv_workspace_client._http import HttpApi, log_answer, state_answer
+from cv_workspace_client._http import HttpApi
 from cv_workspace_client._machine import (
     CountAttempt,
     Forget,
@@ -46,7 +43,8 @@ from cv_workspace_client._machine import (
 )
 from cv_workspace_client._outbox import MemoryOutbox, Outbox, OutboxWrite, SQLiteOutbox
 from cv_workspace_client._queue_api import QueueMethods
-from cv_workspace_client._retry import backoff_for, retrying
+from cv_workspace_client._reads import ReadMethods, check_ids
+from cv_workspace_client._retry import backoff_for
 from cv_workspace_client._socket import WorkspaceSocket
 from cv_workspace_client._status import SyncSignals
 from cv_workspace_client.config import ClientConfig
@@ -61,7 +59,7 @@ from cv_workspace_client.errors import (
     StillPendingError,
     WorkspaceError,
 )
-from cv_workspace_client.models import Commit, Committed, SyncStatus
+from cv_workspace_client.models import Commit, SyncStatus
 from cv_workspace_client.stream import Subscription
 
 __all__ = ["WorkspaceClient"]
@@ -69,7 +67,7 @@ __all__ = ["WorkspaceClient"]
 OpLike = Op | Mapping[str, Any]
 
 
-class WorkspaceClient(QueueMethods):
+class WorkspaceClient(ReadMethods, QueueMethods):
     """The retry-safe client. Use as `async with WorkspaceClient(url, token=..., outbox=...)`.
 
     Ops (`apply_op`, `apply_ops`), reads (`get_state`, `read_ops`), live ops (`subscribe`), and
@@ -333,33 +331,11 @@ class WorkspaceClient(QueueMethods):
 
     # -- reads and subscriptions -------------------------------------------------------------------
 
-    async def get_state(self, workspace_id: str, sub_doc: str) -> tuple[int, SubDocState]:
-        """The sub-doc's head clock and state (retried like any idempotent read)."""
-        _check_ids(workspace_id, sub_doc)
-        http = self._api()
-        result: tuple[int, SubDocState] | None = None
-        async for attempt in retrying(self.config):
-            with attempt:
-                # Read inside the attempt: an answer that does not fit (a proxy's, a half-deployed
-                # server's) is retried like one that never came, not raised at the first try.
-                result = state_answer(await http.get_state(workspace_id, sub_doc))
-        assert result is not None
-        return result
-
-    async def read_ops(
-        self, workspace_id: str, sub_doc: str, since: int = 0, limit: int | None = None
-    ) -> tuple[int, list[Committed]]:
-        """The head clock and committed ops after `since` (one page of at most `limit`)."""
-        _check_ids(workspace_id, sub_doc)
-        return await self._read_log(
-            workspace_id, sub_doc, since, limit or self.config.catchup_page, forever=False
-        )
-
     def subscribe(self, workspace_id: str, sub_doc: str, since: int = 0) -> Subscription:
         """Every committed op of the sub-doc after clock `since`, in order, each exactly once,
         reconnecting and resuming by itself (auth errors end it)."""
         self._check_open()
-        _check_ids(workspace_id, sub_doc)
+        check_ids(workspace_id, sub_doc)
         return Subscription(
             self,
             workspace_id,
@@ -383,7 +359,7 @@ class WorkspaceClient(QueueMethods):
         self, workspace_id: str, sub_doc: str, ops: Sequence[OpLike], *, atomic: bool
     ) -> list[asyncio.Future[Commit]]:
         self._check_open()
-        _check_ids(workspace_id, sub_doc)
+        check_ids(workspace_id, sub_doc)
         raws: list[dict[str, Any]] = []
         for op in ops:
             raw = _as_op(op).model_dump(mode="json", exclude_none=True)
@@ -590,27 +566,6 @@ class WorkspaceClient(QueueMethods):
         if sock is not None:
             sock.remove(sub)
 
-    async def read_log(
-        self, workspace_id: str, sub_doc: str, since: int, limit: int
-    ) -> tuple[int, list[Committed]]:
-        # A subscription never gives up on a retryable error: it resumes when the server is back.
-        return await self._read_log(workspace_id, sub_doc, since, limit, forever=True)
-
-    async def _read_log(
-        self, workspace_id: str, sub_doc: str, since: int, limit: int, *, forever: bool
-    ) -> tuple[int, list[Committed]]:
-        http = self._api()
-        answer: Any = None
-        result: tuple[int, list[Committed]] | None = None
-        async for attempt in retrying(self.config, forever=forever):
-            with attempt:
-                answer = await http.read_ops(workspace_id, sub_doc, since, limit)
-                if not forever:  # as in `get_state`
-                    result = log_answer(answer)
-        # A subscription's read retries a server that is down forever, not an answer it cannot
-        # read: an op the log itself cannot parse would be re-read for good. It fails typed.
-        return result if result is not None else log_answer(answer)
-
     # -- helpers -----------------------------------------------------------------------------------
 
     def _socket(self, workspace_id: str) -> WorkspaceSocket:
@@ -628,13 +583,6 @@ class WorkspaceClient(QueueMethods):
     def _check_open(self) -> None:
         if self._state != "open":
             raise RuntimeError("the WorkspaceClient is not open (use `async with`)")
-
-
-def _check_ids(workspace_id: str, sub_doc: str) -> None:
-    if not is_valid_workspace_id(workspace_id):
-        raise InvalidRequestError("invalid_id", f"workspace_id {workspace_id!r} is not valid")
-    if not is_valid_sub_doc(sub_doc):
-        raise InvalidRequestError("invalid_id", f"sub_doc {sub_doc!r} is not valid")
 
 
 def _as_op(op: OpLike) -> Op:

@@ -36,7 +36,7 @@ from cv_workspace_client._machine import (
     Send,
     Wait,
 )
-from cv_workspace_client._socket import _write
+from cv_workspace_client._socket_io import write_frames
 from cv_workspace_client.errors import (
     InvalidRequestError,
     OutboxError,
@@ -274,7 +274,7 @@ def test_every_op_is_applied_once_in_order_or_refused_whatever_the_server_answer
 
 
 class RecordingWebSocket:
-    """Stands in for `aiohttp.ClientWebSocketResponse` in `_write`: records what is sent."""
+    """Stands in for `aiohttp.ClientWebSocketResponse` in `write_frames`: records what is sent."""
 
     def __init__(self, expected_frames: int) -> None:
         self.messages: list[str] = []
@@ -291,12 +291,12 @@ class RecordingWebSocket:
 
 
 async def packed(frames: list[str], max_bytes: int) -> list[str]:
-    """The messages `_write` makes of `frames`, all queued before it runs."""
+    """The messages `write_frames` makes of `frames`, all queued before it runs."""
     queue: asyncio.Queue[str] = asyncio.Queue()
     for frame in frames:
         queue.put_nowait(frame)
     ws = RecordingWebSocket(len(frames))
-    writer = asyncio.ensure_future(_write(ws, queue, max_bytes))  # type: ignore[arg-type]
+    writer = asyncio.ensure_future(write_frames(ws, queue, max_bytes))  # type: ignore[arg-type]
     await asyncio.wait_for(ws.all_sent.wait(), 5)
     writer.cancel()
     return ws.messages
