@@ -169,6 +169,8 @@ class OutboxMachine:
         self.retry_after_cap = retry_after_cap
         self.restore_page = restore_page or 2 * max_batch_ops
         self._lanes: dict[Key, _Lane] = {}
+        #: Lanes parked because the server refused the token (until a retry unparks them).
+        self._refused: set[Key] = set()
         self._batches: dict[int, _Batch] = {}
         self._unpersisted: dict[int, _Entry] = {}
         self._out: list[Decision] = []
@@ -220,6 +222,10 @@ class OutboxMachine:
     def is_parked(self, workspace_id: str, sub_doc: str) -> bool:
         lane = self._lanes.get((workspace_id, sub_doc))
         return lane is not None and lane.parked
+
+    def refused_workspaces(self) -> frozenset[str]:
+        """Workspaces with ops parked because the server refused the token they went with."""
+        return frozenset(key[0] for key in self._refused)
 
     def workspaces(self) -> set[str]:
         """Workspaces with unanswered ops."""
@@ -448,6 +454,7 @@ class OutboxMachine:
 
     def _unpark(self, lane: _Lane) -> None:
         lane.parked = False
+        self._refused.discard(lane.key)
         lane.failures = 0
         self._maybe_send(lane)
 
@@ -561,6 +568,7 @@ class OutboxMachine:
             # They wait, parked, for a token that may (`set_token` retries the parked lanes).
             lane.failures = 0
             lane.last_error = error
+            self._refused.add(lane.key)
             self._give_up(lane, error)
             return
         lane.failures = 0

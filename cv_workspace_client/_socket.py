@@ -555,6 +555,7 @@ class WorkspaceSocket:
             return
         self.final_error = error
         self._stopped.set()
+        self.owner.connection_lost(self.workspace_id)  # the client's status says "refused"
         for sub_doc in self._subs:
             for sub in self._live(sub_doc):
                 sub.fail(error)

@@ -271,10 +271,13 @@ class WorkspaceClient(ReadMethods, QueueMethods):
 
     @property
     def sync_status(self) -> SyncStatus:
-        """The pending count and the workspaces connected, now (`watch_sync_status` follows it)."""
+        """The pending count, the workspaces connected and those whose token was refused, now
+        (`watch_sync_status` follows it)."""
         return SyncStatus(
             pending=self._machine.pending_count,
             connected=frozenset(ws for ws, sock in self._sockets.items() if sock.is_open),
+            refused=self._machine.refused_workspaces()
+            | {ws for ws, sock in self._sockets.items() if sock.final_error is not None},
         )
 
     def watch_sync_status(self) -> AsyncIterator[SyncStatus]:

@@ -43,10 +43,13 @@ class SyncStatus:
     `pending`: ops submitted (or restored from the outbox) that the server has not answered yet;
     they are safe in the outbox either way. `connected`: the workspaces whose websocket is open
     (ops to the others go over HTTP, and their subscriptions wait for the reconnect).
+    `refused`: the workspaces for which the server refused the token (expired, revoked, not
+    granted): their ops wait in the outbox until the app calls `set_token` — time to sign in.
     """
 
     pending: int
     connected: frozenset[str]
+    refused: frozenset[str] = frozenset()
 
     @property
     def synced(self) -> bool:

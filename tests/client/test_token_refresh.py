@@ -7,6 +7,7 @@ every op it had queued, and ops restored from the outbox were dropped without a 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,34 @@ async def test_ops_restored_under_an_expired_token_are_kept_until_a_new_one_come
     log = await server_log(server_url, "tree")
     assert [entry["clock"] for entry in log] == [1, 2, 3, 4, 5]
     assert len({entry["op_id"] for entry in log}) == 5
+
+
+async def test_the_sync_status_says_which_workspaces_need_a_new_token(
+    server_url: str, tmp_path: Path
+) -> None:
+    """The app's cue to sign in again: `refused` names the workspace, and clears once the new
+    token has sent what waited."""
+    async with WorkspaceClient(
+        server_url, token="expired-token", outbox=tmp_path / "app.outbox", config=fast_config()
+    ) as client:
+        watch = client.watch_sync_status()
+        assert (await asyncio.wait_for(anext(watch), BOUND)).refused == frozenset()
+        call = asyncio.ensure_future(client.apply_op(WS, "tree", _ops()[0]))
+        refused = await asyncio.wait_for(_first(watch, lambda s: bool(s.refused)), BOUND)
+        assert refused.refused == frozenset({WS})
+        assert refused.pending == 1
+        with pytest.raises(StillPendingError):
+            await asyncio.wait_for(call, BOUND)
+        client.set_token(token_for(WS))
+        back = await asyncio.wait_for(_first(watch, lambda s: s.synced and not s.refused), BOUND)
+        assert back.pending == 0
+    assert len(await server_log(server_url, "tree")) == 1
+
+
+async def _first(
+    watch: AsyncIterator[SyncStatus], predicate: Callable[[SyncStatus], bool]
+) -> SyncStatus:
+    async for status in watch:
+        if predicate(status):
+            return status
+    raise AssertionError("the watch ended first")
