@@ -128,7 +128,8 @@ async def _call(
             if 200 <= response.status < 300:
                 try:
                     decoded = json.loads(raw) if raw else None
-                except ValueError as exc:
+                # RecursionError: nested past what the JSON reader takes (as in `_http.py`).
+                except (ValueError, RecursionError) as exc:
                     raise ProtocolError("bad_answer", f"invalid JSON: {exc}") from None
                 return response.status, decoded, response.headers
             if response.status < 400:  # a 3xx from something in between
@@ -136,7 +137,7 @@ async def _call(
             problem: Any = None
             try:
                 problem = json.loads(raw) if raw else None
-            except ValueError:
+            except (ValueError, RecursionError):
                 problem = None
             raise _queue_error(
                 response.status,
@@ -244,7 +245,7 @@ async def get_blob(host: QueueHost, workspace_id: str, ref: str) -> bytes:
                         return raw
                     try:
                         problem = json.loads(raw) if raw else None
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         problem = None
                     raise error_from_problem(
                         response.status, problem if isinstance(problem, dict) else None
@@ -348,7 +349,7 @@ async def stream_events(
                 raw = await response.read()
                 try:
                     problem = json.loads(raw) if raw else None
-                except ValueError:
+                except (ValueError, RecursionError):
                     problem = None
                 raise error_from_problem(
                     response.status, problem if isinstance(problem, dict) else None
@@ -360,7 +361,7 @@ async def stream_events(
                     if data_lines:
                         try:
                             data = json.loads("\n".join(data_lines))
-                        except ValueError as exc:
+                        except (ValueError, RecursionError) as exc:
                             raise ProtocolError("bad_answer", f"SSE data: {exc}") from None
                         yield event, data
                     event, data_lines = "message", list[str]()
@@ -380,7 +381,7 @@ async def _outcome(host: QueueHost, row: QueuedRequest) -> RequestOutcome:
         blob = await get_blob(host, row.workspace_id, row.blob_ref)
         try:
             result = json.loads(blob)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ProtocolError("bad_answer", f"blob is not JSON: {exc}") from None
     status: OutcomeStatus = "done" if row.status == "done" else "poison"
     return RequestOutcome(row.request_id, status, row, result, row.error)

@@ -5,6 +5,7 @@ stream, honours its own deadline on a stalled network and holds no connection on
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -293,3 +294,31 @@ async def test_a_redirected_enqueue_is_not_followed_and_is_retried_under_its_key
     assert answer.request_id == "r1"
     assert posts == ["key-1", "key-1"]
     assert elsewhere == []
+
+
+# -- answers nested past what the JSON reader takes ------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [200, 503])
+async def test_a_queue_answer_nested_too_deep_to_parse_is_typed_not_a_recursion_error(
+    aiohttp_server: Callable[..., Any], status: int
+) -> None:
+    """A 200 is `ProtocolError` (retried, then raised typed); an error status is judged by the
+    status alone. It reached the app as a bare `RecursionError`."""
+    deep = "[" * 100_000 + "]" * 100_000
+    calls = 0
+
+    async def answer(request: web.Request) -> web.Response:
+        nonlocal calls
+        calls += 1
+        return web.Response(status=status, text=deep, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/v1/workspaces/{ws}/requests/{id}", answer)
+    server = await aiohttp_server(app)
+    config = dataclasses.replace(fast_client_config(), retry_attempts=2)
+    async with api.QueueClient(url_of(server), token_for(WS), config=config) as qc:
+        with pytest.raises(WorkspaceError) as caught:
+            await asyncio.wait_for(api.get_request(qc, WS, "r1"), BOUND)
+    assert caught.value.retryable
+    assert calls == 2
