@@ -39,10 +39,18 @@ class ServerProcess:
     `database_url` it serves from PostgreSQL (`db` is then unused and may be None)."""
 
     def __init__(
-        self, db: Path | None, port: int, log: Path, *, database_url: str | None = None
+        self,
+        db: Path | None,
+        port: int,
+        log: Path,
+        *,
+        database_url: str | None = None,
+        settings: tuple[str, ...] = (),
     ) -> None:
         self.db = db
         self.database_url = database_url
+        #: `NAME=VALUE` overrides, each passed as `--set NAME=VALUE`.
+        self.settings = settings
         self.port = port
         self.log = log
         self.proc: subprocess.Popen[str] | None = None
@@ -58,7 +66,8 @@ class ServerProcess:
         backend = (
             ["--database-url", self.database_url] if self.database_url else ["--db", str(self.db)]
         )
-        args = ["serve", *backend, "--port", str(self.port), "--log-level", "WARNING"]
+        overrides = [arg for setting in self.settings for arg in ("--set", setting)]
+        args = ["serve", *backend, "--port", str(self.port), "--log-level", "WARNING", *overrides]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cv_server.cli", *args],
             stdout=subprocess.PIPE,
