@@ -18,17 +18,21 @@ async def main(url: str, token: str) -> None:
     # point and the next run replays what was pending, under the same op_ids.
     async with WorkspaceClient(url, token=token, outbox="quickstart.outbox.db") as client:
         try:
-            await client.apply_op("demo", "tree", NodeInsert(node_id="counter", parent_id="root"))
-        except OpRejectedError as exc:
-            print(f"insert answered {exc.code} (already there from an earlier run)")
-        try:
+            try:
+                await client.apply_op(
+                    "demo", "tree", NodeInsert(node_id="counter", parent_id="root")
+                )
+            except OpRejectedError as exc:
+                print(f"insert answered {exc.code} (already there from an earlier run)")
             commit = await client.apply_op(
                 "demo", "tree", NodeIncrement(node_id="counter", field="n", by=1)
             )
         except StillPendingError as exc:
-            # Not lost: the op stays in the outbox under exc.op_id and is replayed on the next
-            # connect. Never re-submit it as a new op — that would be a second intent.
-            print(f"server unreachable; {exc.op_id} stays pending")
+            # No answer (server down, or the token refused): not lost. The op stays in the outbox
+            # under exc.op_id and is replayed on the next run's connect. Never re-submit it as a
+            # new op — that would be a second intent. The insert is guarded too: it is the first
+            # op, so it is the one that meets a server that is not there.
+            print(f"no answer ({exc.last_error}); {exc.op_id} stays pending in the outbox")
             return
         print(f"committed at clock {commit.clock} (op_id {commit.op_id})")
 
