@@ -308,14 +308,18 @@ async def test_an_acquisition_answered_5xx_after_the_server_took_the_lock_comput
         assert provider.calls == 1
 
 
+@pytest.mark.parametrize(
+    "holder_cancelled", [False, True], ids=["holder-waits", "holder-cancelled"]
+)
 async def test_a_write_still_in_flight_when_the_budget_runs_out_is_not_raced_by_a_second_payer(
-    aiohttp_server: ServerFactory, tmp_path: Path, open_client: OpenClient
+    aiohttp_server: ServerFactory, tmp_path: Path, open_client: OpenClient, holder_cancelled: bool
 ) -> None:
     # The provider answered and the write was sent, but the server is slow to commit it: the
     # holder's budget runs out and its compute is cancelled — yet a cancelled `apply_op` does
     # not unsend the op (DESIGN §6). Handing the key over now would let a waiter double-check
     # before that write lands and pay for the same cell again. The key must stay locked until
-    # its TTL, by when the late write is in and the waiter finds it.
+    # its TTL, by when the late write is in and the waiter finds it. The same if the holder is
+    # itself cancelled while it waits for that write (the drain deadline, a lost lease).
     slow = SlowCellWrites()
     url = await slow.serve(aiohttp_server, tmp_path / "slow.db", lock_ttl=3.0)
     holder_client = await open_client(url, config=fast_config(ops_over_websocket=False))
@@ -342,6 +346,10 @@ async def test_a_write_still_in_flight_when_the_budget_runs_out_is_not_raced_by_
         compute_or_wait(waiter_client, provider, "b", wait=10, polling=FAST_POLL)
     )
     await asyncio.wait_for(cut.wait(), 10)
+    if holder_cancelled:
+        holder.cancel()  # while it waits for its write
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(holder, 10)
     # The waiter's next poll. Had the key been handed over, it wins it: let it get as far as
     # its double-check and provider call before the slow write lands (the double-pay order).
     polls = slow.acquisitions.value
@@ -350,8 +358,9 @@ async def test_a_write_still_in_flight_when_the_budget_runs_out_is_not_raced_by_
         await provider.arrived.reach(2)
     slow.let_go.set()  # the slow write commits, still inside the holder's lock TTL (0.3 s margin)
 
-    with pytest.raises(LockExpiringError):
-        await asyncio.wait_for(holder, 10)
+    if not holder_cancelled:
+        with pytest.raises(LockExpiringError):
+            await asyncio.wait_for(holder, 10)
     result = await asyncio.wait_for(waiter, 10)
 
     assert provider.calls == 1
