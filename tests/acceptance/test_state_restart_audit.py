@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -37,7 +36,11 @@ from cv_server.cli import _with_schema
 from cv_server.oplog.pipeline import ATOMIC_ABORTED
 from tests.acceptance.procs import ServerProcess, free_port, mint_cli_token
 from tests.pg.helpers import fresh_schema
-from tests.server.test_state_integrity_audit import fold, pg_snapshot_reader
+from tests.server.test_state_integrity_audit import (
+    fold,
+    pg_snapshot_reader,
+    sqlite_snapshot_reader,
+)
 
 pytestmark = pytest.mark.acceptance
 
@@ -242,15 +245,7 @@ async def test_sqlite_state_equals_the_fold_of_its_log_after_a_sigkill_mid_load(
     db = tmp_path / "cv.db"
     token = await asyncio.to_thread(mint_cli_token, db, "*")
 
-    async def snapshot(key: Key) -> tuple[int, str] | None:
-        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
-            row = conn.execute(
-                "SELECT clock, state FROM workspace_sub_doc_snapshots"
-                " WHERE workspace_id = ? AND sub_doc = ?",
-                key,
-            ).fetchone()
-        return None if row is None else (int(row[0]), row[1])
-
+    snapshot = sqlite_snapshot_reader(db)
     server = ServerProcess(db, free_port(), tmp_path / "server.log", settings=TUNING)
     await run_audit([server], token, snapshot)
 

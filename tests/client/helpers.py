@@ -8,7 +8,7 @@ from typing import Any
 import aiohttp
 
 from cv_server.auth import mint_token
-from cv_workspace_client import ClientConfig
+from cv_workspace_client import ClientConfig, Subscription
 
 SECRET = b"client-test-secret-0123456789abcdef"
 WS = "ws1"
@@ -62,3 +62,13 @@ async def server_state(server_url: str, sub_doc: str, workspace: str = WS) -> di
         assert response.status == 200, await response.text()
         body: dict[str, Any] = await response.json()
         return body
+
+
+async def collect(sub: Subscription, until_clock: int) -> list[int]:
+    """The clocks a subscription yields, up to and including the first at or past `until_clock`."""
+    clocks: list[int] = []
+    async for committed in sub:
+        clocks.append(committed.clock)
+        if committed.clock >= until_clock:
+            break
+    return clocks

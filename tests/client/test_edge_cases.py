@@ -28,7 +28,7 @@ from cv_workspace_client import (
 )
 from cv_workspace_client.testing import FaultProxy, ProxyStats, restart_client
 
-from .helpers import SECRET, WS, fast_config, server_log, server_state
+from .helpers import SECRET, WS, collect, fast_config, server_log, server_state
 
 TIMEOUT = 30
 
@@ -41,15 +41,6 @@ def counter(state: dict[str, Any], node: str = "n", field: str = "c") -> object:
 
 def op_ids(log: list[dict[str, Any]]) -> list[str]:
     return [entry["op_id"] for entry in log]
-
-
-async def collect(sub: Subscription, until_clock: int) -> list[int]:
-    clocks: list[int] = []
-    async for committed in sub:
-        clocks.append(committed.clock)
-        if committed.clock >= until_clock:
-            break
-    return clocks
 
 
 def accepted_more_than(count: int) -> Callable[[ProxyStats], bool]:

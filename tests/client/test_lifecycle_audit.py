@@ -18,19 +18,10 @@ from cv_mutations import NodeIncrement, NodeInsert
 from cv_workspace_client import ForbiddenError, Subscription, WorkspaceClient, WorkspaceError
 from cv_workspace_client.testing import FaultProxy
 
-from .helpers import WS, RecordingSleep, fast_config, token_for
+from .helpers import WS, RecordingSleep, collect, fast_config, token_for
 
 TIMEOUT = 30
 OTHER = "ws2"
-
-
-async def collect(sub: Subscription, until_clock: int) -> list[int]:
-    clocks: list[int] = []
-    async for committed in sub:
-        clocks.append(committed.clock)
-        if committed.clock >= until_clock:
-            break
-    return clocks
 
 
 async def drain(sub: Subscription) -> list[int]:

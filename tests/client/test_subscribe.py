@@ -8,21 +8,12 @@ import asyncio
 import pytest
 
 from cv_mutations import NodeIncrement, NodeInsert
-from cv_workspace_client import ForbiddenError, Subscription, WorkspaceClient
+from cv_workspace_client import ForbiddenError, WorkspaceClient
 from cv_workspace_client.testing import FaultProxy
 
-from .helpers import WS, fast_config, token_for
+from .helpers import WS, collect, fast_config, token_for
 
 TIMEOUT = 30
-
-
-async def collect(sub: Subscription, until_clock: int) -> list[int]:
-    clocks: list[int] = []
-    async for committed in sub:
-        clocks.append(committed.clock)
-        if committed.clock >= until_clock:
-            break
-    return clocks
 
 
 async def write_increments(client: WorkspaceClient, sub_doc: str, count: int) -> None:

@@ -29,19 +29,10 @@ from cv_workspace_client import (
 )
 from cv_workspace_client.testing import FaultProxy
 
-from .helpers import SECRET, WS, fast_config, server_log, token_for
+from .helpers import SECRET, WS, collect, fast_config, server_log, token_for
 
 TIMEOUT = 10
 OTHER = "ws2"
-
-
-async def collect(sub: Subscription, until_clock: int) -> list[int]:
-    clocks: list[int] = []
-    async for committed in sub:
-        clocks.append(committed.clock)
-        if committed.clock >= until_clock:
-            break
-    return clocks
 
 
 async def increments(client: WorkspaceClient, sub_doc: str, count: int, ws: str = WS) -> None:

@@ -129,22 +129,27 @@ class Backend:
     install: Callable[[], Any]  # async: create the poison triggers
 
 
+def sqlite_snapshot_reader(path: Path) -> Callable[[Key], Awaitable[tuple[int, str] | None]]:
+    """Read a sub-doc's stored snapshot (clock, state text) straight from the SQLite file."""
+
+    async def snapshot(key: Key) -> tuple[int, str] | None:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+            row = conn.execute(
+                "SELECT clock, state FROM workspace_sub_doc_snapshots"
+                " WHERE workspace_id = ? AND sub_doc = ?",
+                key,
+            ).fetchone()
+        return None if row is None else (int(row[0]), row[1])
+
+    return snapshot
+
+
 @contextlib.asynccontextmanager
 async def sqlite_backend(**overrides: Any) -> AsyncIterator[Backend]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "cv.db"
 
-        def read(key: Key) -> tuple[int, str] | None:
-            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
-                row = conn.execute(
-                    "SELECT clock, state FROM workspace_sub_doc_snapshots"
-                    " WHERE workspace_id = ? AND sub_doc = ?",
-                    key,
-                ).fetchone()
-            return None if row is None else (int(row[0]), row[1])
-
-        async def snapshot(key: Key) -> tuple[int, str] | None:
-            return read(key)
+        snapshot = sqlite_snapshot_reader(path)
 
         async def install() -> None:
             with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
