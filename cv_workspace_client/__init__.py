@@ -13,6 +13,7 @@ async with WorkspaceClient(url, token=token, outbox="app.outbox.db") as client:
 Replay-test helpers for apps live in `cv_workspace_client.testing`.
 """
 
+from cv_workspace_client._auth import TokenProvider
 from cv_workspace_client._queue_api import QueueClient
 from cv_workspace_client.client import WorkspaceClient
 from cv_workspace_client.compute import ComputeResult, LockExpiringError, compute_once
@@ -93,6 +94,7 @@ __all__ = [
     "StillPendingError",
     "Subscription",
     "SyncStatus",
+    "TokenProvider",
     "Worker",
     "WorkerConfig",
     "WorkerStats",

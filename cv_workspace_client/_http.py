@@ -17,6 +17,7 @@ import aiohttp
 from aiohttp.payload import TOO_LARGE_BYTES_BODY
 
 from cv_mutations import SubDocState, parse_op
+from cv_workspace_client._auth import TokenRefresher, with_token
 from cv_workspace_client.errors import (
     ConnectionFailedError,
     ProtocolError,
@@ -60,11 +61,23 @@ _PROXY_PROBLEMS: dict[int, dict[str, Any]] = {413: {"code": "body_too_large"}}
 class HttpApi:
     """Routes of the v1 wire contract over one `aiohttp.ClientSession`."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, token: str | None) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        token: str | None,
+        *,
+        refresher: TokenRefresher | None = None,
+    ) -> None:
         self.session = session
         self.base_url = base_url.rstrip("/")
         self.headers: dict[str, str] = {}
+        #: Asked when the server refuses the token (`_auth.py`); None: a refusal is the answer.
+        self.token_refresher = refresher
         self.set_token(token)
+
+    def auth_headers(self) -> dict[str, str]:
+        return dict(self.headers)
 
     def set_token(self, token: str | None) -> None:
         """Send `token` from the next request on (`WorkspaceClient.set_token`)."""
@@ -108,8 +121,23 @@ class HttpApi:
         data: bytes | None = None,
         params: dict[str, str] | None = None,
     ) -> Any:
-        """One request. 200 → decoded JSON; anything else → the typed `WorkspaceError`."""
-        headers = dict(self.headers)
+        """One request. 200 → decoded JSON; anything else → the typed `WorkspaceError`.
+
+        Refused for its token (401 / 403) and given another one by the refresher (the app's
+        provider, or a `set_token` while it was out), it goes once more with that one: a
+        refused request was not looked at, so sending it again cannot apply anything twice."""
+        return await with_token(
+            self, lambda headers: self._request_once(method, path, headers, data, params)
+        )
+
+    async def _request_once(
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        data: bytes | None,
+        params: dict[str, str] | None,
+    ) -> Any:
         if data is not None:
             headers["Content-Type"] = "application/json"
         try:

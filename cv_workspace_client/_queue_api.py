@@ -26,11 +26,14 @@ from urllib.parse import quote
 
 import aiohttp
 
+from cv_workspace_client._auth import TokenRefresher, bearer_of, with_token
 from cv_workspace_client._http import body_payload, not_an_answer, parse_retry_after
 from cv_workspace_client._retry import backoff_for, is_retryable, retrying
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
+    AuthError,
     ConnectionFailedError,
+    ForbiddenError,
     ProtocolError,
     WorkspaceError,
     error_from_problem,
@@ -81,6 +84,9 @@ class QueueHost(Protocol):
     @property
     def session(self) -> aiohttp.ClientSession: ...
 
+    @property
+    def token_refresher(self) -> TokenRefresher | None: ...
+
     def auth_headers(self) -> dict[str, str]: ...
 
 
@@ -107,8 +113,27 @@ async def _call(
     params: Sequence[tuple[str, str]] | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> tuple[int, Any, Mapping[str, str]]:
-    """One request. 2xx → (status, decoded JSON or None, headers); otherwise the typed error."""
-    all_headers = {**host.auth_headers(), **(headers or {})}
+    """One request. 2xx → (status, decoded JSON or None, headers); otherwise the typed error.
+    Refused for its token, it goes once more with a fresh one if the host gets one."""
+    return await with_token(
+        host,
+        lambda auth: _call_once(
+            host, method, path, auth, body=body, params=params, headers=headers
+        ),
+    )
+
+
+async def _call_once(
+    host: QueueHost,
+    method: str,
+    path: str,
+    auth: Mapping[str, str],
+    *,
+    body: Any,
+    params: Sequence[tuple[str, str]] | None,
+    headers: Mapping[str, str] | None,
+) -> tuple[int, Any, Mapping[str, str]]:
+    all_headers = {**auth, **(headers or {})}
     data = None
     if body is not None:
         data = json.dumps(body, separators=(",", ":")).encode()
@@ -234,26 +259,30 @@ async def get_request(host: QueueHost, workspace_id: str, request_id: str) -> Qu
 
 async def get_blob(host: QueueHost, workspace_id: str, ref: str) -> bytes:
     """The bytes of a large result (`blob_ref` on the row)."""
+
+    async def once(auth: dict[str, str]) -> bytes:
+        try:
+            async with host.session.get(
+                host.url + _ws_path(workspace_id, "blobs", ref), headers=auth
+            ) as response:
+                raw = await response.read()
+                if response.status == 200:
+                    return raw
+                try:
+                    problem = json.loads(raw) if raw else None
+                except (ValueError, RecursionError):
+                    problem = None
+                raise error_from_problem(
+                    response.status, problem if isinstance(problem, dict) else None
+                )
+        except WorkspaceError:
+            raise
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise ConnectionFailedError("connection_failed", str(exc)) from exc
+
     async for attempt in retrying(_config_of(host)):
         with attempt:
-            try:
-                async with host.session.get(
-                    host.url + _ws_path(workspace_id, "blobs", ref), headers=host.auth_headers()
-                ) as response:
-                    raw = await response.read()
-                    if response.status == 200:
-                        return raw
-                    try:
-                        problem = json.loads(raw) if raw else None
-                    except (ValueError, RecursionError):
-                        problem = None
-                    raise error_from_problem(
-                        response.status, problem if isinstance(problem, dict) else None
-                    )
-            except WorkspaceError:
-                raise
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                raise ConnectionFailedError("connection_failed", str(exc)) from exc
+            return await with_token(host, once)
     raise AssertionError("unreachable: retrying re-raises the last error")  # pragma: no cover
 
 
@@ -339,40 +368,62 @@ async def stream_events(
     # The server ends the stream at its deadline; the client timeout only catches a dead peer.
     limit = aiohttp.ClientTimeout(total=patience + 10.0)
     try:
-        async with host.session.get(
-            host.url + path,
-            params={"timeout": f"{patience:.3f}"},
-            headers={**host.auth_headers(), "Accept": "text/event-stream"},
-            timeout=limit,
-        ) as response:
-            if response.status != 200:
-                raw = await response.read()
-                try:
-                    problem = json.loads(raw) if raw else None
-                except (ValueError, RecursionError):
-                    problem = None
-                raise error_from_problem(
-                    response.status, problem if isinstance(problem, dict) else None
-                )
-            event, data_lines = "message", list[str]()
-            async for line_bytes in response.content:
-                line = line_bytes.decode("utf-8").rstrip("\r\n")
-                if line == "":
-                    if data_lines:
-                        try:
-                            data = json.loads("\n".join(data_lines))
-                        except (ValueError, RecursionError) as exc:
-                            raise ProtocolError("bad_answer", f"SSE data: {exc}") from None
-                        yield event, data
-                    event, data_lines = "message", list[str]()
-                elif line.startswith("event:"):
-                    event = line[6:].strip()
-                elif line.startswith("data:"):
-                    data_lines.append(line[5:].lstrip(" "))
+        for refreshed in (False, True):
+            auth = host.auth_headers()
+            async with host.session.get(
+                host.url + path,
+                params={"timeout": f"{patience:.3f}"},
+                headers={**auth, "Accept": "text/event-stream"},
+                timeout=limit,
+            ) as response:
+                if response.status != 200:
+                    raw = await response.read()
+                    try:
+                        problem = json.loads(raw) if raw else None
+                    except (ValueError, RecursionError):
+                        problem = None
+                    error = error_from_problem(
+                        response.status, problem if isinstance(problem, dict) else None
+                    )
+                    # As `with_token`, by hand: an async generator cannot be re-run by it.
+                    refresher = host.token_refresher
+                    if (
+                        not refreshed
+                        and isinstance(error, AuthError | ForbiddenError)
+                        and refresher is not None
+                        and await refresher.refreshed(bearer_of(auth))
+                    ):
+                        continue
+                    raise error
+                if refreshed and host.token_refresher is not None:
+                    host.token_refresher.accepted(bearer_of(auth))
+                async with contextlib.aclosing(_events(response)) as events:
+                    async for item in events:
+                        yield item
+                return
     except WorkspaceError:
         raise
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         raise ConnectionFailedError("connection_failed", f"{type(exc).__name__}: {exc}") from exc
+
+
+async def _events(response: aiohttp.ClientResponse) -> AsyncGenerator[tuple[str, Any], None]:
+    """The `(event, data)` pairs of an SSE response, as they arrive."""
+    event, data_lines = "message", list[str]()
+    async for line_bytes in response.content:
+        line = line_bytes.decode("utf-8").rstrip("\r\n")
+        if line == "":
+            if data_lines:
+                try:
+                    data = json.loads("\n".join(data_lines))
+                except (ValueError, RecursionError) as exc:
+                    raise ProtocolError("bad_answer", f"SSE data: {exc}") from None
+                yield event, data
+            event, data_lines = "message", list[str]()
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data_lines.append(line[5:].lstrip(" "))
 
 
 async def _outcome(host: QueueHost, row: QueuedRequest) -> RequestOutcome:
@@ -565,6 +616,8 @@ class QueueMethods:
     `ClientConfig` as `config`, for the retry policy). `WorkspaceClient` mixes it in."""
 
     url: str
+    #: Fresh tokens on a refusal (`WorkspaceClient(token_provider=...)`); None: none.
+    token_refresher: TokenRefresher | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:

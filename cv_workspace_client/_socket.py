@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import aiohttp
 import orjson
 
+from cv_workspace_client._auth import TokenRefresher, bearer_of
 from cv_workspace_client._liveness import Liveness, Verdict
 from cv_workspace_client._machine import Send
 from cv_workspace_client._socket_io import ping, release, utf8_len, write_frames
@@ -64,6 +65,9 @@ class SocketOwner(Protocol):
     def socket_url(self, workspace_id: str) -> str: ...
 
     def auth_headers(self) -> dict[str, str]: ...
+
+    @property
+    def token_refresher(self) -> TokenRefresher | None: ...
 
     def batch_answered(self, batch_id: int, results: Any) -> None: ...
 
@@ -119,6 +123,9 @@ class WorkspaceSocket:
         self._broken: ProtocolError | None = None
         #: The auth headers of the last connect (a refusal of stale ones is not final: `_final`).
         self._headers: dict[str, str] = {}
+        #: The server refused the token on the open connection (a 4001 / 4003 close, an auth
+        #: error frame): `_run` asks for a fresh one before it gives up (`_final`).
+        self._refusal: WorkspaceError | None = None
 
     @property
     def is_open(self) -> bool:
@@ -313,10 +320,9 @@ class WorkspaceSocket:
                 # path or a proxy that refuses upgrades (400, 404) was retried forever, silently;
                 # now the subscriptions raise it and ops go over HTTP. 408 and 429 are retried.
                 if 400 <= exc.status < 500 and exc.status not in (408, 429):
-                    self._final(error_from_problem(exc.status, None))
-                    if self.final_error is not None:
+                    if await self._final(error_from_problem(exc.status, None)):
                         return
-                    continue  # refused for a token replaced meanwhile: the new one, at once
+                    continue  # a token replaced or refreshed meanwhile: the new one, at once
                 failures += 1
                 continue
             except (TimeoutError, aiohttp.ClientError, OSError):
@@ -325,8 +331,11 @@ class WorkspaceSocket:
             loop = asyncio.get_running_loop()
             opened = loop.time()
             heard = await self._serve(ws)
-            if self.final_error is not None:
-                return
+            refusal, self._refusal = self._refusal, None
+            if refusal is not None:
+                if await self._final(refusal):
+                    return
+                continue  # with the fresh token, at once
             lived = loop.time() - opened
             # A connection proves the server up only if it carried frames and stayed up longer
             # than the first backoff step: then reconnect at once (an idle socket cut now and
@@ -368,7 +377,14 @@ class WorkspaceSocket:
                 if live is not None:
                     live.heard()
                 if message.type is aiohttp.WSMsgType.TEXT:
-                    heard = True
+                    if not heard:
+                        heard = True
+                        # The server answered on this connection: it took the token (an
+                        # upgrade alone does not say so: a refusal is a 4001 / 4003 close
+                        # right after it).
+                        refresher = self.owner.token_refresher
+                        if refresher is not None:
+                            refresher.accepted(bearer_of(self._headers))
                     self._dispatch(message.data)
                 elif message.type is aiohttp.WSMsgType.PING:
                     await ws.pong(message.data)
@@ -414,9 +430,9 @@ class WorkspaceSocket:
             await ws.close(code=aiohttp.WSCloseCode.PROTOCOL_ERROR)
         release(ws)
         final = _FINAL_CLOSE.get(ws.close_code or 0)
-        if final is not None:
+        if final is not None and self._refusal is None:
             code, cls = final
-            self._final(cls(code, "the server closed the websocket"))
+            self._refusal = cls(code, "the server closed the websocket")
         return heard
 
     def _tick(self, ws: aiohttp.ClientWebSocketResponse, live: Liveness) -> None:
@@ -496,7 +512,10 @@ class WorkspaceSocket:
                 self._frame_sizes.pop(req, None)
                 self.owner.batch_failed(req, error)
             elif isinstance(error, AuthError | ForbiddenError):
-                self._final(error)
+                if self._refusal is None:
+                    self._refusal = error
+                    if self._ws is not None:
+                        self._close_soon(self._ws)
             elif isinstance(frame.get("sub_doc"), str) and not error.retryable:
                 self._refused(frame["sub_doc"], error, frame.get("since"))
             elif req is None:
@@ -542,17 +561,26 @@ class WorkspaceSocket:
             self._subs[sub_doc] = [weakref.ref(s, self._collected(sub_doc)) for s in left]
             self._subscribe(sub_doc)
 
-    def _final(self, error: WorkspaceError) -> None:
-        """Auth is gone: stop reconnecting; subscriptions raise; ops fall back to HTTP (which
-        gets the same answer and fails them with it). Unless `set_token` replaced the refused
-        token since the connect (the server closes a socket at its token's expiry, 4001, and
-        apps refresh before that): taken as final, the socket died and the subscriptions failed
-        though the client held a valid token. It connects again, with the new one."""
-        if not self._closed and self._headers != self.owner.auth_headers():
-            ws = self._ws
-            if ws is not None:
-                self._close_soon(ws)
-            return
+    async def _final(self, error: WorkspaceError) -> bool:
+        """The server refused the connection for good (`error`, a 4xx): True once the socket
+        gave up — stop reconnecting; subscriptions raise; ops fall back to HTTP (which gets the
+        same answer and parks them).
+
+        False, connect again at once, if the client holds another token: one `set_token` put
+        in since the connect (the server closes a socket at its token's expiry, 4001, and apps
+        refresh before that: taken as final, the socket died and the subscriptions failed
+        though the client held a valid token), or, for a refused token, one the app's
+        `token_provider` gave (`_auth.py`)."""
+        refresher = self.owner.token_refresher
+        if self._closed:
+            return True
+        if isinstance(error, AuthError | ForbiddenError) and refresher is not None:
+            if await refresher.refreshed(bearer_of(self._headers)):
+                return False
+        elif self._headers != self.owner.auth_headers():
+            return False
+        if self._closed:
+            return True
         self.final_error = error
         self._stopped.set()
         self.owner.connection_lost(self.workspace_id)  # the client's status says "refused"
@@ -562,6 +590,7 @@ class WorkspaceSocket:
         ws = self._ws
         if ws is not None:
             self._close_soon(ws)
+        return True
 
     def _close_soon(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         task = asyncio.get_running_loop().create_task(ws.close())

@@ -30,6 +30,7 @@ from cv_mutations import (
     new_op_id,
     parse_op,
 )
+from cv_workspace_client._auth import RefreshPolicy, TokenProvider, TokenRefresher
 from cv_workspace_client._http import HttpApi
 from cv_workspace_client._machine import (
     CountAttempt,
@@ -49,10 +50,8 @@ from cv_workspace_client._socket import WorkspaceSocket
 from cv_workspace_client._status import SyncSignals
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
-    AuthError,
     ClientClosedError,
     ConnectionFailedError,
-    ForbiddenError,
     InvalidRequestError,
     OpRejectedError,
     OutboxError,
@@ -76,6 +75,13 @@ class WorkspaceClient(ReadMethods, QueueMethods):
     Args:
         url: the server's base URL (`http://host:port`).
         token: the bearer token (`cv-server token --workspace W`).
+        token_provider: an async callable returning a fresh token. Asked at start when `token`
+            is None, and whenever the server refuses the token in use (expired, revoked): the
+            refused request goes again with the new one, a refused websocket reconnects, and
+            the ops parked on the refusal are resent under their op_ids. Tokens it gives that
+            are refused in turn are retried with the client's backoff, `retry_attempts` times
+            in a row at most; then the refusal stands (`sync_status.refused`) until
+            `set_token()`, `retry_pending()` or `wait_synced()`.
         outbox: a SQLite file path for the durable outbox, or None for an in-memory one (safe
             across retries and reconnects, not across a process restart). One client per file.
         config: retry, batching and transport settings (`ClientConfig`).
@@ -94,6 +100,7 @@ class WorkspaceClient(ReadMethods, QueueMethods):
         url: str,
         *,
         token: str | None = None,
+        token_provider: TokenProvider | None = None,
         outbox: str | os.PathLike[str] | None = None,
         config: ClientConfig | None = None,
         now: Callable[[], float] = time.time,
@@ -128,6 +135,15 @@ class WorkspaceClient(ReadMethods, QueueMethods):
         self._pumping = False
         self._holds = 0
         self._signals = SyncSignals(self._machine, lambda: self.sync_status)
+        #: Every refusal of the token goes through it (HTTP, queue calls, websockets): the app's
+        #: provider, if any, is asked once for all of them (`_auth.py`).
+        self.token_refresher: TokenRefresher = TokenRefresher(
+            token_provider,
+            current=lambda: self.token,
+            adopt=self._adopt_token,
+            policy=RefreshPolicy(self.config.retry_attempts, self.backoff),
+            sleep=self.config.sleep,
+        )
 
     # -- lifetime ----------------------------------------------------------------------------------
 
@@ -158,7 +174,15 @@ class WorkspaceClient(ReadMethods, QueueMethods):
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_seconds)
         )
-        self._http = HttpApi(self._session, self.url, self.token)
+        provider = self.token_refresher.provider
+        if self.token is None and provider is not None:
+            try:
+                self.token = await provider()
+            except Exception as exc:
+                # An app started offline (its auth server unreachable) still queues ops: the
+                # first refusal asks the provider again.
+                self.token_refresher.last_error = exc
+        self._http = HttpApi(self._session, self.url, self.token, refresher=self.token_refresher)
         self._state = "open"
         self._machine.restore(self._outbox.rows, self._outbox.backlog)
         if self.config.ops_over_websocket:
@@ -183,6 +207,7 @@ class WorkspaceClient(ReadMethods, QueueMethods):
             self._signals.close()
             return
         self._state = "closing"
+        self.token_refresher.close()
         for sub in list(self._subscriptions):
             sub.end()
         for sock in self._sockets.values():
@@ -302,6 +327,7 @@ class WorkspaceClient(ReadMethods, QueueMethods):
         if self._machine.pending_count == 0 or self._state == "closed":
             return
         if self._state == "open":
+            self.token_refresher.reset()
             self._machine.retry_parked()
             self._kick()
         await self._signals.wait(timeout)
@@ -314,6 +340,11 @@ class WorkspaceClient(ReadMethods, QueueMethods):
         `last_error`) and are sent now, in order, under their op_ids. Websockets that gave up on
         the refusal connect again; subscriptions it ended must be opened again."""
         self._check_open()
+        self.token_refresher.reset()
+        self._adopt_token(token)
+
+    def _adopt_token(self, token: str) -> None:
+        """Send `token` from now on, and retry what waited on the old one's refusal."""
         self.token = token
         self._api().set_token(token)
         for sock in self._sockets.values():
@@ -325,6 +356,7 @@ class WorkspaceClient(ReadMethods, QueueMethods):
         """Start a fresh attempt cycle for ops that gave up (they are retried anyway on the next
         connect and the next submit to their sub-doc)."""
         self._check_open()
+        self.token_refresher.reset()
         self._machine.retry_parked()
         self._kick()
 
@@ -450,20 +482,11 @@ class WorkspaceClient(ReadMethods, QueueMethods):
         self._spawn(self._post(send))
 
     async def _post(self, send: Send) -> None:
-        sent_with = self.token  # what the request carries: its headers are copied before a wait
+        # A refusal of a token replaced while the request was out (`set_token`, a refresh) is
+        # not reported: `HttpApi.request` sends it again with the new one (`with_token`).
         try:
             results = await self._api().post_ops(send.workspace_id, send.sub_doc, send.body())
         except WorkspaceError as exc:
-            if (
-                isinstance(exc, AuthError | ForbiddenError)
-                and self.token != sent_with
-                and self._state == "open"
-            ):
-                # Refused for a token `set_token` replaced while the request was out. Reported,
-                # it parked the lane after set_token had retried the parked ones: the ops sat in
-                # the outbox (StillPendingError). The same batch goes again, with the new token.
-                self._spawn(self._post(send))
-                return
             self._machine.batch_failed(send.batch_id, exc)
         except Exception as exc:
             # Anything else (a library surprise, a warning turned into an error) must still be

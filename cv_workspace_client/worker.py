@@ -195,7 +195,9 @@ class Worker:
 
     async def run(self) -> WorkerStats:
         """Claim and run stages until `stop()`; then drain. Raises `AuthError`/`ForbiddenError`
-        (after draining) if the server refuses the token: retrying cannot fix that."""
+        (after draining) if the server refuses the token and the client has no fresh one: its
+        `token_provider` (if any) gave none the server took (retrying cannot fix that). A
+        token that expires while the worker runs is refreshed by the provider, unnoticed."""
         fatal: WorkspaceError | None = None
         try:
             fatal = await self._claim_loop()
