@@ -13,6 +13,7 @@ events (methods)                       decisions (what the shell must do next)
 `timer_fired` / `connection_opened`    `CountAttempt` for rows whose send failed (outbox column)
 `restore` (rows found in the outbox)   `Load` the next page of a lane's backlog, then `loaded`
 `loaded` / `load_failed`
+`discard` (the app gives ops up)       `Discard` rows durably, then resolve what `discard` returned
 
 The rules it keeps, each of which a test pins:
 
@@ -46,8 +47,10 @@ from typing import Any
 
 # The vocabulary (values in, decisions out) has its own module; re-exported here (`__all__`).
 from cv_workspace_client._machine_effects import (
+    BacklogRange,
     CountAttempt,
     Decision,
+    Discard,
     Forget,
     LaneBacklog,
     Load,
@@ -62,6 +65,7 @@ from cv_workspace_client.errors import (
     AuthError,
     ForbiddenError,
     InvalidRequestError,
+    OpDiscardedError,
     OutboxError,
     StillPendingError,
     WorkspaceError,
@@ -69,8 +73,10 @@ from cv_workspace_client.errors import (
 from cv_workspace_client.models import Commit
 
 __all__ = [
+    "BacklogRange",
     "CountAttempt",
     "Decision",
+    "Discard",
     "Forget",
     "LaneBacklog",
     "Load",
@@ -98,6 +104,9 @@ class _Entry:
     #: The app awaits this op's answer (False for replayed rows, and after a give-up).
     awaited: bool
     size: int
+    #: A send of it may have been applied though its answer never came (a retryable failure).
+    #: Said when it is discarded (restored ops have no awaiter to tell).
+    maybe_applied: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -443,6 +452,53 @@ class OutboxMachine:
             if lane.parked:
                 self._unpark(lane)
 
+    def discard(self, workspace_id: str, sub_doc: str | None = None) -> tuple[int, Resolve | None]:
+        """The app gives up on the workspace's unanswered ops (of one sub-doc, or all): those
+        not in flight leave the outbox (`Discard`, durably) and will never be sent again; their
+        awaiters get `OpDiscardedError` (saying whether an earlier send may have applied it). A
+        batch in flight stays: the server may be applying it now, so its ops get its answer.
+        Returns how many ops were discarded (rows still on disk included) and the `Resolve` of
+        their awaiters, which the shell carries out only once the `Discard` it decides is
+        durable: an app told "discarded" whose op came back after a power loss and was sent
+        would have one intent applied that it had given up."""
+        seqs: list[int] = []
+        backlog: list[BacklogRange] = []
+        outcomes: list[tuple[int, Commit | WorkspaceError]] = []
+        on_disk = 0
+        for lane in self._lanes.values():
+            if lane.key[0] != workspace_id or (sub_doc is not None and lane.key[1] != sub_doc):
+                continue
+            batch = self._batches.get(lane.in_flight) if lane.in_flight is not None else None
+            kept = len(batch.entries) if batch is not None else 0
+            # The batch in flight is the head of the lane (a prefix: see `_maybe_send`).
+            while len(lane.queue) > kept:
+                entry = lane.queue.pop()
+                self._unpersisted.pop(entry.row.seq, None)
+                seqs.append(entry.row.seq)
+                if entry.awaited:
+                    error = OpDiscardedError(entry.row.op_id, maybe_applied=entry.maybe_applied)
+                    outcomes.append((entry.row.seq, error))
+            lane.restored = min(lane.restored, kept)
+            if lane.on_disk:
+                backlog.append(
+                    BacklogRange(lane.key[0], lane.key[1], lane.loaded_up_to, self._restored_seq)
+                )
+                on_disk += lane.on_disk
+                self._pending -= lane.on_disk
+                lane.on_disk = 0
+            lane.loading = False  # a page being read now is ignored when it comes
+            lane.waiting_token = None  # a retry timer set before is stale
+            lane.parked = False
+            lane.failures = 0
+            lane.last_error = None
+            self._refused.discard(lane.key)
+        self._pending -= len(seqs)
+        seqs.sort()
+        if seqs or backlog:
+            self._out.append(Discard(tuple(seqs), tuple(backlog)))
+        outcomes.sort(key=lambda outcome: outcome[0])
+        return len(seqs) + on_disk, Resolve(tuple(outcomes)) if outcomes else None
+
     # -- internals ---------------------------------------------------------------------------------
 
     def _lane(self, workspace_id: str, sub_doc: str) -> _Lane:
@@ -548,6 +604,8 @@ class OutboxMachine:
         if error.retryable:
             lane.failures += 1
             lane.last_error = error
+            for entry in entries:
+                entry.maybe_applied = True
             self._out.append(CountAttempt(tuple(entry.row.seq for entry in entries)))
             if lane.failures >= self.max_attempts:
                 self._give_up(lane, error)

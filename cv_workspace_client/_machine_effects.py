@@ -2,8 +2,9 @@
 
 `OutboxRow` (an op as the outbox stores it) and `LaneBacklog` (what the outbox holds for a lane
 at start) are what the shell feeds `OutboxMachine`; `Persist`, `Send`, `Resolve`, `Forget`,
-`CountAttempt`, `Wait` and `Load` (together `Decision`) are what it drains from it and carries
-out. See `_machine` for which event leads to which decision, and the rules the machine keeps.
+`CountAttempt`, `Wait`, `Load` and `Discard` (together `Decision`) are what it drains from it
+and carries out. See `_machine` for which event leads to which decision, and the rules the
+machine keeps.
 
 They live apart from the machine because they are a different concept with different readers:
 the outbox storage and the I/O shells build and consume these values without needing the
@@ -19,8 +20,10 @@ from cv_workspace_client.errors import WorkspaceError
 from cv_workspace_client.models import Commit
 
 __all__ = [
+    "BacklogRange",
     "CountAttempt",
     "Decision",
+    "Discard",
     "Forget",
     "LaneBacklog",
     "Load",
@@ -134,4 +137,24 @@ class Load:
     limit: int
 
 
-Decision = Persist | Send | Resolve | Forget | CountAttempt | Wait | Load
+@dataclass(frozen=True, slots=True)
+class BacklogRange:
+    """A lane's rows still on disk only: `after_seq < seq <= up_to_seq`."""
+
+    workspace_id: str
+    sub_doc: str
+    after_seq: int
+    up_to_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Discard:
+    """The app gave up on these ops (`discard_pending`): delete rows `seqs` and the lanes' rows
+    in `backlog`, durably (fsync before the app is told): unlike an answered row, a discarded
+    one that came back after a power loss would be sent."""
+
+    seqs: tuple[int, ...]
+    backlog: tuple[BacklogRange, ...]
+
+
+Decision = Persist | Send | Resolve | Forget | CountAttempt | Wait | Load | Discard

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cv_workspace_client._machine_effects import LaneBacklog, OutboxRow
+from cv_workspace_client._machine_effects import BacklogRange, LaneBacklog, OutboxRow
 from cv_workspace_client.errors import OutboxError
 
 __all__ = ["MemoryOutbox", "Outbox", "OutboxSync", "OutboxWrite", "SQLiteOutbox"]
@@ -108,16 +108,17 @@ _BUSY_TIMEOUT_MS = 5000
 @dataclass(slots=True)
 class OutboxWrite:
     """One unit of work for the outbox: rows to insert, seqs to delete, seqs whose attempt count
-    grows. `done(error)` runs once the write is applied (error None) or failed; it may run before
-    `write` returns."""
+    grows, lanes' on-disk rows to delete (`discard_pending`). `done(error)` runs once the write
+    is applied (error None) or failed; it may run before `write` returns."""
 
     inserts: list[OutboxRow] = field(default_factory=list)
     deletes: list[int] = field(default_factory=list)
     attempts: list[int] = field(default_factory=list)
+    ranges: list[BacklogRange] = field(default_factory=list)
     done: Callable[[BaseException | None], None] | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.inserts or self.deletes or self.attempts)
+        return bool(self.inserts or self.deletes or self.attempts or self.ranges)
 
 
 class Outbox(abc.ABC):
@@ -140,6 +141,10 @@ class Outbox(abc.ABC):
 
     async def sync(self, seq: int | None = None) -> None:
         """Return once the inserts up to row `seq` (default: all so far) survive a power loss."""
+        return None
+
+    async def flush(self) -> None:
+        """Return once every write made so far (deletes too) survives a power loss."""
         return None
 
     @abc.abstractmethod
@@ -174,6 +179,10 @@ class MemoryOutbox(Outbox):
                 self._rows[seq] = _with_attempt(stored)
         for seq in job.deletes:
             self._rows.pop(seq, None)
+        for lane in job.ranges:
+            for seq, row in list(self._rows.items()):
+                if _in_range(row, lane):
+                    del self._rows[seq]
         if job.done is not None:
             job.done(None)
 
@@ -193,6 +202,11 @@ class MemoryOutbox(Outbox):
             and (self._rows[seq].workspace_id, self._rows[seq].sub_doc) == (workspace_id, sub_doc)
         )
         return _page(rows, limit)
+
+
+def _in_range(row: OutboxRow, lane: BacklogRange) -> bool:
+    same_lane = row.workspace_id == lane.workspace_id and row.sub_doc == lane.sub_doc
+    return same_lane and lane.after_seq < row.seq <= lane.up_to_seq
 
 
 def _with_attempt(row: OutboxRow) -> OutboxRow:
@@ -323,7 +337,7 @@ class SQLiteOutbox(Outbox):
                     for row in _read_lane(conn, lane.workspace_id, lane.sub_doc, 0, last, page_rows)
                 ]
             # The WAL file was just created: make its directory entry durable once.
-            _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+            _fsync_path(os.path.dirname(os.path.abspath(self.path)))
         except BaseException:
             conn.close()
             self._release_file_lock()
@@ -389,6 +403,21 @@ class SQLiteOutbox(Outbox):
         self._sync_waiters.append((target, future))
         self._request_sync(wanted=True)
         await future
+
+    async def flush(self) -> None:
+        # Deletes are committed without an fsync of their own (see `write`), and `sync` tracks
+        # inserts only: one fsync of the WAL now covers everything committed before it, from
+        # whichever thread (as in `_sync_loop`). Off the loop: it waits on the disk.
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise OutboxError("outbox_closed", "the outbox is closed")
+        try:
+            await asyncio.to_thread(_fsync_path, self.path + "-wal")
+        except OSError as exc:
+            raise OutboxError("outbox_sync_failed", f"fsync of the outbox failed: {exc}") from exc
+        if self._file_lost():
+            raise _lost_error(self.path)
 
     async def pending(self) -> list[OutboxRow]:
         if self._conn is None or self._closed:
@@ -496,11 +525,7 @@ class SQLiteOutbox(Outbox):
             # connection, which outlives this thread.
             error: OutboxError | None = None
             try:
-                fd = os.open(wal, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                _fsync_path(wal)
             except OSError as exc:
                 error = OutboxError("outbox_sync_failed", f"fsync of the outbox failed: {exc}")
             self.fsyncs += 1
@@ -578,6 +603,12 @@ def _apply(conn: sqlite3.Connection, job: OutboxWrite) -> None:
             )
         if job.deletes:
             conn.executemany("DELETE FROM outbox WHERE seq = ?", [(seq,) for seq in job.deletes])
+        for lane in job.ranges:
+            conn.execute(
+                "DELETE FROM outbox WHERE workspace_id = ? AND sub_doc = ? AND seq > ?"
+                " AND seq <= ?",
+                (lane.workspace_id, lane.sub_doc, lane.after_seq, lane.up_to_seq),
+            )
         conn.execute("COMMIT")
     except BaseException:
         with contextlib.suppress(sqlite3.Error):
@@ -669,8 +700,9 @@ def _lost_error(path: str) -> OutboxError:
     )
 
 
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def _fsync_path(path: str) -> None:
+    """fsync(2) a file or directory by path (any descriptor flushes the file's pages)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

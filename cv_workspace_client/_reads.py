@@ -69,8 +69,9 @@ class ReadMethods:
         return result if result is not None else log_answer(answer)
 
 
-def check_ids(workspace_id: str, sub_doc: str) -> None:
+def check_ids(workspace_id: str, sub_doc: str | None) -> None:
+    """Refuse ids the server would refuse, before anything is written (None: no sub-doc)."""
     if not is_valid_workspace_id(workspace_id):
         raise InvalidRequestError("invalid_id", f"workspace_id {workspace_id!r} is not valid")
-    if not is_valid_sub_doc(sub_doc):
+    if sub_doc is not None and not is_valid_sub_doc(sub_doc):
         raise InvalidRequestError("invalid_id", f"sub_doc {sub_doc!r} is not valid")

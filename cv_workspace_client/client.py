@@ -34,6 +34,7 @@ from cv_workspace_client._auth import RefreshPolicy, TokenProvider, TokenRefresh
 from cv_workspace_client._http import HttpApi
 from cv_workspace_client._machine import (
     CountAttempt,
+    Discard,
     Forget,
     Load,
     OutboxMachine,
@@ -360,6 +361,30 @@ class WorkspaceClient(ReadMethods, QueueMethods):
         self._machine.retry_parked()
         self._kick()
 
+    async def discard_pending(self, workspace_id: str, sub_doc: str | None = None) -> int:
+        """Give up, for good, on the ops of `workspace_id` (or of one sub-doc) the server has not
+        answered: they leave the outbox and are never sent again, even after a crash, a power
+        loss or a restart on the outbox. For ops the server will never take — access to the
+        workspace revoked, a user signing out who chose to drop unsynced changes. Returns how
+        many ops were discarded, once their deletion is on disk.
+
+        Their callers get `OpDiscardedError`; its `maybe_applied` says whether an earlier send
+        whose answer was lost may have applied the op (the server never applies one twice, and
+        never one that no send reached). A batch in flight is not discarded: the server may be
+        applying it now, so its ops get the server's answer (call again once it is back).
+        Raises `OutboxError` if the outbox could not make the deletion durable."""
+        self._check_open()
+        check_ids(workspace_id, sub_doc)
+        self._pump()  # what was submitted before this call is written first, then dropped
+        count, resolve = self._machine.discard(workspace_id, sub_doc)
+        self._pump()  # the `Discard` goes to the outbox like any write
+        assert self._outbox is not None
+        await self._outbox.flush()
+        if resolve is not None:
+            self._resolve(resolve)
+        self._signals.update()
+        return count
+
     def acknowledged_clock(self, workspace_id: str, sub_doc: str) -> int:
         """The highest clock the server reported to this client for the sub-doc."""
         return self._machine.acknowledged_clock(workspace_id, sub_doc)
@@ -440,6 +465,9 @@ class WorkspaceClient(ReadMethods, QueueMethods):
                         write.deletes.extend(decision.seqs)
                     elif isinstance(decision, CountAttempt):
                         write.attempts.extend(decision.seqs)
+                    elif isinstance(decision, Discard):
+                        write.deletes.extend(decision.seqs)
+                        write.ranges.extend(decision.backlog)
                     elif isinstance(decision, Wait) and sending:
                         self._spawn(self._wait(decision))
                     elif isinstance(decision, Load) and sending:

@@ -22,6 +22,7 @@ __all__ = [
     "ForbiddenError",
     "InvalidRequestError",
     "NotFoundError",
+    "OpDiscardedError",
     "OpRejectedError",
     "OutboxError",
     "ProtocolError",
@@ -170,6 +171,26 @@ class StillPendingError(WorkspaceError):
         )
         self.op_id = op_id
         self.last_error = last_error
+
+
+class OpDiscardedError(WorkspaceError):
+    """The app gave the op up (`WorkspaceClient.discard_pending`) before the server answered it.
+
+    It left the outbox and will never be sent again. `maybe_applied` is False when it never
+    reached the server, or the server refused it unread (a refused token); True when an earlier
+    send's answer was lost (a cut connection, a timeout, a 5xx) or it was restored from the
+    outbox of a previous client: the server may have applied it then, once.
+    """
+
+    def __init__(self, op_id: str, *, maybe_applied: bool) -> None:
+        fate = (
+            "an earlier send may have applied it (its answer was lost)"
+            if maybe_applied
+            else "it was never applied"
+        )
+        super().__init__("op_discarded", f"op {op_id} was discarded by the app: {fate}")
+        self.op_id = op_id
+        self.maybe_applied = maybe_applied
 
 
 class ClientClosedError(WorkspaceError):

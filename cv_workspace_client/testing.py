@@ -378,9 +378,9 @@ class FaultProxy:
 
 async def restart_client(client: WorkspaceClient, **overrides: Any) -> WorkspaceClient:
     """Crash `client` (no goodbyes; outbox writes not yet committed are lost, as in a real crash)
-    and start a new client on the same URL, token, outbox, config, clock and op_id minter
-    (`overrides` replace constructor arguments). Returns the new client, started: close it, or
-    `async with` it.
+    and start a new client on the same URL, token (and provider), outbox, config, clock and op_id
+    minter (`overrides` replace constructor arguments). Returns the new client, started: close
+    it, or `async with` it.
 
     The new client replays what the old one left in the outbox before anything else.
     """
@@ -397,6 +397,7 @@ async def restart_client(client: WorkspaceClient, **overrides: Any) -> Workspace
         # a test that pins them must not see the new client fall back to the defaults.
         "now": client._now,
         "new_op_id": client._mint,
+        "token_provider": client.token_refresher.provider,
     }
     options.update(overrides)
     fresh = WorkspaceClient(client.url, **options)

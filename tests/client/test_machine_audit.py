@@ -28,6 +28,7 @@ from cv_mutations import NodeIncrement, NodeInsert, NodeUpdate
 from cv_workspace_client import Commit, StillPendingError, WorkspaceClient
 from cv_workspace_client._machine import (
     CountAttempt,
+    Discard,
     Forget,
     OutboxMachine,
     OutboxRow,
@@ -39,6 +40,7 @@ from cv_workspace_client._machine import (
 from cv_workspace_client._socket_io import write_frames
 from cv_workspace_client.errors import (
     InvalidRequestError,
+    OpDiscardedError,
     OutboxError,
     RateLimitedError,
     WorkspaceError,
@@ -103,22 +105,31 @@ class ClientFacingEveryAnswer(ClientThroughHostileLink):
                 self.unflushed_deletes.extend(decision.seqs)
             elif isinstance(decision, Wait):
                 self.timers.append(decision)
+            elif isinstance(decision, Discard):
+                self.discard_rows(decision)
             elif isinstance(decision, Resolve):
-                for seq, outcome in decision.outcomes:
-                    op_id = self.rows[seq].op_id
-                    if isinstance(outcome, Commit):
-                        assert outcome.op_id == op_id
-                        assert op_id not in self.doomed, f"{op_id} can never commit"
-                        self.told[op_id] = outcome.clock
-                    elif isinstance(outcome, InvalidRequestError):
-                        assert op_id in self.doomed, f"{op_id} refused: {outcome!r}"
-                    elif isinstance(outcome, OutboxError):
-                        assert op_id in self.write_failed, outcome
-                    else:
-                        assert isinstance(outcome, StillPendingError), outcome
-                        assert outcome.op_id == op_id
+                self.resolved(decision)
             else:
                 assert isinstance(decision, CountAttempt)
+
+    def resolved(self, resolve: Resolve) -> None:
+        for seq, outcome in resolve.outcomes:
+            op_id = self.rows[seq].op_id
+            if isinstance(outcome, Commit):
+                assert outcome.op_id == op_id
+                assert op_id not in self.doomed, f"{op_id} can never commit"
+                self.told[op_id] = outcome.clock
+            elif isinstance(outcome, InvalidRequestError):
+                assert op_id in self.doomed, f"{op_id} refused: {outcome!r}"
+            elif isinstance(outcome, OutboxError):
+                assert op_id in self.write_failed, outcome
+            elif isinstance(outcome, OpDiscardedError):
+                assert outcome.op_id == op_id
+                if not outcome.maybe_applied:
+                    self.never_applied.add(op_id)
+            else:
+                assert isinstance(outcome, StillPendingError), outcome
+                assert outcome.op_id == op_id
 
     def serve(self, send: Send) -> Any:
         # Request validation (inputs.parse_apply_body) runs before anything is committed.

@@ -13,6 +13,10 @@ At quiescence (everything delivered, timers fired, the link healthy again):
 - the outbox is empty;
 - each commit the client was told about carries the clock the log gives that op;
 - the subscriber's clock equals the server's head, and it saw every clock exactly once, in order.
+
+The app may also give ops up (`discard`): a discarded op leaves the outbox and is never sent
+again. One the client said was never applied (`OpDiscardedError.maybe_applied` False) is never
+in the log; one an earlier send may have applied is there at most once, in its place.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from cv_server.oplog import IncomingOp, LogEntry
 from cv_server.oplog.sqlite import SQLiteOpLogStore
 from cv_workspace_client._machine import (
     CountAttempt,
+    Discard,
     Forget,
     OutboxMachine,
     OutboxRow,
@@ -48,7 +53,11 @@ from cv_workspace_client._machine import (
     Wait,
 )
 from cv_workspace_client._subscription import ResumeTracker, Verdict
-from cv_workspace_client.errors import ConnectionFailedError, StillPendingError
+from cv_workspace_client.errors import (
+    ConnectionFailedError,
+    OpDiscardedError,
+    StillPendingError,
+)
 from cv_workspace_client.models import Commit
 
 from .machine_helpers import counting_minter
@@ -85,6 +94,8 @@ class ClientThroughHostileLink(RuleBasedStateMachine):
         # is the order they were submitted in (seqs restart when a client finds it empty).
         self.reached_outbox: dict[str, tuple[str, int]] = {}
         self.told: dict[str, int] = {}  # op_id -> clock of a Commit the app was given
+        self.discarded: set[str] = set()  # op_ids the app gave up (`discard`)
+        self.never_applied: set[str] = set()  # ... and was told no send of them was applied
         # The link: requests carry the incarnation that sent them; answers to a dead one vanish.
         self.incarnation = 0
         self.requests: list[tuple[int, Send]] = []
@@ -125,13 +136,35 @@ class ClientThroughHostileLink(RuleBasedStateMachine):
             elif isinstance(decision, Wait):
                 self.timers.append(decision)
             elif isinstance(decision, Resolve):
-                for _, outcome in decision.outcomes:
-                    if isinstance(outcome, Commit):
-                        self.told[outcome.op_id] = outcome.clock
-                    else:  # the link may lose answers, but nothing here is ever rejected
-                        assert isinstance(outcome, StillPendingError), outcome
+                self.resolved(decision)
+            elif isinstance(decision, Discard):
+                self.discard_rows(decision)
             else:
                 assert isinstance(decision, CountAttempt)
+
+    def discard_rows(self, discard: Discard) -> None:
+        """The shell makes a discard durable before it tells anyone (`discard_pending`)."""
+        for seq in discard.seqs:
+            row = self.outbox.pop(seq)  # committed: the shell wrote what came before it
+            self.discarded.add(row.op_id)
+        for lane in discard.backlog:  # rows a paging model left on disk only
+            for seq, row in list(self.outbox.items()):
+                key = (row.workspace_id, row.sub_doc)
+                if key == (lane.workspace_id, lane.sub_doc) and (
+                    lane.after_seq < seq <= lane.up_to_seq
+                ):
+                    del self.outbox[seq]
+                    self.discarded.add(row.op_id)
+
+    def resolved(self, resolve: Resolve) -> None:
+        for _, outcome in resolve.outcomes:
+            if isinstance(outcome, Commit):
+                self.told[outcome.op_id] = outcome.clock
+            elif isinstance(outcome, OpDiscardedError):
+                if not outcome.maybe_applied:
+                    self.never_applied.add(outcome.op_id)
+            else:  # the link may lose answers, but nothing here is ever rejected
+                assert isinstance(outcome, StillPendingError), outcome
 
     def serve(self, send: Send) -> list[dict[str, Any]]:
         ops = [incoming(row.op_json) for row in send.rows]
@@ -169,6 +202,16 @@ class ClientThroughHostileLink(RuleBasedStateMachine):
     def submit(self, sub_doc: str, count: int, atomic: bool) -> None:
         self.client.submit(WS, sub_doc, [INCREMENT] * count, atomic=atomic)
         self.drain()
+
+    @rule(sub_doc=st.sampled_from((*SUB_DOCS, None)))
+    def app_discards(self, sub_doc: str | None) -> None:
+        """The app gives up what is pending (one sub-doc, or the workspace). The shell first
+        writes what it had queued, then the discard, durably, then tells the callers."""
+        self.outbox_commits()
+        _, resolve = self.client.discard(WS, sub_doc)
+        self.drain()
+        if resolve is not None:
+            self.resolved(resolve)
 
     # -- the outbox -----------------------------------------------------------------------------
 
@@ -273,6 +316,7 @@ class ClientThroughHostileLink(RuleBasedStateMachine):
             assert len(ours) == len(set(ours))
             ranks = [self.reached_outbox[op_id][1] for op_id in ours]  # KeyError: never persisted
             assert ranks == sorted(ranks)
+            assert not self.never_applied & set(ours)
 
     @invariant()
     def the_subscriber_saw_each_clock_once_in_order(self) -> None:
@@ -318,10 +362,12 @@ class ClientThroughHostileLink(RuleBasedStateMachine):
             log = self.log(sub_doc)
             head = log[-1].clock
             ours = [entry.op_id for entry in log[1:]]
+            applied = set(ours)
             expected = sorted(
                 (rank, op_id)
                 for op_id, (doc, rank) in self.reached_outbox.items()
-                if doc == sub_doc
+                # A discarded op is there only if a send before the discard applied it.
+                if doc == sub_doc and (op_id not in self.discarded or op_id in applied)
             )
             assert ours == [op_id for _, op_id in expected]  # exactly once, in order, none lost
             _, state = self.run(self.store.get_state(WS, sub_doc))
