@@ -1,4 +1,9 @@
-"""`cv-server`: serve the op-log, mint tokens (DESIGN §12)."""
+"""`cv-server`: serve the op-log, mint tokens (DESIGN §12).
+
+Errors are one line on stderr: exit 2 for arguments the parser refuses, 1 for a setting or a
+database that cannot work. 130 when interrupted (Ctrl-C) before serving; 141 when the reader of
+`token`'s stdout left before the token was written (`... | head -c 0`), quietly.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,10 @@ import gc
 import importlib.util
 import logging
 import math
+import os
 import signal
 import sqlite3
+import sys
 import time
 from collections.abc import Coroutine
 from pathlib import Path
@@ -30,6 +37,9 @@ __all__ = ["main"]
 log = logging.getLogger(__name__)
 
 DEFAULT_DB = Path("data/cv.db")
+
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+EXIT_READER_GONE = 128 + signal.SIGPIPE
 
 
 def _startup_errors() -> tuple[type[BaseException], ...]:
@@ -136,6 +146,37 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return overrides
 
 
+def _port(raw: str) -> int:
+    """A TCP port: one past 65535 was wrapped by the bind (`--port 99999` served on 34463, a
+    port the operator never asked for) and a negative one refused later, as a start-up error."""
+    try:
+        port = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {raw!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not within 0..65535")
+    return port
+
+
+def _log_level(raw: str) -> str:
+    """A `logging` level name, in any case (as `cv-worker` takes it): `logging.basicConfig`
+    raised a ValueError traceback for an unknown one, and for `debug` in lower case."""
+    level = raw.upper()
+    if level not in logging.getLevelNamesMapping():
+        raise argparse.ArgumentTypeError(f"not a logging level: {raw!r}")
+    return level
+
+
+def _reader_gone() -> int:
+    """The reader of stdout left: exit quietly, as the Python docs' note on SIGPIPE advises.
+    stdout is pointed at /dev/null first, so that the interpreter's final flush of what is
+    still buffered cannot raise again ("Exception ignored ..." and exit 120)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_READER_GONE
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cv-server", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -143,8 +184,8 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the server")
     _add_backend_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8080, help="0 picks a free port")
-    serve.add_argument("--log-level", default="INFO")
+    serve.add_argument("--port", type=_port, default=8080, help="0 picks a free port")
+    serve.add_argument("--log-level", type=_log_level, default="INFO")
     serve.add_argument(
         "--set",
         action="append",
@@ -205,7 +246,12 @@ async def _serve_app(config: ServerConfig, host: str, port: int) -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 20, 20)
-    print(f"cv-server listening on http://{host}:{bound_port}", flush=True)
+    try:
+        print(f"cv-server listening on http://{host}:{bound_port}", flush=True)
+    except BrokenPipeError:
+        # Nobody reads the line any more (a `| head -1` that has exited): serving is the job,
+        # the line a courtesy. The server died of it, a traceback, before serving a request.
+        _reader_gone()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -243,6 +289,13 @@ def _run(main: Coroutine[Any, Any, None]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before serving (waiting for the database, say)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
@@ -269,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         except _STARTUP_ERRORS as exc:
             raise SystemExit(f"cv-server: cannot read the token secret: {exc}") from None
-        print(token)
+        try:
+            print(token, flush=True)
+        except BrokenPipeError:
+            return _reader_gone()
         return 0
     return 2
 

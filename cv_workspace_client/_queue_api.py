@@ -645,8 +645,8 @@ class QueueMethods:
         With a `job_id`, the id is deterministic by default (hash of workspace, job, branch and
         stage): enqueueing it again coalesces into the live request, or returns the finished
         one — pass `rerun=True` to run a finished one again on purpose. Without, each enqueue is
-        a new request. Without a `job_id`, or with `rerun`, an `Idempotency-Key` is minted (or
-        use yours) so a retry cannot fork it.
+        a new request. Each call carries an `Idempotency-Key` (minted, or yours), so a retry
+        after a lost answer can neither fork the work nor be mistaken for another's enqueue.
         """
         body: dict[str, Any] = {"stage": stage}
         for name, value in (
@@ -661,10 +661,12 @@ class QueueMethods:
                 body[name] = value
         if rerun:
             body["rerun"] = True
-        is_deterministic = deterministic if deterministic is not None else job_id is not None
-        # A rerun is not coalesced away like a plain deterministic repeat (see `enqueue`): it
-        # needs its own key too, so that a retry after a lost answer cannot run the stage again.
-        if idempotency_key is None and (rerun or not is_deterministic):
+        if idempotency_key is None:
+            # Every call gets one, deterministic id or not. Without a key a retry after a lost
+            # answer forks the work (no job_id) or runs a rerun twice; and with a deterministic
+            # id it was answered `coalesced: true` — into the request its own lost attempt had
+            # made, so an app (and the stages demo's summary) counted its own enqueue as one
+            # absorbed by another. Under the key the retry gets the first answer (`replayed`).
             idempotency_key = "auto-" + secrets.token_hex(16)
         return await enqueue(self, workspace_id, body, idempotency_key=idempotency_key)
 

@@ -7,10 +7,13 @@ work from a shell or an agent, with no browser present.
     cv-workspace enqueue --workspace W --stage S [--job-id J] [--input JSON] [--wait]
     cv-workspace requests list|show|wait|replay|rerun ...
 
-`--url` / `--token` default to the environment's `CV_URL` / `CV_TOKEN`. Answers are JSON on
-stdout; errors are JSON on stderr. Exit codes: 0 success; 1 refused by the server, or a waited
-request ended with an error payload or in poison; 2 bad usage; 3 the wait timed out (the request
-goes on — its id is in the answer).
+`--url` / `--token` default to the environment's `CV_URL` / `CV_TOKEN`. A path in the URL is
+kept as a prefix of every route (a server behind a reverse proxy at `https://gateway/cv`). Answers
+are JSON on stdout; errors (bad usage included) are JSON on stderr. Exit codes: 0 success; 1
+refused by the server, or a waited request ended with an error payload or in poison; 2 bad usage;
+3 the wait timed out (the request goes on — its id is in the answer); 130 / 143 interrupted by
+SIGINT / SIGTERM (likewise: `enqueue --wait` still prints the request's id, with status
+`interrupted`); 141 the reader of stdout left early (`... | head -1`), quietly, as `cat` does.
 
 Also runnable as `python -m cv_workspace_client.cli worker|workspace ARGS`.
 """
@@ -24,10 +27,12 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import sys
-from collections.abc import Mapping
-from typing import Any
+import threading
+from collections.abc import Coroutine, Mapping
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 from cv_workspace_client._queue_api import QueueClient
@@ -43,6 +48,11 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 3
+#: 128 + the signal, what a shell reports for a process the signal ended: a script sees the same
+#: status whether the command died of the signal or (as here) exited because of it.
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+EXIT_TERMINATED = 128 + signal.SIGTERM
+EXIT_READER_GONE = 128 + signal.SIGPIPE
 
 #: Environment variable holding the provider's API key (never a command-line argument: it would
 #: show in `ps`).
@@ -53,6 +63,16 @@ class UsageError(Exception):
     pass
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own refusals (a missing --stage, `--limit abc`) as the documented JSON error
+    on stderr: they were a plain-text usage line, which a caller parsing stderr as JSON (an
+    agent) could not read. Exit 2 as before. Subparsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        _print_error(UsageError(f"{self.prog}: {message}"))
+        raise SystemExit(EXIT_USAGE)
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=os.environ.get("CV_URL"), help="server URL ($CV_URL)")
     parser.add_argument("--token", default=os.environ.get("CV_TOKEN"), help="token ($CV_TOKEN)")
@@ -61,17 +81,48 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _need_url(args: argparse.Namespace) -> str:
     if not args.url:
         raise UsageError("--url (or $CV_URL) is required")
-    # A URL that is not http(s) with a host fails every call before a byte is sent, as a
-    # connection error: `cv-worker` retried such claims forever (exit only by signal) instead
-    # of naming the bad argument.
+    # A URL that is not http(s) with a host and a port within 0..65535 fails every call before
+    # a byte is sent, as a connection error: `cv-worker` retried such claims forever (exit only
+    # by signal) instead of naming the bad argument. A query or a fragment sent every call to
+    # `/` (the SDK appends the route to the URL: a 404), and credentials in it were a traceback
+    # from aiohttp (which refuses them beside the bearer token). A path stays allowed: it is a
+    # reverse proxy's prefix, kept in front of every route.
     try:
         parts = urlsplit(str(args.url))
         host = parts.hostname
-    except ValueError:  # an unbalanced IPv6 bracket, say
+        parts.port  # noqa: B018  (raises ValueError when out of range or not a number)
+    except ValueError:  # an unbalanced IPv6 bracket, a bad port
         host = None
     if not host or parts.scheme not in ("http", "https"):
-        raise UsageError(f"--url must be an http:// or https:// URL with a host, not {args.url!r}")
+        shown = args.url if "@" not in str(args.url) else "(a URL with credentials)"
+        raise UsageError(
+            f"--url must be an http:// or https:// URL with a host and a port within "
+            f"0..65535, not {shown!r}"
+        )
+    if parts.username is not None or parts.password is not None:
+        raise UsageError("--url must not carry credentials: the token is the credential")
+    if parts.query or parts.fragment or str(args.url).endswith(("?", "#")):
+        # Not quoted back: a query may hold a token (`?token=`, the browser's way).
+        raise UsageError("--url must not have a query or a fragment")
     return str(args.url)
+
+
+#: RFC 6750's b64token: what a bearer token may hold (`cv-server token` mints within it).
+_BEARER_TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+
+
+def _need_token(args: argparse.Namespace) -> str:
+    """Every route the commands call needs the token: a missing one was the server's 401 (exit
+    1, as if refused), and one with a newline or a non-ASCII character a traceback from aiohttp
+    (which refuses such a header). Never quoted back: it is a secret."""
+    if not args.token:
+        raise UsageError("--token (or $CV_TOKEN) is required")
+    if not _BEARER_TOKEN.fullmatch(str(args.token)):
+        raise UsageError(
+            "--token (or $CV_TOKEN) is not a bearer token: letters, digits and -._~+/ only "
+            "(a stray newline or space?)"
+        )
+    return str(args.token)
 
 
 def _need_seconds(name: str, value: float, *, positive: bool = False) -> None:
@@ -83,8 +134,74 @@ def _need_seconds(name: str, value: float, *, positive: bool = False) -> None:
         raise UsageError(f"{name} must be a finite number of seconds {bound}, not {value!r}")
 
 
+def _need_count(name: str, value: int | None) -> None:
+    """A count of requests or attempts below 1 means nothing: `--limit 0 --all` listed no
+    request at all (as if there were none), and the server refused the others (exit 1)."""
+    if value is not None and value < 1:
+        raise UsageError(f"{name} must be >= 1, not {value}")
+
+
 def _print(data: Any) -> None:
     print(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False), flush=True)
+
+
+def _reader_gone() -> int:
+    """The reader of stdout left (`... | head -1`): exit quietly, as the Python docs' note on
+    SIGPIPE advises. stdout is pointed at /dev/null first, so that the interpreter's final
+    flush of what is still buffered cannot raise again ("Exception ignored ..." and exit 120)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_READER_GONE
+
+
+def _announce(line: str) -> None:
+    """A long-running command's line for whoever watches it start (`cv-worker ... ready`). When
+    nobody reads it any more (a `| head -1` that has exited), the work goes on: the command's
+    job is the queue, not its stdout. Later output goes to /dev/null."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        _reader_gone()
+
+
+def _parse_input(raw: str) -> Any:
+    """`--input` as JSON, strictly: Python's parser also takes NaN, Infinity and numbers past
+    a float (1e999 → inf), which are not JSON — the server refused the body as malformed (exit
+    1, blaming the server for the caller's argument). Nesting past the recursion limit was a
+    RecursionError traceback."""
+
+    def refuse_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON value")
+
+    def finite(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"{text} does not fit in a float")
+        return value
+
+    try:
+        return json.loads(raw, parse_constant=refuse_constant, parse_float=finite)
+    except ValueError as exc:
+        raise UsageError(f"--input is not JSON: {exc}") from None
+    except RecursionError:
+        raise UsageError("--input is nested too deeply") from None
+
+
+async def _interruptible(main: Coroutine[Any, Any, int]) -> int:
+    """`main`, cancelled by SIGTERM as asyncio.run cancels it on SIGINT: the command then ends
+    cleanly (a cancelled wait prints what it must, the session closes) instead of being killed
+    outright mid-write. `asyncio.CancelledError` comes out of `asyncio.run`."""
+    task = asyncio.current_task()
+    assert task is not None
+    if threading.current_thread() is not threading.main_thread():
+        return await main  # signals reach the main thread only (an embedding app, tests)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await main
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 def _print_error(exc: BaseException) -> None:
@@ -115,7 +232,7 @@ def load_stages(spec: str) -> dict[str, Handler | Stage]:
 
 
 def _worker_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cv-worker", description="Run stage handlers.")
+    parser = _Parser(prog="cv-worker", description="Run stage handlers.")
     _common(parser)
     parser.add_argument("--stages", required=True, help="pkg.module:STAGES (a dict)")
     parser.add_argument("--worker-class", default=None, help="claim this class for every stage")
@@ -166,7 +283,7 @@ async def _run_worker(args: argparse.Namespace, stages: dict[str, Handler | Stag
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, worker.stop)  # seed 004 §9: drain, then exit 0
-            print(f"cv-worker {worker.worker_id} ready", flush=True)
+            _announce(f"cv-worker {worker.worker_id} ready")
             stats = await worker.run()
             logging.getLogger("cv_workspace_client.worker").info("drained: %s", stats)
             return EXIT_OK if stats.clean else EXIT_FAILED
@@ -177,9 +294,10 @@ async def _run_worker(args: argparse.Namespace, stages: dict[str, Handler | Stag
 
 def worker_main(argv: list[str] | None = None) -> int:
     """`cv-worker`: run until SIGTERM/SIGINT, drain, exit 0 (1 if the drain deadline cancelled
-    stages, or the server refused the token)."""
-    args = _worker_parser().parse_args(argv)
+    stages, or the server refused the token; 130 if interrupted before it was ready, while
+    its stages were still loading, say)."""
     try:
+        args = _worker_parser().parse_args(argv)
         # Validated here, not left to `logging`/`WorkerConfig`: their ValueError would escape
         # as a traceback with exit 1 instead of a usage error (exit 2).
         try:
@@ -192,6 +310,8 @@ def worker_main(argv: list[str] | None = None) -> int:
             raise UsageError("--concurrency must be >= 1")
         _need_seconds("--heartbeat-seconds", args.heartbeat_seconds, positive=True)
         _need_seconds("--drain-seconds", args.drain_seconds)
+        _need_url(args)
+        _need_token(args)
         stages = load_stages(args.stages)
         return asyncio.run(_run_worker(args, stages))
     except UsageError as exc:
@@ -200,6 +320,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     except WorkspaceError as exc:
         _print_error(exc)
         return EXIT_FAILED
+    except KeyboardInterrupt:  # before the drain's handler was installed: nothing claimed yet
+        return EXIT_INTERRUPTED
 
 
 # -- cv-workspace ----------------------------------------------------------------------------------
@@ -221,7 +343,7 @@ def _add_enqueue_args(parser: argparse.ArgumentParser, *, rerun_flag: bool) -> N
 
 
 def _workspace_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cv-workspace", description="Submit and inspect work.")
+    parser = _Parser(prog="cv-workspace", description="Submit and inspect work.")
     commands = parser.add_subparsers(dest="command", required=True)
     enqueue = commands.add_parser("enqueue", help="queue a stage request")
     _common(enqueue)
@@ -265,10 +387,8 @@ def _outcome_exit(outcome: RequestOutcome) -> int:
 async def _enqueue(client: QueueClient, args: argparse.Namespace, *, rerun: bool) -> int:
     if args.wait:
         _need_seconds("--timeout", args.timeout)
-    try:
-        payload = None if args.input is None else json.loads(args.input)
-    except ValueError as exc:
-        raise UsageError(f"--input is not JSON: {exc}") from None
+    _need_count("--max-dequeues", args.max_dequeues)
+    payload = None if args.input is None else _parse_input(args.input)
     answer = await client.enqueue(
         args.workspace,
         stage=args.stage,
@@ -283,13 +403,21 @@ async def _enqueue(client: QueueClient, args: argparse.Namespace, *, rerun: bool
     if not args.wait:
         _print(answer.to_json())
         return EXIT_OK
-    outcome = await client.wait_request(args.workspace, answer.request_id, timeout=args.timeout)
+    try:
+        outcome = await client.wait_request(args.workspace, answer.request_id, timeout=args.timeout)
+    except asyncio.CancelledError:  # SIGINT/SIGTERM: the wait ends, the request goes on
+        interrupted = {"request_id": answer.request_id, "status": "interrupted"}
+        _print({"enqueued": answer.to_json(), **interrupted})
+        raise
     _print({"enqueued": answer.to_json(), **outcome.to_json()})
     return _outcome_exit(outcome)
 
 
 async def _workspace(args: argparse.Namespace) -> int:
-    async with QueueClient(_need_url(args), args.token) as client:
+    url, token = _need_url(args), _need_token(args)
+    if getattr(args, "verb", None) == "list":
+        _need_count("--limit", args.limit)
+    async with QueueClient(url, token) as client:
         if args.command == "enqueue":
             return await _enqueue(client, args, rerun=args.rerun)
         if args.verb == "rerun":
@@ -323,15 +451,21 @@ async def _workspace(args: argparse.Namespace) -> int:
 
 def workspace_main(argv: list[str] | None = None) -> int:
     """`cv-workspace`: see the module docstring."""
-    args = _workspace_parser().parse_args(argv)
     try:
-        return asyncio.run(_workspace(args))
+        args = _workspace_parser().parse_args(argv)
+        return asyncio.run(_interruptible(_workspace(args)))
     except UsageError as exc:
         _print_error(exc)
         return EXIT_USAGE
     except WorkspaceError as exc:
         _print_error(exc)
         return EXIT_FAILED
+    except BrokenPipeError:
+        return _reader_gone()
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except asyncio.CancelledError:  # by SIGTERM (`_interruptible`)
+        return EXIT_TERMINATED
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import secrets
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -24,10 +26,11 @@ from cv_workspace_client import _queue_api as api
 from cv_workspace_client.client import WorkspaceClient
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.models import Committed
+from cv_workspace_client.queue_models import EnqueuedRequest
 from cv_workspace_client.stages.jobs import JOBS
 from cv_workspace_client.testing import FaultProxy
 
-__all__ = ["main"]
+__all__ = ["enqueue_evaluations", "enqueue_summary", "main"]
 
 COLUMNS = [
     {"name": "fit", "prompt": "How well does this job fit a senior backend engineer?"},
@@ -42,6 +45,44 @@ def _cells(committed: Committed) -> list[tuple[str, str, Any]]:
     if raw["type"] != "node.update":
         return []
     return [(raw["node_id"], k, v) for k, v in raw["set"].items() if k.startswith("eval:")]
+
+
+async def enqueue_evaluations(
+    agents: Sequence[WorkspaceClient], workspace: str, jobs: Sequence[str], stage_input: Any
+) -> list[EnqueuedRequest]:
+    """Every agent enqueues `evaluate` for every job, all at once (the race the queue's
+    deterministic request ids settle).
+
+    Each enqueue carries its own Idempotency-Key. Without one, the server cannot tell the SDK's
+    retry of an enqueue whose answer the flaky network cut from another agent's enqueue: the
+    retry finds the request its own first attempt made and is answered `coalesced: true`, so
+    the summary counted more coalesced enqueues than there were enqueues absorbed by another.
+    Under a key, the retry gets the first attempt's answer back (`replayed`). The key is fresh
+    per run: the server keeps keys for 24 h, and a second demo on the same workspace must not
+    be answered with the first one's replies."""
+    run = secrets.token_hex(8)
+    return list(
+        await asyncio.gather(
+            *(
+                api.enqueue(
+                    agent,
+                    workspace,
+                    {"stage": "evaluate", "job_id": j, "input": stage_input},
+                    idempotency_key=f"demo-{run}-agent{n}-{j}",
+                )
+                for n, agent in enumerate(agents)
+                for j in jobs
+            )
+        )
+    )
+
+
+def enqueue_summary(enqueued: Sequence[EnqueuedRequest]) -> str:
+    """`N enqueues, M requests (K coalesced)`: K counts the enqueues absorbed into a request
+    another enqueue had made (README, DESIGN §7)."""
+    ids = {e.request_id for e in enqueued}
+    coalesced = sum(e.coalesced for e in enqueued)
+    return f"{len(enqueued)} enqueues, {len(ids)} requests ({coalesced} coalesced)"
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str, **kw: Any) -> Any:
@@ -91,20 +132,9 @@ async def run(
 
             follow = asyncio.create_task(subscriber())
             stage_input = {"columns": COLUMNS}
-            enqueued = await asyncio.gather(
-                *(
-                    api.enqueue(
-                        agent, workspace, {"stage": "evaluate", "job_id": j, "input": stage_input}
-                    )
-                    for agent in agents
-                    for j in jobs
-                )
-            )
+            enqueued = await enqueue_evaluations(agents, workspace, jobs, stage_input)
             ids = sorted({e.request_id for e in enqueued})
-            print(
-                f"2 agents enqueued evaluate for {len(jobs)} jobs: {len(enqueued)} enqueues, "
-                f"{len(ids)} requests ({sum(e.coalesced for e in enqueued)} coalesced)"
-            )
+            print(f"2 agents enqueued evaluate for {len(jobs)} jobs: {enqueue_summary(enqueued)}")
             outcomes = await asyncio.gather(
                 *(api.wait_request(agents[1], workspace, rid, timeout=120) for rid in ids)
             )

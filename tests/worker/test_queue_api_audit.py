@@ -68,7 +68,10 @@ async def test_an_enqueue_with_a_job_id_whose_answer_is_cut_is_retried_into_the_
             answer = await client.enqueue(WS, stage="s", job_id="J1", input={"a": 1})
         rows = await qc.list_requests(workspace_id=WS)
         assert proxy.stats.cuts == 1
-    assert answer.coalesced  # the retry found the row the lost attempt had committed
+    # The retry is answered from the call's Idempotency-Key: the request its own lost attempt
+    # made, not one "coalesced" from another enqueue (it was reported coalesced before).
+    assert answer.replayed
+    assert not answer.coalesced
     assert [row.request_id for row in rows] == [answer.request_id]
     assert rows[0].input == {"a": 1}
 
