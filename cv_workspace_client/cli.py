@@ -7,7 +7,9 @@ work from a shell or an agent, with no browser present.
     cv-workspace enqueue --workspace W --stage S [--job-id J] [--input JSON] [--wait]
     cv-workspace requests list|show|wait|replay|rerun ...
 
-`--url` / `--token` default to the environment's `CV_URL` / `CV_TOKEN`. A path in the URL is
+`--url` / `--token` default to the environment's `CV_URL` / `CV_TOKEN`; `--token-file` (or
+`CV_TOKEN_FILE`) reads the token from a file instead, which `cv-worker` reads again whenever the
+server refuses the token it holds (a file a secret manager rotates). A path in the URL is
 kept as a prefix of every route (a server behind a reverse proxy at `https://gateway/cv`). Answers
 are JSON on stdout; errors (bad usage included) are JSON on stderr. Exit codes: 0 success; 1
 refused by the server, or a waited request ended with an error payload or in poison; 2 bad usage;
@@ -35,6 +37,7 @@ from collections.abc import Coroutine, Mapping
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
+from cv_workspace_client._auth import TokenProvider
 from cv_workspace_client._queue_api import QueueClient
 from cv_workspace_client.errors import WorkspaceError
 from cv_workspace_client.providers import CountingFakeProvider, OpenAICompatibleProvider, Provider
@@ -76,6 +79,12 @@ class _Parser(argparse.ArgumentParser):
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=os.environ.get("CV_URL"), help="server URL ($CV_URL)")
     parser.add_argument("--token", default=os.environ.get("CV_TOKEN"), help="token ($CV_TOKEN)")
+    parser.add_argument(
+        "--token-file",
+        default=os.environ.get("CV_TOKEN_FILE"),
+        help="file holding the token, read again whenever the server refuses it: a token a "
+        "secret manager rotates in place ($CV_TOKEN_FILE)",
+    )
 
 
 def _need_url(args: argparse.Namespace) -> str:
@@ -115,14 +124,40 @@ def _need_token(args: argparse.Namespace) -> str:
     """Every route the commands call needs the token: a missing one was the server's 401 (exit
     1, as if refused), and one with a newline or a non-ASCII character a traceback from aiohttp
     (which refuses such a header). Never quoted back: it is a secret."""
+    if args.token_file:
+        if args.token:
+            raise UsageError("give --token ($CV_TOKEN) or --token-file ($CV_TOKEN_FILE), not both")
+        return _read_token_file(str(args.token_file))
     if not args.token:
-        raise UsageError("--token (or $CV_TOKEN) is required")
+        raise UsageError("--token, $CV_TOKEN, --token-file or $CV_TOKEN_FILE is required")
     if not _BEARER_TOKEN.fullmatch(str(args.token)):
         raise UsageError(
             "--token (or $CV_TOKEN) is not a bearer token: letters, digits and -._~+/ only "
             "(a stray newline or space?)"
         )
     return str(args.token)
+
+
+def _read_token_file(path: str) -> str:
+    """The token in `path`, without the line end editors and `echo` add."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            token = file.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--token-file {path!r} cannot be read: {exc}") from None
+    if not _BEARER_TOKEN.fullmatch(token):
+        raise UsageError(f"--token-file {path!r} does not hold a bearer token")
+    return token
+
+
+def _token_file_provider(path: str) -> TokenProvider:
+    """A `token_provider` that reads `path` again: when the server refuses the token, the file
+    may hold a fresh one by now (a Kubernetes projected token, a Vault agent's sink)."""
+
+    async def read() -> str:
+        return await asyncio.to_thread(_read_token_file, path)
+
+    return read
 
 
 def _need_seconds(name: str, value: float, *, positive: bool = False) -> None:
@@ -271,7 +306,10 @@ async def _run_worker(args: argparse.Namespace, stages: dict[str, Handler | Stag
     )
     provider = _provider(args)
     try:
-        async with WorkspaceClient(_need_url(args), token=args.token, outbox=args.outbox) as client:
+        refresh = _token_file_provider(args.token_file) if args.token_file else None
+        async with WorkspaceClient(
+            _need_url(args), token=_need_token(args), token_provider=refresh, outbox=args.outbox
+        ) as client:
             worker = Worker(
                 client,
                 stages,
