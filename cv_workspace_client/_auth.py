@@ -89,6 +89,8 @@ class TokenRefresher:
             websockets that gave up, and resends the ops parked on the refusal).
         policy: the retry rule for refreshes.
         sleep: how to wait (the client's `config.sleep`, shrunk by tests).
+        timeout: the most one provider call may take (the client's request timeout: asking for
+            a token is a request like any other); past it the call counts as failed.
     """
 
     def __init__(
@@ -99,8 +101,10 @@ class TokenRefresher:
         adopt: Callable[[str], None],
         policy: RefreshPolicy,
         sleep: Callable[[float], Awaitable[None]],
+        timeout: float | None = None,
     ) -> None:
         self.provider = provider
+        self.timeout = timeout
         self.policy = policy
         #: What the provider last raised (or why its answer was unusable), for the app's logs.
         self.last_error: BaseException | None = None
@@ -161,7 +165,10 @@ class TokenRefresher:
             if self._current() != refused:
                 return True  # the app set one meanwhile
         try:
-            token = await self.provider()
+            # Bounded: a provider that never answers (its auth server silent) held every
+            # refused request, and so `apply_op` and `wait_synced`, for ever.
+            async with asyncio.timeout(self.timeout):
+                token = await self.provider()
             if not isinstance(token, str) or not token:
                 raise TypeError(f"token_provider returned {type(token).__name__}, not a token")
         except Exception as exc:

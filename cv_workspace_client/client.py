@@ -144,6 +144,7 @@ class WorkspaceClient(ReadMethods, QueueMethods):
             adopt=self._adopt_token,
             policy=RefreshPolicy(self.config.retry_attempts, self.backoff),
             sleep=self.config.sleep,
+            timeout=self.config.request_timeout_seconds,
         )
 
     # -- lifetime ----------------------------------------------------------------------------------
@@ -178,7 +179,8 @@ class WorkspaceClient(ReadMethods, QueueMethods):
         provider = self.token_refresher.provider
         if self.token is None and provider is not None:
             try:
-                self.token = await provider()
+                async with asyncio.timeout(self.config.request_timeout_seconds):
+                    self.token = await provider()
             except Exception as exc:
                 # An app started offline (its auth server unreachable) still queues ops: the
                 # first refusal asks the provider again.

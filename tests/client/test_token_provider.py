@@ -296,3 +296,24 @@ async def test_a_worker_keeps_working_across_a_refused_token(server_url: str) ->
     assert outcome.result == {"echo": [1, 2]}
     assert calls == [[1, 2]]
     assert provider.calls == 1
+
+
+async def test_a_provider_that_never_answers_is_given_up_after_the_request_timeout() -> None:
+    never = asyncio.Event()
+
+    async def silent() -> str:
+        await never.wait()  # its auth server accepted the connection and went quiet
+        return "never"
+
+    held = ["t0"]
+    refresher = TokenRefresher(
+        silent,
+        current=lambda: held[-1],
+        adopt=held.append,
+        policy=RefreshPolicy(5, backoff=lambda n: 0.0),
+        sleep=RecordingSleep(),
+        timeout=0.05,
+    )
+    assert await asyncio.wait_for(refresher.refreshed("t0"), BOUND) is False
+    assert isinstance(refresher.last_error, TimeoutError)
+    assert refresher.policy.failures == 1
