@@ -43,8 +43,10 @@ class ServerConfig:
     subdoc_cache_limit: int = 10_000
 
     # -- queue (DESIGN §10, seed 003) --
+    #: A claim's lease. The heartbeat that renews it is the worker's (`WorkerConfig`, 60 s),
+    #: which beats at least twice per lease the server grants (a shorter lease set here is
+    #: honoured by every worker without their configs changing).
     lease_seconds: float = 120.0
-    heartbeat_seconds: float = 60.0
     failure_backoff_seconds: float = 30.0
     max_dequeues: int = 5
     waiter_deadline_seconds: float = 60.0

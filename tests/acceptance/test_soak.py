@@ -306,7 +306,7 @@ class Servers:
     current: Proc | None = None
 
     def start(self) -> None:
-        shrunk = {"lease": 4.0, "heartbeat": 1.0, "lock_ttl": 5.0, "backoff": 0.5}
+        shrunk = {"lease": 4.0, "lock_ttl": 5.0, "backoff": 0.5}
         self.current = Proc(server_cmd(self.db, self.port, **shrunk), self.log, "listening on")
         self.current.start()
 

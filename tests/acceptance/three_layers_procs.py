@@ -80,8 +80,8 @@ class Proc:
 
 
 def server_cmd(db: Path, port: int, **shrunk: float) -> list[str]:
-    """The real `cv-server serve`, or (with `shrunk` durations: lease, heartbeat, lock_ttl,
-    backoff) the same app through `three_layers_server`."""
+    """The real `cv-server serve`, or (with `shrunk` durations: lease, lock_ttl, backoff) the
+    same app through `three_layers_server`."""
     if not shrunk:
         return ["-m", "cv_server.cli", "serve", "--db", str(db), "--port", str(port),
                 "--log-level", "WARNING"]  # fmt: skip

@@ -4,7 +4,7 @@ flags for them (and `short_server` none for the lock TTL); everything else is `c
 own path: the same app, run by the same function.
 
 Usage: python -m tests.acceptance.three_layers_server --db PATH --port P
-           [--lease S] [--heartbeat S] [--lock-ttl S] [--backoff S]
+           [--lease S] [--lock-ttl S] [--backoff S]
 Prints `cv-server listening on http://127.0.0.1:P` once it accepts connections.
 """
 
@@ -23,14 +23,12 @@ def main() -> None:
     parser.add_argument("--db", type=Path, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--lease", type=float, default=120.0)
-    parser.add_argument("--heartbeat", type=float, default=60.0)
     parser.add_argument("--lock-ttl", type=float, default=60.0)
     parser.add_argument("--backoff", type=float, default=30.0)
     args = parser.parse_args()
     config = ServerConfig(
         db_path=args.db,
         lease_seconds=args.lease,
-        heartbeat_seconds=args.heartbeat,
         compute_lock_ttl_seconds=args.lock_ttl,
         failure_backoff_seconds=args.backoff,
     )

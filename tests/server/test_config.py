@@ -20,7 +20,7 @@ from cv_server import ServerConfig
         ("max_dequeues", 0),
         ("max_ops_per_request", 0),
         ("lease_seconds", -1.0),
-        ("heartbeat_seconds", math.nan),
+        ("waiter_deadline_seconds", math.nan),
         ("sweep_seconds", math.inf),
         ("drain_seconds", -0.5),
         ("blob_threshold_bytes", -1),
