@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import queue
 import sqlite3
@@ -30,6 +31,8 @@ import sqlite_utils
 __all__ = ["SQLiteDatabase", "Transaction"]
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 #: How long a connection waits for SQLite's own lock before failing (only readers and a second
 #: process can contend; our writes are already serialised by the writer thread).
@@ -74,10 +77,20 @@ def _create_owner_only(path: str) -> None:
 
     The file holds the token secret: at SQLite's default (0644 under the usual umask) any local
     user could read it and mint a token for every workspace. SQLite gives the `-wal` and `-shm`
-    files the mode of the database file. An existing file keeps the mode its operator chose."""
+    files the mode of the database file. An existing file keeps the mode its operator chose (a
+    shared group for backups, say), with a warning when others than its owner may read it: one
+    made by an older version, or copied in with the default mode, was served silently."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
+        mode = os.stat(path).st_mode & 0o777
+        if mode & 0o077:
+            logger.warning(
+                "%s holds the token secret and is readable by others than its owner (mode "
+                "%s): any of them can mint a token for every workspace; chmod 600 it",
+                path,
+                oct(mode),
+            )
         return
     os.close(fd)
 

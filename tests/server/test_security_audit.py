@@ -334,3 +334,29 @@ def test_the_config_repr_leaves_out_the_secret_and_the_database_url() -> None:
     )
     assert "hunter2" not in repr(config)
     assert "s3cr3t" not in repr(config)
+
+
+async def test_an_existing_database_readable_by_others_is_served_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file made by an older version, or copied in with the default mode, kept the mode its
+    operator gave it (rightly: a backup group, say) and was served without a word."""
+    db = tmp_path / "cv.db"
+    db.touch(mode=0o644)
+    db.chmod(0o644)  # whatever the umask did
+    app = create_app(ServerConfig(db_path=db))
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5)
+    with caplog.at_level(logging.WARNING, logger="cv_server.sqlite_db"):
+        await runner.setup()
+        await runner.cleanup()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "cv_server.sqlite_db"]
+    assert any("readable by others" in message and "0o644" in message for message in warnings)
+    assert db.stat().st_mode & 0o777 == 0o644  # not changed behind the operator's back
+
+    caplog.clear()
+    db.chmod(0o600)
+    runner = web.AppRunner(create_app(ServerConfig(db_path=db)), access_log=None)
+    with caplog.at_level(logging.WARNING, logger="cv_server.sqlite_db"):
+        await runner.setup()
+        await runner.cleanup()
+    assert not [r for r in caplog.records if r.name == "cv_server.sqlite_db"]
