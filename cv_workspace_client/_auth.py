@@ -126,9 +126,18 @@ class TokenRefresher:
         if self._running is None:
             self._running = asyncio.ensure_future(self._refresh(refused))
             self._running.add_done_callback(self._finished)
-        # Shielded: one caller cancelled (an app's timeout) must not cancel the refresh the
-        # others wait for.
-        return await asyncio.shield(self._running)
+        running = self._running
+        try:
+            # Shielded: one caller cancelled (an app's timeout) must not cancel the refresh the
+            # others wait for.
+            return await asyncio.shield(running)
+        except asyncio.CancelledError:
+            if running.cancelled() and not _cancelling():
+                # The refresh was abandoned (`close()`), not this caller: its refusal stands.
+                # Raised on, the CancelledError ended an app's `get_state` that nobody had
+                # cancelled (and a `TaskGroup` around it took it for its own cancellation).
+                return False
+            raise
 
     def accepted(self, token: str | None) -> None:
         """A request or a websocket succeeded with `token`."""
@@ -149,6 +158,41 @@ class TokenRefresher:
     def _finished(self, _: asyncio.Future[bool]) -> None:
         self._running = None
 
+    async def ask(self) -> str | None:
+        """One provider call, as `start()` and every refresh make it: the token, or None if the
+        provider failed (`last_error` says how; the caller counts it). Bounded by `timeout`."""
+        assert self.provider is not None
+        try:
+            # Bounded: a provider that never answers (its auth server silent) held every
+            # refused request, and so `apply_op` and `wait_synced`, for ever.
+            async with asyncio.timeout(self.timeout):
+                token = await self.provider()
+            if not isinstance(token, str) or not token:
+                # Used as is, a non-str token (bytes) was sent as "Bearer b'...'" and never
+                # matched the token the client held: every refusal looked like one of a token
+                # replaced meanwhile, the provider was never asked again, and the websocket
+                # reconnected in a hot loop (hundreds of handshakes a second).
+                raise TypeError(f"token_provider returned {type(token).__name__}, not a token")
+        except asyncio.CancelledError as exc:
+            if _cancelling():
+                raise  # this call was cancelled (`close()`, or `start()` by the app)
+            # The provider's own cancellation (a task of its cancelled under it): a failure like
+            # any other. Raised on, it ended the refused request's task without a word: its
+            # batch stayed in flight, the lane and `wait_synced` hung for ever.
+            self._failed(exc)
+            return None
+        except Exception as exc:
+            # The provider's own failure (its auth server down): counted like a refused token,
+            # so the next refusal waits before asking again; the op path keeps its ops.
+            self._failed(exc)
+            return None
+        self.last_error = None
+        return token
+
+    def _failed(self, exc: BaseException) -> None:
+        logger.warning("token_provider failed: %s: %s", type(exc).__name__, exc)
+        self.last_error = exc
+
     async def _refresh(self, refused: str | None) -> bool:
         assert self.provider is not None
         if refused is not None and refused in self._given:
@@ -160,31 +204,39 @@ class TokenRefresher:
                 self.policy.failures,
             )
             return False
-        if delay:
-            await self._sleep(delay)
+        while True:
+            if delay:
+                await self._sleep(delay)
+                if self._current() != refused:
+                    return True  # the app set one meanwhile
+            token = await self.ask()
             if self._current() != refused:
-                return True  # the app set one meanwhile
-        try:
-            # Bounded: a provider that never answers (its auth server silent) held every
-            # refused request, and so `apply_op` and `wait_synced`, for ever.
-            async with asyncio.timeout(self.timeout):
-                token = await self.provider()
-            if not isinstance(token, str) or not token:
-                raise TypeError(f"token_provider returned {type(token).__name__}, not a token")
-        except Exception as exc:
-            # The provider's own failure (its auth server down): counted like a refused token,
-            # so the next refusal waits before asking again; the op path keeps its ops.
-            logger.warning("token_provider failed: %s: %s", type(exc).__name__, exc)
-            self.last_error = exc
+                # `set_token` while the provider was out: the app's token wins over one asked
+                # for before it (adopted, the stale answer replaced the token the app had set).
+                return True
+            if token is not None:
+                break
+            # The provider failed (its auth server down for a moment): asked again here, with
+            # the backoff, while the policy allows. Given up at the first failure, the refused
+            # request stood: a worker stopped and every subscription of a websocket ended on
+            # one blip of the auth server.
             self.policy.asked()
-            return False
-        self.last_error = None
+            delay = self.policy.delay()
+            if delay is None:
+                return False
         if token == refused:
             self.policy.asked()  # nothing fresher to offer: the refusal stands
             return False
         self._given.add(token)
         self._adopt(token)
         return True
+
+
+def _cancelling() -> bool:
+    """Whether the running task has been asked to stop (a cancellation of its own, not one
+    raised by something it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 class TokenHost(Protocol):

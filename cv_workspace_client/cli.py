@@ -39,6 +39,8 @@ from urllib.parse import urlsplit
 
 from cv_workspace_client._auth import TokenProvider
 from cv_workspace_client._queue_api import QueueClient
+from cv_workspace_client._retry import backoff_for
+from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import WorkspaceError
 from cv_workspace_client.providers import CountingFakeProvider, OpenAICompatibleProvider, Provider
 from cv_workspace_client.queue_models import RequestOutcome
@@ -150,12 +152,27 @@ def _read_token_file(path: str) -> str:
     return token
 
 
-def _token_file_provider(path: str) -> TokenProvider:
+def _token_file_provider(path: str, config: ClientConfig | None = None) -> TokenProvider:
     """A `token_provider` that reads `path` again: when the server refuses the token, the file
-    may hold a fresh one by now (a Kubernetes projected token, a Vault agent's sink)."""
+    may hold a fresh one by now (a Kubernetes projected token, a Vault agent's sink).
+
+    A file caught mid-rotation (a writer that truncates, then writes; one that removes, then
+    creates) is read again with the client's retry policy (`config`: DESIGN §10, full jitter,
+    `retry_attempts` reads). Read once, its empty content failed the refresh, the refused
+    claim stood, and the worker stopped with exit 1 on a rotation that was going well."""
+    policy = config or ClientConfig()
+    backoff = backoff_for(policy)
 
     async def read() -> str:
-        return await asyncio.to_thread(_read_token_file, path)
+        failures = 0
+        while True:
+            try:
+                return await asyncio.to_thread(_read_token_file, path)
+            except UsageError:
+                failures += 1
+                if failures >= policy.retry_attempts:
+                    raise
+            await policy.sleep(backoff(failures))
 
     return read
 

@@ -31,6 +31,7 @@ from cv_mutations import (
     parse_op,
 )
 from cv_workspace_client._auth import RefreshPolicy, TokenProvider, TokenRefresher
+from cv_workspace_client._discard import retrieve, settle_discard
 from cv_workspace_client._http import HttpApi
 from cv_workspace_client._machine import (
     CountAttempt,
@@ -163,6 +164,13 @@ class WorkspaceClient(ReadMethods, QueueMethods):
             return
         if self._state != "new":
             raise RuntimeError("a closed WorkspaceClient cannot be restarted; make a new one")
+        if self.token is None and self.token_refresher.provider is not None:
+            # Asked before anything is opened: a start cancelled while the provider was out
+            # left the outbox open and locked (a new client on it failed with `outbox_locked`)
+            # and the HTTP session unclosed. A provider that fails (an app started offline, its
+            # auth server unreachable) leaves no token: ops still queue, and the first refusal
+            # asks the provider again. Its answer is checked as a refresh's is (`ask`).
+            self.token = await self.token_refresher.ask()
         if self.outbox_path is not None:
             # A large backlog is read a page per sub-doc at a time, the machine's page: two
             # batches (`2 * max_batch_ops`), so memory stays bounded by sub-docs x pages.
@@ -176,15 +184,6 @@ class WorkspaceClient(ReadMethods, QueueMethods):
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_seconds)
         )
-        provider = self.token_refresher.provider
-        if self.token is None and provider is not None:
-            try:
-                async with asyncio.timeout(self.config.request_timeout_seconds):
-                    self.token = await provider()
-            except Exception as exc:
-                # An app started offline (its auth server unreachable) still queues ops: the
-                # first refusal asks the provider again.
-                self.token_refresher.last_error = exc
         self._http = HttpApi(self._session, self.url, self.token, refresher=self.token_refresher)
         self._state = "open"
         self._machine.restore(self._outbox.rows, self._outbox.backlog)
@@ -330,9 +329,7 @@ class WorkspaceClient(ReadMethods, QueueMethods):
         if self._machine.pending_count == 0 or self._state == "closed":
             return
         if self._state == "open":
-            self.token_refresher.reset()
-            self._machine.retry_parked()
-            self._kick()
+            self._retry_refused()
         await self._signals.wait(timeout)
 
     def set_token(self, token: str) -> None:
@@ -359,7 +356,15 @@ class WorkspaceClient(ReadMethods, QueueMethods):
         """Start a fresh attempt cycle for ops that gave up (they are retried anyway on the next
         connect and the next submit to their sub-doc)."""
         self._check_open()
+        self._retry_refused()
+
+    def _retry_refused(self) -> None:
+        """The app asked for another try: a fresh refresh count, websockets that gave up on a
+        refusal connect again (only `set_token` did; the docs promise all three), parked lanes
+        go again."""
         self.token_refresher.reset()
+        for sock in self._sockets.values():
+            sock.reauthorize()
         self._machine.retry_parked()
         self._kick()
 
@@ -379,12 +384,31 @@ class WorkspaceClient(ReadMethods, QueueMethods):
         check_ids(workspace_id, sub_doc)
         self._pump()  # what was submitted before this call is written first, then dropped
         count, resolve = self._machine.discard(workspace_id, sub_doc)
-        self._pump()  # the `Discard` goes to the outbox like any write
+        # Their callers are told here alone, once the deletion is durable: out of `_futures`
+        # now, a `close()` meanwhile told them "it waits in the outbox" of rows it had deleted.
+        told: list[tuple[asyncio.Future[Commit], str, WorkspaceError]] = []
+        for seq, outcome in resolve.outcomes if resolve is not None else ():
+            entry = self._futures.pop(seq, None)
+            if entry is not None and isinstance(outcome, WorkspaceError):
+                told.append((entry[0], entry[1], outcome))
+        # Written here, not by the pump, for its `done`: a delete that failed (a disk error, a
+        # read-only file) was dropped without a word by a write with none, the app was told
+        # "discarded", and the rows were replayed — and applied — by the next client.
+        failed: list[BaseException] = []
+        write = OutboxWrite(done=lambda error: failed.append(error) if error else None)
+        for decision in self._machine.decisions():  # `discard` decides its `Discard` alone
+            assert isinstance(decision, Discard)
+            write.deletes.extend(decision.seqs)
+            write.ranges.extend(decision.backlog)
         assert self._outbox is not None
-        await self._outbox.flush()
-        if resolve is not None:
-            self._resolve(resolve)
+        if write:
+            self._outbox.write(write)
         self._signals.update()
+        # Shielded: a discard_pending cancelled (an app's timeout) still tells the callers,
+        # whom nothing else would tell (their ops are out of the machine and of `_futures`).
+        settling = asyncio.ensure_future(settle_discard(self._outbox, failed, told))
+        settling.add_done_callback(retrieve)
+        await asyncio.shield(settling)
         return count
 
     def acknowledged_clock(self, workspace_id: str, sub_doc: str) -> int:
@@ -467,9 +491,6 @@ class WorkspaceClient(ReadMethods, QueueMethods):
                         write.deletes.extend(decision.seqs)
                     elif isinstance(decision, CountAttempt):
                         write.attempts.extend(decision.seqs)
-                    elif isinstance(decision, Discard):
-                        write.deletes.extend(decision.seqs)
-                        write.ranges.extend(decision.backlog)
                     elif isinstance(decision, Wait) and sending:
                         self._spawn(self._wait(decision))
                     elif isinstance(decision, Load) and sending:

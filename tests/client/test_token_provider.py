@@ -316,4 +316,55 @@ async def test_a_provider_that_never_answers_is_given_up_after_the_request_timeo
     )
     assert await asyncio.wait_for(refresher.refreshed("t0"), BOUND) is False
     assert isinstance(refresher.last_error, TimeoutError)
-    assert refresher.policy.failures == 1
+    assert refresher.policy.failures == refresher.policy.attempts  # each try timed out
+
+
+async def test_a_failing_provider_is_asked_again_with_the_backoff_within_one_refresh() -> None:
+    """A blip of the auth server: one failure no longer makes the refusal stand (a worker
+    stopped, a websocket's subscriptions ended)."""
+    answers: list[BaseException | str] = [OSError("down"), OSError("still down"), "t1"]
+
+    async def flaky() -> str:
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    sleep = RecordingSleep()
+    refresher, held = _refresher(flaky, sleep)
+    assert await refresher.refreshed("t0") is True
+    assert held == ["t0", "t1"]
+    assert sleep.delays == [1.0, 2.0]  # the policy's backoff between the provider's tries
+    assert answers == []
+
+
+async def test_retry_pending_reconnects_a_websocket_that_gave_up_on_a_refusal(
+    server_url: str,
+) -> None:
+    healthy = False
+
+    async def provider() -> str:
+        if not healthy:
+            raise OSError("the auth server is down")
+        return token_for(WS)
+
+    async with (
+        WorkspaceClient(server_url, token=token_for(WS), config=fast_config()) as writer,
+        WorkspaceClient(
+            server_url,
+            token="expired-token",
+            token_provider=provider,
+            config=fast_config(retry_attempts=2),
+        ) as client,
+    ):
+        async with client.subscribe(WS, "tree") as refused:
+            with pytest.raises(AuthError):  # refused, and the provider could not help
+                await asyncio.wait_for(anext(refused), BOUND)
+        assert client.sync_status.refused == frozenset({WS})
+        healthy = True
+        client.retry_pending()  # the websocket that gave up connects again
+        async with client.subscribe(WS, "tree") as sub:
+            commit = await writer.apply_op(WS, "tree", _ops()[0])
+            seen = await asyncio.wait_for(anext(sub), BOUND)
+        assert seen.op_id == commit.op_id
+        assert client.sync_status.refused == frozenset()
