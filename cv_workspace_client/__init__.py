@@ -34,6 +34,7 @@ from cv_workspace_client.errors import (
     StillPendingError,
     WorkspaceError,
 )
+from cv_workspace_client.live import LiveDoc
 from cv_workspace_client.models import Commit, Committed, SyncStatus
 from cv_workspace_client.providers import (
     CountingFakeProvider,
@@ -72,6 +73,7 @@ __all__ = [
     "Handler",
     "InvalidRequestError",
     "LeaseLostError",
+    "LiveDoc",
     "LockExpiringError",
     "NotFoundError",
     "OpDiscardedError",

@@ -219,6 +219,14 @@ class OutboxMachine:
         heads.extend(self._unpersisted)
         return min(heads, default=None)
 
+    def pending_in(self, workspace_id: str, sub_doc: str | None = None) -> int:
+        """Unanswered ops of the workspace (of one sub-doc): O(its sub-docs)."""
+        return sum(
+            len(lane.queue) + lane.on_disk
+            for (ws, doc), lane in self._lanes.items()
+            if ws == workspace_id and (sub_doc is None or doc == sub_doc)
+        )
+
     @property
     def in_flight_count(self) -> int:
         return len(self._batches)

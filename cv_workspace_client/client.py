@@ -287,9 +287,12 @@ class WorkspaceClient(ReadMethods, QueueMethods):
                 raise outcome
         return results
 
-    def pending_count(self) -> int:
-        """Ops submitted (or replayed from the outbox) that the server has not answered yet."""
-        return self._machine.pending_count
+    def pending_count(self, workspace_id: str | None = None, sub_doc: str | None = None) -> int:
+        """Ops submitted (or replayed from the outbox) that the server has not answered yet: all
+        of them, or those of one workspace, or of one of its sub-docs."""
+        if workspace_id is None:
+            return self._machine.pending_count
+        return self._machine.pending_in(workspace_id, sub_doc)
 
     @property
     def synced(self) -> bool:

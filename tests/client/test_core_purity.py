@@ -14,6 +14,7 @@ CORE_MODULES = [
     "_machine",
     "_machine_effects",
     "_machine_wire",
+    "_optimistic",
     "_subscription",
     "errors",
     "models",

@@ -278,3 +278,19 @@ async def test_discard_pending_refuses_an_invalid_id_before_touching_anything(
             await client.discard_pending("bad id!")
         with pytest.raises(InvalidRequestError):
             await client.discard_pending(WS, "bad sub doc!")
+
+
+def test_pending_counts_one_workspace_or_sub_doc_backlog_on_disk_included() -> None:
+    rows = [
+        OutboxRow(seq, "ws", "tree", f"old{seq}", json.dumps({**inc(), "op_id": f"old{seq}"}), 1.0)
+        for seq in range(1, 11)
+    ]
+    machine = make_machine(restore_page=4, max_batch_ops=4)
+    machine.restore(rows[:4], [LaneBacklog("ws", "tree", 10, 10)])
+    machine.submit("ws", "other", [inc(), inc()])
+    machine.submit("elsewhere", "tree", [inc()])
+    assert machine.pending_in("ws", "tree") == 10  # six of them not even loaded
+    assert machine.pending_in("ws") == 12
+    assert machine.pending_in("elsewhere", "tree") == 1
+    assert machine.pending_in("nobody") == 0
+    assert machine.pending_count == 13

@@ -25,6 +25,9 @@ DOCUMENTED = {
     "RateLimitedError",
     "ProtocolError",
     "OutboxError",
+    "OpDiscardedError",
+    "TokenProvider",
+    "LiveDoc",
 }
 
 

@@ -1,0 +1,136 @@
+"""The optimistic view of one sub-doc, without any I/O (`LiveDoc` is its asyncio shell).
+
+The view is the server's state as its feed delivered it (the *confirmed* state, at `clock`) with
+this client's pending ops applied on top, in the order they were submitted — what an app shows
+while its edits are on their way, offline included. It is one `SubDocState`, never copied: the
+reducers apply ops in place and hand back an undo (`cv_mutations.apply_op`), so a rebase undoes
+the pending ops, applies what the server committed, and applies the pending ops again.
+
+The rules, each pinned by a test:
+
+- A committed op from the feed that is this client's oldest pending op, applied as such, is
+  already in the view at the right place: it only stops being pending (the common case costs
+  nothing). Any other committed op (another client's, or ours out of turn) is a rebase.
+- A pending op the view cannot take (the local reducer refuses it: another client deleted its
+  node, say) stays pending, unapplied: the server decides, and a later rebase may apply it.
+- An op the server answered without committing it (rejected, discarded, a final error) leaves.
+- A committed op the confirmed state cannot take means this copy diverged from the server (it
+  never should: the server folds the same reducers over the same log). `Diverged` is raised and
+  the shell starts over from a fresh server state (`resync`), pending ops re-applied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cv_mutations import Op, OpRejected, SubDocState, Undo, apply_op
+
+__all__ = ["Diverged", "OptimisticDoc"]
+
+
+class Diverged(Exception):
+    """The feed delivered an op the confirmed state cannot take: start over (`resync`)."""
+
+
+@dataclass(slots=True, eq=False)
+class _Pending:
+    op_id: str
+    op: Op
+    #: How to take it out of the view; None while the view cannot take it.
+    undo: Undo | None
+    #: Its caller stopped waiting (`StillPendingError`, a cancel): only the feed, or the shell's
+    #: reconciliation (`orphans`), can say what became of it.
+    orphan: bool = False
+
+
+class OptimisticDoc:
+    """Confirmed state + pending ops = `state`, kept current as ops come and go.
+
+    Args:
+        clock: the server clock `state` is at.
+        state: the server's state at `clock`; the view is built in it (the caller hands it over).
+    """
+
+    def __init__(self, clock: int, state: SubDocState) -> None:
+        self.clock = clock
+        #: The view. Read it, never change it: it is rebased in place.
+        self.state = state
+        self._pending: list[_Pending] = []
+
+    @property
+    def pending(self) -> tuple[Op, ...]:
+        """This client's ops the server has not answered, in submission order."""
+        return tuple(p.op for p in self._pending)
+
+    def is_pending(self, op_id: str) -> bool:
+        return any(p.op_id == op_id for p in self._pending)
+
+    def orphans(self) -> list[str]:
+        """Pending ops nobody waits for (see `_Pending.orphan`)."""
+        return [p.op_id for p in self._pending if p.orphan]
+
+    # -- events ------------------------------------------------------------------------------------
+
+    def local(self, op_id: str, op: Op) -> bool:
+        """The app submitted `op`: it is pending, and in the view if the view can take it (the
+        return value)."""
+        undo = self._try(op)
+        self._pending.append(_Pending(op_id, op, undo))
+        return undo is not None
+
+    def committed(self, clock: int, op_id: str | None, op: Op) -> None:
+        """The feed delivered the op committed at `clock` (in clock order; older ones ignored).
+        Raises `Diverged` if the confirmed state cannot take it."""
+        if clock <= self.clock:
+            return
+        head = self._pending[0] if self._pending else None
+        if head is not None and op_id is not None and head.op_id == op_id and head.undo is not None:
+            # Applied on top of the confirmed state, first of the pending ops: it is where the
+            # server put it. It joins the confirmed state as it stands.
+            self._pending.pop(0)
+        else:
+            self._rebase(op, op_id)
+        self.clock = clock
+
+    def answered(self, op_id: str) -> None:
+        """The server answered `op_id` without committing it: it leaves the view."""
+        if self.is_pending(op_id):
+            self._rebase(None, op_id)
+
+    def orphaned(self, op_id: str) -> None:
+        """Nobody waits for `op_id`'s answer any more; it stays pending (it is in the outbox)."""
+        for p in self._pending:
+            if p.op_id == op_id:
+                p.orphan = True
+
+    def resync(self, clock: int, state: SubDocState) -> None:
+        """Start over from the server's `state` at `clock`, pending ops applied on it."""
+        self.clock = clock
+        self.state = state
+        for p in self._pending:
+            p.undo = self._try(p.op)
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _try(self, op: Op) -> Undo | None:
+        try:
+            return apply_op(self.state, op)
+        except OpRejected:
+            return None
+
+    def _rebase(self, committed: Op | None, op_id: str | None) -> None:
+        """Take the pending ops out, apply `committed` to the confirmed state (and drop the
+        pending op `op_id`), put the pending ops back."""
+        for p in reversed(self._pending):  # undone in the reverse of the order applied
+            if p.undo is not None:
+                p.undo()
+                p.undo = None
+        if op_id is not None:
+            self._pending = [p for p in self._pending if p.op_id != op_id]
+        if committed is not None:
+            try:
+                apply_op(self.state, committed)
+            except OpRejected as exc:
+                raise Diverged(f"the confirmed state cannot take a committed op: {exc}") from exc
+        for p in self._pending:
+            p.undo = self._try(p.op)

@@ -1,0 +1,145 @@
+"""`LiveDoc` through the real server: an edit is in the view the moment it is made, offline
+included; other clients' commits rebase it; once everything is answered the view is the server's
+state — including when an op replayed after going offline is rejected with nobody waiting."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from cv_mutations import NodeDelete, NodeIncrement, NodeInsert, SubDocState
+from cv_workspace_client import OpRejectedError, StillPendingError, WorkspaceClient
+from cv_workspace_client.live import LiveDoc
+from cv_workspace_client.testing import FaultProxy
+
+from .helpers import WS, fast_config, server_state, token_for
+
+BOUND = 20.0
+
+
+def _count(state: SubDocState, node: str = "n") -> Any:
+    found = state.nodes.get(node)
+    return None if found is None else found.fields.get("c", 0)
+
+
+async def _until(doc: LiveDoc, condition: Callable[[LiveDoc], bool]) -> None:
+    """Wait (bounded) for a state of the view, following its change notifications."""
+    async with asyncio.timeout(BOUND):
+        async for _ in doc.changes():
+            if condition(doc):
+                return
+    raise AssertionError(f"the view stopped changing first ({doc.error!r})")
+
+
+async def _settled(doc: LiveDoc, server_url: str) -> dict[str, Any]:
+    """Wait until the client has every op answered, the view holds nothing pending and is at
+    the server's head; return the server's state."""
+    await doc.client.wait_synced(timeout=BOUND)
+    await _until(doc, lambda d: not d.pending)
+    truth = await server_state(server_url, "tree")
+    await _until(doc, lambda d: d.clock >= truth["clock"])
+    return truth
+
+
+async def test_edits_show_at_once_and_the_view_ends_as_the_servers_state(
+    server_url: str,
+) -> None:
+    async with (
+        WorkspaceClient(server_url, token=token_for(WS), config=fast_config()) as mine,
+        WorkspaceClient(server_url, token=token_for(WS), config=fast_config()) as theirs,
+    ):
+        await mine.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
+        async with LiveDoc(mine, WS, "tree") as doc:
+            assert _count(doc.state) == 0
+            calls = [
+                asyncio.ensure_future(doc.apply_op(NodeIncrement(node_id="n", field="c")))
+                for _ in range(5)
+            ]
+            await asyncio.sleep(0)  # the calls start: each is in the view before any answer
+            assert _count(doc.state) == 5
+            assert len(doc.pending) == 5
+            others = [
+                theirs.apply_op(WS, "tree", NodeIncrement(node_id="n", field="c", by=10))
+                for _ in range(3)
+            ]
+            await asyncio.wait_for(asyncio.gather(*calls, *others), BOUND)
+            truth = await _settled(doc, server_url)
+            assert doc.state.to_json() == truth["state"]
+            assert _count(doc.state) == 35
+
+
+async def test_offline_edits_stay_in_the_view_and_land_after_what_others_did_meanwhile(
+    server_url: str,
+) -> None:
+    async with FaultProxy(server_url) as proxy:
+        config = fast_config(retry_attempts=2)
+        async with (
+            WorkspaceClient(proxy.url, token=token_for(WS), config=config) as mine,
+            WorkspaceClient(server_url, token=token_for(WS), config=config) as theirs,
+        ):
+            await mine.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
+            async with LiveDoc(mine, WS, "tree") as doc:
+                proxy.refuse = True
+                proxy.drop_all()  # offline: the websocket and every connection go
+                for _ in range(3):
+                    with pytest.raises(StillPendingError):
+                        await asyncio.wait_for(
+                            doc.apply_op(NodeIncrement(node_id="n", field="c")), BOUND
+                        )
+                assert _count(doc.state) == 3  # the app still shows its edits
+                await theirs.apply_op(WS, "tree", NodeInsert(node_id="m", parent_id="root"))
+                assert "m" not in doc.state.nodes  # not seen while offline
+
+                proxy.refuse = False
+                mine.retry_pending()  # (the reconnect would do it too)
+                truth = await _settled(doc, server_url)
+                assert doc.state.to_json() == truth["state"]
+                assert _count(doc.state) == 3
+                assert "m" in doc.state.nodes
+
+
+async def test_an_edit_rejected_when_replayed_leaves_the_view_though_nobody_waits(
+    server_url: str,
+) -> None:
+    """Offline, the app increments a node; meanwhile another client deletes it. Replayed, the
+    increment is rejected with no caller left to tell (it had given up): the view drops it once
+    the client has nothing pending and the feed has caught up."""
+    async with FaultProxy(server_url) as proxy:
+        config = fast_config(retry_attempts=2)
+        async with (
+            WorkspaceClient(proxy.url, token=token_for(WS), config=config) as mine,
+            WorkspaceClient(server_url, token=token_for(WS), config=config) as theirs,
+        ):
+            await mine.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
+            async with LiveDoc(mine, WS, "tree") as doc:
+                proxy.refuse = True
+                proxy.drop_all()
+                with pytest.raises(StillPendingError):
+                    await asyncio.wait_for(
+                        doc.apply_op(NodeIncrement(node_id="n", field="c")), BOUND
+                    )
+                assert _count(doc.state) == 1
+                await theirs.apply_op(WS, "tree", NodeDelete(node_id="n"))
+
+                proxy.refuse = False
+                mine.retry_pending()
+                truth = await _settled(doc, server_url)
+                assert "n" not in doc.state.nodes
+                assert doc.state.to_json() == truth["state"]
+
+
+async def test_a_rejected_edit_raises_and_leaves_the_view(server_url: str) -> None:
+    async with (
+        WorkspaceClient(server_url, token=token_for(WS), config=fast_config()) as mine,
+        LiveDoc(mine, WS, "tree") as doc,
+    ):
+        with pytest.raises(OpRejectedError):
+            await asyncio.wait_for(doc.apply_op(NodeIncrement(node_id="zz", field="c")), BOUND)
+        assert doc.pending == ()
+        assert "zz" not in doc.state.nodes
+        await asyncio.wait_for(doc.apply_op(NodeInsert(node_id="a", parent_id="root")), BOUND)
+        truth = await _settled(doc, server_url)
+        assert doc.state.to_json() == truth["state"]

@@ -1,0 +1,199 @@
+"""`OptimisticDoc` (the pure core of `LiveDoc`): the view is always the confirmed state with the
+pending ops applied in order, whatever the server commits, rejects or interleaves from others —
+checked against a from-scratch fold at every step, by Hypothesis, with the real reducers."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from cv_mutations import (
+    ROOT,
+    NodeDelete,
+    NodeIncrement,
+    NodeInsert,
+    NodeMove,
+    NodeUpdate,
+    Op,
+    OpRejected,
+    SubDocState,
+    apply_op,
+)
+from cv_workspace_client._optimistic import Diverged, OptimisticDoc
+
+NODES = ("a", "b", "c")
+
+
+def _fold(ops: list[Op], pending: list[Op] = ()) -> SubDocState:  # type: ignore[assignment]
+    """What the view must be: the committed ops folded from scratch, then the pending ones
+    that fit, in order."""
+    state = SubDocState.empty()
+    for op in ops:
+        apply_op(state, op)
+    for op in pending:
+        with contextlib.suppress(OpRejected):
+            apply_op(state, op)
+    return state
+
+
+ops = st.one_of(
+    st.builds(
+        NodeInsert, node_id=st.sampled_from(NODES), parent_id=st.sampled_from((ROOT, *NODES))
+    ),
+    st.builds(NodeIncrement, node_id=st.sampled_from(NODES), field=st.just("c")),
+    st.builds(NodeDelete, node_id=st.sampled_from(NODES)),
+    st.builds(
+        NodeUpdate,
+        node_id=st.sampled_from(NODES),
+        set=st.dictionaries(st.sampled_from(("x", "y")), st.integers(0, 3), max_size=2),
+    ),
+    st.builds(
+        NodeMove,
+        node_id=st.sampled_from(NODES),
+        parent_id=st.sampled_from((ROOT, *NODES)),
+        index=st.integers(0, 2),
+    ),
+)
+
+
+class ClientServerAndOthers(RuleBasedStateMachine):
+    """One client (the core under test), a server folding the real reducers, other writers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.server = SubDocState.empty()
+        self.log: list[tuple[str, Op]] = []  # (op_id, op) at clock i + 1
+        self.doc = OptimisticDoc(0, SubDocState.empty())
+        self.outbox: list[tuple[str, Op]] = []  # ours, not yet taken by the server
+        self.answers: list[str] = []  # ours the server rejected, answer not yet delivered
+        self.ours: dict[str, Op] = {}  # every op the client submitted, still pending to it
+        self.next_id = 0
+
+    def _id(self, who: str) -> str:
+        self.next_id += 1
+        return f"{who}{self.next_id}"
+
+    @rule(op=ops)
+    def client_submits(self, op: Op) -> None:
+        op_id = self._id("mine")
+        self.doc.local(op_id, op)
+        self.outbox.append((op_id, op))
+        self.ours[op_id] = op
+
+    def _commit(self, op_id: str, op: Op) -> bool:
+        try:
+            apply_op(self.server, op)
+        except OpRejected:
+            return False
+        self.log.append((op_id, op))
+        return True
+
+    @precondition(lambda self: self.outbox)
+    @rule()
+    def server_takes_the_clients_next_op(self) -> None:
+        op_id, op = self.outbox.pop(0)  # one sub-doc: the client's ops leave in order
+        if not self._commit(op_id, op):
+            self.answers.append(op_id)
+
+    @rule(op=ops)
+    def another_writer_commits(self, op: Op) -> None:
+        self._commit(self._id("theirs"), op)
+
+    @precondition(lambda self: self.doc.clock < len(self.log))
+    @rule()
+    def feed_delivers(self) -> None:
+        clock = self.doc.clock + 1
+        op_id, op = self.log[clock - 1]
+        self.doc.committed(clock, op_id, op)
+        self.ours.pop(op_id, None)
+
+    @precondition(lambda self: self.doc.clock > 0)
+    @rule(back=st.integers(0, 3))
+    def feed_repeats_an_old_op(self, back: int) -> None:
+        clock = max(1, self.doc.clock - back)
+        op_id, op = self.log[clock - 1]
+        before = self.doc.state.to_json()
+        self.doc.committed(clock, op_id, op)
+        assert self.doc.state.to_json() == before
+
+    @precondition(lambda self: self.answers)
+    @rule(i=st.integers(0, 100))
+    def a_rejection_reaches_the_client(self, i: int) -> None:
+        op_id = self.answers.pop(i % len(self.answers))
+        self.doc.answered(op_id)
+        self.ours.pop(op_id)
+
+    @invariant()
+    def the_view_is_the_confirmed_state_with_the_pending_ops_on_top(self) -> None:
+        confirmed = [op for _, op in self.log[: self.doc.clock]]
+        pending = list(self.ours.values())
+        assert self.doc.pending == tuple(pending)
+        assert self.doc.state.to_json() == _fold(confirmed, pending).to_json()
+
+    def teardown(self) -> None:
+        while self.outbox:
+            self.server_takes_the_clients_next_op()
+        while self.doc.clock < len(self.log):
+            self.feed_delivers()
+        while self.answers:
+            self.a_rejection_reaches_the_client(0)
+        assert self.doc.pending == ()
+        assert self.doc.state.to_json() == self.server.to_json()
+
+
+def test_the_view_follows_the_server_whatever_commits_interleave() -> None:
+    run_state_machine_as_test(
+        ClientServerAndOthers,
+        settings=settings(
+            max_examples=300,
+            stateful_step_count=40,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
+
+
+def test_our_own_op_confirmed_in_turn_costs_no_rebase() -> None:
+    doc = OptimisticDoc(0, SubDocState.empty())
+    insert = NodeInsert(node_id="a", parent_id=ROOT)
+    doc.local("op1", insert)
+    view = doc.state
+    calls: list[str] = []
+    doc._rebase = lambda *args: calls.append("rebase")  # type: ignore[method-assign]
+    doc.committed(1, "op1", insert)
+    assert calls == []
+    assert doc.state is view
+    assert doc.pending == ()
+    assert doc.clock == 1
+
+
+def test_an_op_the_view_cannot_take_waits_unapplied_until_a_rebase_makes_room() -> None:
+    doc = OptimisticDoc(0, SubDocState.empty())
+    increment = NodeIncrement(node_id="a", field="c")
+    assert doc.local("op1", increment) is False  # no node "a" yet
+    assert "a" not in doc.state.nodes
+    doc.committed(1, "theirs", NodeInsert(node_id="a", parent_id=ROOT))  # someone inserts it
+    assert doc.state.nodes["a"].fields == {"c": 1}
+    assert doc.pending == (increment,)
+
+
+def test_a_committed_op_the_confirmed_state_cannot_take_is_divergence() -> None:
+    doc = OptimisticDoc(0, SubDocState.empty())
+    doc.local("op1", NodeInsert(node_id="a", parent_id=ROOT))
+    with pytest.raises(Diverged):
+        doc.committed(1, "theirs", NodeIncrement(node_id="zz", field="c"))
+    fresh = SubDocState.empty()
+    apply_op(fresh, NodeInsert(node_id="b", parent_id=ROOT))
+    doc.resync(1, fresh)
+    assert set(doc.state.nodes) >= {"a", "b"}
+    assert doc.clock == 1
