@@ -316,10 +316,16 @@ class SQLiteOutbox(Outbox):
         # Inside the error translation of `open`: a directory that cannot be made (a file in the
         # way, no permission) is an `outbox_open_failed`, not a bare OSError out of `start()`.
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        lock_existed = os.path.exists(f"{self.path}.lock")
         self._lock_fd = _take_file_lock(self.path, self.busy_timeout_ms)
         try:
             conn = _connect(self.path, self.busy_timeout_ms)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, OutboxError) and exc.code == "outbox_foreign" and not lock_existed:
+                # Refused untouched, but the `.lock` we made stayed beside the app's database.
+                # Removed while we hold it: whoever waits on it would be refused the same way.
+                with contextlib.suppress(OSError):
+                    os.unlink(f"{self.path}.lock")
             self._release_file_lock()
             raise
         try:

@@ -134,6 +134,7 @@ async def test_another_applications_database_is_refused_and_left_exactly_as_it_w
     assert error.code == "outbox_foreign"
     assert digest(path) == before
     assert siblings(path) == []
+    assert f"{path.name}.lock" not in os.listdir(tmp_path)  # nor a lock file of ours beside it
     conn = sqlite3.connect(path, timeout=0)  # not left locked either
     try:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
