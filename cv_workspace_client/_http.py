@@ -57,6 +57,11 @@ def not_an_answer(status: int, location: str | None) -> ProtocolError:
 #: only an op too large alone fails (`http_413` failed every op of the batch for good).
 _PROXY_PROBLEMS: dict[int, dict[str, Any]] = {413: {"code": "body_too_large"}}
 
+#: Bare 4xx statuses (no problem document) that are answers whoever sent them: a refused token
+#: (an auth proxy's 401 / 403: the lane parks for a new one), a body too large (the batch is
+#: halved), too many requests (retried after its wait). Any other bare 4xx is not an answer.
+_PROXY_ANSWERS = frozenset({401, 403, 413, 429})
+
 
 class HttpApi:
     """Routes of the v1 wire contract over one `aiohttp.ClientSession`."""
@@ -175,6 +180,17 @@ class HttpApi:
                         # The request was not received in time: nothing was applied, and it
                         # may well go through next time (`http_408` failed the op for good).
                         raise ConnectionFailedError("timeout", "HTTP 408 before an answer")
+                    if response.status < 500 and response.status not in _PROXY_ANSWERS:
+                        # Something in between answered for the server (a proxy's 404 for a
+                        # route it was not told about, its 400 or 421): the server never saw
+                        # the request, so this says nothing about the ops. Taken as final, a
+                        # misconfigured proxy made every op leave the outbox unapplied, and
+                        # replayed ones silently. Retried, then kept pending, like a lost answer.
+                        raise ProtocolError(
+                            "bad_answer",
+                            f"HTTP {response.status} without the server's problem document "
+                            "(from something in between?): not an answer of the API",
+                        )
                     problem = _PROXY_PROBLEMS.get(response.status)
                 raise error_from_problem(
                     response.status,

@@ -145,6 +145,7 @@ def test_a_corrupted_database_file_is_refused_in_one_line_by_serve_and_token(
 ) -> None:
     db = tmp_path / "cv.db"
     db.write_bytes(b"not a database, not at all " * 400)
+    db.chmod(0o600)  # the owner's alone, as the server makes it: no warning about the mode
     serve = _refused_start("serve", "--db", str(db), "--port", str(free_port()))
     _assert_one_clear_line(serve, "file is not a database")
     token = _refused_start("token", "--db", str(db), "--workspace", "acc")

@@ -18,6 +18,7 @@ from cv_mutations import NodeIncrement, NodeInsert
 from cv_workspace_client import (
     InvalidRequestError,
     NotFoundError,
+    ProtocolError,
     ServerError,
     StillPendingError,
     WorkspaceClient,
@@ -267,3 +268,40 @@ async def test_applies_whose_acks_never_come_time_out_and_are_resent_under_their
     op_ids = {doc: o.op_id for doc, o in zip("ab", outcomes, strict=True)}  # type: ignore[union-attr]
     for doc in "ab":  # three sends per op (retry_attempts), each after the previous timed out
         assert [ops for sub_doc, ops in fake.applies if sub_doc == doc] == [[op_ids[doc]]] * 3
+
+
+def _page(status: int) -> web.Response:
+    """A proxy's own page: HTML, no problem document (one Response per answer: aiohttp sends
+    each once)."""
+    return web.Response(status=status, text="<html>no route here</html>", content_type="text/html")
+
+
+@pytest.mark.parametrize("status", [400, 404, 421])
+async def test_a_bare_4xx_from_something_in_between_keeps_the_op_and_retries_it(
+    scripted: tuple[ScriptedServer, str], status: int
+) -> None:
+    """A proxy's own page (no problem document: the server never saw the request) used to fail
+    the op for good: it left the outbox unapplied, and a replayed one without a word."""
+    fake, url = scripted
+    fake.script.extend(_page(status) for _ in range(2))
+    sleep = RecordingSleep()
+    async with client_for(url, sleep) as client:
+        commit = await client.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
+    assert len(sleep.delays) == 2  # retried with the backoff, as a lost answer is
+    assert fake.requests == [[commit.op_id]] * 3  # the same op_id each time, applied once
+
+
+async def test_a_bare_4xx_to_the_last_attempt_leaves_the_op_pending_not_failed(
+    scripted: tuple[ScriptedServer, str],
+) -> None:
+    fake, url = scripted
+    fake.script.extend(_page(404) for _ in range(3))
+    sleep = RecordingSleep()
+    async with client_for(url, sleep, retry_attempts=3) as client:
+        with pytest.raises(StillPendingError) as pending:
+            await client.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
+        assert client.pending_count() == 1  # still in the outbox, to go once the route is fixed
+        assert isinstance(pending.value.last_error, ProtocolError)
+        await client.wait_synced(timeout=10)  # the proxy answers for the server again
+    assert fake.requests[-1] == [pending.value.op_id]
+    assert fake.clock == 1
