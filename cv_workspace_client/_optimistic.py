@@ -10,7 +10,13 @@ The rules, each pinned by a test:
 
 - A committed op from the feed that is this client's oldest pending op, applied as such, is
   already in the view at the right place: it only stops being pending (the common case costs
-  nothing). Any other committed op (another client's, or ours out of turn) is a rebase.
+  nothing). Any other committed op (another client's, ours out of turn, or another writer's op
+  under our op's op_id) is a rebase.
+- An op the server says is committed at a clock the confirmed state already holds (a duplicate
+  of a commit from before the view read the state, the feed after a `resync`) is in the
+  confirmed state: it stops being pending, or the view would show it twice for good.
+- One op_id is one pending op: the same op applied again (a retry after a cancel) shows once,
+  as the server applies it once.
 - A pending op the view cannot take (the local reducer refuses it: another client deleted its
   node, say) stays pending, unapplied: the server decides, and a later rebase may apply it.
 - An op the server answered without committing it (rejected, discarded, a final error) leaves.
@@ -74,6 +80,12 @@ class OptimisticDoc:
     def local(self, op_id: str, op: Op) -> bool:
         """The app submitted `op`: it is pending, and in the view if the view can take it (the
         return value)."""
+        for p in self._pending:
+            if p.op_id == op_id:
+                # The same op sent again (the SDK's advice after a cancel): the server applies it
+                # once, so the view shows it once. Someone waits for its answer again.
+                p.orphan = False
+                return p.undo is not None
         undo = self._try(op)
         self._pending.append(_Pending(op_id, op, undo))
         return undo is not None
@@ -82,15 +94,28 @@ class OptimisticDoc:
         """The feed delivered the op committed at `clock` (in clock order; older ones ignored).
         Raises `Diverged` if the confirmed state cannot take it."""
         if clock <= self.clock:
+            # Not news for the state, but it may be news for a pending op: after a `resync` the
+            # feed goes on delivering clocks the re-read state already holds, ours among them.
+            if op_id is not None:
+                self.confirmed(op_id, clock)
             return
-        head = self._pending[0] if self._pending else None
-        if head is not None and op_id is not None and head.op_id == op_id and head.undo is not None:
+        if self._is_head(op_id, op):
             # Applied on top of the confirmed state, first of the pending ops: it is where the
             # server put it. It joins the confirmed state as it stands.
             self._pending.pop(0)
         else:
             self._rebase(op, op_id)
         self.clock = clock
+
+    def confirmed(self, op_id: str, clock: int) -> bool:
+        """The server said `op_id` is committed at `clock` (its answer to us, a duplicate's
+        included). If the confirmed state already holds that clock, the op is in it: it leaves
+        the view (returns whether it was there). Otherwise the feed has yet to deliver it, and
+        `committed` will."""
+        if clock > self.clock or not self.is_pending(op_id):
+            return False
+        self._rebase(None, op_id)
+        return True
 
     def answered(self, op_id: str) -> None:
         """The server answered `op_id` without committing it: it leaves the view."""
@@ -111,6 +136,16 @@ class OptimisticDoc:
             p.undo = self._try(p.op)
 
     # -- internals ---------------------------------------------------------------------------------
+
+    def _is_head(self, op_id: str | None, op: Op) -> bool:
+        """Is the committed op our oldest pending op, in the view where the server put it?
+
+        Only if it is the same op: an op_id is unique in the log, not across writers, and an app
+        that reuses one for another op gets `op_id_reuse` for ours while theirs is committed."""
+        if op_id is None or not self._pending:
+            return False
+        head = self._pending[0]
+        return head.op_id == op_id and head.undo is not None and _same_op(head.op, op)
 
     def _try(self, op: Op) -> Undo | None:
         try:
@@ -134,3 +169,10 @@ class OptimisticDoc:
                 raise Diverged(f"the confirmed state cannot take a committed op: {exc}") from exc
         for p in self._pending:
             p.undo = self._try(p.op)
+
+
+def _same_op(ours: Op, committed: Op) -> bool:
+    """The same op, whether or not the feed's copy carries the op_id: O(the op), never the doc."""
+    if ours == committed:
+        return True
+    return ours.model_dump(exclude={"op_id"}) == committed.model_dump(exclude={"op_id"})

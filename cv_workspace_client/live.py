@@ -114,7 +114,7 @@ class LiveDoc:
         core.local(parsed.op_id, parsed)
         self._changed()
         try:
-            return await self.client.apply_op(self.workspace_id, self.sub_doc, parsed)
+            commit = await self.client.apply_op(self.workspace_id, self.sub_doc, parsed)
         except (StillPendingError, asyncio.CancelledError):
             # It waits in the outbox: still on its way, still in the view (see `_reconcile`).
             core.orphaned(parsed.op_id)
@@ -124,6 +124,11 @@ class LiveDoc:
             core.answered(parsed.op_id)  # rejected, discarded, refused: never committed
             self._changed()
             raise
+        # A duplicate of a commit the view's confirmed state already holds (sent before the
+        # LiveDoc read the state, or before a re-read): no feed frame will ever confirm it.
+        if core.confirmed(commit.op_id, commit.clock):
+            self._changed()
+        return commit
 
     # -- lifetime ----------------------------------------------------------------------------------
 

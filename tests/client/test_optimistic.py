@@ -77,6 +77,7 @@ class ClientServerAndOthers(RuleBasedStateMachine):
         self.outbox: list[tuple[str, Op]] = []  # ours, not yet taken by the server
         self.answers: list[str] = []  # ours the server rejected, answer not yet delivered
         self.ours: dict[str, Op] = {}  # every op the client submitted, still pending to it
+        self.decided: dict[str, bool] = {}  # op_id -> committed? (the server's dedupe record)
         self.next_id = 0
 
     def _id(self, who: str) -> str:
@@ -98,11 +99,24 @@ class ClientServerAndOthers(RuleBasedStateMachine):
         self.log.append((op_id, op))
         return True
 
+    @precondition(lambda self: self.ours)
+    @rule(i=st.integers(0, 100))
+    def client_sends_a_pending_op_again(self, i: int) -> None:
+        """The SDK's advice after a cancel: the same op, under its op_id, submitted again."""
+        op_id = list(self.ours)[i % len(self.ours)]
+        self.doc.local(op_id, self.ours[op_id])
+        self.outbox.append((op_id, self.ours[op_id]))
+
     @precondition(lambda self: self.outbox)
     @rule()
     def server_takes_the_clients_next_op(self) -> None:
         op_id, op = self.outbox.pop(0)  # one sub-doc: the client's ops leave in order
-        if not self._commit(op_id, op):
+        if op_id in self.decided:  # deduped: the first answer stands, nothing applied again
+            if not self.decided[op_id]:
+                self.answers.append(op_id)
+            return
+        self.decided[op_id] = self._commit(op_id, op)
+        if not self.decided[op_id]:
             self.answers.append(op_id)
 
     @rule(op=ops)
@@ -131,7 +145,7 @@ class ClientServerAndOthers(RuleBasedStateMachine):
     def a_rejection_reaches_the_client(self, i: int) -> None:
         op_id = self.answers.pop(i % len(self.answers))
         self.doc.answered(op_id)
-        self.ours.pop(op_id)
+        self.ours.pop(op_id, None)
 
     @invariant()
     def the_view_is_the_confirmed_state_with_the_pending_ops_on_top(self) -> None:
