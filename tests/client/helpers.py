@@ -51,8 +51,12 @@ async def server_log(server_url: str, sub_doc: str, workspace: str = WS) -> list
             entries.extend(page)
 
 
-async def server_state(server_url: str, sub_doc: str, workspace: str = WS) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {token_for(workspace)}"}
+async def server_state(
+    server_url: str, sub_doc: str, workspace: str = WS, token: str | None = None
+) -> dict[str, Any]:
+    """GET the sub-doc's state straight from the server (no proxy, no SDK); `token` for a
+    server minted with another secret (a real `cv-server` process)."""
+    headers = {"Authorization": f"Bearer {token or token_for(workspace)}"}
     async with (
         aiohttp.ClientSession() as session,
         session.get(

@@ -5,43 +5,16 @@ state — including when an op replayed after going offline is rejected with nob
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 
-from cv_mutations import NodeDelete, NodeIncrement, NodeInsert, SubDocState
+from cv_mutations import NodeDelete, NodeIncrement, NodeInsert
 from cv_workspace_client import OpRejectedError, StillPendingError, WorkspaceClient
 from cv_workspace_client.live import LiveDoc
 from cv_workspace_client.testing import FaultProxy
 
-from .helpers import WS, fast_config, server_state, token_for
-
-BOUND = 20.0
-
-
-def _count(state: SubDocState, node: str = "n") -> Any:
-    found = state.nodes.get(node)
-    return None if found is None else found.fields.get("c", 0)
-
-
-async def _until(doc: LiveDoc, condition: Callable[[LiveDoc], bool]) -> None:
-    """Wait (bounded) for a state of the view, following its change notifications."""
-    async with asyncio.timeout(BOUND):
-        async for _ in doc.changes():
-            if condition(doc):
-                return
-    raise AssertionError(f"the view stopped changing first ({doc.error!r})")
-
-
-async def _settled(doc: LiveDoc, server_url: str) -> dict[str, Any]:
-    """Wait until the client has every op answered, the view holds nothing pending and is at
-    the server's head; return the server's state."""
-    await doc.client.wait_synced(timeout=BOUND)
-    await _until(doc, lambda d: not d.pending)
-    truth = await server_state(server_url, "tree")
-    await _until(doc, lambda d: d.clock >= truth["clock"])
-    return truth
+from .helpers import WS, fast_config, token_for
+from .live_helpers import BOUND, count_of, settled
 
 
 async def test_edits_show_at_once_and_the_view_ends_as_the_servers_state(
@@ -53,22 +26,22 @@ async def test_edits_show_at_once_and_the_view_ends_as_the_servers_state(
     ):
         await mine.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
         async with LiveDoc(mine, WS, "tree") as doc:
-            assert _count(doc.state) == 0
+            assert count_of(doc.state) == 0
             calls = [
                 asyncio.ensure_future(doc.apply_op(NodeIncrement(node_id="n", field="c")))
                 for _ in range(5)
             ]
             await asyncio.sleep(0)  # the calls start: each is in the view before any answer
-            assert _count(doc.state) == 5
+            assert count_of(doc.state) == 5
             assert len(doc.pending) == 5
             others = [
                 theirs.apply_op(WS, "tree", NodeIncrement(node_id="n", field="c", by=10))
                 for _ in range(3)
             ]
             await asyncio.wait_for(asyncio.gather(*calls, *others), BOUND)
-            truth = await _settled(doc, server_url)
+            truth = await settled(doc, server_url)
             assert doc.state.to_json() == truth["state"]
-            assert _count(doc.state) == 35
+            assert count_of(doc.state) == 35
 
 
 async def test_offline_edits_stay_in_the_view_and_land_after_what_others_did_meanwhile(
@@ -89,15 +62,15 @@ async def test_offline_edits_stay_in_the_view_and_land_after_what_others_did_mea
                         await asyncio.wait_for(
                             doc.apply_op(NodeIncrement(node_id="n", field="c")), BOUND
                         )
-                assert _count(doc.state) == 3  # the app still shows its edits
+                assert count_of(doc.state) == 3  # the app still shows its edits
                 await theirs.apply_op(WS, "tree", NodeInsert(node_id="m", parent_id="root"))
                 assert "m" not in doc.state.nodes  # not seen while offline
 
                 proxy.refuse = False
                 mine.retry_pending()  # (the reconnect would do it too)
-                truth = await _settled(doc, server_url)
+                truth = await settled(doc, server_url)
                 assert doc.state.to_json() == truth["state"]
-                assert _count(doc.state) == 3
+                assert count_of(doc.state) == 3
                 assert "m" in doc.state.nodes
 
 
@@ -121,12 +94,12 @@ async def test_an_edit_rejected_when_replayed_leaves_the_view_though_nobody_wait
                     await asyncio.wait_for(
                         doc.apply_op(NodeIncrement(node_id="n", field="c")), BOUND
                     )
-                assert _count(doc.state) == 1
+                assert count_of(doc.state) == 1
                 await theirs.apply_op(WS, "tree", NodeDelete(node_id="n"))
 
                 proxy.refuse = False
                 mine.retry_pending()
-                truth = await _settled(doc, server_url)
+                truth = await settled(doc, server_url)
                 assert "n" not in doc.state.nodes
                 assert doc.state.to_json() == truth["state"]
 
@@ -141,5 +114,5 @@ async def test_a_rejected_edit_raises_and_leaves_the_view(server_url: str) -> No
         assert doc.pending == ()
         assert "zz" not in doc.state.nodes
         await asyncio.wait_for(doc.apply_op(NodeInsert(node_id="a", parent_id="root")), BOUND)
-        truth = await _settled(doc, server_url)
+        truth = await settled(doc, server_url)
         assert doc.state.to_json() == truth["state"]

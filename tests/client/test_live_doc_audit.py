@@ -5,11 +5,9 @@ op shares its op_id with another writer's."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 from cv_mutations import NodeDelete, NodeIncrement, NodeInsert, SubDocState, apply_op, new_op_id
@@ -19,22 +17,8 @@ from cv_workspace_client.live import LiveDoc
 from cv_workspace_client.testing import FaultProxy
 from tests.acceptance.procs import ServerProcess, free_port, mint_cli_token
 
-from .helpers import WS, fast_config, token_for
-
-BOUND = 20.0
-
-
-def _count(state: SubDocState, node: str = "n") -> Any:
-    found = state.nodes.get(node)
-    return None if found is None else found.fields.get("c", 0)
-
-
-async def _until(doc: LiveDoc, condition: Callable[[LiveDoc], bool]) -> None:
-    async with asyncio.timeout(BOUND):
-        async for _ in doc.changes():
-            if condition(doc):
-                return
-    raise AssertionError(f"the view stopped changing first ({doc.error!r})")
+from .helpers import WS, fast_config, server_state, token_for
+from .live_helpers import BOUND, count_of, settled
 
 
 def _with_n() -> SubDocState:
@@ -61,31 +45,9 @@ async def test_an_edit_committed_before_the_view_opened_is_not_shown_twice(
             assert commit.duplicate
             assert commit.clock <= doc.clock
             assert doc.pending == ()
-            truth = await _server_state(server_url, token_for(WS))
+            truth = await server_state(server_url, "tree")
             assert doc.state.to_json() == truth["state"]
-            assert _count(doc.state) == 1
-
-
-async def _server_state(url: str, token: str) -> dict[str, Any]:
-    """GET /v1/workspaces/{ws}/docs/tree, straight from the server (no proxy, no SDK)."""
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(
-            f"{url}/v1/workspaces/{WS}/docs/tree", headers={"Authorization": f"Bearer {token}"}
-        ) as response,
-    ):
-        assert response.status == 200, await response.text()
-        body: dict[str, Any] = await response.json()
-        return body
-
-
-async def _settled(doc: LiveDoc, url: str, token: str | None = None) -> dict[str, Any]:
-    """Every op answered, nothing pending in the view, the view at the server's head."""
-    await doc.client.wait_synced(timeout=BOUND)
-    await _until(doc, lambda d: not d.pending)
-    truth = await _server_state(url, token or token_for(WS))
-    await _until(doc, lambda d: d.clock >= truth["clock"])
-    return truth
+            assert count_of(doc.state) == 1
 
 
 async def test_an_edit_sent_again_after_its_caller_gave_up_shows_once_offline(
@@ -102,12 +64,12 @@ async def test_an_edit_sent_again_after_its_caller_gave_up_shows_once_offline(
                 for _ in range(2):  # the app's retry of one intent, as the SDK advises
                     with pytest.raises(StillPendingError):
                         await asyncio.wait_for(doc.apply_op(op), BOUND)
-                assert _count(doc.state) == 1
+                assert count_of(doc.state) == 1
                 proxy.refuse = False
                 client.retry_pending()
-                truth = await _settled(doc, server_url)
+                truth = await settled(doc, server_url)
                 assert doc.state.to_json() == truth["state"]
-                assert _count(doc.state) == 1
+                assert count_of(doc.state) == 1
 
 
 def test_a_pending_op_the_feed_delivers_at_or_below_the_confirmed_clock_leaves() -> None:
@@ -119,10 +81,10 @@ def test_a_pending_op_the_feed_delivers_at_or_below_the_confirmed_clock_leaves()
     fresh = _with_n()
     apply_op(fresh, op)
     doc.resync(2, fresh)
-    assert _count(doc.state) == 2  # confirmed 1 + pending 1: right until the feed speaks
+    assert count_of(doc.state) == 2  # confirmed 1 + pending 1: right until the feed speaks
     doc.committed(2, "mine0000", op)
     assert doc.pending == ()
-    assert _count(doc.state) == 1
+    assert count_of(doc.state) == 1
 
 
 def test_the_same_op_submitted_twice_shows_once_before_and_after_its_commit() -> None:
@@ -133,11 +95,11 @@ def test_the_same_op_submitted_twice_shows_once_before_and_after_its_commit() ->
     doc.local("again000", op)
     doc.orphaned("again000")  # its caller gave up
     doc.local("again000", op)
-    assert _count(doc.state) == 1
+    assert count_of(doc.state) == 1
     assert doc.orphans() == []  # someone waits for it again
     doc.committed(2, "again000", op)
     assert doc.pending == ()
-    assert _count(doc.state) == 1
+    assert count_of(doc.state) == 1
 
 
 def test_another_writers_op_under_our_op_id_is_not_taken_for_ours() -> None:
@@ -149,7 +111,7 @@ def test_another_writers_op_under_our_op_id_is_not_taken_for_ours() -> None:
     doc.local("shared00", ours)
     doc.committed(2, "shared00", theirs)
     assert doc.pending == ()
-    assert _count(doc.state) == 100
+    assert count_of(doc.state) == 100
 
 
 # -- everything at once, through a network that cuts ---------------------------------------------
@@ -215,9 +177,9 @@ async def test_two_views_end_as_the_servers_state_whatever_the_app_and_others_do
             proxy.cut_chunks(0)
             assert proxy.stats.cuts > 0  # the feed resumed by catch-up, ops were resent
             for doc in (one, two):
-                truth = await _settled(doc, server_url)
+                truth = await settled(doc, server_url)
                 assert doc.state.to_json() == truth["state"]
-            assert _count(one.state) == 40 + 8 * 3 + 10 * 100
+            assert count_of(one.state) == 40 + 8 * 3 + 10 * 100
 
 
 @pytest.mark.acceptance
@@ -240,7 +202,7 @@ async def test_the_view_survives_the_server_being_killed_and_restarted(tmp_path:
                     for _ in range(20)
                 ]
                 await asyncio.sleep(0)
-                assert _count(doc.state) == 40  # shown at once, server or no server
+                assert count_of(doc.state) == 40  # shown at once, server or no server
                 server.start()
                 outcomes = await asyncio.wait_for(
                     asyncio.gather(*first, *more, return_exceptions=True), BOUND
@@ -249,9 +211,9 @@ async def test_the_view_survives_the_server_being_killed_and_restarted(tmp_path:
                     not isinstance(o, BaseException) or isinstance(o, StillPendingError)
                     for o in outcomes
                 ), outcomes
-                truth = await _settled(doc, server.url, token)
+                truth = await settled(doc, server.url, token)
                 assert doc.state.to_json() == truth["state"]
-                assert _count(doc.state) == 40
+                assert count_of(doc.state) == 40
     finally:
         server.stop()
 
@@ -272,7 +234,7 @@ async def test_the_client_closing_under_the_view_ends_its_changes_and_its_close_
 
         async def watch() -> None:
             async for state in doc.changes():
-                seen.append(_count(state))
+                seen.append(count_of(state))
 
         watcher = asyncio.ensure_future(watch())
         call = asyncio.ensure_future(doc.apply_op(NodeIncrement(node_id="n", field="c")))
@@ -281,7 +243,7 @@ async def test_the_client_closing_under_the_view_ends_its_changes_and_its_close_
         await asyncio.wait_for(watcher, BOUND)  # ended, not left waiting forever
         outcome = await asyncio.gather(call, return_exceptions=True)
         if isinstance(outcome[0], StillPendingError):
-            assert _count(doc.state) == 1  # it waits in the outbox: still shown
+            assert count_of(doc.state) == 1  # it waits in the outbox: still shown
         assert doc.error is None
 
 
@@ -294,7 +256,7 @@ async def test_changes_consumers_that_lag_or_are_cancelled_leave_the_others_curr
         await client.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
         async with LiveDoc(client, WS, "tree") as doc:
             lagging = doc.changes()
-            assert _count(await anext(lagging)) == 0
+            assert count_of(await anext(lagging)) == 0
 
             async def next_change() -> SubDocState:
                 changes = doc.changes()
@@ -309,9 +271,9 @@ async def test_changes_consumers_that_lag_or_are_cancelled_leave_the_others_curr
             assert not doc._wakers  # the cancelled consumer left nothing behind
             for _ in range(5):
                 await asyncio.wait_for(doc.apply_op(NodeIncrement(node_id="n", field="c")), BOUND)
-            await _settled(doc, server_url)
+            await settled(doc, server_url)
             # The lagging consumer gets the latest view at once, not every step in between.
-            assert _count(await asyncio.wait_for(anext(lagging), BOUND)) == 5
+            assert count_of(await asyncio.wait_for(anext(lagging), BOUND)) == 5
         async for _ in lagging:  # the view closed: its changes end
             pass
 
@@ -329,7 +291,7 @@ async def test_closing_the_view_with_calls_in_flight_lets_them_finish(server_url
         await doc.aclose()
         commits = await asyncio.wait_for(asyncio.gather(*calls), BOUND)
         assert len({c.clock for c in commits}) == 5
-        truth = await _server_state(server_url, token_for(WS))
+        truth = await server_state(server_url, "tree")
         assert truth["state"]["nodes"]["n"]["fields"]["c"] == 5
 
 
@@ -350,7 +312,7 @@ async def test_a_diverged_view_rereads_the_server_and_keeps_its_pending_edits(
             apply_op(doc.state, NodeDelete(node_id="m"))
             await asyncio.wait_for(doc.apply_op(NodeIncrement(node_id="n", field="c")), BOUND)
             await theirs.apply_op(WS, "tree", NodeIncrement(node_id="m", field="c"))
-            truth = await _settled(doc, server_url)
+            truth = await settled(doc, server_url)
             assert doc.state.to_json() == truth["state"]
 
 
@@ -374,15 +336,15 @@ async def test_an_edit_the_reread_state_already_holds_leaves_the_view(server_url
                 op = NodeIncrement(node_id="n", field="c", op_id=new_op_id())
                 call = asyncio.ensure_future(doc.apply_op(op))
                 await asyncio.sleep(0)
-                assert _count(doc.state) == 1
+                assert count_of(doc.state) == 1
                 await theirs.apply_op(WS, "tree", NodeIncrement(node_id="m", field="c"))
                 await theirs.apply_op(WS, "tree", op)
                 proxy.refuse = False
                 commit = await asyncio.wait_for(call, BOUND)
                 assert commit.duplicate
-                truth = await _settled(doc, server_url)
+                truth = await settled(doc, server_url)
                 assert doc.state.to_json() == truth["state"]
-                assert _count(doc.state) == 1
+                assert count_of(doc.state) == 1
 
 
 async def test_another_writers_op_under_our_op_id_shows_as_theirs(server_url: str) -> None:
@@ -408,6 +370,6 @@ async def test_another_writers_op_under_our_op_id_shows_as_theirs(server_url: st
                 )
                 proxy.refuse = False
                 mine.retry_pending()
-                truth = await _settled(doc, server_url)
+                truth = await settled(doc, server_url)
                 assert doc.state.to_json() == truth["state"]
-                assert _count(doc.state) == 100
+                assert count_of(doc.state) == 100
