@@ -414,6 +414,12 @@ class WorkspaceClient(ReadMethods, QueueMethods):
         await asyncio.shield(settling)
         return count
 
+    def mint_op_id(self) -> str:
+        """A fresh op_id from the client's minter (the one `apply_op` uses for an op without
+        one): for an app that names an op before it submits it, to submit it again after a
+        cancel, say."""
+        return self._mint()
+
     def acknowledged_clock(self, workspace_id: str, sub_doc: str) -> int:
         """The highest clock the server reported to this client for the sub-doc."""
         return self._machine.acknowledged_clock(workspace_id, sub_doc)

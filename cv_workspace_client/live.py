@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from cv_mutations import InvalidOp, Op, SubDocState, new_op_id, parse_op
+from cv_mutations import InvalidOp, Op, SubDocState, parse_op
 from cv_workspace_client._optimistic import Diverged, OptimisticDoc
 from cv_workspace_client.errors import InvalidRequestError, StillPendingError, WorkspaceError
 from cv_workspace_client.models import Commit
@@ -107,9 +107,12 @@ class LiveDoc:
 
     async def apply_op(self, op: Op | Mapping[str, Any]) -> Commit:
         """Apply `op` through the client (see `WorkspaceClient.apply_op`), showing it in `state`
-        at once. Raises what the client's `apply_op` raises."""
+        at once. Raises what the client's `apply_op` raises; `RuntimeError` once the `LiveDoc`
+        is closed (the op would be sent, and shown nowhere)."""
         core = self._open()
-        parsed = _with_op_id(op)
+        if self._closed:
+            raise RuntimeError("the LiveDoc is closed")
+        parsed = _with_op_id(op, self.client.mint_op_id)
         assert parsed.op_id is not None
         core.local(parsed.op_id, parsed)
         self._changed()
@@ -223,9 +226,9 @@ class LiveDoc:
                 waker.set_result(None)
 
 
-def _with_op_id(op: Op | Mapping[str, Any]) -> Op:
-    """The op, with its op_id minted now if it has none: the view tracks it by that id, and the
-    client keeps it for every retry (DESIGN §6)."""
+def _with_op_id(op: Op | Mapping[str, Any], mint: Callable[[], str]) -> Op:
+    """The op, with its op_id minted now (by the client's minter) if it has none: the view
+    tracks it by that id, and the client keeps it for every retry (DESIGN §6)."""
     if isinstance(op, Mapping):
         try:
             parsed = parse_op(dict(op))
@@ -234,5 +237,5 @@ def _with_op_id(op: Op | Mapping[str, Any]) -> Op:
     else:
         parsed = op
     if parsed.op_id is None:
-        parsed = parsed.model_copy(update={"op_id": new_op_id()})
+        parsed = parsed.model_copy(update={"op_id": mint()})
     return parsed

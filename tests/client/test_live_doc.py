@@ -116,3 +116,24 @@ async def test_a_rejected_edit_raises_and_leaves_the_view(server_url: str) -> No
         await asyncio.wait_for(doc.apply_op(NodeInsert(node_id="a", parent_id="root")), BOUND)
         truth = await settled(doc, server_url)
         assert doc.state.to_json() == truth["state"]
+
+
+async def test_ops_get_the_clients_op_ids_and_none_is_taken_after_close(
+    server_url: str,
+) -> None:
+    """The op_id of an op applied through the view came from `cv_mutations.new_op_id`, not the
+    client's injected minter; and `apply_op` on a closed view sent an op shown nowhere."""
+    minted = iter(f"mine_{i:04d}" for i in range(100))
+    async with WorkspaceClient(
+        server_url, token=token_for(WS), config=fast_config(), new_op_id=lambda: next(minted)
+    ) as client:
+        doc = LiveDoc(client, WS, "tree")
+        async with doc:
+            commit = await asyncio.wait_for(
+                doc.apply_op(NodeInsert(node_id="n", parent_id="root")), BOUND
+            )
+        assert commit.op_id == "mine_0000"
+        with pytest.raises(RuntimeError):
+            await doc.apply_op(NodeIncrement(node_id="n", field="c"))
+        assert client.pending_count() == 0
+        assert client.mint_op_id() == "mine_0001"
