@@ -1,15 +1,20 @@
-"""Shared waits for the `LiveDoc` tests: on the view's own change notifications, bounded."""
+"""Shared pieces of the `LiveDoc` tests: waits on the view's own change notifications
+(bounded), and a view taken offline."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
-from cv_mutations import SubDocState
+from cv_mutations import NodeInsert, SubDocState
+from cv_workspace_client import WorkspaceClient
 from cv_workspace_client.live import LiveDoc
+from cv_workspace_client.testing import FaultProxy
 
-from .helpers import server_state
+from .helpers import WS, fast_config, server_state, token_for
 
 BOUND = 20.0
 
@@ -37,3 +42,35 @@ async def settled(doc: LiveDoc, url: str, token: str | None = None) -> dict[str,
     truth = await server_state(url, "tree", token=token)
     await until(doc, lambda d: d.clock >= truth["clock"])
     return truth
+
+
+@dataclass
+class Offline:
+    """A view (`doc`) on a client (`mine`) whose every connection goes through `proxy`, now
+    offline, and another client (`theirs`) straight to the server."""
+
+    proxy: FaultProxy
+    mine: WorkspaceClient
+    theirs: WorkspaceClient
+    doc: LiveDoc
+
+    def back_online(self) -> None:
+        self.proxy.refuse = False
+        self.mine.retry_pending()  # (the reconnect would do it too)
+
+
+@asynccontextmanager
+async def offline_view(server_url: str) -> AsyncIterator[Offline]:
+    """`tree` with node "n" inserted, its `LiveDoc` open, then the proxy refusing and every
+    connection dropped (the websocket included): the app is offline. Two attempts per op."""
+    async with FaultProxy(server_url) as proxy:
+        config = fast_config(retry_attempts=2)
+        async with (
+            WorkspaceClient(proxy.url, token=token_for(WS), config=config) as mine,
+            WorkspaceClient(server_url, token=token_for(WS), config=config) as theirs,
+        ):
+            await mine.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
+            async with LiveDoc(mine, WS, "tree") as doc:
+                proxy.refuse = True
+                proxy.drop_all()
+                yield Offline(proxy, mine, theirs, doc)

@@ -11,10 +11,9 @@ import pytest
 from cv_mutations import NodeDelete, NodeIncrement, NodeInsert
 from cv_workspace_client import OpRejectedError, StillPendingError, WorkspaceClient
 from cv_workspace_client.live import LiveDoc
-from cv_workspace_client.testing import FaultProxy
 
 from .helpers import WS, fast_config, token_for
-from .live_helpers import BOUND, count_of, settled
+from .live_helpers import BOUND, count_of, offline_view, settled
 
 
 async def test_edits_show_at_once_and_the_view_ends_as_the_servers_state(
@@ -47,31 +46,20 @@ async def test_edits_show_at_once_and_the_view_ends_as_the_servers_state(
 async def test_offline_edits_stay_in_the_view_and_land_after_what_others_did_meanwhile(
     server_url: str,
 ) -> None:
-    async with FaultProxy(server_url) as proxy:
-        config = fast_config(retry_attempts=2)
-        async with (
-            WorkspaceClient(proxy.url, token=token_for(WS), config=config) as mine,
-            WorkspaceClient(server_url, token=token_for(WS), config=config) as theirs,
-        ):
-            await mine.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
-            async with LiveDoc(mine, WS, "tree") as doc:
-                proxy.refuse = True
-                proxy.drop_all()  # offline: the websocket and every connection go
-                for _ in range(3):
-                    with pytest.raises(StillPendingError):
-                        await asyncio.wait_for(
-                            doc.apply_op(NodeIncrement(node_id="n", field="c")), BOUND
-                        )
-                assert count_of(doc.state) == 3  # the app still shows its edits
-                await theirs.apply_op(WS, "tree", NodeInsert(node_id="m", parent_id="root"))
-                assert "m" not in doc.state.nodes  # not seen while offline
+    async with offline_view(server_url) as net:
+        doc = net.doc
+        for _ in range(3):
+            with pytest.raises(StillPendingError):
+                await asyncio.wait_for(doc.apply_op(NodeIncrement(node_id="n", field="c")), BOUND)
+        assert count_of(doc.state) == 3  # the app still shows its edits
+        await net.theirs.apply_op(WS, "tree", NodeInsert(node_id="m", parent_id="root"))
+        assert "m" not in doc.state.nodes  # not seen while offline
 
-                proxy.refuse = False
-                mine.retry_pending()  # (the reconnect would do it too)
-                truth = await settled(doc, server_url)
-                assert doc.state.to_json() == truth["state"]
-                assert count_of(doc.state) == 3
-                assert "m" in doc.state.nodes
+        net.back_online()
+        truth = await settled(doc, server_url)
+        assert doc.state.to_json() == truth["state"]
+        assert count_of(doc.state) == 3
+        assert "m" in doc.state.nodes
 
 
 async def test_an_edit_rejected_when_replayed_leaves_the_view_though_nobody_waits(
@@ -80,28 +68,17 @@ async def test_an_edit_rejected_when_replayed_leaves_the_view_though_nobody_wait
     """Offline, the app increments a node; meanwhile another client deletes it. Replayed, the
     increment is rejected with no caller left to tell (it had given up): the view drops it once
     the client has nothing pending and the feed has caught up."""
-    async with FaultProxy(server_url) as proxy:
-        config = fast_config(retry_attempts=2)
-        async with (
-            WorkspaceClient(proxy.url, token=token_for(WS), config=config) as mine,
-            WorkspaceClient(server_url, token=token_for(WS), config=config) as theirs,
-        ):
-            await mine.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
-            async with LiveDoc(mine, WS, "tree") as doc:
-                proxy.refuse = True
-                proxy.drop_all()
-                with pytest.raises(StillPendingError):
-                    await asyncio.wait_for(
-                        doc.apply_op(NodeIncrement(node_id="n", field="c")), BOUND
-                    )
-                assert count_of(doc.state) == 1
-                await theirs.apply_op(WS, "tree", NodeDelete(node_id="n"))
+    async with offline_view(server_url) as net:
+        doc = net.doc
+        with pytest.raises(StillPendingError):
+            await asyncio.wait_for(doc.apply_op(NodeIncrement(node_id="n", field="c")), BOUND)
+        assert count_of(doc.state) == 1
+        await net.theirs.apply_op(WS, "tree", NodeDelete(node_id="n"))
 
-                proxy.refuse = False
-                mine.retry_pending()
-                truth = await settled(doc, server_url)
-                assert "n" not in doc.state.nodes
-                assert doc.state.to_json() == truth["state"]
+        net.back_online()
+        truth = await settled(doc, server_url)
+        assert "n" not in doc.state.nodes
+        assert doc.state.to_json() == truth["state"]
 
 
 async def test_a_rejected_edit_raises_and_leaves_the_view(server_url: str) -> None:

@@ -18,7 +18,7 @@ from cv_workspace_client.testing import FaultProxy
 from tests.acceptance.procs import ServerProcess, free_port, mint_cli_token
 
 from .helpers import WS, fast_config, server_state, token_for
-from .live_helpers import BOUND, count_of, settled
+from .live_helpers import BOUND, count_of, offline_view, settled
 
 
 def _with_n() -> SubDocState:
@@ -53,23 +53,17 @@ async def test_an_edit_committed_before_the_view_opened_is_not_shown_twice(
 async def test_an_edit_sent_again_after_its_caller_gave_up_shows_once_offline(
     server_url: str,
 ) -> None:
-    async with FaultProxy(server_url) as proxy:
-        config = fast_config(retry_attempts=2)
-        async with WorkspaceClient(proxy.url, token=token_for(WS), config=config) as client:
-            await client.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
-            async with LiveDoc(client, WS, "tree") as doc:
-                proxy.refuse = True
-                proxy.drop_all()
-                op = NodeIncrement(node_id="n", field="c", op_id=new_op_id())
-                for _ in range(2):  # the app's retry of one intent, as the SDK advises
-                    with pytest.raises(StillPendingError):
-                        await asyncio.wait_for(doc.apply_op(op), BOUND)
-                assert count_of(doc.state) == 1
-                proxy.refuse = False
-                client.retry_pending()
-                truth = await settled(doc, server_url)
-                assert doc.state.to_json() == truth["state"]
-                assert count_of(doc.state) == 1
+    async with offline_view(server_url) as net:
+        doc = net.doc
+        op = NodeIncrement(node_id="n", field="c", op_id=new_op_id())
+        for _ in range(2):  # the app's retry of one intent, as the SDK advises
+            with pytest.raises(StillPendingError):
+                await asyncio.wait_for(doc.apply_op(op), BOUND)
+        assert count_of(doc.state) == 1
+        net.back_online()
+        truth = await settled(doc, server_url)
+        assert doc.state.to_json() == truth["state"]
+        assert count_of(doc.state) == 1
 
 
 def test_a_pending_op_the_feed_delivers_at_or_below_the_confirmed_clock_leaves() -> None:
@@ -351,25 +345,16 @@ async def test_another_writers_op_under_our_op_id_shows_as_theirs(server_url: st
     """Offline, the app applies an op whose op_id another process then uses for a different
     op (an app bug the server answers with `op_id_reuse`). The feed's op is what the server
     holds: the view must show theirs, never keep ours as if it had been committed."""
-    async with FaultProxy(server_url) as proxy:
-        config = fast_config(retry_attempts=2)
-        async with (
-            WorkspaceClient(proxy.url, token=token_for(WS), config=config) as mine,
-            WorkspaceClient(server_url, token=token_for(WS), config=config) as theirs,
-        ):
-            await mine.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
-            async with LiveDoc(mine, WS, "tree") as doc:
-                proxy.refuse = True
-                proxy.drop_all()
-                shared = new_op_id()
-                ours = NodeIncrement(node_id="n", field="c", by=1, op_id=shared)
-                with pytest.raises(StillPendingError):
-                    await asyncio.wait_for(doc.apply_op(ours), BOUND)
-                await theirs.apply_op(
-                    WS, "tree", NodeIncrement(node_id="n", field="c", by=100, op_id=shared)
-                )
-                proxy.refuse = False
-                mine.retry_pending()
-                truth = await settled(doc, server_url)
-                assert doc.state.to_json() == truth["state"]
-                assert count_of(doc.state) == 100
+    async with offline_view(server_url) as net:
+        doc = net.doc
+        shared = new_op_id()
+        ours = NodeIncrement(node_id="n", field="c", by=1, op_id=shared)
+        with pytest.raises(StillPendingError):
+            await asyncio.wait_for(doc.apply_op(ours), BOUND)
+        await net.theirs.apply_op(
+            WS, "tree", NodeIncrement(node_id="n", field="c", by=100, op_id=shared)
+        )
+        net.back_online()
+        truth = await settled(doc, server_url)
+        assert doc.state.to_json() == truth["state"]
+        assert count_of(doc.state) == 100
