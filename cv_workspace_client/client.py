@@ -457,7 +457,7 @@ class WorkspaceClient(ReadMethods, QueueMethods):
         check_ids(workspace_id, sub_doc)
         raws: list[dict[str, Any]] = []
         for op in ops:
-            raw = _as_op(op).model_dump(mode="json", exclude_none=True)
+            raw = as_op(op).model_dump(mode="json", exclude_none=True)
             if "op_id" not in raw:
                 # Minted once, here, before the op is written anywhere: its identity from now on.
                 raw["op_id"] = self._mint()
@@ -671,7 +671,9 @@ class WorkspaceClient(ReadMethods, QueueMethods):
             raise RuntimeError("the WorkspaceClient is not open (use `async with`)")
 
 
-def _as_op(op: OpLike) -> Op:
+def as_op(op: OpLike) -> Op:
+    """The op as the typed model: a mapping is parsed (`InvalidRequestError` if it is not one),
+    a model passed through. Shared with `LiveDoc`."""
     if isinstance(op, Mapping):
         try:
             return parse_op(dict(op))

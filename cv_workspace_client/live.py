@@ -33,13 +33,13 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from cv_mutations import InvalidOp, Op, SubDocState, parse_op
+from cv_mutations import Op, SubDocState
 from cv_workspace_client._optimistic import Diverged, OptimisticDoc
-from cv_workspace_client.errors import InvalidRequestError, StillPendingError, WorkspaceError
+from cv_workspace_client.client import WorkspaceClient, as_op
+from cv_workspace_client.errors import StillPendingError, WorkspaceError
 from cv_workspace_client.models import Commit
 
 if TYPE_CHECKING:
-    from cv_workspace_client.client import WorkspaceClient
     from cv_workspace_client.stream import Subscription
 
 __all__ = ["LiveDoc"]
@@ -229,13 +229,7 @@ class LiveDoc:
 def _with_op_id(op: Op | Mapping[str, Any], mint: Callable[[], str]) -> Op:
     """The op, with its op_id minted now (by the client's minter) if it has none: the view
     tracks it by that id, and the client keeps it for every retry (DESIGN §6)."""
-    if isinstance(op, Mapping):
-        try:
-            parsed = parse_op(dict(op))
-        except InvalidOp as exc:
-            raise InvalidRequestError(exc.code, exc.message) from None
-    else:
-        parsed = op
+    parsed = as_op(op)
     if parsed.op_id is None:
         parsed = parsed.model_copy(update={"op_id": mint()})
     return parsed
