@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from cv_mutations import Op, SubDocState
 from cv_workspace_client._optimistic import Diverged, OptimisticDoc
-from cv_workspace_client.client import WorkspaceClient, as_op
+from cv_workspace_client._pump import as_op
+from cv_workspace_client.client import WorkspaceClient
 from cv_workspace_client.errors import StillPendingError, WorkspaceError
 from cv_workspace_client.models import Commit
 
