@@ -299,9 +299,17 @@ class SQLiteOutbox(Outbox):
         `busy_timeout_ms`."""
         self = cls(path, sync=sync, busy_timeout_ms=busy_timeout_ms)
         self._loop = loop = asyncio.get_running_loop()
+        # Opening may wait up to busy_timeout_ms for the lock: not on the event loop.
+        opening = loop.run_in_executor(None, self._open_file, page_rows)
         try:
-            # Opening may wait up to busy_timeout_ms for the lock: not on the event loop.
-            opened = await loop.run_in_executor(None, self._open_file, page_rows)
+            # Shielded so that a cancelled open (an app's timeout around `start()`) can still
+            # see what its thread opens: the thread cannot be stopped, and the connection and
+            # file lock it returned to nobody kept the outbox locked for every later client of
+            # this process.
+            opened = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            opening.add_done_callback(self._abandon_open)
+            raise
         except BaseException as exc:
             raise _as_outbox_error(exc, self.path) from None
         self._conn, self.rows, self.backlog, self._identity = opened
@@ -349,6 +357,13 @@ class SQLiteOutbox(Outbox):
             self._release_file_lock()
             raise
         return conn, rows, backlog, identity
+
+    def _abandon_open(self, opening: asyncio.Future[Any]) -> None:
+        """The open was cancelled: close what its thread opened once it is done."""
+        if opening.cancelled() or opening.exception() is not None:
+            return  # it released the lock itself
+        opening.result()[0].close()
+        self._release_file_lock()
 
     def _release_file_lock(self) -> None:
         fd, self._lock_fd = self._lock_fd, None

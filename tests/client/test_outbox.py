@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sqlite3
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -190,3 +192,54 @@ async def test_the_memory_outbox_keeps_the_same_contract() -> None:
     assert await write(outbox, OutboxWrite(deletes=[1], attempts=[2])) is None
     pending = await outbox.pending()
     assert [(r.seq, r.attempts) for r in pending] == [(2, 1)]
+
+
+async def test_an_open_cancelled_while_it_waits_for_the_lock_leaves_the_file_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`start()` cancelled (an app's timeout) while the open waits in its thread for the lock:
+    the thread goes on, takes the lock and opens the file. Nobody was left to close them, so
+    the file stayed locked by this process: every later client on it, in this process, failed
+    with `outbox_locked`."""
+    import fcntl
+
+    from cv_workspace_client import _outbox
+
+    path = tmp_path / "app.outbox"
+    entered, taken = threading.Event(), threading.Event()
+    take = _outbox._take_file_lock
+
+    def take_noting_entry(p: str, busy_timeout_ms: int) -> int | None:
+        entered.set()
+        try:
+            return take(p, busy_timeout_ms)
+        finally:
+            taken.set()
+
+    monkeypatch.setattr(_outbox, "_take_file_lock", take_noting_entry)
+    holder = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another client holds the outbox
+    opening = asyncio.ensure_future(SQLiteOutbox.open(path, busy_timeout_ms=TIMEOUT * 1000))
+    loop = asyncio.get_running_loop()
+    assert await loop.run_in_executor(None, entered.wait, TIMEOUT)
+    opening.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+    os.close(holder)  # the other client leaves: the cancelled open's thread gets the lock now
+    assert await loop.run_in_executor(None, taken.wait, TIMEOUT)
+    monkeypatch.undo()
+
+    # The file must come free by itself once that thread is done: a later open gets it.
+    deadline = loop.time() + TIMEOUT
+    codes: list[str] = []
+    while loop.time() < deadline:
+        try:
+            outbox = await SQLiteOutbox.open(path, busy_timeout_ms=100)
+        except OutboxError as exc:
+            codes.append(exc.code)
+            continue
+        await outbox.close()
+        break
+    else:
+        pytest.fail("the cancelled open kept the outbox locked")
+    assert set(codes) <= {"outbox_locked"}
