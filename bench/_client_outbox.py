@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cv_workspace_client._machine import OutboxMachine, OutboxRow, Send
-from cv_workspace_client._outbox import MemoryOutbox, Outbox, OutboxWrite, SQLiteOutbox
+from cv_workspace_client._outbox import MemoryOutbox, Outbox, OutboxWrite
+from cv_workspace_client._outbox_sqlite import SQLiteOutbox
 
 __all__ = ["OutboxFigure", "measure_outbox"]
 

@@ -27,7 +27,8 @@ from cv_workspace_client._machine import (
     Discard,
     OutboxMachine,
 )
-from cv_workspace_client._outbox import MemoryOutbox, Outbox, OutboxWrite, SQLiteOutbox
+from cv_workspace_client._outbox import MemoryOutbox, Outbox, OutboxWrite
+from cv_workspace_client._outbox_sqlite import SQLiteOutbox
 from cv_workspace_client._pump import OpLike, OpPump
 from cv_workspace_client._queue_api import QueueMethods
 from cv_workspace_client._reads import ReadMethods, check_ids

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from cv_workspace_client._machine import OutboxRow
-from cv_workspace_client._outbox import MemoryOutbox, OutboxWrite, SQLiteOutbox
+from cv_workspace_client._outbox import MemoryOutbox, OutboxWrite
+from cv_workspace_client._outbox_sqlite import SQLiteOutbox
 from cv_workspace_client.errors import OutboxError
 
 #: Bound on every wait for the outbox's writer thread.
@@ -58,7 +59,8 @@ async def test_a_committed_write_survives_a_crash_before_its_fsync(tmp_path: Pat
     script = (
         "import asyncio, json, os, signal, sys\n"
         "from cv_workspace_client._machine import OutboxRow\n"
-        "from cv_workspace_client._outbox import OutboxWrite, SQLiteOutbox\n"
+        "from cv_workspace_client._outbox import OutboxWrite\n"
+        "from cv_workspace_client._outbox_sqlite import SQLiteOutbox\n"
         "async def main():\n"
         "    outbox = await SQLiteOutbox.open(sys.argv[1])\n"
         "    op = json.dumps({'type': 'node.increment', 'node_id': 'n', 'field': 'c',"
@@ -203,11 +205,11 @@ async def test_an_open_cancelled_while_it_waits_for_the_lock_leaves_the_file_fre
     with `outbox_locked`."""
     import fcntl
 
-    from cv_workspace_client import _outbox
+    from cv_workspace_client import _outbox_file, _outbox_sqlite
 
     path = tmp_path / "app.outbox"
     entered, taken = threading.Event(), threading.Event()
-    take = _outbox._take_file_lock
+    take = _outbox_file.take_file_lock
 
     def take_noting_entry(p: str, busy_timeout_ms: int) -> int | None:
         entered.set()
@@ -216,7 +218,7 @@ async def test_an_open_cancelled_while_it_waits_for_the_lock_leaves_the_file_fre
         finally:
             taken.set()
 
-    monkeypatch.setattr(_outbox, "_take_file_lock", take_noting_entry)
+    monkeypatch.setattr(_outbox_sqlite, "take_file_lock", take_noting_entry)
     holder = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(holder, fcntl.LOCK_EX)  # another client holds the outbox
     opening = asyncio.ensure_future(SQLiteOutbox.open(path, busy_timeout_ms=TIMEOUT * 1000))

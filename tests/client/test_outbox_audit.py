@@ -25,7 +25,8 @@ from cv_mutations import NodeIncrement, NodeInsert
 from cv_server import ServerConfig, create_app
 from cv_workspace_client import WorkspaceClient
 from cv_workspace_client._machine import OutboxRow
-from cv_workspace_client._outbox import OutboxWrite, SQLiteOutbox
+from cv_workspace_client._outbox import OutboxWrite
+from cv_workspace_client._outbox_sqlite import SQLiteOutbox
 from cv_workspace_client.errors import OutboxError
 
 from .helpers import SECRET, WS, fast_config, server_log, token_for
@@ -97,7 +98,8 @@ async def insert_counter_node(url: str) -> None:
 KILLED_WRITER = """
 import asyncio, json, sys
 from cv_workspace_client._machine import OutboxRow
-from cv_workspace_client._outbox import OutboxWrite, SQLiteOutbox
+from cv_workspace_client._outbox import OutboxWrite
+from cv_workspace_client._outbox_sqlite import SQLiteOutbox
 from tests.client.test_outbox_audit import increment
 
 async def main():

@@ -26,7 +26,9 @@ from cv_mutations import NodeIncrement, NodeInsert, NodeUpdate
 from cv_server import ServerConfig, create_app
 from cv_workspace_client import StillPendingError, WorkspaceClient
 from cv_workspace_client._machine import OutboxRow
-from cv_workspace_client._outbox import APPLICATION_ID, OutboxWrite, SQLiteOutbox
+from cv_workspace_client._outbox import OutboxWrite
+from cv_workspace_client._outbox_file import APPLICATION_ID
+from cv_workspace_client._outbox_sqlite import SQLiteOutbox
 from cv_workspace_client.errors import OutboxError
 
 from .helpers import SECRET, WS, fast_config, server_log, server_state, token_for
@@ -308,7 +310,8 @@ async def test_a_frozen_holder_keeps_the_outbox_and_a_sigkilled_one_frees_it_at_
 
 RACER = """
 import asyncio, os, sys
-from cv_workspace_client._outbox import OutboxWrite, SQLiteOutbox
+from cv_workspace_client._outbox import OutboxWrite
+from cv_workspace_client._outbox_sqlite import SQLiteOutbox
 from cv_workspace_client.errors import OutboxError
 from tests.client.test_outbox_durability_audit import increment
 
@@ -458,7 +461,7 @@ DISK_FULL = """
 import asyncio, json, os, sys
 from cv_mutations import NodeUpdate
 from cv_workspace_client import StillPendingError, WorkspaceClient
-from cv_workspace_client._outbox import SQLiteOutbox
+from cv_workspace_client._outbox_sqlite import SQLiteOutbox
 from cv_workspace_client.errors import OutboxError
 from tests.client.helpers import WS, fast_config, token_for
 from tests.client.test_outbox_durability_audit import silent_server

@@ -40,7 +40,8 @@ from cv_workspace_client._machine import (
     OutboxRow,
     Send,
 )
-from cv_workspace_client._outbox import MemoryOutbox, OutboxWrite, SQLiteOutbox
+from cv_workspace_client._outbox import MemoryOutbox, OutboxWrite
+from cv_workspace_client._outbox_sqlite import SQLiteOutbox
 from cv_workspace_client.errors import OutboxError, StillPendingError
 
 from .helpers import WS, fast_config, server_log

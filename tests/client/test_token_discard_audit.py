@@ -22,7 +22,7 @@ from cv_workspace_client import (
     SyncStatus,
     WorkspaceClient,
 )
-from cv_workspace_client._outbox import SQLiteOutbox
+from cv_workspace_client._outbox_sqlite import SQLiteOutbox
 from cv_workspace_client.testing import FaultProxy
 
 from .helpers import WS, fast_config, server_log, token_for
