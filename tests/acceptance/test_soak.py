@@ -372,22 +372,28 @@ async def soak(tmp_path: Path, servers: Servers, token: str, url: str, provider_
         dropper = asyncio.create_task(drop_now_and_then(sub_proxy, stop_faults))
 
         columns = [{"name": f"c{i}", "prompt": f"Soak criterion {i}."} for i in range(COLUMNS)]
-        enqueued = await asyncio.gather(
-            *(
-                admin.enqueue(
-                    WS,
-                    stage="evaluate",
-                    job_id=job,
-                    input={"columns": columns},
-                    deterministic=False,
-                    idempotency_key=f"soak-{job}-{n}",
+
+        async def enqueue_jobs(some: list[str]) -> list[str]:
+            enqueued = await asyncio.gather(
+                *(
+                    admin.enqueue(
+                        WS,
+                        stage="evaluate",
+                        job_id=job,
+                        input={"columns": columns},
+                        deterministic=False,
+                        idempotency_key=f"soak-{job}-{n}",
+                    )
+                    for job in some
+                    for n in range(REQUESTS_PER_JOB)
                 )
-                for job in jobs
-                for n in range(REQUESTS_PER_JOB)
             )
-        )
-        request_ids = sorted({e.request_id for e in enqueued})
-        assert len(request_ids) == STAGE_JOBS * REQUESTS_PER_JOB
+            return [e.request_id for e in enqueued]
+
+        # Half the stage jobs now, half once the server was killed and restarted: the kill is
+        # then mid-stages by construction. All of them up front, a loaded machine ran every
+        # stage before the writers were half done, and the kill landed after the stages.
+        request_ids = await enqueue_jobs(jobs[: STAGE_JOBS // 2])
 
         writers: list[Writer] = []
         for i in range(WRITERS):
@@ -429,6 +435,9 @@ async def soak(tmp_path: Path, servers: Servers, token: str, url: str, provider_
         kill_points["server"] = (writer_ops_seen(), len(jobs_follower.cells))
         servers.kill()
         await asyncio.to_thread(servers.start)
+        request_ids += await enqueue_jobs(jobs[STAGE_JOBS // 2 :])
+        request_ids = sorted(set(request_ids))
+        assert len(request_ids) == STAGE_JOBS * REQUESTS_PER_JOB
 
         # (4) every stage request, waited for through the restart.
         outcomes = await asyncio.gather(
