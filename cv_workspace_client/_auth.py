@@ -112,6 +112,7 @@ class TokenRefresher:
         self._adopt = adopt
         self._sleep = sleep
         self._running: asyncio.Future[bool] | None = None
+        self._closed = False
         #: The tokens the provider gave since the last one accepted: a refusal of one of them is
         #: a failed refresh; a refusal of any other token (one the app set) is a plain expiry.
         self._given: set[str] = set()
@@ -121,7 +122,10 @@ class TokenRefresher:
         once, with it); False if the refusal stands."""
         if self._current() != refused:
             return True  # replaced while the request was out (`set_token`, another refresh)
-        if self.provider is None:
+        if self.provider is None or self._closed:
+            # Closed: a refresh started now adopted its token into a client that had closed
+            # (`RuntimeError` into the refused request's caller) and asked the provider for
+            # nothing.
             return False
         if self._running is None:
             self._running = asyncio.ensure_future(self._refresh(refused))
@@ -151,7 +155,9 @@ class TokenRefresher:
         self.policy.accepted()
 
     def close(self) -> None:
-        """The client is closing: a refresh under way is abandoned (its callers are too)."""
+        """The client is closing: a refresh under way is abandoned (its callers are too), and
+        no refusal from now on asks the provider."""
+        self._closed = True
         if self._running is not None:
             self._running.cancel()
 

@@ -130,6 +130,17 @@ async def test_a_refusal_of_a_replaced_token_goes_again_without_asking() -> None
     assert provider.calls == 0
 
 
+async def test_a_refusal_after_close_does_not_ask_the_provider() -> None:
+    """A request refused while its client closes (a worker's call in flight) must not start a
+    refresh: its token would be adopted into a closed client."""
+    provider = Provider(lambda: "t1")
+    refresher, held = _refresher(provider, RecordingSleep())
+    refresher.close()
+    assert await refresher.refreshed("t0") is False
+    assert provider.calls == 0
+    assert held == ["t0"]
+
+
 # -- through the real server -------------------------------------------------------------------
 
 
