@@ -24,6 +24,7 @@ from cv_workspace_client._auth import RefreshPolicy, TokenProvider, TokenRefresh
 from cv_workspace_client._discard import retrieve, settle_discard
 from cv_workspace_client._http import HttpApi
 from cv_workspace_client._machine import (
+    BacklogRange,
     Discard,
     OutboxMachine,
 )
@@ -110,6 +111,9 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         self._session: aiohttp.ClientSession | None = None
         self._http: HttpApi | None = None
         self._futures: dict[int, tuple[asyncio.Future[Commit], str]] = {}
+        #: Discards the outbox could not make durable (deletes, on-disk ranges, op count): the
+        #: app asked for them, was told `OutboxError`, and the next `discard_pending` retries them.
+        self._undiscarded: list[tuple[list[int], list[BacklogRange], int]] = []
         self._sockets: dict[str, WorkspaceSocket] = {}
         #: Weak: a subscription the app dropped is released (see `WorkspaceSocket._subs`).
         self._subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
@@ -363,7 +367,10 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         whose answer was lost may have applied the op (the server never applies one twice, and
         never one that no send reached). A batch in flight is not discarded: the server may be
         applying it now, so its ops get the server's answer (call again once it is back).
-        Raises `OutboxError` if the outbox could not make the deletion durable."""
+        Raises `OutboxError` if the outbox could not make the deletion durable: the ops are not
+        sent again by this client, but their rows may still be in the file (a new client on it
+        would replay them). Calling `discard_pending` again (once the disk is back) retries
+        that deletion along with its own, and counts its ops."""
         self._check_open()
         check_ids(workspace_id, sub_doc)
         self._pump()  # what was submitted before this call is written first, then dropped
@@ -384,6 +391,15 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
             assert isinstance(decision, Discard)
             write.deletes.extend(decision.seqs)
             write.ranges.extend(decision.backlog)
+        # The earlier discards that failed go again: their ops left the machine, so without
+        # this nothing could ever delete their rows, and the next client on the file applied
+        # ops the app had given up (deleting a row twice, or a range, changes nothing).
+        for deletes, ranges, ops in self._undiscarded:
+            write.deletes.extend(deletes)
+            write.ranges.extend(ranges)
+            count += ops
+        attempted = (list(write.deletes), list(write.ranges), count)
+        self._undiscarded = []
         assert self._outbox is not None
         if write:
             self._outbox.write(write)
@@ -392,6 +408,11 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         # whom nothing else would tell (their ops are out of the machine and of `_futures`).
         settling = asyncio.ensure_future(settle_discard(self._outbox, failed, told))
         settling.add_done_callback(retrieve)
+        settling.add_done_callback(
+            lambda task: self._undiscarded.append(attempted)
+            if not task.cancelled() and task.exception() is not None
+            else None
+        )
         await asyncio.shield(settling)
         return count
 

@@ -250,6 +250,39 @@ async def test_a_discard_whose_delete_fails_is_not_reported_done(
     assert len(await server_log(server_url, "tree")) == 1
 
 
+async def test_a_failed_discard_is_retried_by_the_next_discard_pending(
+    server_url: str, tmp_path: Path
+) -> None:
+    """After a failed discard the ops had left the machine: calling `discard_pending` again
+    once the disk was back deleted nothing (0), and the next client on the outbox applied the
+    op the app had given up, twice asked."""
+    outbox = tmp_path / "app.outbox"
+    async with FaultProxy(server_url) as proxy:
+        proxy.refuse = True
+        client = WorkspaceClient(proxy.url, token=token_for(WS), outbox=outbox, config=WAITING)
+        await client.start()
+        try:
+            call = await _one_op_waiting_out_a_retry(client)
+            store = client._outbox
+            assert isinstance(store, SQLiteOutbox)
+            assert store._conn is not None
+            store._conn.execute("PRAGMA query_only = 1")  # every write now fails in SQLite
+            with pytest.raises(OutboxError):
+                await asyncio.wait_for(client.discard_pending(WS), BOUND)
+            with pytest.raises(OutboxError):
+                await asyncio.wait_for(call, BOUND)
+            store._conn.execute("PRAGMA query_only = 0")  # the disk is back
+            assert await asyncio.wait_for(client.discard_pending(WS), BOUND) == 1
+            assert await asyncio.wait_for(client.discard_pending(WS), BOUND) == 0
+        finally:
+            await client.close()
+    async with WorkspaceClient(
+        server_url, token=token_for(WS), outbox=outbox, config=fast_config()
+    ) as again:
+        assert again.pending_count() == 0
+    assert await server_log(server_url, "tree") == []
+
+
 async def test_a_discard_cancelled_while_it_is_made_durable_still_tells_the_callers(
     server_url: str, tmp_path: Path
 ) -> None:
