@@ -1,33 +1,28 @@
-"""Typed HTTP calls for the work-queue routes (DESIGN §5, §7; seed 003), and `QueueMethods`, the
-enqueue / wait / inspect verbs `WorkspaceClient` mixes in.
+"""The requester's side of the work queue (DESIGN §5, §7; seed 003): enqueue a stage, read a
+request (and the blob of a large result), list requests for operators, replay a poison one, and
+wait for an outcome over the SSE stream — and `QueueMethods`, the enqueue / wait / inspect verbs
+`WorkspaceClient` mixes in.
 
-Everything here needs only a *host*: an object with `url`, `session` (an aiohttp session) and
-`auth_headers()`. `WorkspaceClient` is one; `QueueClient` is a light one for shells (the
-`cv-workspace` command) that need no outbox and no websocket.
-
-Retries follow the one rule of the SDK (seed 004): only connection errors, timeouts, 5xx and 429
-are retried, and only for calls that are safe to repeat — reads, enqueues that cannot fork
-(deterministic ids or an Idempotency-Key) and the holder's fenced verbs (a retried `complete`
-is answered with the finished row). A claim is not retried: a lost answer leaves a row leased to
-nobody, which the lease re-drives.
+Everything here needs only a *host* (`QueueHost`, see `_queue_http`, whose transport and retry
+rule these verbs use). `WorkspaceClient` is one; `QueueClient` is a light one for shells (the
+`cv-workspace` command) that need no outbox and no websocket. The verbs of a worker holding a
+claim are in `_queue_holder`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import secrets
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping
 from types import TracebackType
-from typing import Any, Protocol
-from urllib.parse import quote
+from typing import Any
 
 import aiohttp
 
 from cv_workspace_client._auth import TokenRefresher, bearer_of, with_token
-from cv_workspace_client._http import body_payload, not_an_answer, parse_retry_after
+from cv_workspace_client._queue_http import QueueHost, call, config_of, retried, ws_path
 from cv_workspace_client._retry import backoff_for, is_retryable, retrying
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
@@ -39,168 +34,30 @@ from cv_workspace_client.errors import (
     error_from_problem,
 )
 from cv_workspace_client.queue_models import (
-    Claim,
-    CompletionOutcome,
     EnqueuedRequest,
     OutcomeStatus,
     QueuedRequest,
     RequestOutcome,
     RequestStatus,
 )
-from cv_workspace_client.stage import LeaseLostError
 
 __all__ = [
-    "Claim",
-    "CompletionOutcome",
     "EnqueuedRequest",
     "QueueClient",
     "QueueHost",
     "QueueMethods",
     "QueuedRequest",
     "RequestOutcome",
-    "claim",
-    "complete",
-    "complete_many",
     "enqueue",
-    "fail",
     "get_blob",
     "get_request",
-    "heartbeat",
     "iter_requests",
     "list_requests",
     "list_requests_page",
     "replay",
     "stream_events",
-    "wait_for_work",
     "wait_request",
 ]
-
-
-class QueueHost(Protocol):
-    """What the queue calls need from their owner."""
-
-    url: str
-
-    @property
-    def session(self) -> aiohttp.ClientSession: ...
-
-    @property
-    def token_refresher(self) -> TokenRefresher | None: ...
-
-    def auth_headers(self) -> dict[str, str]: ...
-
-
-# -- transport ------------------------------------------------------------------------------------
-
-
-def _ws_path(workspace_id: str, *rest: str) -> str:
-    tail = "".join("/" + quote(part, safe="") for part in rest)
-    return f"/v1/workspaces/{quote(workspace_id, safe='')}{tail}"
-
-
-def _queue_error(status: int, problem: Mapping[str, Any] | None, retry_after: str | None) -> Any:
-    if problem is not None and problem.get("code") == "lease_lost":
-        return LeaseLostError(str(problem.get("detail") or "the claim token no longer holds it"))
-    return error_from_problem(status, problem, retry_after=parse_retry_after(retry_after))
-
-
-async def _call(
-    host: QueueHost,
-    method: str,
-    path: str,
-    *,
-    body: Any = None,
-    params: Sequence[tuple[str, str]] | None = None,
-    headers: Mapping[str, str] | None = None,
-) -> tuple[int, Any, Mapping[str, str]]:
-    """One request. 2xx → (status, decoded JSON or None, headers); otherwise the typed error.
-    Refused for its token, it goes once more with a fresh one if the host gets one."""
-    return await with_token(
-        host,
-        lambda auth: _call_once(
-            host, method, path, auth, body=body, params=params, headers=headers
-        ),
-    )
-
-
-async def _call_once(
-    host: QueueHost,
-    method: str,
-    path: str,
-    auth: Mapping[str, str],
-    *,
-    body: Any,
-    params: Sequence[tuple[str, str]] | None,
-    headers: Mapping[str, str] | None,
-) -> tuple[int, Any, Mapping[str, str]]:
-    all_headers = {**auth, **(headers or {})}
-    data = None
-    if body is not None:
-        data = json.dumps(body, separators=(",", ":")).encode()
-        all_headers["Content-Type"] = "application/json"
-    try:
-        async with host.session.request(
-            method,
-            host.url + path,
-            data=None if data is None else body_payload(data),
-            params=params,
-            headers=all_headers,
-            # Not followed: aiohttp turned a redirected POST (an enqueue, a completion) into a
-            # GET, or sent it wherever the redirect pointed and took that host's answer.
-            allow_redirects=False,
-        ) as response:
-            raw = await response.read()
-            if 200 <= response.status < 300:
-                try:
-                    decoded = json.loads(raw) if raw else None
-                # RecursionError: nested past what the JSON reader takes (as in `_http.py`).
-                except (ValueError, RecursionError) as exc:
-                    raise ProtocolError("bad_answer", f"invalid JSON: {exc}") from None
-                return response.status, decoded, response.headers
-            if response.status < 400:  # a 3xx from something in between
-                raise not_an_answer(response.status, response.headers.get("Location"))
-            problem: Any = None
-            try:
-                problem = json.loads(raw) if raw else None
-            except (ValueError, RecursionError):
-                problem = None
-            raise _queue_error(
-                response.status,
-                problem if isinstance(problem, dict) else None,
-                response.headers.get("Retry-After"),
-            )
-    except WorkspaceError:
-        raise
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-        raise ConnectionFailedError("connection_failed", f"{type(exc).__name__}: {exc}") from exc
-
-
-def _config_of(host: object) -> ClientConfig:
-    config = getattr(host, "config", None)
-    return config if isinstance(config, ClientConfig) else ClientConfig()
-
-
-async def _retried(host: QueueHost, method: str, path: str, **kwargs: Any) -> Any:
-    """`_call` under the SDK's retry rule; returns the decoded body."""
-    try:  # the first attempt without tenacity: it is the worker's hot path (claim, complete)
-        _, answer, _ = await _call(host, method, path, **kwargs)
-        return answer
-    except WorkspaceError as exc:
-        if not is_retryable(exc):
-            raise
-        first_error = exc
-    config = _config_of(host)
-    if config.retry_attempts <= 1:
-        raise first_error
-    delay = backoff_for(config)(1)
-    if first_error.retry_after is not None:
-        delay = min(max(first_error.retry_after, 0.0), config.retry_cap_seconds)
-    await config.sleep(delay)
-    retry_config = dataclasses.replace(config, retry_attempts=config.retry_attempts - 1)
-    async for attempt in retrying(retry_config):
-        with attempt:
-            _, answer, _ = await _call(host, method, path, **kwargs)
-    return answer
 
 
 # -- enqueuers and readers -------------------------------------------------------------------------
@@ -217,8 +74,8 @@ async def enqueue(
     request id is deterministic (a repeat coalesces) or an Idempotency-Key travels with it."""
     deterministic = body.get("deterministic", body.get("job_id") is not None)
     headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-    path = _ws_path(workspace_id, "requests")
-    config = _config_of(host)
+    path = ws_path(workspace_id, "requests")
+    config = config_of(host)
     # A rerun re-opens a *finished* request: if the lost attempt's run finished before the
     # retry arrives, a repeat re-opens it once more (the stage runs twice). So a rerun is safe
     # to repeat only under an Idempotency-Key, deterministic id or not.
@@ -228,7 +85,7 @@ async def enqueue(
     attempts = config.retry_attempts if safe else 1
     for attempt in range(1, attempts + 1):
         try:
-            _, answer, answer_headers = await _call(
+            _, answer, answer_headers = await call(
                 host, "POST", path, body=dict(body), headers=headers
             )
             replayed = answer_headers.get("Idempotency-Replayed") == "true"
@@ -253,7 +110,7 @@ async def enqueue(
 
 async def get_request(host: QueueHost, workspace_id: str, request_id: str) -> QueuedRequest:
     """`GET .../requests/{id}`; `NotFoundError` if there is no such request."""
-    answer = await _retried(host, "GET", _ws_path(workspace_id, "requests", request_id))
+    answer = await retried(host, "GET", ws_path(workspace_id, "requests", request_id))
     return QueuedRequest.from_json(answer)
 
 
@@ -263,7 +120,7 @@ async def get_blob(host: QueueHost, workspace_id: str, ref: str) -> bytes:
     async def once(auth: dict[str, str]) -> bytes:
         try:
             async with host.session.get(
-                host.url + _ws_path(workspace_id, "blobs", ref), headers=auth
+                host.url + ws_path(workspace_id, "blobs", ref), headers=auth
             ) as response:
                 raw = await response.read()
                 if response.status == 200:
@@ -280,7 +137,7 @@ async def get_blob(host: QueueHost, workspace_id: str, ref: str) -> bytes:
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise ConnectionFailedError("connection_failed", str(exc)) from exc
 
-    async for attempt in retrying(_config_of(host)):
+    async for attempt in retrying(config_of(host)):
         with attempt:
             return await with_token(host, once)
     raise AssertionError("unreachable: retrying re-raises the last error")  # pragma: no cover
@@ -317,7 +174,7 @@ async def list_requests_page(
         params.append(("workspace", workspace_id))
     if after is not None:
         params.append(("after", after))
-    answer = await _retried(host, "GET", "/v1/queue/requests", params=params)
+    answer = await retried(host, "GET", "/v1/queue/requests", params=params)
     try:
         rows = [QueuedRequest.from_json(row) for row in answer["requests"]]
         cursor = answer.get("next_after")
@@ -352,8 +209,8 @@ async def iter_requests(
 async def replay(host: QueueHost, workspace_id: str, request_id: str) -> QueuedRequest:
     """`POST .../replay`: a poison request back to pending, by hand (seed 004: never automatic).
     Raises `InvalidRequestError` (`invalid_transition`) if it is not poison."""
-    path = _ws_path(workspace_id, "requests", request_id, "replay")
-    _, answer, _ = await _call(host, "POST", path, body={})
+    path = ws_path(workspace_id, "requests", request_id, "replay")
+    _, answer, _ = await call(host, "POST", path, body={})
     return QueuedRequest.from_json(answer)
 
 
@@ -364,7 +221,7 @@ async def stream_events(
 
     Ends when the server ends the stream (or the connection drops: the caller reconnects).
     """
-    path = _ws_path(workspace_id, "requests", request_id, "stream")
+    path = ws_path(workspace_id, "requests", request_id, "stream")
     # The server ends the stream at its deadline; the client timeout only catches a dead peer.
     limit = aiohttp.ClientTimeout(total=patience + 10.0)
     try:
@@ -459,7 +316,7 @@ async def wait_request(
         return RequestOutcome(request_id, "timeout", row)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    config = _config_of(host)
+    config = config_of(host)
     backoff = backoff_for(config)
     last: QueuedRequest | None = None
     failures = 0
@@ -506,106 +363,6 @@ async def wait_request(
             return RequestOutcome(request_id, "timeout", last)
         if failures:
             await config.sleep(min(backoff(failures), remaining))
-
-
-# -- workers ---------------------------------------------------------------------------------------
-
-
-async def claim(
-    host: QueueHost, worker_classes: Sequence[str], worker_id: str, *, limit: int = 1
-) -> list[Claim]:
-    """`POST /v1/queue/claim` with a `limit`: up to `limit` requests, each under its own token
-    (one commit for the batch), or none. Not retried (see the module docstring)."""
-    body = {"worker_classes": list(worker_classes), "worker_id": worker_id, "limit": limit}
-    status, answer, _ = await _call(host, "POST", "/v1/queue/claim", body=body)
-    if status == 204 or answer is None:
-        return []
-    try:
-        rows = answer["requests"] if "requests" in answer else [answer["request"]]
-        return [Claim(str(row["claim_token"]), QueuedRequest.from_json(row)) for row in rows]
-    except (KeyError, TypeError) as exc:
-        raise ProtocolError("bad_answer", f"claim answer: {exc!r}") from None
-
-
-async def wait_for_work(
-    host: QueueHost,
-    worker_classes: Sequence[str],
-    timeout: float,  # noqa: ASYNC109  (the long poll's own patience, sent to the server)
-) -> bool:
-    """`GET /v1/queue/pending`: True as soon as work of those classes becomes pending (a push),
-    False after `timeout` (the server caps it at 2 s)."""
-    params = [("worker_classes", c) for c in worker_classes]
-    params.append(("timeout", f"{timeout:.3f}"))
-    status, _, _ = await _call(host, "GET", "/v1/queue/pending", params=params)
-    return status == 200
-
-
-async def heartbeat(host: QueueHost, workspace_id: str, request_id: str, claim_token: str) -> float:
-    """Extend the lease; return its new expiry. Raises `LeaseLostError` when the token is gone."""
-    path = _ws_path(workspace_id, "requests", request_id, "heartbeat")
-    answer = await _retried(host, "POST", path, body={"claim_token": claim_token})
-    return float(answer["lease_expires_at"])
-
-
-async def complete(
-    host: QueueHost,
-    workspace_id: str,
-    request_id: str,
-    claim_token: str,
-    *,
-    result: Any = None,
-    error: Any = None,
-    cache: str | None = None,
-    telemetry: Any = None,
-) -> str:
-    """Mark the request done (fenced by `claim_token`). Call only after the stage's writes
-    committed (seed 004: never ack before the work). Raises `LeaseLostError` if refused."""
-    body: dict[str, Any] = {"claim_token": claim_token, "result": result}
-    for name, value in (("error", error), ("cache", cache), ("telemetry", telemetry)):
-        if value is not None:
-            body[name] = value
-    path = _ws_path(workspace_id, "requests", request_id, "complete")
-    answer = await _retried(host, "POST", path, body=body)
-    return str(answer["status"])
-
-
-async def complete_many(
-    host: QueueHost, completions: Sequence[Mapping[str, Any]]
-) -> list[CompletionOutcome]:
-    """`POST /v1/queue/complete`: many completions in one commit, one outcome each, in order.
-    Each item is `{"request_id", "claim_token", "result"?, "error"?, "cache"?, "telemetry"?}`;
-    results must be small (large ones go through `complete`, which stores them as blobs)."""
-    body = {"completions": [dict(c) for c in completions]}
-    answer = await _retried(host, "POST", "/v1/queue/complete", body=body)
-    outcomes: list[CompletionOutcome] = []
-    try:
-        for item in answer["results"]:
-            error = item.get("error")
-            if error is None:
-                outcomes.append(CompletionOutcome(item["request_id"], status=item["status"]))
-            elif error.get("code") == "lease_lost":
-                outcomes.append(
-                    CompletionOutcome(item["request_id"], error=LeaseLostError(error["message"]))
-                )
-            else:
-                outcomes.append(
-                    CompletionOutcome(item["request_id"], error=error_from_problem(409, error))
-                )
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise ProtocolError("bad_answer", f"complete answer: {exc!r}") from None
-    if len(outcomes) != len(completions):
-        raise ProtocolError("bad_answer", "one outcome per completion expected")
-    return outcomes
-
-
-async def fail(
-    host: QueueHost, workspace_id: str, request_id: str, claim_token: str, error: Any
-) -> tuple[str, float | None]:
-    """Record an unexpected error: `(status, available_at)` — pending again after the server's
-    failure backoff, or `poison` at `max_dequeues`. Raises `LeaseLostError` if refused."""
-    path = _ws_path(workspace_id, "requests", request_id, "fail")
-    answer = await _retried(host, "POST", path, body={"claim_token": claim_token, "error": error})
-    return str(answer["status"]), answer.get("available_at")
 
 
 # -- the mixin -------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import asyncio
 import logging
 from typing import Any
 
-from cv_workspace_client import _queue_api as api
+from cv_workspace_client import _queue_holder as api
 from cv_workspace_client.errors import InvalidRequestError, WorkspaceError
 from cv_workspace_client.stage import LeaseLostError, LeaseState
 

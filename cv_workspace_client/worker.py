@@ -43,7 +43,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from cv_workspace_client import _queue_api as api
+from cv_workspace_client import _queue_holder as api
 from cv_workspace_client._worker_io import Completer, Heartbeat
 from cv_workspace_client._worker_parts import RunMeter, SingleFlight, TtlCache, request_key
 from cv_workspace_client.errors import (

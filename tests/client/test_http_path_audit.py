@@ -51,7 +51,7 @@ from cv_workspace_client import (
     WorkspaceError,
 )
 from cv_workspace_client._http import parse_retry_after
-from cv_workspace_client._queue_api import _queue_error
+from cv_workspace_client._queue_http import queue_error
 from cv_workspace_client.errors import error_from_problem
 from cv_workspace_client.testing import FaultProxy, restart_client
 
@@ -483,7 +483,7 @@ def test_every_code_the_server_sends_is_listed_and_mapped_to_its_typed_error() -
             error = error_from_problem(None, body)
             assert type(error) is EXPECTED_FRAME[code], (status, code)
         else:
-            error = _queue_error(status, body, None)
+            error = queue_error(status, body, None)
             assert type(error) is EXPECTED[code], (status, code)
             assert type(error_from_problem(status, body)) is EXPECTED_FRAME[code], (status, code)
         assert error.code == code

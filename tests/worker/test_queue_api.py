@@ -15,6 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from cv_workspace_client import _queue_api as api
+from cv_workspace_client import _queue_holder as holder
 from cv_workspace_client.errors import InvalidRequestError, NotFoundError
 from cv_workspace_client.stage import LeaseLostError
 from tests.worker.conftest import (
@@ -56,8 +57,8 @@ class StreamCounter:
                 await self.changed.wait()
 
 
-async def _claim_one(qc: api.QueueClient, worker_class: str = "s") -> api.Claim:
-    claims = await api.claim(qc, [worker_class], "tester")
+async def _claim_one(qc: api.QueueClient, worker_class: str = "s") -> holder.Claim:
+    claims = await holder.claim(qc, [worker_class], "tester")
     assert len(claims) == 1
     return claims[0]
 
@@ -74,7 +75,7 @@ async def test_a_waiter_past_its_deadline_gets_timeout_and_later_the_result(
         assert outcome.request is not None
         assert outcome.request.status == "pending"
         claimed = await _claim_one(qc)
-        await api.complete(qc, WS, answer.request_id, claimed.claim_token, result={"late": True})
+        await holder.complete(qc, WS, answer.request_id, claimed.claim_token, result={"late": True})
         later = await qc.wait_request(WS, answer.request_id, timeout=10)
     assert later.status == "done"
     assert later.ok
@@ -94,7 +95,7 @@ async def test_a_wait_longer_than_the_server_deadline_reconnects_until_done(
         waiting = asyncio.create_task(qc.wait_request(WS, answer.request_id, timeout=30))
         await counter.reach(3)  # the server ended two streams with TIMEOUT; the client came back
         claimed = await _claim_one(qc)
-        await api.complete(qc, WS, answer.request_id, claimed.claim_token, result=5)
+        await holder.complete(qc, WS, answer.request_id, claimed.claim_token, result=5)
         outcome = await asyncio.wait_for(waiting, 10)
     assert outcome.status == "done"
     assert outcome.result == 5
@@ -147,20 +148,20 @@ async def test_the_old_holders_heartbeat_and_complete_raise_lease_lost(
         old = await _claim_one(qc)
         async with asyncio.timeout(10):
             # Until the lease lapsed and the row is claimable again (a state, not a duration).
-            while not (claims := await api.claim(qc, ["s"], "rescuer")):  # noqa: ASYNC110
+            while not (claims := await holder.claim(qc, ["s"], "rescuer")):  # noqa: ASYNC110
                 await asyncio.sleep(0.02)
         new = claims[0]
         with pytest.raises(LeaseLostError):
-            await api.heartbeat(qc, WS, answer.request_id, old.claim_token)
+            await holder.heartbeat(qc, WS, answer.request_id, old.claim_token)
         with pytest.raises(LeaseLostError):
-            await api.complete(qc, WS, answer.request_id, old.claim_token, result="stale")
+            await holder.complete(qc, WS, answer.request_id, old.claim_token, result="stale")
         with pytest.raises(LeaseLostError):
-            await api.fail(qc, WS, answer.request_id, old.claim_token, {"code": "x"})
-        (refused,) = await api.complete_many(
+            await holder.fail(qc, WS, answer.request_id, old.claim_token, {"code": "x"})
+        (refused,) = await holder.complete_many(
             qc, [{"request_id": answer.request_id, "claim_token": old.claim_token}]
         )
         assert isinstance(refused.error, LeaseLostError)
-        assert await api.complete(qc, WS, answer.request_id, new.claim_token, result="fresh")
+        assert await holder.complete(qc, WS, answer.request_id, new.claim_token, result="fresh")
         row = await qc.get_request(WS, answer.request_id)
     assert row.status == "done"
     assert row.result == "fresh"
@@ -193,7 +194,7 @@ async def test_operators_list_and_replay_a_poisoned_request(make_server: MakeSer
     async with queue_client(server) as qc:
         answer = await qc.enqueue(WS, stage="s", job_id="J1", max_dequeues=1)
         claimed = await _claim_one(qc)
-        status, _ = await api.fail(qc, WS, answer.request_id, claimed.claim_token, {"code": "E"})
+        status, _ = await holder.fail(qc, WS, answer.request_id, claimed.claim_token, {"code": "E"})
         assert status == "poison"
         poisoned = await qc.list_requests(status="poison", workspace_id=WS)
         replayed = await qc.replay_request(WS, answer.request_id)

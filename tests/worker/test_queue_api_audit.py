@@ -18,6 +18,7 @@ from aiohttp.test_utils import TestServer
 from cv_server.keys import WAITERS
 from cv_workspace_client import WorkspaceClient
 from cv_workspace_client import _queue_api as api
+from cv_workspace_client import _queue_holder as holder
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import WorkspaceError
 from cv_workspace_client.testing import FaultProxy
@@ -45,9 +46,9 @@ async def through(
 
 
 async def _finish(qc: api.QueueClient, request_id: str, result: object) -> None:
-    (claimed,) = await api.claim(qc, ["s"], "auditor")
+    (claimed,) = await holder.claim(qc, ["s"], "auditor")
     assert claimed.request.request_id == request_id
-    await api.complete(qc, WS, request_id, claimed.claim_token, result=result)
+    await holder.complete(qc, WS, request_id, claimed.claim_token, result=result)
 
 
 async def _until(condition: Callable[[], bool]) -> None:
@@ -155,8 +156,8 @@ async def test_a_wait_whose_stream_is_cut_mid_way_reports_the_poison_and_its_err
             waiting = asyncio.create_task(client.wait_request(WS, answer.request_id, timeout=30))
             await _until(lambda: waiters.count == 1)  # the stream is open and parked
             assert proxy.drop_all() == 1  # both sides see a reset mid-stream
-            (claimed,) = await api.claim(qc, ["s"], "auditor")
-            status, _ = await api.fail(
+            (claimed,) = await holder.claim(qc, ["s"], "auditor")
+            status, _ = await holder.fail(
                 qc, WS, answer.request_id, claimed.claim_token, {"code": "boom"}
             )
             assert status == "poison"

@@ -21,6 +21,7 @@ from cv_mutations import NodeIncrement, NodeInsert
 from cv_server import ServerConfig, create_app
 from cv_workspace_client import WorkspaceClient
 from cv_workspace_client import _queue_api as api
+from cv_workspace_client import _queue_holder as holder
 from cv_workspace_client.errors import OpRejectedError
 from cv_workspace_client.stage import (
     ExpectedError,
@@ -206,10 +207,10 @@ async def test_a_write_after_an_unnoticed_lease_loss_dedupes_with_the_new_holder
     async with open_client(server) as client:
         await client.apply_op(WS, "tree", NodeInsert(node_id="c", parent_id="root"))
         answer = await api.enqueue(client, WS, {"stage": "s", "job_id": "J1"})
-        (old,) = await api.claim(client, ["s"], "old")
+        (old,) = await holder.claim(client, ["s"], "old")
         async with asyncio.timeout(10):
             # A state, not a duration: until the server hands the lapsed row out again.
-            while not (claims := await api.claim(client, ["s"], "new")):  # noqa: ASYNC110
+            while not (claims := await holder.claim(client, ["s"], "new")):  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
         (new,) = claims
         contexts = [
@@ -224,8 +225,8 @@ async def test_a_write_after_an_unnoticed_lease_loss_dedupes_with_the_new_holder
                 await ctx.apply_op("tree", NodeIncrement(node_id="c", field="n"), key="inc")
             )
         with pytest.raises(LeaseLostError):
-            await api.complete(client, WS, answer.request_id, old.claim_token, result="old")
-        assert await api.complete(client, WS, answer.request_id, new.claim_token) == "done"
+            await holder.complete(client, WS, answer.request_id, old.claim_token, result="old")
+        assert await holder.complete(client, WS, answer.request_id, new.claim_token) == "done"
         _, state = await client.get_state(WS, "tree")
     assert commits[0].op_id == commits[1].op_id
     assert [c.duplicate for c in commits] == [False, True]

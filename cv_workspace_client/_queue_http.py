@@ -1,0 +1,163 @@
+"""The HTTP transport of the work-queue routes (DESIGN §5, §7): one request to a queue route
+with the host's token, its JSON answer decoded or its problem+json turned back into the SDK's
+typed error (`LeaseLostError` when a fenced verb is refused), and the SDK's retry rule around it.
+
+The requester's verbs (`_queue_api`) and the claim holder's (`_queue_holder`) both go through
+here. Each needs only a *host* (`QueueHost`): an object with `url`, `session` (an aiohttp
+session) and `auth_headers()`.
+
+Retries follow the one rule of the SDK (seed 004): only connection errors, timeouts, 5xx and 429
+are retried, and only for calls that are safe to repeat — reads, enqueues that cannot fork
+(deterministic ids or an Idempotency-Key) and the holder's fenced verbs (a retried `complete`
+is answered with the finished row). A claim is not retried: a lost answer leaves a row leased to
+nobody, which the lease re-drives. `retried` applies the rule to one call; `enqueue` runs its own
+loop on `call` (it also waits out a key still in progress), and a claim calls `call` just once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+from urllib.parse import quote
+
+import aiohttp
+
+from cv_workspace_client._auth import TokenRefresher, with_token
+from cv_workspace_client._http import body_payload, not_an_answer, parse_retry_after
+from cv_workspace_client._retry import backoff_for, is_retryable, retrying
+from cv_workspace_client.config import ClientConfig
+from cv_workspace_client.errors import (
+    ConnectionFailedError,
+    ProtocolError,
+    WorkspaceError,
+    error_from_problem,
+)
+from cv_workspace_client.stage import LeaseLostError
+
+__all__ = ["QueueHost", "call", "config_of", "queue_error", "retried", "ws_path"]
+
+
+class QueueHost(Protocol):
+    """What the queue calls need from their owner."""
+
+    url: str
+
+    @property
+    def session(self) -> aiohttp.ClientSession: ...
+
+    @property
+    def token_refresher(self) -> TokenRefresher | None: ...
+
+    def auth_headers(self) -> dict[str, str]: ...
+
+
+def ws_path(workspace_id: str, *rest: str) -> str:
+    tail = "".join("/" + quote(part, safe="") for part in rest)
+    return f"/v1/workspaces/{quote(workspace_id, safe='')}{tail}"
+
+
+def queue_error(status: int, problem: Mapping[str, Any] | None, retry_after: str | None) -> Any:
+    if problem is not None and problem.get("code") == "lease_lost":
+        return LeaseLostError(str(problem.get("detail") or "the claim token no longer holds it"))
+    return error_from_problem(status, problem, retry_after=parse_retry_after(retry_after))
+
+
+async def call(
+    host: QueueHost,
+    method: str,
+    path: str,
+    *,
+    body: Any = None,
+    params: Sequence[tuple[str, str]] | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> tuple[int, Any, Mapping[str, str]]:
+    """One request. 2xx → (status, decoded JSON or None, headers); otherwise the typed error.
+    Refused for its token, it goes once more with a fresh one if the host gets one."""
+    return await with_token(
+        host,
+        lambda auth: _call_once(
+            host, method, path, auth, body=body, params=params, headers=headers
+        ),
+    )
+
+
+async def _call_once(
+    host: QueueHost,
+    method: str,
+    path: str,
+    auth: Mapping[str, str],
+    *,
+    body: Any,
+    params: Sequence[tuple[str, str]] | None,
+    headers: Mapping[str, str] | None,
+) -> tuple[int, Any, Mapping[str, str]]:
+    all_headers = {**auth, **(headers or {})}
+    data = None
+    if body is not None:
+        data = json.dumps(body, separators=(",", ":")).encode()
+        all_headers["Content-Type"] = "application/json"
+    try:
+        async with host.session.request(
+            method,
+            host.url + path,
+            data=None if data is None else body_payload(data),
+            params=params,
+            headers=all_headers,
+            # Not followed: aiohttp turned a redirected POST (an enqueue, a completion) into a
+            # GET, or sent it wherever the redirect pointed and took that host's answer.
+            allow_redirects=False,
+        ) as response:
+            raw = await response.read()
+            if 200 <= response.status < 300:
+                try:
+                    decoded = json.loads(raw) if raw else None
+                # RecursionError: nested past what the JSON reader takes (as in `_http.py`).
+                except (ValueError, RecursionError) as exc:
+                    raise ProtocolError("bad_answer", f"invalid JSON: {exc}") from None
+                return response.status, decoded, response.headers
+            if response.status < 400:  # a 3xx from something in between
+                raise not_an_answer(response.status, response.headers.get("Location"))
+            problem: Any = None
+            try:
+                problem = json.loads(raw) if raw else None
+            except (ValueError, RecursionError):
+                problem = None
+            raise queue_error(
+                response.status,
+                problem if isinstance(problem, dict) else None,
+                response.headers.get("Retry-After"),
+            )
+    except WorkspaceError:
+        raise
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        raise ConnectionFailedError("connection_failed", f"{type(exc).__name__}: {exc}") from exc
+
+
+def config_of(host: object) -> ClientConfig:
+    config = getattr(host, "config", None)
+    return config if isinstance(config, ClientConfig) else ClientConfig()
+
+
+async def retried(host: QueueHost, method: str, path: str, **kwargs: Any) -> Any:
+    """`call` under the SDK's retry rule; returns the decoded body."""
+    try:  # the first attempt without tenacity: it is the worker's hot path (claim, complete)
+        _, answer, _ = await call(host, method, path, **kwargs)
+        return answer
+    except WorkspaceError as exc:
+        if not is_retryable(exc):
+            raise
+        first_error = exc
+    config = config_of(host)
+    if config.retry_attempts <= 1:
+        raise first_error
+    delay = backoff_for(config)(1)
+    if first_error.retry_after is not None:
+        delay = min(max(first_error.retry_after, 0.0), config.retry_cap_seconds)
+    await config.sleep(delay)
+    retry_config = dataclasses.replace(config, retry_attempts=config.retry_attempts - 1)
+    async for attempt in retrying(retry_config):
+        with attempt:
+            _, answer, _ = await call(host, method, path, **kwargs)
+    return answer
