@@ -53,6 +53,7 @@ from cv_workspace_client._machine_effects import (
     Discard,
     Forget,
     LaneBacklog,
+    LanePending,
     Load,
     OutboxRow,
     Persist,
@@ -79,6 +80,7 @@ __all__ = [
     "Discard",
     "Forget",
     "LaneBacklog",
+    "LanePending",
     "Load",
     "OutboxMachine",
     "OutboxRow",
@@ -226,6 +228,19 @@ class OutboxMachine:
             for (ws, doc), lane in self._lanes.items()
             if ws == workspace_id and (sub_doc is None or doc == sub_doc)
         )
+
+    def lane_pending(self, workspace_id: str, sub_doc: str) -> LanePending:
+        """The sub-doc's unanswered ops: those in memory, and the range of restored rows still
+        on disk only. To list them all, read that range through the outbox, then call this again
+        and merge (`LanePending.with_disk`): rows loaded or answered during the read are then
+        where the second call says. O(the lane's loaded ops)."""
+        lane = self._lanes.get((workspace_id, sub_doc))
+        if lane is None:
+            return LanePending((), None)
+        on_disk = None
+        if lane.on_disk:
+            on_disk = BacklogRange(workspace_id, sub_doc, lane.loaded_up_to, self._restored_seq)
+        return LanePending(tuple(entry.row for entry in lane.queue), on_disk)
 
     @property
     def in_flight_count(self) -> int:

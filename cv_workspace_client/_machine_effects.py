@@ -14,6 +14,7 @@ machine's lane, batch and retry logic. Plain data, sans-I/O like the machine (ST
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cv_workspace_client.errors import WorkspaceError
@@ -26,6 +27,7 @@ __all__ = [
     "Discard",
     "Forget",
     "LaneBacklog",
+    "LanePending",
     "Load",
     "OutboxRow",
     "Persist",
@@ -158,3 +160,29 @@ class Discard:
 
 
 Decision = Persist | Send | Resolve | Forget | CountAttempt | Wait | Load | Discard
+
+
+@dataclass(frozen=True, slots=True)
+class LanePending:
+    """A lane's unanswered ops as the machine holds them (`OutboxMachine.lane_pending`): `rows`
+    in memory (a batch in flight among them, once), and the restored rows still on disk only
+    (`on_disk`, None when there are none), which the shell reads through the outbox."""
+
+    rows: tuple[OutboxRow, ...]
+    on_disk: BacklogRange | None
+
+    def with_disk(self, read: Iterable[OutboxRow]) -> list[OutboxRow]:
+        """Every unanswered op of the lane in the order the server will get them (seq order:
+        restored rows first, new ops after), given rows the shell `read` from disk. Rows read
+        outside `on_disk` are left out: a read made before the machine loaded (or answered,
+        or discarded) them, when this is a fresh `lane_pending` taken after the read."""
+        rows = list(self.rows)
+        if self.on_disk is not None:
+            rows.extend(
+                row
+                for row in read
+                if self.on_disk.after_seq < row.seq <= self.on_disk.up_to_seq
+                and (row.workspace_id, row.sub_doc)
+                == (self.on_disk.workspace_id, self.on_disk.sub_doc)
+            )
+        return sorted(rows, key=lambda row: row.seq)

@@ -22,7 +22,10 @@ The rules, each pinned by a test:
 - An op the server answered without committing it (rejected, discarded, a final error) leaves.
 - A committed op the confirmed state cannot take means this copy diverged from the server (it
   never should: the server folds the same reducers over the same log). `Diverged` is raised and
-  the shell starts over from a fresh server state (`resync`), pending ops re-applied.
+  the shell starts over from a fresh server state (`resync`), pending ops re-applied. Until
+  then the view stays as it was, pending ops included (the shell's re-read may take a while).
+- Ops a new view finds in the client's outbox (`waiting`: replayed after a restart) are pending
+  like the app's, with nobody waiting for their answer (orphans) from the start.
 """
 
 from __future__ import annotations
@@ -89,6 +92,14 @@ class OptimisticDoc:
         undo = self._try(op)
         self._pending.append(_Pending(op_id, op, undo))
         return undo is not None
+
+    def waiting(self, op_id: str, op: Op) -> bool:
+        """An op already in the client's outbox that nobody here awaits (replayed after a
+        restart, listed when the view opened): pending and orphaned from the start (`local`
+        then `orphaned`). Returns whether the view can take it."""
+        shown = self.local(op_id, op)
+        self.orphaned(op_id)
+        return shown
 
     def committed(self, clock: int, op_id: str | None, op: Op) -> None:
         """The feed delivered the op committed at `clock` (in clock order; older ones ignored).
@@ -160,15 +171,21 @@ class OptimisticDoc:
             if p.undo is not None:
                 p.undo()
                 p.undo = None
-        if op_id is not None:
-            self._pending = [p for p in self._pending if p.op_id != op_id]
-        if committed is not None:
-            try:
-                apply_op(self.state, committed)
-            except OpRejected as exc:
-                raise Diverged(f"the confirmed state cannot take a committed op: {exc}") from exc
-        for p in self._pending:
-            p.undo = self._try(p.op)
+        try:
+            if committed is not None:
+                try:
+                    apply_op(self.state, committed)
+                except OpRejected as exc:
+                    raise Diverged(
+                        f"the confirmed state cannot take a committed op: {exc}"
+                    ) from exc
+            if op_id is not None:
+                self._pending = [p for p in self._pending if p.op_id != op_id]
+        finally:
+            # Diverged included: the view keeps showing every pending op (its confirmed part
+            # as it was) while the shell re-reads the server, which may take a while.
+            for p in self._pending:
+                p.undo = self._try(p.op)
 
 
 def _same_op(ours: Op, committed: Op) -> bool:

@@ -16,9 +16,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import aiohttp
+import orjson
 
 from cv_mutations import (
+    Op,
     new_op_id,
+    parse_op,
 )
 from cv_workspace_client._auth import RefreshPolicy, TokenProvider, TokenRefresher
 from cv_workspace_client._discard import retrieve, settle_discard
@@ -27,6 +30,7 @@ from cv_workspace_client._machine import (
     BacklogRange,
     Discard,
     OutboxMachine,
+    OutboxRow,
 )
 from cv_workspace_client._outbox import MemoryOutbox, Outbox, OutboxWrite
 from cv_workspace_client._outbox_sqlite import SQLiteOutbox
@@ -278,6 +282,36 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         if workspace_id is None:
             return self._machine.pending_count
         return self._machine.pending_in(workspace_id, sub_doc)
+
+    async def pending_ops(self, workspace_id: str, sub_doc: str) -> list[tuple[str, Op]]:
+        """The sub-doc's ops the server has not answered, as `(op_id, op)`, in the order the
+        server will get them: those replayed from the outbox (after a restart) first, then those
+        submitted since, each once (a batch in flight included). For a view that shows what the
+        user did before the server took it (`LiveDoc`).
+
+        A restored backlog the client has not read into memory yet is read here, a page at a
+        time, through the outbox (nothing is loaded into the client for it). The list is the
+        client's as it stands when the call returns: an op answered during the read is not in
+        it. Ops submitted later are not in it either."""
+        self._check_open()
+        check_ids(workspace_id, sub_doc)
+        lane = self._machine.lane_pending(workspace_id, sub_doc)
+        read: list[OutboxRow] = []
+        if lane.on_disk is not None:
+            assert self._outbox is not None
+            span, page = lane.on_disk, self._machine.restore_page
+            after = span.after_seq
+            while True:
+                rows = await self._outbox.read_lane(
+                    workspace_id, sub_doc, after, span.up_to_seq, page
+                )
+                read.extend(rows)
+                if len(rows) < page:
+                    break
+                after = rows[-1].seq
+            # Loaded, answered or discarded while the pages were read: the machine says which.
+            lane = self._machine.lane_pending(workspace_id, sub_doc)
+        return [(row.op_id, parse_op(orjson.loads(row.op_json))) for row in lane.with_disk(read)]
 
     @property
     def synced(self) -> bool:

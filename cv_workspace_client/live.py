@@ -5,39 +5,55 @@
         doc.state, doc.clock, doc.pending
         async for state in doc.changes(): ...  # re-render
 
-`doc.state` is the server's state as the sub-doc's feed delivered it, with the ops this `LiveDoc`
-applied and the server has not answered on top, in order: an edit shows the moment it is made,
+`doc.state` is the server's state as the sub-doc's feed delivered it, with the ops the server has
+not answered on top, in order (those applied here, and those the client's outbox held when the
+view opened): an edit shows the moment it is made,
 offline included, and moves into place as the server commits it, rebased on whatever other
 clients committed first. The rules are `OptimisticDoc`'s (pure, `_optimistic.py`); this module
 only wires the client's reads, subscription and answers into it.
 
-What becomes of each op applied here:
-- committed: it stays in the view (the feed confirms it where the server put it);
-- rejected, discarded, or refused for good: it leaves the view, and `apply_op` raises as the
-  client's does;
-- no answer yet (`StillPendingError`, the app cancelled the call): it stays in the view while
-  it waits in the outbox. If the server rejects it when it is replayed, nobody is told; the view
-  learns it from the client itself: once nothing of the sub-doc is pending in the client and
-  the feed has reached every clock the server reported to it, an op the feed never delivered
-  was not committed, and it leaves the view.
+Opening: the state comes first (`get_state`, or the `initial` state the app cached, for a view
+that opens with no server), then the client's unanswered ops of the sub-doc
+(`WorkspaceClient.pending_ops`: those a new client replays from its outbox after a restart, in
+outbox order), shown on top of it, then the feed follows from the state's clock. A user who edited
+offline, quit and reopened the app sees those edits at once, server or no server. An op that
+the server committed before the state was read but had not answered when the ops were listed
+(its answer on the way, or lost to a crash: the replay gets `duplicate`) shows twice until the
+rule below takes it out; every other interleaving of answers with the open is exact.
 
-Ops replayed from the outbox by a new client (after a restart) are not pending in a new
-`LiveDoc`: they show once committed.
+What becomes of each op in the view:
+- committed: it stays in the view (the feed confirms it where the server put it);
+- rejected, discarded before any send, or refused for good: it leaves the view, and `apply_op`
+  raises as the client's does;
+- no answer yet (`StillPendingError`, the app cancelled the call, found in the outbox at open),
+  or discarded after a send whose answer was lost (`OpDiscardedError.maybe_applied`): it stays
+  in the view while its fate is unknown. Nobody is told what the server made of it; the view
+  learns it from the client and the server: once nothing of the sub-doc is pending in the
+  client, every such op was answered or discarded, so any commit of one is at or below the
+  server's head clock read after that moment (and the clocks the server reported to the
+  client). Once the feed has reached them, an op it never delivered was not committed, and it
+  leaves the view — once, never to come back.
+
+If the view ever diverges from the server (it never should), it re-reads the state, retrying
+with the client's backoff until the server answers; meanwhile it shows what it showed, pending
+ops included.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from cv_mutations import Op, SubDocState
 from cv_workspace_client._optimistic import Diverged, OptimisticDoc
 from cv_workspace_client._pump import as_op
+from cv_workspace_client._retry import retrying
 from cv_workspace_client.client import WorkspaceClient
-from cv_workspace_client.errors import StillPendingError, WorkspaceError
+from cv_workspace_client.errors import OpDiscardedError, StillPendingError, WorkspaceError
 from cv_workspace_client.models import Commit
 
 if TYPE_CHECKING:
@@ -52,10 +68,22 @@ class LiveDoc:
     """The optimistic view of `sub_doc` (see the module docstring). An async context manager:
     entering reads the state and subscribes; leaving stops following (pending ops go on)."""
 
-    def __init__(self, client: WorkspaceClient, workspace_id: str, sub_doc: str) -> None:
+    def __init__(
+        self,
+        client: WorkspaceClient,
+        workspace_id: str,
+        sub_doc: str,
+        *,
+        initial: tuple[int, SubDocState] | None = None,
+    ) -> None:
+        """`initial`: a state of the sub-doc the app kept (`(clock, state)`, as `get_state`
+        returns it) to open from instead of reading the server's, so the view opens with no
+        server; it follows from that clock once the server is reachable. Copied: the app's
+        copy is left alone."""
         self.client = client
         self.workspace_id = workspace_id
         self.sub_doc = sub_doc
+        self.initial = initial
         #: Why the view stopped following the server (the subscription's error), or None.
         self.error: BaseException | None = None
         self._core: OptimisticDoc | None = None
@@ -66,6 +94,8 @@ class LiveDoc:
         self._closed = False
         #: False once the feed ended (the client closed, or `error`).
         self._following = True
+        #: Set when the orphans' fate may be decidable (see `_settle_orphans`).
+        self._recheck = asyncio.Event()
 
     # -- what the app reads ------------------------------------------------------------------------
 
@@ -120,12 +150,22 @@ class LiveDoc:
         try:
             commit = await self.client.apply_op(self.workspace_id, self.sub_doc, parsed)
         except (StillPendingError, asyncio.CancelledError):
-            # It waits in the outbox: still on its way, still in the view (see `_reconcile`).
+            # It waits in the outbox: still on its way, still in the view (`_settle_orphans`).
             core.orphaned(parsed.op_id)
-            self._reconcile()
+            self._recheck.set()
+            raise
+        except OpDiscardedError as exc:
+            if exc.maybe_applied:
+                # A send whose answer was lost may have committed it: the feed will say. Taken
+                # out now, it came back with that commit (a flicker) whenever it was committed.
+                core.orphaned(parsed.op_id)
+                self._recheck.set()
+            else:
+                core.answered(parsed.op_id)  # never sent: never committed
+                self._changed()
             raise
         except BaseException:
-            core.answered(parsed.op_id)  # rejected, discarded, refused: never committed
+            core.answered(parsed.op_id)  # rejected, refused: never committed
             self._changed()
             raise
         # A duplicate of a commit the view's confirmed state already holds (sent before the
@@ -137,14 +177,27 @@ class LiveDoc:
     # -- lifetime ----------------------------------------------------------------------------------
 
     async def __aenter__(self) -> LiveDoc:
-        clock, state = await self.client.get_state(self.workspace_id, self.sub_doc)
-        self._core = OptimisticDoc(clock, state)
-        self._subscription = self.client.subscribe(self.workspace_id, self.sub_doc, since=clock)
+        ws, sub_doc = self._key()
+        if self.initial is None:
+            clock, state = await self.client.get_state(ws, sub_doc)
+        else:
+            clock, state = self.initial[0], SubDocState.from_json(self.initial[1].to_json())
+        core = OptimisticDoc(clock, state)
+        # Listed after the state was read: an op answered before the list is in the state (or
+        # the feed brings it), one answered after is pending here until the feed confirms it
+        # (or `_settle_orphans` finds it was not committed after the read). Nothing awaits
+        # between the list and the view taking it: no answer slips in between.
+        for op_id, op in await self.client.pending_ops(ws, sub_doc):
+            core.waiting(op_id, op)
+        self._core = core
+        self._subscription = self.client.subscribe(ws, sub_doc, since=clock)
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._follow(self._subscription)),
             loop.create_task(self._watch_sync()),
+            loop.create_task(self._settle_orphans()),
         ]
+        self._recheck.set()
         return self
 
     async def __aexit__(
@@ -180,39 +233,82 @@ class LiveDoc:
                     core.committed(committed.clock, committed.op_id, committed.op)
                 except Diverged:
                     # Never expected (the server folds the same reducers over the same log):
-                    # start over from the server's word rather than show a wrong state.
+                    # start over from the server's word rather than show a wrong state. The
+                    # view shows what it did meanwhile, pending ops included.
                     logger.warning("live doc %s/%s diverged; re-reading", *self._key())
-                    clock, state = await self.client.get_state(*self._key())
+                    clock, state = await self._reread()
                     core.resync(clock, state)
-                self._reconcile()
+                self._recheck.set()
                 self._changed()
         except WorkspaceError as exc:
             self.error = exc
+        except _ClientClosed:
+            pass
         finally:
             self._following = False
+            self._recheck.set()
             self._wake()
 
-    async def _watch_sync(self) -> None:
-        # The client answering a replayed op moves no feed clock when it is a rejection: only
-        # its pending count and acknowledged clock say so.
-        async for _ in self.client.watch_sync_status():
-            self._reconcile()
+    async def _reread(self) -> tuple[int, SubDocState]:
+        """The server's state, however long it takes to reach it: the client's backoff between
+        tries (`get_state` retries `retry_attempts` times itself). A final error raises."""
+        found: tuple[int, SubDocState] | None = None
+        async for attempt in retrying(self.client.config, forever=True):
+            with attempt, _closing_client():
+                found = await self.client.get_state(*self._key())
+        assert found is not None
+        return found
 
-    def _reconcile(self) -> None:
-        """Ops nobody awaits leave the view once the client has nothing of the sub-doc pending
-        and the feed has delivered every clock the server reported to the client: one not
-        delivered by then was not committed (rejected when replayed)."""
-        core = self._core
-        if core is None or not core.orphans():
-            return
+    async def _head(self) -> int:
+        """The server's head clock now, retried as `_reread`."""
+        head = 0
+        async for attempt in retrying(self.client.config, forever=True):
+            with attempt, _closing_client():
+                head, _ = await self.client.read_ops(*self._key(), since=0, limit=1)
+        return head
+
+    async def _watch_sync(self) -> None:
+        # The client answering (or discarding) a replayed op moves no feed clock: only its
+        # pending count says so.
+        async for _ in self.client.watch_sync_status():
+            self._recheck.set()
+
+    async def _settle_orphans(self) -> None:
+        """Take out the ops nobody awaits (`OptimisticDoc.orphans`) that were not committed.
+
+        Once the client has nothing of the sub-doc pending, each of them was answered or
+        discarded, so a commit of one is at or below the head the server reports after that
+        moment, and at or below the clocks the server reported to the client. The feed confirms
+        what was committed by the time it reaches them; what is still an orphan then was not
+        (rejected when replayed, discarded, or in the state before the view read it)."""
+        core = self._open()
         ws, sub_doc = self._key()
-        if self.client.pending_count(ws, sub_doc):
-            return
-        if core.clock < self.client.acknowledged_clock(ws, sub_doc):
-            return  # the feed has not caught up with what the server told the client
-        for op_id in core.orphans():
-            core.answered(op_id)
-        self._changed()
+        try:
+            while self._following:
+                await self._recheck.wait()
+                self._recheck.clear()
+                if not core.orphans() or self.client.pending_count(ws, sub_doc):
+                    continue
+                candidates = set(core.orphans())
+                # Not the acknowledged clock alone: a discard moves none, and a send whose
+                # answer was lost may have committed an op that only the feed will show.
+                head = await self._head()
+                while core.clock < max(head, self.client.acknowledged_clock(ws, sub_doc)):
+                    if not self._following:
+                        return  # the feed ended: the view is as it stands for good
+                    await self._recheck.wait()
+                    self._recheck.clear()
+                if self.client.pending_count(ws, sub_doc):
+                    continue  # sent again meanwhile: its answer will wake this again
+                gone = [op_id for op_id in core.orphans() if op_id in candidates]
+                for op_id in gone:
+                    core.answered(op_id)
+                if gone:
+                    self._changed()
+        except WorkspaceError as exc:
+            logger.warning("live doc %s/%s cannot settle its orphan ops: %s", ws, sub_doc, exc)
+        except _ClientClosed:
+            pass
 
     def _key(self) -> tuple[str, str]:
         return self.workspace_id, self.sub_doc
@@ -225,6 +321,19 @@ class LiveDoc:
         for waker in list(self._wakers):
             if not waker.done():
                 waker.set_result(None)
+
+
+class _ClientClosed(Exception):
+    """The client closed under a read (its `RuntimeError`): the view stops quietly."""
+
+
+@contextlib.contextmanager
+def _closing_client() -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as exc:
+        # Raised by a client that is not open (closed under the view, which ends with it).
+        raise _ClientClosed(str(exc)) from exc
 
 
 def _with_op_id(op: Op | Mapping[str, Any], mint: Callable[[], str]) -> Op:

@@ -74,3 +74,25 @@ async def offline_view(server_url: str) -> AsyncIterator[Offline]:
                 proxy.refuse = True
                 proxy.drop_all()
                 yield Offline(proxy, mine, theirs, doc)
+
+
+class Gate:
+    """An injected `ClientConfig.sleep` that holds every retry delay (sends, reads, reconnects)
+    until `open()`; afterwards delays pass at once. `entered` is set at each delay asked for."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self._opened = asyncio.Event()
+
+    async def __call__(self, delay: float) -> None:
+        self.entered.set()
+        await self._opened.wait()
+
+    def open(self) -> None:
+        self._opened.set()
+
+
+async def counts_seen(doc: LiveDoc, into: list[Any]) -> None:
+    """Record node "n"'s counter at every version of the view (run as a task)."""
+    async for state in doc.changes():
+        into.append(count_of(state))

@@ -74,6 +74,7 @@ class ClientServerAndOthers(RuleBasedStateMachine):
         self.server = SubDocState.empty()
         self.log: list[tuple[str, Op]] = []  # (op_id, op) at clock i + 1
         self.doc = OptimisticDoc(0, SubDocState.empty())
+        self.opened_at = 0  # the clock of the state the view opened with
         self.outbox: list[tuple[str, Op]] = []  # ours, not yet taken by the server
         self.answers: list[str] = []  # ours the server rejected, answer not yet delivered
         self.ours: dict[str, Op] = {}  # every op the client submitted, still pending to it
@@ -114,6 +115,11 @@ class ClientServerAndOthers(RuleBasedStateMachine):
         if op_id in self.decided:  # deduped: the first answer stands, nothing applied again
             if not self.decided[op_id]:
                 self.answers.append(op_id)
+            elif op_id not in self.doc.orphans():
+                # `LiveDoc.apply_op` hands the duplicate's clock to the view (`confirmed`).
+                clock = next(i for i, (logged, _) in enumerate(self.log, 1) if logged == op_id)
+                if self.doc.confirmed(op_id, clock):
+                    self.ours.pop(op_id, None)
             return
         self.decided[op_id] = self._commit(op_id, op)
         if not self.decided[op_id]:
@@ -131,10 +137,11 @@ class ClientServerAndOthers(RuleBasedStateMachine):
         self.doc.committed(clock, op_id, op)
         self.ours.pop(op_id, None)
 
-    @precondition(lambda self: self.doc.clock > 0)
+    @precondition(lambda self: self.doc.clock > self.opened_at)
     @rule(back=st.integers(0, 3))
     def feed_repeats_an_old_op(self, back: int) -> None:
-        clock = max(1, self.doc.clock - back)
+        # A clock the feed delivered (after the state the view opened with: none before).
+        clock = max(self.opened_at + 1, self.doc.clock - back)
         op_id, op = self.log[clock - 1]
         before = self.doc.state.to_json()
         self.doc.committed(clock, op_id, op)
@@ -146,6 +153,28 @@ class ClientServerAndOthers(RuleBasedStateMachine):
         op_id = self.answers.pop(i % len(self.answers))
         self.doc.answered(op_id)
         self.ours.pop(op_id, None)
+
+    @rule(at_head=st.booleans())
+    def the_app_restarts(self, at_head: bool) -> None:
+        """A new view on the client's outbox (`LiveDoc` after a restart): the confirmed state
+        read (where the feed was, or the server's head: then our ops committed but not yet
+        confirmed are in it and on top of it), and every op of ours found waiting."""
+        clock = len(self.log) if at_head else self.doc.clock
+        self.doc = OptimisticDoc(clock, _fold([op for _, op in self.log[:clock]]))
+        self.opened_at = clock
+        for op_id, op in self.ours.items():
+            self.doc.waiting(op_id, op)
+
+    @precondition(
+        lambda self: not self.outbox and not self.answers and self.doc.clock == len(self.log)
+    )
+    @rule()
+    def the_view_settles_its_orphans(self) -> None:
+        """`LiveDoc._settle_orphans`: nothing pending in the client, the feed at the head: an
+        orphan still pending was not committed after the view's state was read."""
+        for op_id in self.doc.orphans():
+            self.doc.answered(op_id)
+            self.ours.pop(op_id, None)
 
     @invariant()
     def the_view_is_the_confirmed_state_with_the_pending_ops_on_top(self) -> None:
@@ -161,6 +190,7 @@ class ClientServerAndOthers(RuleBasedStateMachine):
             self.feed_delivers()
         while self.answers:
             self.a_rejection_reaches_the_client(0)
+        self.the_view_settles_its_orphans()
         assert self.doc.pending == ()
         assert self.doc.state.to_json() == self.server.to_json()
 
@@ -210,4 +240,18 @@ def test_a_committed_op_the_confirmed_state_cannot_take_is_divergence() -> None:
     apply_op(fresh, NodeInsert(node_id="b", parent_id=ROOT))
     doc.resync(1, fresh)
     assert set(doc.state.nodes) >= {"a", "b"}
+    assert doc.clock == 1
+
+
+def test_a_diverged_view_keeps_showing_its_pending_ops_until_the_reread() -> None:
+    state = SubDocState.empty()
+    apply_op(state, NodeInsert(node_id="a", parent_id=ROOT))
+    doc = OptimisticDoc(1, state)
+    doc.local("op1", NodeIncrement(node_id="a", field="c"))
+    doc.local("op2", NodeInsert(node_id="b", parent_id="a"))
+    with pytest.raises(Diverged):
+        doc.committed(2, "op2", NodeIncrement(node_id="zz", field="c"))  # ours, out of turn
+    assert doc.state.nodes["a"].fields == {"c": 1}
+    assert "b" in doc.state.nodes
+    assert len(doc.pending) == 2
     assert doc.clock == 1
