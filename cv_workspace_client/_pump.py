@@ -164,7 +164,8 @@ class OpPump:
         self._kick()
 
     def _send(self, send: Send) -> None:
-        sock = self._sockets.get(send.workspace_id)
+        # `ops_over_websocket=False` is HTTP only, even when a subscription opened the socket.
+        sock = self._sockets.get(send.workspace_id) if self.config.ops_over_websocket else None
         if sock is not None and sock.send_batch(send):
             return
         self._spawn(self._post(send))

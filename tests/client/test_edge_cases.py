@@ -28,7 +28,7 @@ from cv_workspace_client import (
 )
 from cv_workspace_client.testing import FaultProxy, ProxyStats, restart_client
 
-from .helpers import SECRET, WS, collect, fast_config, server_log, server_state
+from .helpers import SECRET, WS, collect, fast_config, server_log, server_state, token_for
 
 TIMEOUT = 30
 
@@ -553,3 +553,36 @@ async def test_wait_synced_returns_once_earlier_ops_are_answered_while_others_ke
         await asyncio.wait_for(writer, TIMEOUT)
         await client.wait_synced(timeout=TIMEOUT)
         assert client.pending_count() == 0
+
+
+async def test_ops_over_websocket_false_sends_ops_over_http_even_with_a_socket_open(
+    server_url: str,
+) -> None:
+    """`ops_over_websocket=False` says "HTTP only". A subscription opens the workspace's
+    websocket anyway, and ops went over it as soon as it was open: an app that kept ops off
+    websockets (a proxy that buffers them, a gateway that bills them) had them sent there."""
+    async with WorkspaceClient(
+        server_url, token=token_for(WS), config=fast_config(ops_over_websocket=False)
+    ) as client:
+        subscription = client.subscribe(WS, "tree")
+        await client.connect(WS, timeout=10)
+        http = client._api()
+        posted: list[str] = []
+        post_ops = http.post_ops
+
+        async def counting(workspace_id: str, sub_doc: str, body: str) -> Any:
+            posted.append(sub_doc)
+            return await post_ops(workspace_id, sub_doc, body)
+
+        http.post_ops = counting  # type: ignore[method-assign]
+        commits = await asyncio.wait_for(
+            asyncio.gather(
+                client.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root")),
+                client.apply_op(WS, "tree", NodeIncrement(node_id="n", field="c")),
+            ),
+            10,
+        )
+        assert [commit.clock for commit in commits] == [1, 2]
+        assert posted, "no op went over HTTP"
+        assert set(posted) == {"tree"}
+        assert await asyncio.wait_for(collect(subscription, 2), 10) == [1, 2]
