@@ -442,11 +442,12 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         # whom nothing else would tell (their ops are out of the machine and of `_futures`).
         settling = asyncio.ensure_future(settle_discard(self._outbox, failed, told))
         settling.add_done_callback(retrieve)
-        settling.add_done_callback(
-            lambda task: self._undiscarded.append(attempted)
-            if not task.cancelled() and task.exception() is not None
-            else None
-        )
+
+        def remember_if_failed(task: asyncio.Future[None]) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                self._undiscarded.append(attempted)
+
+        settling.add_done_callback(remember_if_failed)
         await asyncio.shield(settling)
         return count
 
