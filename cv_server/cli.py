@@ -1,4 +1,4 @@
-"""`cv-server`: serve the op-log, mint tokens (DESIGN §12).
+"""`cv-server`: serve the op-log, set up its database, mint tokens (DESIGN §12).
 
 Errors are one line on stderr: exit 2 for arguments the parser refuses, 1 for a setting or a
 database that cannot work. 130 when interrupted (Ctrl-C) before serving; 141 when the reader of
@@ -30,7 +30,7 @@ from cv_server.app import create_app
 from cv_server.auth import check_grant, mint_token
 from cv_server.backends import DatabaseUnusable, hold_serving_lock, open_sqlite_database
 from cv_server.config import ServerConfig
-from cv_server.meta import sqlite_token_secret
+from cv_server.meta import read_sqlite_token_secret, sqlite_token_secret
 
 __all__ = ["main"]
 
@@ -194,6 +194,11 @@ def _parser() -> argparse.ArgumentParser:
         help="override a ServerConfig setting, e.g. --set lease_seconds=5 (repeatable)",
     )
 
+    init = commands.add_parser(
+        "init", help="create the database (tables, token secret) unless it exists; idempotent"
+    )
+    _add_backend_args(init)
+
     token = commands.add_parser("token", help="mint a bearer token (printed alone on stdout)")
     _add_backend_args(token)
     token.add_argument("--workspace", action="append", required=True, help="repeatable; * = all")
@@ -261,20 +266,46 @@ async def _serve_app(config: ServerConfig, host: str, port: int) -> None:
     await runner.cleanup()
 
 
-async def _token(
-    db_path: Path, database_url: str | None, workspaces: list[str], ttl: float | None
-) -> str:
+async def _init(db_path: Path, database_url: str | None) -> None:
+    """Create the database and its token secret, or leave an existing one as it is: what
+    `serve` does at start, without serving. So that a first token can be minted before the
+    first start (`scripts/serve`), while `token` itself never creates a database."""
     if database_url:
-        from cv_server.pg.stores import read_token_secret
+        from cv_server.pg.stores import read_token_secret  # needs the postgres extra
 
-        secret = await read_token_secret(database_url)
-    else:
-        db = await open_sqlite_database(str(db_path))
-        try:
-            secret = await sqlite_token_secret(db)
-        finally:
-            await db.close()
-    return mint_token(secret, workspaces, now=time.time(), ttl=ttl)
+        await read_token_secret(database_url)
+        return
+    db = await open_sqlite_database(str(db_path))
+    try:
+        await sqlite_token_secret(db)
+    finally:
+        await db.close()
+
+
+def _sqlite_token_secret(db_path: Path) -> bytes:
+    """The secret of the existing database `db_path`, read without writing a byte: only `init`
+    and `serve` create a database. `token` created one for a mistyped `--db` (a new file with a new
+    secret) and printed a token that no server accepts, with exit 0; into an unrelated SQLite
+    file it wrote the server's tables."""
+    if not db_path.exists():
+        raise SystemExit(
+            f"cv-server token: no database at {db_path} (a typo in --db?): create it with"
+            f" `cv-server init --db {db_path}`"
+        )
+    if not db_path.is_file():  # SQLite's word for a directory is "disk I/O error"
+        raise SystemExit(f"cv-server token: {db_path} is not a database file")
+    try:
+        secret = read_sqlite_token_secret(db_path)
+    except sqlite3.Error as exc:
+        raise SystemExit(
+            f"cv-server token: cannot read the token secret of {db_path}: {exc}"
+        ) from None
+    if secret is None:
+        raise SystemExit(
+            f"cv-server token: {db_path} holds no token secret: not a cv-server database, or"
+            " one `cv-server init` (or `serve`) has not set up yet"
+        )
+    return secret
 
 
 def _run(main: Coroutine[Any, Any, None]) -> None:
@@ -309,19 +340,31 @@ def _main(argv: list[str] | None) -> int:
             raise SystemExit(f"cv-server: --set: {exc}") from None
         _run(_serve(config, args.host, args.port))
         return 0
+    if args.command == "init":
+        database_url = args.database_url and _with_schema(args.database_url, args.schema)
+        try:
+            _needs_asyncpg(database_url)
+            asyncio.run(_init(args.db or DEFAULT_DB, database_url))
+        except _STARTUP_ERRORS as exc:
+            raise SystemExit(f"cv-server init: cannot set up the database: {exc}") from None
+        return 0
     if args.command == "token":
         database_url = args.database_url and _with_schema(args.database_url, args.schema)
-        try:  # before the database is opened (or created): the arguments alone are wrong
+        try:  # before the database is read: the arguments alone are wrong
             check_grant(args.workspace, args.ttl)
         except ValueError as exc:
             raise SystemExit(f"cv-server token: {exc}") from None
-        try:
-            _needs_asyncpg(database_url)
-            token = asyncio.run(
-                _token(args.db or DEFAULT_DB, database_url, args.workspace, args.ttl)
-            )
-        except _STARTUP_ERRORS as exc:
-            raise SystemExit(f"cv-server: cannot read the token secret: {exc}") from None
+        if database_url:
+            try:
+                _needs_asyncpg(database_url)
+                from cv_server.pg.stores import read_token_secret  # needs the postgres extra
+
+                secret = asyncio.run(read_token_secret(database_url))
+            except _STARTUP_ERRORS as exc:
+                raise SystemExit(f"cv-server: cannot read the token secret: {exc}") from None
+        else:
+            secret = _sqlite_token_secret(args.db or DEFAULT_DB)
+        token = mint_token(secret, args.workspace, now=time.time(), ttl=args.ttl)
         try:
             print(token, flush=True)
         except BrokenPipeError:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import sqlite3
+from pathlib import Path
+
 import sqlite_utils
 
 from cv_server.auth import new_secret
 from cv_server.sqlite_db import SQLiteDatabase, Transaction
 
-__all__ = ["create_schema", "sqlite_token_secret"]
+__all__ = ["create_schema", "read_sqlite_token_secret", "sqlite_token_secret"]
 
 
 def create_schema(db: sqlite_utils.Database) -> None:
@@ -26,3 +29,27 @@ async def sqlite_token_secret(db: SQLiteDatabase) -> bytes:
         return bytes(row[0])
 
     return await db.write(get_or_create)
+
+
+def read_sqlite_token_secret(path: Path) -> bytes | None:
+    """The secret stored in the existing database file `path`, or None when it holds none (not
+    a cv-server database, or one no server has started on yet). Raises `sqlite3.Error` for a
+    file SQLite cannot read ("file is not a database").
+
+    For `cv-server token`, which must never create a database or write into one: the file is
+    opened read-only (`mode=ro`), so a mistyped `--db` cannot become a new database with a new
+    secret, whose tokens no server accepts, and an unrelated SQLite file gets no tables.
+    """
+    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        try:
+            row = conn.execute(
+                "SELECT value FROM server_meta WHERE key = 'token_secret'"
+            ).fetchone()
+        except sqlite3.OperationalError as exc:
+            if str(exc).startswith("no such table"):
+                return None
+            raise
+    finally:
+        conn.close()
+    return None if row is None else bytes(row[0])

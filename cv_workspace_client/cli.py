@@ -33,6 +33,7 @@ import re
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Coroutine, Mapping
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
@@ -265,15 +266,60 @@ def _print_error(exc: BaseException) -> None:
 # -- cv-worker -------------------------------------------------------------------------------------
 
 
+def _current_directory_on_path() -> str | None:
+    """Put the current directory first on `sys.path`, as `python -m` and uvicorn do, and return
+    it. The `cv-worker` console script is run as a file, so Python put the script's directory
+    there instead (`.venv/bin`): a stages module next to the user, as the README has it, was
+    "No module named". Left there (uvicorn's way, not celery's import-time-only one): a stage
+    that imports a sibling module only when it first runs must find it too. Not under `python
+    -P` / `PYTHONSAFEPATH`, which ask for no such entry; nor when the directory is gone."""
+    if sys.flags.safe_path:
+        return None
+    try:
+        cwd = os.getcwd()
+    except FileNotFoundError:
+        return None
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    return cwd
+
+
+def _import_failure(module_name: str, exc: Exception, cwd: str | None) -> UsageError:
+    """Why `--stages` could not be imported, in one line: a module that is not there (a wrong
+    name, or another directory), or one that failed while it ran (its own bug, or a dependency
+    it lacks: named with the file and line; the traceback under --log-level DEBUG). A
+    SyntaxError or an exception the module raised was a traceback with exit 1."""
+    if isinstance(exc, ModuleNotFoundError) and (
+        exc.name == module_name or module_name.startswith(f"{exc.name}.")
+    ):
+        where = f"in the current directory ({cwd}) nor " if cwd else ""
+        hint = (
+            f" (a module name, not a file: {module_name[:-3]})"
+            if module_name.endswith(".py")
+            else ""
+        )
+        return UsageError(f"--stages: {exc}: not {where}on the Python path{hint}")
+    logging.getLogger(__name__).debug("importing %s failed", module_name, exc_info=exc)
+    what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames and not isinstance(exc, SyntaxError):  # a SyntaxError names its file and line
+        what += f" ({frames[-1].filename}, line {frames[-1].lineno})"
+    return UsageError(f"--stages: importing {module_name!r} failed: {what}")
+
+
 def load_stages(spec: str) -> dict[str, Handler | Stage]:
-    """Import `pkg.module:NAME`, a dict of stage name → handler or `Stage`."""
+    """Import `pkg.module:NAME`, a dict of stage name → handler or `Stage`. The module is looked
+    for in the current directory first, as `python -m` does; this puts that directory on
+    `sys.path` (see `_current_directory_on_path`)."""
     module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
+    if not sep or not attr or not all(part.isidentifier() for part in module_name.split(".")):
+        # `./mymod:STAGES`, `.mymod:STAGES` (a relative name was a TypeError traceback).
         raise UsageError(f"--stages must look like pkg.module:NAME, not {spec!r}")
+    cwd = _current_directory_on_path()
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"cannot import {module_name!r}: {exc}") from None
+    except Exception as exc:  # anything the module raises while it runs: its own bug
+        raise _import_failure(module_name, exc, cwd) from None
     stages = getattr(module, attr, None)
     if not isinstance(stages, Mapping) or not stages:
         raise UsageError(f"{spec} must be a non-empty dict of stage name -> handler or Stage")
@@ -286,7 +332,11 @@ def load_stages(spec: str) -> dict[str, Handler | Stage]:
 def _worker_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="cv-worker", description="Run stage handlers.")
     _common(parser)
-    parser.add_argument("--stages", required=True, help="pkg.module:STAGES (a dict)")
+    parser.add_argument(
+        "--stages",
+        required=True,
+        help="pkg.module:STAGES (a dict); the module is looked for in the current directory first",
+    )
     parser.add_argument("--worker-class", default=None, help="claim this class for every stage")
     parser.add_argument("--worker-id", default=None, help="shown as claimed_by on its rows")
     parser.add_argument("--concurrency", type=int, default=1, help="stages run at once")

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-__all__ = ["ServerProcess", "free_port", "mint_cli_token"]
+__all__ = ["ServerProcess", "create_sqlite_database", "free_port", "mint_cli_token"]
 
 
 def free_port() -> int:
@@ -20,9 +20,23 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def create_sqlite_database(db: Path) -> None:
+    """Create the SQLite database `db`, its token secret included (`cv-server init`)."""
+    subprocess.run(
+        [sys.executable, "-m", "cv_server.cli", "init", "--db", str(db)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def mint_cli_token(db: Path | None, workspace: str, *, database_url: str | None = None) -> str:
     """`cv-server token` for the SQLite file `db`, or for the PostgreSQL `database_url` (a
-    `search_path` in its query selects the schema)."""
+    `search_path` in its query selects the schema). A `db` that does not exist yet is created
+    first (`cv-server init`): `token` reads the secret of an existing database only."""
+    if not database_url and db is not None and not db.exists():
+        create_sqlite_database(db)
     backend = ["--database-url", database_url] if database_url else ["--db", str(db)]
     out = subprocess.run(
         [sys.executable, "-m", "cv_server.cli", "token", *backend, "--workspace", workspace],

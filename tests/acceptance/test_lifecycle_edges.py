@@ -90,7 +90,7 @@ def _assert_one_clear_line(result: subprocess.CompletedProcess[str], *words: str
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("cv-server: "), result.stderr
+    assert lines[0].startswith(("cv-server: ", "cv-server token: ")), result.stderr
     for word in words:
         assert word in lines[0]
 

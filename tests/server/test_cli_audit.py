@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from cv_server.cli import main
-from tests.acceptance.procs import free_port
+from tests.acceptance.procs import create_sqlite_database, free_port
 
 EXIT_READER_GONE = 128 + signal.SIGPIPE
 
@@ -51,9 +51,9 @@ async def _start_with_reader_gone(*args: str) -> asyncio.subprocess.Process:
 async def test_token_piped_into_a_reader_that_left_exits_quietly(tmp_path: Path) -> None:
     """`TOKEN=$(cv-server token ... | head -c 0)`-like pipelines: the print of the token was a
     BrokenPipeError traceback (exit 1)."""
-    proc = await _start_with_reader_gone(
-        "token", "--db", str(tmp_path / "cv.db"), "--workspace", "ws1"
-    )
+    db = tmp_path / "cv.db"
+    await asyncio.to_thread(create_sqlite_database, db)  # `token` reads an existing one only
+    proc = await _start_with_reader_gone("token", "--db", str(db), "--workspace", "ws1")
     code, err = await _finish(proc)
     assert err == ""
     assert code == EXIT_READER_GONE

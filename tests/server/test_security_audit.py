@@ -18,6 +18,7 @@ from aiohttp.test_utils import TestClient
 from cv_server import ServerConfig, create_app
 from cv_server.auth import mint_token, verify_token
 from cv_server.cli import main as cv_server_main
+from tests.acceptance.procs import create_sqlite_database
 from tests.server.conftest import SECRET, ClientFactory, auth, token_for
 
 
@@ -77,6 +78,7 @@ def test_cv_server_token_mints_what_the_server_accepts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     db = str(tmp_path / "cv.db")
+    create_sqlite_database(Path(db))  # `token` reads the secret of an existing database only
     argv = ["token", "--db", db, "--workspace", "ws1", "--workspace", "*", "--ttl", "60"]
     assert cv_server_main(argv) == 0
     token = capsys.readouterr().out.strip()
