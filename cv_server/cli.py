@@ -271,9 +271,9 @@ async def _init(db_path: Path, database_url: str | None) -> None:
     `serve` does at start, without serving. So that a first token can be minted before the
     first start (`scripts/serve`), while `token` itself never creates a database."""
     if database_url:
-        from cv_server.pg.stores import read_token_secret  # needs the postgres extra
+        from cv_server.pg.stores import set_up_deployment  # needs the postgres extra
 
-        await read_token_secret(database_url)
+        await set_up_deployment(database_url)
         return
     db = await open_sqlite_database(str(db_path))
     try:

@@ -13,7 +13,7 @@ import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
 
 from cv_server.auth import new_secret
 
-__all__ = ["postgres_token_secret"]
+__all__ = ["postgres_token_secret", "stored_token_secret"]
 
 _TOKEN_SECRET_KEY: Final = "token_secret"
 
@@ -30,3 +30,14 @@ async def postgres_token_secret(pool: asyncpg.Pool) -> bytes:
         await conn.execute(_CREATE, _TOKEN_SECRET_KEY, new_secret())
         value = await conn.fetchval(_READ, _TOKEN_SECRET_KEY)
     return bytes(value)
+
+
+async def stored_token_secret(pool: asyncpg.Pool) -> bytes | None:
+    """The secret stored in the database, or None when it holds none (no `server_meta` table
+    yet, or no secret in it): read only, for `cv-server token`, which must not set up a
+    deployment in whatever database a mistyped DSN names."""
+    try:
+        value = await pool.fetchval(_READ, _TOKEN_SECRET_KEY)
+    except asyncpg.UndefinedTableError:
+        return None
+    return None if value is None else bytes(value)

@@ -26,7 +26,7 @@ from cv_server.pg.blobs import PostgresBlobStore
 from cv_server.pg.errors import PostgresBackendError
 from cv_server.pg.idempotency import PostgresIdempotencyStore
 from cv_server.pg.locks import PostgresComputeLockStore
-from cv_server.pg.meta import postgres_token_secret
+from cv_server.pg.meta import postgres_token_secret, stored_token_secret
 from cv_server.pg.migrations import migrate
 from cv_server.pg.notifier import Notifier
 from cv_server.pg.oplog import OPLOG_CHANNEL, PostgresOpLogStore, parse_oplog_payload
@@ -34,11 +34,13 @@ from cv_server.pg.pool import PostgresSettings, close_pool, create_pool
 from cv_server.pg.queue import QUEUE_CHANNEL, PostgresQueueStore
 
 __all__ = [
+    "NotSetUp",
     "SchemaMissing",
     "channel_name",
     "listen_application_name",
     "open_postgres_stores",
     "read_token_secret",
+    "set_up_deployment",
 ]
 
 logger = logging.getLogger(__name__)
@@ -90,13 +92,38 @@ async def _prepared_pool(dsn: str, settings: PostgresSettings) -> tuple[asyncpg.
     return pool, schema
 
 
-async def read_token_secret(dsn: str) -> bytes:
-    """The token secret of the deployment at `dsn` (created if none), for `cv-server token`."""
+class NotSetUp(PostgresBackendError):
+    """The database holds no cv-server deployment (no token secret): `cv-server init` first."""
+
+    code = "not_set_up"
+
+
+async def set_up_deployment(dsn: str) -> None:
+    """Migrate the database at `dsn` and create its token secret unless it has one, as an
+    instance does at start (`cv-server init`). Idempotent."""
     pool, _ = await _prepared_pool(dsn, PostgresSettings(pool_min_size=1, pool_max_size=1))
     try:
-        return await postgres_token_secret(pool)
+        await postgres_token_secret(pool)
     finally:
         await pool.close()
+
+
+async def read_token_secret(dsn: str) -> bytes:
+    """The token secret of the deployment at `dsn`, for `cv-server token`: read only. Raises
+    `NotSetUp` where there is none: minting one there made tables and a secret in whatever
+    database (or schema) a mistyped DSN named, and a token no instance accepts."""
+    pool = await create_pool(dsn, PostgresSettings(pool_min_size=1, pool_max_size=1))
+    try:
+        schema = await _current_schema(pool)
+        secret = await stored_token_secret(pool)
+    finally:
+        await pool.close()
+    if secret is None:
+        raise NotSetUp(
+            f"schema {schema!r} holds no cv-server deployment: run `cv-server init` with this"
+            " --database-url first (an instance's start sets it up too)"
+        )
+    return secret
 
 
 async def open_postgres_stores(config: ServerConfig) -> Stores:

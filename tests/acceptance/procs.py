@@ -22,8 +22,12 @@ def free_port() -> int:
 
 def create_sqlite_database(db: Path) -> None:
     """Create the SQLite database `db`, its token secret included (`cv-server init`)."""
+    _init(["--db", str(db)])
+
+
+def _init(backend: list[str]) -> None:
     subprocess.run(
-        [sys.executable, "-m", "cv_server.cli", "init", "--db", str(db)],
+        [sys.executable, "-m", "cv_server.cli", "init", *backend],
         check=True,
         capture_output=True,
         text=True,
@@ -33,11 +37,11 @@ def create_sqlite_database(db: Path) -> None:
 
 def mint_cli_token(db: Path | None, workspace: str, *, database_url: str | None = None) -> str:
     """`cv-server token` for the SQLite file `db`, or for the PostgreSQL `database_url` (a
-    `search_path` in its query selects the schema). A `db` that does not exist yet is created
-    first (`cv-server init`): `token` reads the secret of an existing database only."""
-    if not database_url and db is not None and not db.exists():
-        create_sqlite_database(db)
+    `search_path` in its query selects the schema). The deployment is set up first where it is
+    not yet (`cv-server init`, idempotent): `token` reads the secret of an existing one only."""
     backend = ["--database-url", database_url] if database_url else ["--db", str(db)]
+    if database_url or (db is not None and not db.exists()):
+        _init(backend)
     out = subprocess.run(
         [sys.executable, "-m", "cv_server.cli", "token", *backend, "--workspace", workspace],
         capture_output=True,

@@ -23,7 +23,12 @@ from cv_server.cli import _with_schema
 from cv_server.keys import SECRET, STORES
 from cv_server.pg import PostgresOpLogStore
 from cv_server.pg.queue import PostgresQueueStore
-from cv_server.pg.stores import SchemaMissing, listen_application_name, read_token_secret
+from cv_server.pg.stores import (
+    NotSetUp,
+    SchemaMissing,
+    listen_application_name,
+    read_token_secret,
+)
 from tests.contract.oplog_contract import incoming
 from tests.pg.helpers import settings_for
 from tests.server.conftest import ClientFactory
@@ -209,6 +214,47 @@ async def test_the_token_command_mints_a_token_the_instances_accept(
         f"/v1/workspaces/{WS}/docs/tree", headers={"Authorization": f"Bearer {token}"}
     )
     assert resp.status == 200
+
+
+async def test_token_reads_a_deployment_and_sets_none_up_where_there_is_none(
+    postgres_url: str, schema: str
+) -> None:
+    """`cv-server token --database-url` on a schema no instance or `init` set up (a mistyped
+    DSN) created the tables and a fresh secret there, and printed a token no instance accepts.
+    It now refuses in one line and leaves the schema empty; `init` sets it up, idempotently."""
+    dsn = dsn_in(postgres_url, schema)
+    with pytest.raises(NotSetUp, match="cv-server init"):
+        await read_token_secret(dsn)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        backend = ("--database-url", postgres_url, "--schema", schema)
+        return subprocess.run(
+            [sys.executable, "-m", "cv_server.cli", *args, *backend],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    refused = await asyncio.to_thread(cli, "token", "--workspace", WS)
+    assert refused.returncode == 1
+    assert refused.stdout == ""
+    assert refused.stderr.count("\n") == 1
+    assert "not_set_up" in refused.stderr
+    conn = await asyncpg.connect(postgres_url)
+    try:
+        tables = await conn.fetchval(
+            "SELECT count(*) FROM information_schema.tables WHERE table_schema = $1", schema
+        )
+    finally:
+        await conn.close()
+    assert tables == 0
+    for _ in range(2):
+        init = await asyncio.to_thread(cli, "init")
+        assert init.returncode == 0, init.stderr
+    secret = await read_token_secret(dsn)
+    minted = await asyncio.to_thread(cli, "token", "--workspace", WS)
+    assert minted.returncode == 0, minted.stderr
+    assert verify_token(secret, minted.stdout.strip(), now=time.time()).workspaces == {WS}
 
 
 async def test_a_search_path_naming_no_existing_schema_is_refused(postgres_url: str) -> None:
