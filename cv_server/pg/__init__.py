@@ -29,7 +29,13 @@ from cv_server.pg.retry import (
     is_retryable,
     run_with_retry,
 )
-from cv_server.pg.stores import SchemaMissing, open_postgres_stores, read_token_secret
+from cv_server.pg.stores import (
+    NotSetUp,
+    SchemaMissing,
+    open_postgres_stores,
+    read_token_secret,
+    set_up_deployment,
+)
 
 __all__ = [
     "NOTIFY_PAYLOAD_LIMIT",
@@ -38,6 +44,7 @@ __all__ = [
     "RETRYABLE_SQLSTATES",
     "Migration",
     "MigrationError",
+    "NotSetUp",
     "Notifier",
     "NotifyPayloadTooLarge",
     "OpLogCorrupted",
@@ -64,4 +71,5 @@ __all__ = [
     "parse_oplog_payload",
     "read_token_secret",
     "run_with_retry",
+    "set_up_deployment",
 ]
