@@ -292,7 +292,8 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         A restored backlog the client has not read into memory yet is read here, a page at a
         time, through the outbox (nothing is loaded into the client for it). The list is the
         client's as it stands when the call returns: an op answered during the read is not in
-        it. Ops submitted later are not in it either."""
+        it. Ops submitted later are not in it either. Raises `OutboxError` if the outbox cannot
+        be read, and `RuntimeError` once the client is closed (during the read included)."""
         self._check_open()
         check_ids(workspace_id, sub_doc)
         lane = self._machine.lane_pending(workspace_id, sub_doc)
@@ -302,9 +303,13 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
             span, page = lane.on_disk, self._machine.restore_page
             after = span.after_seq
             while True:
-                rows = await self._outbox.read_lane(
-                    workspace_id, sub_doc, after, span.up_to_seq, page
-                )
+                try:
+                    rows = await self._outbox.read_lane(
+                        workspace_id, sub_doc, after, span.up_to_seq, page
+                    )
+                except OutboxError:
+                    self._check_open()  # closed under the read: as any verb of a closed client
+                    raise
                 read.extend(rows)
                 if len(rows) < page:
                     break

@@ -305,6 +305,10 @@ class LiveDoc:
                     core.answered(op_id)
                 if gone:
                     self._changed()
+                if any(op_id not in candidates for op_id in core.orphans()):
+                    # Orphaned during this pass: the wake-ups they brought were spent on its
+                    # wait, and none may come again (nothing pending, the feed at the head).
+                    self._recheck.set()
         except WorkspaceError as exc:
             logger.warning("live doc %s/%s cannot settle its orphan ops: %s", ws, sub_doc, exc)
         except _ClientClosed:
