@@ -416,7 +416,10 @@ async def test_ops_whose_outbox_directory_vanished_are_not_reported_as_waiting_i
         after = asyncio.create_task(
             client.apply_op(WS, "tree", NodeIncrement(node_id="n", field="c"))
         )
-        await asyncio.sleep(0.01)  # its insert is committed on the next tick
+        async with asyncio.timeout(TIMEOUT):
+            # Its insert is committed on a later tick (a state: wait for it, not for 10 ms).
+            while outbox._written_seq < 2:  # noqa: ASYNC110
+                await asyncio.sleep(0.001)
         with pytest.raises(OutboxError) as failed_sync:
             await asyncio.wait_for(outbox.sync(), TIMEOUT)
         assert failed_sync.value.code == "outbox_sync_failed"
