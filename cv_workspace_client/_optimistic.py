@@ -74,6 +74,21 @@ class OptimisticDoc:
     def is_pending(self, op_id: str) -> bool:
         return any(p.op_id == op_id for p in self._pending)
 
+    def snapshot(self) -> tuple[int, SubDocState]:
+        """A copy of the confirmed state, at `clock`: the view without its pending ops. What an
+        app may keep to open a view with later (`LiveDoc(initial=...)`), where the outbox's
+        pending ops are applied again: a copy of `state` would show them twice. O(the doc)."""
+        undone = [p for p in reversed(self._pending) if p.undo is not None]
+        for p in undone:  # in the reverse of the order applied
+            assert p.undo is not None
+            p.undo()
+            p.undo = None
+        try:
+            return self.clock, SubDocState.from_json(self.state.to_json())
+        finally:
+            for p in self._pending:
+                p.undo = self._try(p.op)
+
     def orphans(self) -> list[str]:
         """Pending ops nobody waits for (see `_Pending.orphan`)."""
         return [p.op_id for p in self._pending if p.orphan]

@@ -105,6 +105,13 @@ class LiveDoc:
         in place). For a copy to keep: `SubDocState.from_json(doc.state.to_json())`."""
         return self._open().state
 
+    def snapshot(self) -> tuple[int, SubDocState]:
+        """`(clock, state)`: a copy of the server's state the view is built on, without the
+        pending ops. Keep it to open a view later with no server (`initial=`): the ops still
+        pending then are in the outbox and are applied on it again, so a copy of `state`
+        (pending ops included) would show them twice."""
+        return self._open().snapshot()
+
     @property
     def clock(self) -> int:
         """The server clock the confirmed part of the view is at."""

@@ -197,6 +197,38 @@ async def test_a_view_opens_offline_from_a_cached_state_and_converges_when_the_s
             assert log.count(op.op_id) == 1
 
 
+async def test_a_views_snapshot_reopens_it_offline_with_each_pending_edit_once(
+    server_url: str, tmp_path: Path
+) -> None:
+    """What an app keeps to reopen a view offline is `doc.snapshot()`: the confirmed state.
+    A copy of `doc.state` holds the pending edits, which the outbox applies again on it: each
+    edit would show twice (the audit's finding; there was no way to get the state without
+    them)."""
+    outbox = tmp_path / "app.outbox"
+    async with FaultProxy(server_url) as proxy:
+        async with WorkspaceClient(server_url, token=token_for(WS)) as theirs:
+            await theirs.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
+            cached = await theirs.get_state(WS, "tree")
+        await _left_offline(proxy, outbox, _increments(2))
+        config = fast_config(retry_attempts=1)
+        async with (
+            WorkspaceClient(proxy.url, token=token_for(WS), outbox=outbox, config=config) as b,
+            LiveDoc(b, WS, "tree", initial=cached) as doc,
+        ):
+            with pytest.raises(StillPendingError):
+                await asyncio.wait_for(doc.apply_op(_increments(1)[0]), BOUND)
+            assert count_of(doc.state) == 3
+            kept = doc.snapshot()
+            assert kept[0] == doc.clock == 1
+            assert count_of(kept[1]) == 0  # the server's state, without the pending edits
+            assert count_of(doc.state) == 3  # the view is untouched
+        async with (  # the app again, still offline
+            WorkspaceClient(proxy.url, token=token_for(WS), outbox=outbox, config=config) as b,
+            LiveDoc(b, WS, "tree", initial=kept) as doc,
+        ):
+            assert (count_of(doc.state), len(doc.pending)) == (3, 3)
+
+
 # -- a re-read that fails ----------------------------------------------------------------------
 
 

@@ -183,6 +183,15 @@ class ClientServerAndOthers(RuleBasedStateMachine):
         assert self.doc.pending == tuple(pending)
         assert self.doc.state.to_json() == _fold(confirmed, pending).to_json()
 
+    @invariant()
+    def a_snapshot_is_the_confirmed_state_alone_and_leaves_the_view_as_it_was(self) -> None:
+        view = self.doc.state.to_json()
+        clock, snapshot = self.doc.snapshot()
+        assert clock == self.doc.clock
+        assert snapshot.to_json() == _fold([op for _, op in self.log[:clock]]).to_json()
+        assert snapshot is not self.doc.state
+        assert self.doc.state.to_json() == view
+
     def teardown(self) -> None:
         while self.outbox:
             self.server_takes_the_clients_next_op()
