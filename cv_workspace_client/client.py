@@ -115,9 +115,10 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         self._session: aiohttp.ClientSession | None = None
         self._http: HttpApi | None = None
         self._futures: dict[int, tuple[asyncio.Future[Commit], str]] = {}
-        #: Discards the outbox could not make durable (deletes, on-disk ranges, op count): the
-        #: app asked for them, was told `OutboxError`, and the next `discard_pending` retries them.
-        self._undiscarded: list[tuple[list[int], list[BacklogRange], int]] = []
+        #: Discards the outbox could not make durable (workspace, deletes, on-disk ranges, op
+        #: count): the app asked for them and was told `OutboxError`; the workspace's next
+        #: `discard_pending`, or `close()`, writes them again.
+        self._undiscarded: list[tuple[str, list[int], list[BacklogRange], int]] = []
         self._sockets: dict[str, WorkspaceSocket] = {}
         #: Weak: a subscription the app dropped is released (see `WorkspaceSocket._subs`).
         self._subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
@@ -214,6 +215,11 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         assert outbox is not None
         if not abort:
             self._pump()  # hand the last decided writes to the outbox
+            for _, deletes, ranges, _ in self._undiscarded:
+                # The app gave these up and was told the discard failed: one more try, made
+                # durable by the close's final fsync, or the next client would apply them.
+                outbox.write(OutboxWrite(deletes=deletes, ranges=ranges))
+            self._undiscarded = []
         await outbox.close(abort=abort)
         self._state = "closed"
         durable = outbox.durable and not abort
@@ -408,8 +414,9 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         applying it now, so its ops get the server's answer (call again once it is back).
         Raises `OutboxError` if the outbox could not make the deletion durable: the ops are not
         sent again by this client, but their rows may still be in the file (a new client on it
-        would replay them). Calling `discard_pending` again (once the disk is back) retries
-        that deletion along with its own, and counts its ops."""
+        would replay them). Calling `discard_pending` for the workspace again (once the disk is
+        back) retries that deletion along with its own, and counts its ops; `close()` tries it
+        once more."""
         self._check_open()
         check_ids(workspace_id, sub_doc)
         self._pump()  # what was submitted before this call is written first, then dropped
@@ -433,12 +440,13 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         # The earlier discards that failed go again: their ops left the machine, so without
         # this nothing could ever delete their rows, and the next client on the file applied
         # ops the app had given up (deleting a row twice, or a range, changes nothing).
-        for deletes, ranges, ops in self._undiscarded:
+        retried = [entry for entry in self._undiscarded if entry[0] == workspace_id]
+        self._undiscarded = [entry for entry in self._undiscarded if entry[0] != workspace_id]
+        for _, deletes, ranges, ops in retried:
             write.deletes.extend(deletes)
             write.ranges.extend(ranges)
             count += ops
-        attempted = (list(write.deletes), list(write.ranges), count)
-        self._undiscarded = []
+        attempted = (workspace_id, list(write.deletes), list(write.ranges), count)
         assert self._outbox is not None
         if write:
             self._outbox.write(write)
