@@ -155,11 +155,17 @@ class ServerProcess:
         database_url: str | None = None,
         profile_dir: Path | None = None,
     ) -> ServerProcess:
-        """Mint a token on `db`, then start the server on it and wait for its listening line.
+        """Set up `db` and mint a token on it, then start the server on it and wait for its
+        listening line.
 
         `profile_dir`: run it under `bench._profiled_server` (CPU profile of every thread).
         Raises `ServerRefused` (with the server's own words) if either step fails.
         """
+        # `token` reads an existing deployment only: set it up first (idempotent).
+        init_cmd = [*_cli_base(None), "init", *_backend_args(db, database_url)]
+        done = subprocess.run(init_cmd, capture_output=True, text=True, timeout=60, check=False)
+        if done.returncode != 0:
+            raise ServerRefused(done.stderr.strip() or f"cv-server init exited {done.returncode}")
         token_cmd = [
             *_cli_base(None),
             "token",

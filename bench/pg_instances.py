@@ -258,6 +258,7 @@ def heads(database_url: str, sub_docs: list[str]) -> dict[str, int]:
 def run_case(dsn: str, instances: int, args: argparse.Namespace) -> CaseResult:
     with fresh_schema(dsn) as schema:
         url = with_schema(dsn, schema)
+        subprocess.run(cli("init", "--database-url", url), check=True, timeout=60)
         token = subprocess.run(
             cli("token", "--database-url", url, "--workspace", WORKSPACE),
             capture_output=True,

@@ -130,6 +130,7 @@ def run_ours(dsn: str, jobs: int, workers: int, batch: int) -> tuple[float, floa
     """(enqueue seconds, drain seconds) for cv-workspace."""
     with fresh_schema(dsn) as schema:
         url = with_schema(dsn, schema)
+        subprocess.run(cli("init", "--database-url", url), check=True, timeout=60)
         token = subprocess.run(
             cli("token", "--database-url", url, "--workspace", "*"),
             capture_output=True,
