@@ -9,6 +9,7 @@ of discarded ops hung (or heard "still pending") when the discard was cancelled 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -228,21 +229,40 @@ async def test_a_discard_whose_delete_fails_is_not_reported_done(
         client = WorkspaceClient(proxy.url, token=token_for(WS), outbox=outbox, config=WAITING)
         await client.start()
         try:
-            call = await _one_op_waiting_out_a_retry(client)
-            store = client._outbox
-            assert isinstance(store, SQLiteOutbox)
-            assert store._conn is not None
-            store._conn.execute("PRAGMA query_only = 1")  # every write now fails in SQLite
-            with pytest.raises(OutboxError):
-                await asyncio.wait_for(client.discard_pending(WS), BOUND)
-            with pytest.raises(OutboxError) as told:
-                await asyncio.wait_for(call, BOUND)
-            assert not isinstance(told.value, OpDiscardedError)
-            store._conn.execute("PRAGMA query_only = 0")
+            told, disk_back = await _a_discard_that_fails(client)
+            assert not isinstance(told, OpDiscardedError)
+            disk_back()
         finally:
             await client.close()
     # Never said to be discarded; the disk back before `close()`, the close finished the
     # discard the app had asked for: the next client does not apply it.
+    await _nothing_left_for_the_next_client(server_url, outbox)
+
+
+async def _a_discard_that_fails(
+    client: WorkspaceClient,
+) -> tuple[BaseException, Callable[[], None]]:
+    """`discard_pending(WS)` of one op waiting out a retry, while every write of the outbox fails
+    in SQLite (a read-only file here; a full disk, an I/O error): what its caller was told,
+    and how to bring the disk back."""
+    call = await _one_op_waiting_out_a_retry(client)
+    store = client._outbox
+    assert isinstance(store, SQLiteOutbox)
+    conn = store._conn
+    assert conn is not None
+    conn.execute("PRAGMA query_only = 1")
+    with pytest.raises(OutboxError):
+        await asyncio.wait_for(client.discard_pending(WS), BOUND)
+    with pytest.raises(OutboxError) as told:
+        await asyncio.wait_for(call, BOUND)
+
+    def disk_back() -> None:
+        conn.execute("PRAGMA query_only = 0")
+
+    return told.value, disk_back
+
+
+async def _nothing_left_for_the_next_client(server_url: str, outbox: Path) -> None:
     async with WorkspaceClient(
         server_url, token=token_for(WS), outbox=outbox, config=fast_config()
     ) as again:
@@ -262,27 +282,15 @@ async def test_a_failed_discard_is_retried_by_the_next_discard_pending(
         client = WorkspaceClient(proxy.url, token=token_for(WS), outbox=outbox, config=WAITING)
         await client.start()
         try:
-            call = await _one_op_waiting_out_a_retry(client)
-            store = client._outbox
-            assert isinstance(store, SQLiteOutbox)
-            assert store._conn is not None
-            store._conn.execute("PRAGMA query_only = 1")  # every write now fails in SQLite
-            with pytest.raises(OutboxError):
-                await asyncio.wait_for(client.discard_pending(WS), BOUND)
-            with pytest.raises(OutboxError):
-                await asyncio.wait_for(call, BOUND)
-            store._conn.execute("PRAGMA query_only = 0")  # the disk is back
+            _, disk_back = await _a_discard_that_fails(client)
+            disk_back()
             # Another workspace's discard neither retries it nor counts it.
             assert await asyncio.wait_for(client.discard_pending("other"), BOUND) == 0
             assert await asyncio.wait_for(client.discard_pending(WS), BOUND) == 1
             assert await asyncio.wait_for(client.discard_pending(WS), BOUND) == 0
         finally:
             await client.close()
-    async with WorkspaceClient(
-        server_url, token=token_for(WS), outbox=outbox, config=fast_config()
-    ) as again:
-        assert again.pending_count() == 0
-    assert await server_log(server_url, "tree") == []
+    await _nothing_left_for_the_next_client(server_url, outbox)
 
 
 async def test_a_discard_cancelled_while_it_is_made_durable_still_tells_the_callers(

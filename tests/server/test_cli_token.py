@@ -20,14 +20,18 @@ from cv_server.cli import main
 from tests.acceptance.procs import ServerProcess, create_sqlite_database, free_port
 
 
-def _token(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def _cli(command: str, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cv_server.cli", "token", *args],
+        [sys.executable, "-m", "cv_server.cli", command, *args],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=cwd,
     )
+
+
+def _token(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return _cli("token", *args, cwd=cwd)
 
 
 def _one_line(err: str) -> str:
@@ -136,13 +140,7 @@ async def test_a_token_minted_while_the_server_runs_is_accepted_by_it(tmp_path: 
 
 
 def _init(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cv_server.cli", "init", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=cwd,
-    )
+    return _cli("init", *args, cwd=cwd)
 
 
 def _secret(db: Path) -> bytes:
