@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from cv_workspace_client.models import SyncStatus
 
@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from cv_workspace_client._machine import OutboxMachine
 
 __all__ = ["SyncSignals"]
+
+T = TypeVar("T")
 
 
 class SyncSignals:
@@ -34,6 +36,8 @@ class SyncSignals:
         self._last: SyncStatus | None = None
         self._watchers = 0
         self._wakes: set[asyncio.Future[None]] = set()
+        #: `watch_value` watchers: woken at every update, each compares its own value.
+        self._value_wakes: set[asyncio.Future[None]] = set()
         self._closed = False
 
     async def wait(self, timeout: float | None) -> None:  # noqa: ASYNC109
@@ -53,6 +57,8 @@ class SyncSignals:
             self._settle(closing=False)
         if self._watchers:
             self._publish()
+        if self._value_wakes:
+            _wake_all(self._value_wakes)
 
     def close(self) -> None:
         """Every wait returns (what is left stays in the outbox); every watch ends once it has
@@ -61,6 +67,7 @@ class SyncSignals:
         self._settle(closing=True)
         self._publish()
         self._wake()
+        _wake_all(self._value_wakes)
 
     async def watch(self) -> AsyncIterator[SyncStatus]:
         self._watchers += 1
@@ -84,6 +91,25 @@ class SyncSignals:
         finally:
             self._watchers -= 1
 
+    async def watch_value(self, value: Callable[[], T]) -> AsyncIterator[T]:
+        """Yield `value()` now, then each time it differs after an update, until `close()`:
+        for a part of the status the shared one does not show (one sub-doc's pending count,
+        which can change while the client-wide count does not: one op answered as another
+        sub-doc's is submitted). Coalesced like `watch`."""
+        yielded = value()
+        yield yielded
+        while not self._closed:
+            wake = asyncio.get_running_loop().create_future()
+            self._value_wakes.add(wake)
+            try:
+                await wake
+            finally:
+                self._value_wakes.discard(wake)
+            now = value()
+            if now != yielded:
+                yielded = now
+                yield now
+
     def _settle(self, *, closing: bool) -> None:
         oldest = self._machine.oldest_pending_seq()
         waiting: list[tuple[int, asyncio.Future[None]]] = []
@@ -106,3 +132,9 @@ class SyncSignals:
         for wake in self._wakes:
             if not wake.done():
                 wake.set_result(None)
+
+
+def _wake_all(wakes: set[asyncio.Future[None]]) -> None:
+    for wake in wakes:
+        if not wake.done():
+            wake.set_result(None)

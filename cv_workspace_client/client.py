@@ -347,6 +347,14 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         "saved" / "offline" indicator without polling."""
         return self._signals.watch()
 
+    def watch_pending(self, workspace_id: str, sub_doc: str | None = None) -> AsyncIterator[int]:
+        """Yield `pending_count(workspace_id, sub_doc)` now, then each time it changes, until
+        the client closes: a "saving… / saved" indicator for one document. Coalesced like
+        `watch_sync_status`, whose client-wide count can stay the same while this one moves
+        (an op of this sub-doc answered as another's is submitted)."""
+        check_ids(workspace_id, sub_doc)
+        return self._signals.watch_value(lambda: self.pending_count(workspace_id, sub_doc))
+
     async def wait_synced(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
         """Wait until every op submitted (or restored from the outbox) before this call has been
         answered by the server (`TimeoutError` after `timeout` seconds).

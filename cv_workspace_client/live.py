@@ -275,9 +275,9 @@ class LiveDoc:
         return head
 
     async def _watch_sync(self) -> None:
-        # The client answering (or discarding) a replayed op moves no feed clock: only its
-        # pending count says so.
-        async for _ in self.client.watch_sync_status():
+        # The client answering (or discarding) a replayed op moves no feed clock: only the
+        # sub-doc's pending count says so (not the client-wide one, which may not move).
+        async for _ in self.client.watch_pending(*self._key()):
             self._recheck.set()
 
     async def _settle_orphans(self) -> None:

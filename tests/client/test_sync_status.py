@@ -8,11 +8,15 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import pytest
+
 from cv_mutations import NodeIncrement, NodeInsert
 from cv_workspace_client import SyncStatus, WorkspaceClient
+from cv_workspace_client._machine import OutboxMachine
+from cv_workspace_client._status import SyncSignals
 from cv_workspace_client.testing import FaultProxy
 
-from .helpers import WS, fast_config, server_state
+from .helpers import WS, fast_config, server_state, token_for
 
 #: Every wait is bounded: a status that never comes fails the test instead of hanging it.
 BOUND = 20.0
@@ -116,3 +120,58 @@ async def test_a_client_restarted_on_an_outbox_with_pending_ops_says_so_until_th
             assert (await until(watch, lambda s: s.synced)).pending == 0
     state = await server_state(server_url, "tree")
     assert {"n0", "n1", "n2"} <= set(state["state"]["nodes"])
+
+
+async def test_a_value_watcher_sees_a_change_the_shared_status_does_not() -> None:
+    """One sub-doc's count can move while the client-wide one stays (an op answered as another
+    sub-doc's is submitted, in one pump): a watcher of the shared status sees nothing, and a
+    `LiveDoc` woken by it left an unanswered op in its view until some later change."""
+    counts = {"a": 1, "b": 0}
+    signals = SyncSignals(
+        OutboxMachine(now=lambda: 0.0, new_op_id=str, backoff=float),
+        lambda: SyncStatus(
+            pending=sum(counts.values()), connected=frozenset(), refused=frozenset()
+        ),
+    )
+    shared = signals.watch()
+    mine = signals.watch_value(lambda: counts["a"])
+    assert (await anext(shared)).pending == 1
+    assert await anext(mine) == 1
+    shared_next = asyncio.ensure_future(anext(shared))
+    mine_next = asyncio.ensure_future(anext(mine))
+    await asyncio.sleep(0)
+    counts.update(a=0, b=1)  # one pump: "a" answered, "b" submitted
+    signals.update()
+    assert await asyncio.wait_for(mine_next, 1) == 0
+    assert not shared_next.done()  # the client-wide count did not move
+    signals.update()  # nothing changed: nothing yielded
+    again = asyncio.ensure_future(anext(mine))
+    await asyncio.sleep(0)
+    assert not again.done()
+    signals.close()
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(again, 1)
+    with pytest.raises(StopAsyncIteration):  # the shared status never moved: it just ends
+        await asyncio.wait_for(shared_next, 1)
+
+
+async def test_watch_pending_follows_one_sub_docs_count_to_zero(server_url: str) -> None:
+    async with WorkspaceClient(server_url, token=token_for(WS), config=fast_config()) as client:
+        seen: list[int] = []
+
+        async def watch() -> None:
+            async for count in client.watch_pending(WS, "tree"):
+                seen.append(count)
+                if count == 0 and len(seen) > 1:
+                    return
+
+        watching = asyncio.ensure_future(watch())
+        await asyncio.sleep(0)
+        await asyncio.gather(
+            client.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root")),
+            client.apply_op(WS, "other", NodeInsert(node_id="n", parent_id="root")),
+        )
+        await asyncio.wait_for(watching, 10)
+    assert seen[0] == 0
+    assert seen[-1] == 0
+    assert max(seen) == 1  # "other"'s op never counts for "tree"
