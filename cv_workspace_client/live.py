@@ -53,7 +53,12 @@ from cv_workspace_client._optimistic import Diverged, OptimisticDoc
 from cv_workspace_client._pump import as_op
 from cv_workspace_client._retry import retrying
 from cv_workspace_client.client import WorkspaceClient
-from cv_workspace_client.errors import OpDiscardedError, StillPendingError, WorkspaceError
+from cv_workspace_client.errors import (
+    InvalidRequestError,
+    OpDiscardedError,
+    StillPendingError,
+    WorkspaceError,
+)
 from cv_workspace_client.models import Commit
 
 if TYPE_CHECKING:
@@ -235,18 +240,27 @@ class LiveDoc:
     async def _follow(self, subscription: Subscription) -> None:
         core = self._open()
         try:
-            async for committed in subscription:
-                try:
-                    core.committed(committed.clock, committed.op_id, committed.op)
-                except Diverged:
-                    # Never expected (the server folds the same reducers over the same log):
-                    # start over from the server's word rather than show a wrong state. The
-                    # view shows what it did meanwhile, pending ops included.
-                    logger.warning("live doc %s/%s diverged; re-reading", *self._key())
-                    clock, state = await self._reread()
-                    core.resync(clock, state)
-                self._recheck.set()
+            try:
+                await self._follow_one(core, subscription)
+            except InvalidRequestError:
+                if self.initial is None or core.clock != self.initial[0]:
+                    raise
+                # The kept state is ahead of the server's log (the server restored from an
+                # older copy, or another deployment's state): nothing to follow from there.
+                # Start over from the server's word, pending ops kept, rather than show the
+                # kept state for good.
+                logger.warning(
+                    "live doc %s/%s: its initial clock %d is past the server's; re-reading",
+                    *self._key(),
+                    core.clock,
+                )
+                clock, state = await self._reread()
+                core.resync(clock, state)
                 self._changed()
+                await subscription.aclose()
+                subscription = self.client.subscribe(*self._key(), since=clock)
+                self._subscription = subscription
+                await self._follow_one(core, subscription)
         except WorkspaceError as exc:
             self.error = exc
         except _ClientClosed:
@@ -255,6 +269,20 @@ class LiveDoc:
             self._following = False
             self._recheck.set()
             self._wake()
+
+    async def _follow_one(self, core: OptimisticDoc, subscription: Subscription) -> None:
+        async for committed in subscription:
+            try:
+                core.committed(committed.clock, committed.op_id, committed.op)
+            except Diverged:
+                # Never expected (the server folds the same reducers over the same log): start
+                # over from the server's word rather than show a wrong state. The view shows
+                # what it did meanwhile, pending ops included.
+                logger.warning("live doc %s/%s diverged; re-reading", *self._key())
+                clock, state = await self._reread()
+                core.resync(clock, state)
+            self._recheck.set()
+            self._changed()
 
     async def _reread(self) -> tuple[int, SubDocState]:
         """The server's state, however long it takes to reach it: the client's backoff between

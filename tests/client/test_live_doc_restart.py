@@ -229,6 +229,34 @@ async def test_a_views_snapshot_reopens_it_offline_with_each_pending_edit_once(
             assert (count_of(doc.state), len(doc.pending)) == (3, 3)
 
 
+async def test_a_kept_state_ahead_of_the_servers_log_is_replaced_by_the_servers(
+    server_url: str, tmp_path: Path
+) -> None:
+    """`initial` at a clock the server never reached (it was restored from an older copy): the
+    feed refused to follow from there, the view kept showing the kept state with `error` set,
+    for good. It now re-reads the server's state and follows from it, its edits kept."""
+    async with WorkspaceClient(server_url, token=token_for(WS)) as theirs:
+        await theirs.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
+        await theirs.apply_op(WS, "elsewhere", NodeInsert(node_id="n", parent_id="root"))
+        for _ in range(5):
+            await theirs.apply_op(WS, "elsewhere", NodeIncrement(node_id="n", field="c", by=10))
+        kept = await theirs.get_state(WS, "elsewhere")  # clock 6, c = 50: not this log's
+        assert kept[0] == 6
+        async with (
+            WorkspaceClient(server_url, token=token_for(WS), outbox=tmp_path / "o") as b,
+            LiveDoc(b, WS, "tree", initial=kept) as doc,
+        ):
+            edit = _increments(1)[0]
+            await asyncio.wait_for(doc.apply_op(edit), BOUND)
+            truth = await settled(doc, server_url)
+            assert doc.error is None
+            assert doc.state.to_json() == truth["state"]
+            assert count_of(doc.state) == 1
+            assert doc.clock == 2
+    log = [e["op_id"] for e in await server_log(server_url, "tree")]
+    assert log.count(edit.op_id) == 1
+
+
 # -- a re-read that fails ----------------------------------------------------------------------
 
 
