@@ -129,9 +129,7 @@ class SyncSignals:
             self._wake()
 
     def _wake(self) -> None:
-        for wake in self._wakes:
-            if not wake.done():
-                wake.set_result(None)
+        _wake_all(self._wakes)
 
 
 def _wake_all(wakes: set[asyncio.Future[None]]) -> None:

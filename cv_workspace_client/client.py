@@ -13,7 +13,7 @@ import os
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import orjson
@@ -52,6 +52,15 @@ from cv_workspace_client.models import Commit, SyncStatus
 from cv_workspace_client.stream import Subscription
 
 __all__ = ["WorkspaceClient"]
+
+
+class _Undiscarded(NamedTuple):
+    """A discard the outbox could not make durable, to write again."""
+
+    workspace_id: str
+    deletes: list[int]
+    ranges: list[BacklogRange]
+    ops: int
 
 
 class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
@@ -118,7 +127,7 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         #: Discards the outbox could not make durable (workspace, deletes, on-disk ranges, op
         #: count): the app asked for them and was told `OutboxError`; the workspace's next
         #: `discard_pending`, or `close()`, writes them again.
-        self._undiscarded: list[tuple[str, list[int], list[BacklogRange], int]] = []
+        self._undiscarded: list[_Undiscarded] = []
         self._sockets: dict[str, WorkspaceSocket] = {}
         #: Weak: a subscription the app dropped is released (see `WorkspaceSocket._subs`).
         self._subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
@@ -448,13 +457,13 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         # The earlier discards that failed go again: their ops left the machine, so without
         # this nothing could ever delete their rows, and the next client on the file applied
         # ops the app had given up (deleting a row twice, or a range, changes nothing).
-        retried = [entry for entry in self._undiscarded if entry[0] == workspace_id]
-        self._undiscarded = [entry for entry in self._undiscarded if entry[0] != workspace_id]
+        retried = [entry for entry in self._undiscarded if entry.workspace_id == workspace_id]
+        self._undiscarded = [e for e in self._undiscarded if e.workspace_id != workspace_id]
         for _, deletes, ranges, ops in retried:
             write.deletes.extend(deletes)
             write.ranges.extend(ranges)
             count += ops
-        attempted = (workspace_id, list(write.deletes), list(write.ranges), count)
+        attempted = _Undiscarded(workspace_id, list(write.deletes), list(write.ranges), count)
         assert self._outbox is not None
         if write:
             self._outbox.write(write)
