@@ -307,6 +307,12 @@ class LiveDoc:
         # sub-doc's pending count says so (not the client-wide one, which may not move).
         async for _ in self.client.watch_pending(*self._key()):
             self._recheck.set()
+        # The client closed. A read retried with backoff (`_reread`, `_head`) would go on
+        # until its delay ended (up to `retry_cap_seconds`), the view with it: stop it now.
+        this = asyncio.current_task()
+        for task in self._tasks:
+            if task is not this:
+                task.cancel()
 
     async def _settle_orphans(self) -> None:
         """Take out the ops nobody awaits (`OptimisticDoc.orphans`) that were not committed.

@@ -298,6 +298,39 @@ async def test_a_diverged_view_whose_reread_fails_tries_again_until_the_server_a
                 assert count_of(doc.state) == 1
 
 
+async def test_a_view_whose_reread_waits_out_a_backoff_stops_when_its_client_closes(
+    server_url: str,
+) -> None:
+    """The client closed while the view's re-read waited out its backoff: the view went on
+    until the backoff ended (up to `retry_cap_seconds`), a task outliving its client. It now
+    stops with the client: its feed of changes ends, its tasks are done."""
+    gate = Gate()  # every retry delay is held: the backoff never ends by itself
+    async with FaultProxy(server_url) as proxy:
+        config = fast_config(retry_attempts=2, ops_over_websocket=False, sleep=gate)
+        async with (
+            WorkspaceClient(proxy.url, token=token_for(WS), config=config) as mine,
+            WorkspaceClient(server_url, token=token_for(WS)) as theirs,
+        ):
+            await theirs.apply_op(WS, "tree", NodeInsert(node_id="m", parent_id="root"))
+            doc = LiveDoc(mine, WS, "tree")
+            async with doc:
+                # Only the feed's websocket stays: the HTTP connection of the open is dropped.
+                accepted = proxy.stats.accepted
+                proxy.drop_all()
+                await asyncio.wait_for(proxy.wait_until(lambda s: s.accepted > accepted), BOUND)
+                await mine.connect(WS, timeout=BOUND)
+                assert proxy.stats.open == 1
+                proxy.refuse = True  # HTTP unreachable from now on; the feed goes on
+                apply_op(doc.state, NodeDelete(node_id="m"))  # a copy gone wrong (by hand)
+                await theirs.apply_op(WS, "tree", NodeIncrement(node_id="m", field="c"))
+                await asyncio.wait_for(gate.entered.wait(), BOUND)  # the re-read's backoff
+                await mine.close()
+                async with asyncio.timeout(BOUND):
+                    async for _ in doc.changes():
+                        pass  # ends when the view stops
+                assert all(task.done() for task in doc._tasks)
+
+
 # -- discarding ------------------------------------------------------------------------------------
 
 
