@@ -266,20 +266,40 @@ async def _serve_app(config: ServerConfig, host: str, port: int) -> None:
     await runner.cleanup()
 
 
-async def _init(db_path: Path, database_url: str | None) -> None:
+async def _init(db_path: Path, database_url: str | None) -> str:
     """Create the database and its token secret, or leave an existing one as it is: what
     `serve` does at start, without serving. So that a first token can be minted before the
-    first start (`scripts/serve`), while `token` itself never creates a database."""
+    first start (`scripts/serve`), while `token` itself never creates a database.
+
+    Returns the line to print: which of the two it was, so that a mistyped path (a new
+    database) does not look like a start on the real one."""
     if database_url:
         from cv_server.pg.stores import set_up_deployment  # needs the postgres extra
 
-        await set_up_deployment(database_url)
-        return
+        done = await set_up_deployment(database_url)
+        if done.created:
+            return f"set up schema {done.schema!r}"
+        return f"schema {done.schema!r} is already set up; its token secret is kept"
+    existed = _holds_a_secret(db_path)
     db = await open_sqlite_database(str(db_path))
     try:
         await sqlite_token_secret(db)
     finally:
         await db.close()
+    if existed:
+        return f"{db_path} is already set up; its token secret is kept"
+    return f"set up a new database at {db_path}"
+
+
+def _holds_a_secret(db_path: Path) -> bool:
+    """Whether `db_path` is a database with a token secret already (read only). A file SQLite
+    cannot read is left to the open that follows, whose error is the one to report."""
+    if not db_path.is_file():
+        return False
+    try:
+        return read_sqlite_token_secret(db_path) is not None
+    except sqlite3.Error:
+        return False
 
 
 def _sqlite_token_secret(db_path: Path) -> bytes:
@@ -344,9 +364,10 @@ def _main(argv: list[str] | None) -> int:
         database_url = args.database_url and _with_schema(args.database_url, args.schema)
         try:
             _needs_asyncpg(database_url)
-            asyncio.run(_init(args.db or DEFAULT_DB, database_url))
+            done = asyncio.run(_init(args.db or DEFAULT_DB, database_url))
         except _STARTUP_ERRORS as exc:
             raise SystemExit(f"cv-server init: cannot set up the database: {exc}") from None
+        print(f"cv-server init: {done}")
         return 0
     if args.command == "token":
         database_url = args.database_url and _with_schema(args.database_url, args.schema)

@@ -32,6 +32,7 @@ from cv_server.pg.retry import (
 from cv_server.pg.stores import (
     NotSetUp,
     SchemaMissing,
+    SetUp,
     open_postgres_stores,
     read_token_secret,
     set_up_deployment,
@@ -57,6 +58,7 @@ __all__ = [
     "PostgresSettings",
     "SchemaMissing",
     "SerializationRetryPolicy",
+    "SetUp",
     "Subscription",
     "applied_versions",
     "connect",

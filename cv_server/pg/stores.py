@@ -16,7 +16,7 @@ import functools
 import hashlib
 import logging
 from collections.abc import Callable
-from typing import Final
+from typing import Final, NamedTuple
 
 import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
 
@@ -36,6 +36,7 @@ from cv_server.pg.queue import QUEUE_CHANNEL, PostgresQueueStore
 __all__ = [
     "NotSetUp",
     "SchemaMissing",
+    "SetUp",
     "channel_name",
     "listen_application_name",
     "open_postgres_stores",
@@ -98,14 +99,25 @@ class NotSetUp(PostgresBackendError):
     code = "not_set_up"
 
 
-async def set_up_deployment(dsn: str) -> None:
+class SetUp(NamedTuple):
+    """What `set_up_deployment` did: the schema, and whether it held no deployment before."""
+
+    schema: str
+    created: bool
+
+
+async def set_up_deployment(dsn: str) -> SetUp:
     """Migrate the database at `dsn` and create its token secret unless it has one, as an
     instance does at start (`cv-server init`). Idempotent."""
-    pool, _ = await _prepared_pool(dsn, PostgresSettings(pool_min_size=1, pool_max_size=1))
+    pool, schema = await _prepared_pool(dsn, PostgresSettings(pool_min_size=1, pool_max_size=1))
     try:
+        # Read first for the report only: of two `init`s at once, both may say "set up", and
+        # both end with the one secret `postgres_token_secret` keeps.
+        created = await stored_token_secret(pool) is None
         await postgres_token_secret(pool)
     finally:
         await pool.close()
+    return SetUp(schema, created)
 
 
 async def read_token_secret(dsn: str) -> bytes:

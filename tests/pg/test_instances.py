@@ -248,9 +248,15 @@ async def test_token_reads_a_deployment_and_sets_none_up_where_there_is_none(
     finally:
         await conn.close()
     assert tables == 0
+    said = []
     for _ in range(2):
         init = await asyncio.to_thread(cli, "init")
         assert init.returncode == 0, init.stderr
+        said.append(init.stdout)
+    assert said == [
+        f"cv-server init: set up schema {schema!r}\n",
+        f"cv-server init: schema {schema!r} is already set up; its token secret is kept\n",
+    ]
     secret = await read_token_secret(dsn)
     minted = await asyncio.to_thread(cli, "token", "--workspace", WS)
     assert minted.returncode == 0, minted.stderr

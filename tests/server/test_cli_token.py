@@ -158,9 +158,13 @@ async def test_init_then_token_then_serve_is_the_quick_start_and_the_token_is_ac
     db = tmp_path / "data" / "cv.db"
     created = await asyncio.to_thread(_init, "--db", str(db))
     assert created.returncode == 0, created.stderr
+    # One line says what happened (it printed nothing, so a first run and a typo'd path
+    # pointing at a new file looked the same as a start on the real database).
+    assert created.stdout == f"cv-server init: set up a new database at {db}\n"
     secret = _secret(db)
     again = await asyncio.to_thread(_init, "--db", str(db))  # every start of the script runs it
     assert again.returncode == 0, again.stderr
+    assert again.stdout == f"cv-server init: {db} is already set up; its token secret is kept\n"
     assert _secret(db) == secret  # idempotent: tokens minted before stay valid
     answer = await asyncio.to_thread(_token, "--db", str(db), "--workspace", "w")
     assert answer.returncode == 0, answer.stderr
