@@ -72,27 +72,34 @@ class _Job(Generic[T]):
 _STOP = object()
 
 
-def _create_owner_only(path: str) -> None:
-    """Create the database file readable by its owner only, if it does not exist yet.
+def _create_owner_only(path: str) -> int | None:
+    """Create the database file readable by its owner only, if it does not exist yet; return
+    the mode of an existing file that others than its owner may read (else None).
 
     The file holds the token secret: at SQLite's default (0644 under the usual umask) any local
     user could read it and mint a token for every workspace. SQLite gives the `-wal` and `-shm`
     files the mode of the database file. An existing file keeps the mode its operator chose (a
-    shared group for backups, say), with a warning when others than its owner may read it: one
-    made by an older version, or copied in with the default mode, was served silently."""
+    shared group for backups, say), with a warning (`_warn_loose_mode`) once it has opened as a
+    database: one made by an older version, or copied in with the default mode, was served
+    silently."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         mode = os.stat(path).st_mode & 0o777
-        if mode & 0o077:
-            logger.warning(
-                "%s holds the token secret and is readable by others than its owner (mode "
-                "%s): any of them can mint a token for every workspace; chmod 600 it",
-                path,
-                oct(mode),
-            )
-        return
+        return mode if mode & 0o077 else None
     os.close(fd)
+    return None
+
+
+def _warn_loose_mode(path: str, mode: int) -> None:
+    # Only once the file opened as a database: a file that is none (a mistyped path) is
+    # refused, and the warning came first, about a secret it did not hold.
+    logger.warning(
+        "%s holds the token secret and is readable by others than its owner (mode "
+        "%s): any of them can mint a token for every workspace; chmod 600 it",
+        path,
+        oct(mode),
+    )
 
 
 def _connect(path: str, *, readonly: bool = False) -> sqlite3.Connection:
@@ -139,9 +146,10 @@ class SQLiteDatabase:
     ) -> SQLiteDatabase:
         """Create the file if needed, apply `schema` (idempotent) and start the writer thread."""
         self = cls(path, max_group=max_group, readers=readers)
+        loose_mode = None
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            _create_owner_only(self.path)
+            loose_mode = _create_owner_only(self.path)
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._writer = threading.Thread(
             target=self._run_writer,
@@ -151,6 +159,8 @@ class SQLiteDatabase:
         )
         self._writer.start()
         await started
+        if loose_mode is not None:
+            _warn_loose_mode(self.path, loose_mode)
         return self
 
     # -- public API ------------------------------------------------------------------------------
