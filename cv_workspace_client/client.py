@@ -428,7 +428,11 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         Their callers get `OpDiscardedError`; its `maybe_applied` says whether an earlier send
         whose answer was lost may have applied the op (the server never applies one twice, and
         never one that no send reached). A batch in flight is not discarded: the server may be
-        applying it now, so its ops get the server's answer (call again once it is back).
+        applying it now, so its ops get the server's answer (call again once it is back). A
+        request of a discarded op that is still on its way (its answer lost, or sent by a
+        process that died, and held by a proxy) may still apply it when it lands, then after
+        ops submitted to the sub-doc since: this client no longer controls that request, and
+        the server has no fence against it.
         Raises `OutboxError` if the outbox could not make the deletion durable: the ops are not
         sent again by this client, but their rows may still be in the file (a new client on it
         would replay them). Calling `discard_pending` for the workspace again (once the disk is

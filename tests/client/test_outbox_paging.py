@@ -247,6 +247,40 @@ def test_a_backlog_restored_a_few_rows_at_a_time_is_applied_once_in_order(
     )
 
 
+def test_a_discarded_op_that_a_dead_process_sent_may_land_after_a_later_op(
+    tmp_path: Path,
+) -> None:
+    """The known limit of `discard_pending` (README), pinned: a client restored an op its
+    previous process had sent, whose request was still on its way (held by a proxy, say). The
+    app discarded it and wrote a new op, which the server committed first; then the dead
+    process's request arrived and was applied too, after it. Nothing the client does can stop
+    a request it no longer controls; a server-side fence could (noted in the changelog). What
+    still holds: each op at most once, and the ops the app still means in order."""
+
+    class Example(ClientRestoredPageByPage):
+        base_dir = tmp_path
+
+    model = Example()
+    try:
+        model.a_previous_client_left_a_backlog(calls=[("b", 1, False)], page=1, whole_groups=True)
+        (restored,) = model.reached_outbox
+        model.client_crashes()  # its send (incarnation 1) is still in the network
+        model.request_rate_limited(i=0, retry_after=0.0)  # the new process's send: 429
+        model.app_discards(sub_doc="b")
+        assert restored in model.discarded
+        model.submit(poison=[False], sub_doc="b")
+        model.outbox_commits()
+        [(_, late), (_, later)] = model.requests
+        assert [row.op_id for row in late.rows] == [restored]
+        model.request_arrives(i=1, duplicate=False)  # the later op, committed first
+        model.request_arrives(i=0, duplicate=False)  # then the dead process's request
+        model.settle()
+        log = [str(entry.op_id) for entry in model.log("b")[1:]]
+        assert log == [later.rows[0].op_id, restored]
+    finally:
+        model.teardown()  # also checks quiescence with the rules above
+
+
 # -- the machine, step by step ----------------------------------------------------------------
 
 
