@@ -22,15 +22,16 @@ from cv_server.keys import (
     CONNECTIONS,
     HUB,
     METRICS,
-    SECRET,
     STATE,
     STORES,
+    TOKEN_SECRET,
     WAITERS,
     WORK_SIGNALS,
     ServerState,
 )
 from cv_server.metrics import Metrics
 from cv_server.problems import Problem, problem_response
+from cv_server.security import TokenSecret
 from cv_server.waiters import Waiters, WorkSignals
 
 __all__ = ["create_app"]
@@ -96,11 +97,16 @@ async def problems_middleware(request: web.Request, handler: Handler) -> web.Str
 async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
     stores = await open_stores(app[CONFIG])
     app[STORES] = stores
-    app[SECRET] = stores.secret
+    token_secret = TokenSecret(stores.secret)
+    app[TOKEN_SECRET] = token_secret
     hub = Hub(stores.oplog)
     app[HUB] = hub
     if stores.follow_commits is not None:  # PostgreSQL: commits of the other instances
         await stores.follow_commits(hub.notify_head, hub.wake_all)
+    # PostgreSQL: `cv-server rotate-secret` takes effect on every running instance. A secret
+    # given in the config is not the database's, so a rotation there does not replace it.
+    if stores.follow_secret is not None and app[CONFIG].token_secret is None:
+        await stores.follow_secret(token_secret.replace)
     app[METRICS].gauges["cv_ws_connections"] = lambda: len(app[CONNECTIONS])
     app[METRICS].gauges["cv_subscriptions"] = lambda: hub.subscriber_count
     config = app[CONFIG]

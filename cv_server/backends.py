@@ -30,6 +30,7 @@ __all__ = [
     "SQLITE_SCHEMA_VERSION",
     "DatabaseUnusable",
     "FollowCommits",
+    "FollowSecret",
     "Stores",
     "hold_serving_lock",
     "open_sqlite_database",
@@ -53,6 +54,12 @@ FollowCommits: TypeAlias = Callable[
     [Callable[[str, str, int], None], Callable[[], None]], Awaitable[None]
 ]
 
+#: `await follow(on_secret)`: from now on, call `on_secret(secret)` with the token secret stored
+#: in the database whenever it may have been replaced (`cv-server rotate-secret`), the value
+#: read at start included if it changed since. Only backends shared by several instances have
+#: one: an embedded server's file is not rotated while it is served.
+FollowSecret: TypeAlias = Callable[[Callable[[bytes], None]], Awaitable[None]]
+
 
 @dataclass
 class Stores:
@@ -65,6 +72,7 @@ class Stores:
     locks: ComputeLockStore
     secret: bytes
     follow_commits: FollowCommits | None = None
+    follow_secret: FollowSecret | None = None
     _closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
     async def close(self) -> None:

@@ -1,4 +1,5 @@
-"""`cv-server`: serve the op-log, set up its database, mint tokens (DESIGN §12).
+"""`cv-server`: serve the op-log, set up its database, mint tokens, rotate their secret
+(DESIGN §12).
 
 Errors are one line on stderr: exit 2 for arguments the parser refuses, 1 for a setting or a
 database that cannot work. 130 when interrupted (Ctrl-C) before serving; 141 when the reader of
@@ -30,7 +31,11 @@ from cv_server.app import create_app
 from cv_server.auth import check_grant, mint_token
 from cv_server.backends import DatabaseUnusable, hold_serving_lock, open_sqlite_database
 from cv_server.config import ServerConfig
-from cv_server.meta import read_sqlite_token_secret, sqlite_token_secret
+from cv_server.meta import (
+    read_sqlite_token_secret,
+    rotate_sqlite_token_secret,
+    sqlite_token_secret,
+)
 
 __all__ = ["main"]
 
@@ -203,6 +208,12 @@ def _parser() -> argparse.ArgumentParser:
     _add_backend_args(token)
     token.add_argument("--workspace", action="append", required=True, help="repeatable; * = all")
     token.add_argument("--ttl", type=float, default=None, help="seconds until it expires")
+
+    rotate = commands.add_parser(
+        "rotate-secret",
+        help="replace the token secret: every token minted before is refused from then on",
+    )
+    _add_backend_args(rotate)
     return parser
 
 
@@ -302,30 +313,80 @@ def _holds_a_secret(db_path: Path) -> bool:
         return False
 
 
-def _sqlite_token_secret(db_path: Path) -> bytes:
+def _sqlite_token_secret(db_path: Path, command: str = "token") -> bytes:
     """The secret of the existing database `db_path`, read without writing a byte: only `init`
     and `serve` create a database. `token` created one for a mistyped `--db` (a new file with a new
     secret) and printed a token that no server accepts, with exit 0; into an unrelated SQLite
-    file it wrote the server's tables."""
+    file it wrote the server's tables. `command` names the one refused (`rotate-secret` too)."""
     if not db_path.exists():
         raise SystemExit(
-            f"cv-server token: no database at {db_path} (a typo in --db?): create it with"
+            f"cv-server {command}: no database at {db_path} (a typo in --db?): create it with"
             f" `cv-server init --db {db_path}`"
         )
     if not db_path.is_file():  # SQLite's word for a directory is "disk I/O error"
-        raise SystemExit(f"cv-server token: {db_path} is not a database file")
+        raise SystemExit(f"cv-server {command}: {db_path} is not a database file")
     try:
         secret = read_sqlite_token_secret(db_path)
     except sqlite3.Error as exc:
         raise SystemExit(
-            f"cv-server token: cannot read the token secret of {db_path}: {exc}"
+            f"cv-server {command}: cannot read the token secret of {db_path}: {exc}"
         ) from None
     if secret is None:
         raise SystemExit(
-            f"cv-server token: {db_path} holds no token secret: not a cv-server database, or"
+            f"cv-server {command}: {db_path} holds no token secret: not a cv-server database, or"
             " one `cv-server init` (or `serve`) has not set up yet"
         )
     return secret
+
+
+_ROTATED = "every token minted before is now refused: mint new ones with `cv-server token`"
+
+
+def _rotate_sqlite(db_path: Path) -> str:
+    """Replace the secret of the existing database `db_path`, unless a server is serving it.
+
+    Refused while served: the embedded server reads the secret once, at start, and has no way
+    to hear of a new one (no second process shares its file to tell it). Rotated under it, it
+    would go on accepting every token of the old secret, the leaked one, while the operator
+    believes them refused. Stopping it first is the honest order, and the restart takes
+    seconds. The serving lock is held during the write, so no server can start meanwhile."""
+    _sqlite_token_secret(db_path, "rotate-secret")  # an existing cv-server database, or refused
+    try:
+        lock = hold_serving_lock(db_path)
+    except DatabaseUnusable:
+        holder = Path(f"{db_path}.lock").read_text().strip() or "?"
+        raise SystemExit(
+            f"cv-server rotate-secret: {db_path} is being served by cv-server (pid {holder}):"
+            " stop the server first, rotate, then start it again"
+        ) from None
+    try:
+        rotated = rotate_sqlite_token_secret(db_path)
+    except sqlite3.Error as exc:
+        raise SystemExit(
+            f"cv-server rotate-secret: cannot replace the token secret of {db_path}: {exc}"
+        ) from None
+    finally:
+        if lock is not None:
+            lock.close()
+    if not rotated:  # its secret went away since it was read: nothing was written
+        raise SystemExit(f"cv-server rotate-secret: {db_path} holds no token secret")
+    return f"replaced the token secret of {db_path}; {_ROTATED}"
+
+
+def _rotate_postgres(database_url: str) -> str:
+    try:
+        _needs_asyncpg(database_url)
+        from cv_server.pg.stores import rotate_token_secret  # needs the postgres extra
+
+        schema = asyncio.run(rotate_token_secret(database_url))
+    except _STARTUP_ERRORS as exc:
+        raise SystemExit(
+            f"cv-server rotate-secret: cannot rotate the token secret: {exc}"
+        ) from None
+    return (
+        f"replaced the token secret of schema {schema!r}; {_ROTATED}"
+        " (running instances follow without a restart)"
+    )
 
 
 def _run(main: Coroutine[Any, Any, None]) -> None:
@@ -388,6 +449,17 @@ def _main(argv: list[str] | None) -> int:
         token = mint_token(secret, args.workspace, now=time.time(), ttl=args.ttl)
         try:
             print(token, flush=True)
+        except BrokenPipeError:
+            return _reader_gone()
+        return 0
+    if args.command == "rotate-secret":
+        database_url = args.database_url and _with_schema(args.database_url, args.schema)
+        if database_url:
+            done = _rotate_postgres(database_url)
+        else:
+            done = _rotate_sqlite(args.db or DEFAULT_DB)
+        try:  # the secret is replaced by now: a reader gone only loses the report of it
+            print(f"cv-server rotate-secret: {done}", flush=True)
         except BrokenPipeError:
             return _reader_gone()
         return 0

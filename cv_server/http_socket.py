@@ -23,10 +23,10 @@ from cv_mutations import is_valid_sub_doc, is_valid_workspace_id
 from cv_server.http_docs import commit_and_publish, publish
 from cv_server.hub import Connection, Subscription
 from cv_server.inputs import check_since, decode_json, parse_apply_body
-from cv_server.keys import CONFIG, CONNECTIONS, HUB, METRICS, STATE, STORES
+from cv_server.keys import CONFIG, CONNECTIONS, HUB, METRICS, STATE, STORES, TOKEN_SECRET
 from cv_server.oplog import LogEntry, Outcome
 from cv_server.problems import Problem
-from cv_server.security import authenticate, seconds_left
+from cv_server.security import authenticate, bearer_token, seconds_left, signed_with
 
 __all__ = ["CLOSE_FORBIDDEN", "CLOSE_UNAUTHORIZED", "routes"]
 
@@ -248,6 +248,18 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
         expiry = asyncio.get_running_loop().call_later(
             max(0.0, expires_in), conn.close, CLOSE_UNAUTHORIZED, b"token expired"
         )
+    token = bearer_token(request, allow_query=True)
+    assert token is not None  # `authenticate` took it
+
+    def on_new_secret(secret: bytes) -> None:
+        # The secret was rotated (a leak, say): a socket authorized by a token of the old one
+        # must not outlive it any more than HTTP accepts that token. Closed as an expired token
+        # is, so the client asks its token provider for a new one.
+        if not signed_with(secret, token):
+            conn.close(CLOSE_UNAUTHORIZED, b"token secret rotated")
+
+    unwatch = app[TOKEN_SECRET].watch(on_new_secret)
+    on_new_secret(app[TOKEN_SECRET].value)  # one rotated during the handshake's awaits
     try:
         async for msg in ws:
             if msg.type == WSMsgType.TEXT:
@@ -258,6 +270,7 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
                 break
             await session.room()  # paced by the commits: see `_Session._in_flight`
     finally:
+        unwatch()
         if expiry is not None:
             expiry.cancel()
         app[CONNECTIONS].discard(conn)

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from cv_server.backends import Stores
     from cv_server.hub import Connection, Hub
     from cv_server.metrics import Metrics
+    from cv_server.security import TokenSecret
     from cv_server.waiters import Waiters, WorkSignals
 
 __all__ = [
@@ -19,9 +20,9 @@ __all__ = [
     "CONNECTIONS",
     "HUB",
     "METRICS",
-    "SECRET",
     "STATE",
     "STORES",
+    "TOKEN_SECRET",
     "WAITERS",
     "WORK_SIGNALS",
 ]
@@ -39,7 +40,8 @@ CONFIG = web.AppKey("config", ServerConfig)
 STORES: web.AppKey[Stores] = web.AppKey("stores")
 HUB: web.AppKey[Hub] = web.AppKey("hub")
 METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
-SECRET = web.AppKey("secret", bytes)
+#: The secret tokens are checked with now (replaced on PostgreSQL by `cv-server rotate-secret`).
+TOKEN_SECRET: web.AppKey[TokenSecret] = web.AppKey("token_secret")
 STATE = web.AppKey("state", ServerState)
 WAITERS: web.AppKey[Waiters] = web.AppKey("waiters")
 WORK_SIGNALS: web.AppKey[WorkSignals] = web.AppKey("work_signals")

@@ -10,7 +10,12 @@ import sqlite_utils
 from cv_server.auth import new_secret
 from cv_server.sqlite_db import SQLiteDatabase, Transaction
 
-__all__ = ["create_schema", "read_sqlite_token_secret", "sqlite_token_secret"]
+__all__ = [
+    "create_schema",
+    "read_sqlite_token_secret",
+    "rotate_sqlite_token_secret",
+    "sqlite_token_secret",
+]
 
 
 def create_schema(db: sqlite_utils.Database) -> None:
@@ -53,3 +58,31 @@ def read_sqlite_token_secret(path: Path) -> bytes | None:
     finally:
         conn.close()
     return None if row is None else bytes(row[0])
+
+
+def rotate_sqlite_token_secret(path: Path) -> bool:
+    """Replace the secret stored in the existing database file `path` with a new one, in one
+    transaction; False (nothing written) when it holds none. Raises `sqlite3.Error` for a file
+    SQLite cannot read or write.
+
+    For `cv-server rotate-secret`, which must never create a database: the file is opened
+    `mode=rw` (a missing one is an error, not a new file), and the server's tables are not
+    created. The caller makes sure no server is serving the file (it caches the secret).
+    """
+    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=rw", uri=True, isolation_level=None)
+    try:
+        conn.execute("PRAGMA synchronous = FULL")  # as the server writes: durable once it says so
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            replaced = conn.execute(
+                "UPDATE server_meta SET value = ? WHERE key = 'token_secret'", (new_secret(),)
+            ).rowcount
+        except sqlite3.OperationalError as exc:
+            conn.execute("ROLLBACK")
+            if str(exc).startswith("no such table"):
+                return False
+            raise
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+    return replaced == 1

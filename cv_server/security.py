@@ -1,17 +1,62 @@
-"""Bearer-token checks for routes and the socket (DESIGN §11)."""
+"""Bearer-token checks for routes and the socket (DESIGN §11), and the secret they check with."""
 
 from __future__ import annotations
 
 import functools
+import logging
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
 from cv_server.auth import TokenClaims, TokenError, verify_token
-from cv_server.keys import SECRET
+from cv_server.keys import TOKEN_SECRET
 from cv_server.problems import Problem
 
-__all__ = ["authenticate", "authorize", "bearer_token", "seconds_left"]
+__all__ = [
+    "TokenSecret",
+    "authenticate",
+    "authorize",
+    "bearer_token",
+    "seconds_left",
+    "signed_with",
+]
+
+log = logging.getLogger(__name__)
+
+
+class TokenSecret:
+    """The secret bearer tokens are checked with, replaceable while the server runs.
+
+    `cv-server rotate-secret` replaces the one in the database; on PostgreSQL every running
+    instance then calls `replace` (see `Stores.follow_secret`). This is the one place the
+    server's secret lives at runtime: HTTP reads `value` on each request, and each open socket
+    `watch`es it, so that one whose token the new secret refuses is closed (4001).
+    """
+
+    def __init__(self, value: bytes) -> None:
+        self._value = value
+        self._watchers: set[Callable[[bytes], None]] = set()
+
+    @property
+    def value(self) -> bytes:
+        return self._value
+
+    def replace(self, value: bytes) -> None:
+        """Check tokens with `value` from now on, and tell every watcher (a new value only)."""
+        if value == self._value:  # a re-read after a reconnect usually finds the same one
+            return
+        self._value = value
+        for watcher in list(self._watchers):
+            try:
+                watcher(value)
+            except Exception:  # one broken watcher must not keep the others on the old secret
+                log.exception("a watcher of the token secret failed")
+
+    def watch(self, watcher: Callable[[bytes], None]) -> Callable[[], None]:
+        """Call `watcher(new_value)` on each replacement; returns the function that stops it."""
+        self._watchers.add(watcher)
+        return lambda: self._watchers.discard(watcher)
 
 
 def bearer_token(request: web.Request, *, allow_query: bool = False) -> str | None:
@@ -41,12 +86,21 @@ def authenticate(request: web.Request, *, allow_query: bool = False) -> TokenCla
     if token is None:
         raise Problem(401, "unauthorized", "a bearer token is required")
     try:
-        claims = _verified(request.app[SECRET], token)
+        claims = _verified(request.app[TOKEN_SECRET].value, token)
     except TokenError as exc:
         raise Problem(401, "unauthorized", str(exc)) from None
     if claims.expires_at is not None and now() >= claims.expires_at:
         raise Problem(401, "unauthorized", "token expired")
     return claims
+
+
+def signed_with(secret: bytes, token: str) -> bool:
+    """Whether `token` carries a valid signature (and payload) of `secret`; expiry aside."""
+    try:
+        _verified(secret, token)
+    except TokenError:
+        return False
+    return True
 
 
 def authorize(request: web.Request, workspace_id: str) -> TokenClaims:

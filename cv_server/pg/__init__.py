@@ -11,6 +11,7 @@ from cv_server.pg.blobs import PostgresBlobStore
 from cv_server.pg.errors import MigrationError, NotifyPayloadTooLarge, PostgresBackendError
 from cv_server.pg.idempotency import PostgresIdempotencyStore
 from cv_server.pg.locks import PostgresComputeLockStore
+from cv_server.pg.meta import TOKEN_SECRET_CHANNEL
 from cv_server.pg.migrations import Migration, applied_versions, load_migrations, migrate
 from cv_server.pg.notifier import NOTIFY_PAYLOAD_LIMIT, Notifier, Subscription, notify
 from cv_server.pg.oplog import (
@@ -35,6 +36,7 @@ from cv_server.pg.stores import (
     SetUp,
     open_postgres_stores,
     read_token_secret,
+    rotate_token_secret,
     set_up_deployment,
 )
 
@@ -43,6 +45,7 @@ __all__ = [
     "OPLOG_CHANNEL",
     "QUEUE_CHANNEL",
     "RETRYABLE_SQLSTATES",
+    "TOKEN_SECRET_CHANNEL",
     "Migration",
     "MigrationError",
     "NotSetUp",
@@ -72,6 +75,7 @@ __all__ = [
     "oplog_payload",
     "parse_oplog_payload",
     "read_token_secret",
+    "rotate_token_secret",
     "run_with_retry",
     "set_up_deployment",
 ]

@@ -3,6 +3,11 @@
 Every instance of a scale-out deployment must sign and check bearer tokens with the same secret,
 and `cv-server token --database-url` must mint tokens they accept, so the secret lives in the
 shared database, created once by whoever asks first.
+
+`cv-server rotate-secret` replaces it and NOTIFYs `TOKEN_SECRET_CHANNEL` (scoped to the schema)
+in the same transaction: each instance re-reads the secret when told, and whenever its LISTEN
+connection comes back (a notification may have been lost meanwhile). The payload never carries
+the secret: any role that can connect to the database may LISTEN.
 """
 
 from __future__ import annotations
@@ -12,13 +17,24 @@ from typing import Final
 import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
 
 from cv_server.auth import new_secret
+from cv_server.pg.notifier import notify
 
-__all__ = ["postgres_token_secret", "stored_token_secret"]
+__all__ = [
+    "TOKEN_SECRET_CHANNEL",
+    "postgres_token_secret",
+    "replace_token_secret",
+    "stored_token_secret",
+]
 
 _TOKEN_SECRET_KEY: Final = "token_secret"
 
+#: Base name of the channel that announces a new token secret (`stores.channel_name` adds the
+#: schema).
+TOKEN_SECRET_CHANNEL: Final = "cv_token_secret"
+
 _CREATE: Final = "INSERT INTO server_meta (key, value) VALUES ($1, $2) ON CONFLICT (key) DO NOTHING"
 _READ: Final = "SELECT value FROM server_meta WHERE key = $1"
+_REPLACE: Final = "UPDATE server_meta SET value = $2 WHERE key = $1"
 
 
 async def postgres_token_secret(pool: asyncpg.Pool) -> bytes:
@@ -41,3 +57,19 @@ async def stored_token_secret(pool: asyncpg.Pool) -> bytes | None:
     except asyncpg.UndefinedTableError:
         return None
     return None if value is None else bytes(value)
+
+
+async def replace_token_secret(pool: asyncpg.Pool, channel: str) -> bool:
+    """Replace the stored secret with a new one and announce it on `channel`, in one
+    transaction: instances are told at its commit, never before the new value is readable, and
+    not at all if it rolls back. False (nothing written) when there is no secret to replace:
+    a rotation never sets up a deployment."""
+    async with pool.acquire() as conn, conn.transaction():
+        try:
+            status = await conn.execute(_REPLACE, _TOKEN_SECRET_KEY, new_secret())
+        except asyncpg.UndefinedTableError:
+            return False
+        if status != "UPDATE 1":
+            return False
+        await notify(conn, channel, "rotated")
+    return True

@@ -1,9 +1,10 @@
 """Opening every store of one server instance on PostgreSQL (DESIGN §9, issue 7).
 
-One pool for transactions, one dedicated LISTEN connection (`Notifier`) shared by the op-log and
-the queue, migrations applied at start under the advisory lock, the token secret read from (or
-created in) `server_meta`. The schema comes from the DSN's `search_path` (for example
-`?options=-csearch_path%3Dname`, or `cv-server serve --schema name`); it must exist.
+One pool for transactions, one dedicated LISTEN connection (`Notifier`) shared by the op-log,
+the queue and the token secret, migrations applied at start under the advisory lock, the token
+secret read from (or created in) `server_meta` and read again whenever it is rotated. The
+schema comes from the DSN's `search_path` (for example `?options=-csearch_path%3Dname`, or
+`cv-server serve --schema name`); it must exist.
 
 Notification channels are per database, not per schema, so each channel name carries the schema:
 deployments (and test runs) that share a database in separate schemas never wake each other.
@@ -12,10 +13,11 @@ deployments (and test runs) that share a database in separate schemas never wake
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Final, NamedTuple
 
 import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
@@ -26,9 +28,14 @@ from cv_server.pg.blobs import PostgresBlobStore
 from cv_server.pg.errors import PostgresBackendError
 from cv_server.pg.idempotency import PostgresIdempotencyStore
 from cv_server.pg.locks import PostgresComputeLockStore
-from cv_server.pg.meta import postgres_token_secret, stored_token_secret
+from cv_server.pg.meta import (
+    TOKEN_SECRET_CHANNEL,
+    postgres_token_secret,
+    replace_token_secret,
+    stored_token_secret,
+)
 from cv_server.pg.migrations import migrate
-from cv_server.pg.notifier import Notifier
+from cv_server.pg.notifier import Notifier, reconnect_delays
 from cv_server.pg.oplog import OPLOG_CHANNEL, PostgresOpLogStore, parse_oplog_payload
 from cv_server.pg.pool import PostgresSettings, close_pool, create_pool
 from cv_server.pg.queue import QUEUE_CHANNEL, PostgresQueueStore
@@ -41,6 +48,7 @@ __all__ = [
     "listen_application_name",
     "open_postgres_stores",
     "read_token_secret",
+    "rotate_token_secret",
     "set_up_deployment",
 ]
 
@@ -138,6 +146,75 @@ async def read_token_secret(dsn: str) -> bytes:
     return secret
 
 
+async def rotate_token_secret(dsn: str) -> str:
+    """Replace the token secret of the deployment at `dsn` with a new one, for `cv-server
+    rotate-secret`; returns the schema. Every running instance is told (NOTIFY, at commit) and
+    refuses tokens of the old secret from then on. Raises `NotSetUp` where there is no secret:
+    like `token`, a rotation never sets up a deployment in whatever a mistyped DSN names."""
+    pool = await create_pool(dsn, PostgresSettings(pool_min_size=1, pool_max_size=1))
+    try:
+        schema = await _current_schema(pool)
+        rotated = await replace_token_secret(pool, channel_name(TOKEN_SECRET_CHANNEL, schema))
+    finally:
+        await pool.close()
+    if not rotated:
+        raise NotSetUp(
+            f"schema {schema!r} holds no cv-server deployment, so no token secret to rotate"
+            " (a mistyped --database-url or --schema?)"
+        )
+    return schema
+
+
+class _SecretFollower:
+    """Reads the stored token secret again each time `wake` is called, and hands it on.
+
+    One reading task: wakes that come during a read make one more read, so the last value
+    handed on is never older than the last wake. A read that fails (the database away) is
+    retried on the notifier's reconnect schedule: until it succeeds, the instance would keep
+    accepting tokens of a secret that may have leaked.
+    """
+
+    def __init__(
+        self, pool: asyncpg.Pool, delays: Callable[[], Iterator[float]] = reconnect_delays
+    ) -> None:
+        self._pool = pool
+        self._delays = delays
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, on_secret: Callable[[bytes], None]) -> None:
+        self._task = asyncio.create_task(self._run(on_secret), name="pg-token-secret")
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self, on_secret: Callable[[bytes], None]) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()  # before the read: a wake during it reads once more
+            secret = await self._read()
+            if secret is None:  # the row was deleted by hand: keep checking with the last one
+                logger.error("server_meta holds no token secret; the last one read stays in use")
+                continue
+            on_secret(secret)
+
+    async def _read(self) -> bytes | None:
+        delays = self._delays()
+        while True:
+            try:
+                return await stored_token_secret(self._pool)
+            except Exception as exc:
+                delay = next(delays)
+                logger.warning("reading the token secret failed (%r); retry in %.2fs", exc, delay)
+                await asyncio.sleep(delay)
+
+
 async def open_postgres_stores(config: ServerConfig) -> Stores:
     """Every store of one instance, sharing one pool and one LISTEN connection."""
     if not config.database_url:
@@ -171,6 +248,19 @@ async def open_postgres_stores(config: ServerConfig) -> Stores:
     idempotency = PostgresIdempotencyStore(pool, retention=config.idempotency_retention_seconds)
     blobs = PostgresBlobStore(pool, retention=config.blob_retention_seconds)
     locks = PostgresComputeLockStore(pool)
+    secret_follower = _SecretFollower(pool)
+
+    async def follow_secret(on_secret: Callable[[bytes], None]) -> None:
+        """Call `on_secret(secret)` with the stored secret each time it may have changed."""
+        secret_follower.start(on_secret)
+        await notifier.listen(
+            channel_name(TOKEN_SECRET_CHANNEL, schema),
+            lambda _payload: secret_follower.wake(),
+            secret_follower.wake,  # the LISTEN connection was away: a rotation may be unheard
+        )
+        # LISTEN is active now: a rotation since the read at start is no longer missed, but
+        # one before it was, so read once more.
+        secret_follower.wake()
 
     async def follow_commits(
         on_head: Callable[[str, str, int], None], on_reconnect: Callable[[], None]
@@ -203,13 +293,15 @@ async def open_postgres_stores(config: ServerConfig) -> Stores:
         locks=locks,
         secret=secret,
         follow_commits=follow_commits,
-        # Closed in reverse: the stores first (finishing queued appends), then the LISTEN
-        # connection, the pool last.
+        follow_secret=follow_secret,
+        # Closed in reverse: the stores first (finishing queued appends), the secret's reader,
+        # then the LISTEN connection, the pool last.
         _closers=[
             # Bounded like a statement: on a dead path a graceful close never ends (and with
             # it the server's shutdown); past the bound the pool is terminated.
             functools.partial(close_pool, pool, settings.statement_timeout_seconds),
             notifier.close,
+            secret_follower.close,
             locks.close,
             blobs.close,
             idempotency.close,

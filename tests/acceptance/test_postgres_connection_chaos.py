@@ -34,7 +34,7 @@ from cv_mutations import new_op_id
 from cv_server import ServerConfig, create_app
 from cv_server.auth import mint_token
 from cv_server.cli import _with_schema
-from cv_server.keys import SECRET, STORES
+from cv_server.keys import STORES, TOKEN_SECRET
 from cv_server.pg import PostgresOpLogStore
 from cv_server.pg.queue import PostgresQueueStore
 from cv_server.pg.stores import listen_application_name
@@ -76,7 +76,7 @@ class Instance:
 
     @property
     def token(self) -> str:
-        return mint_token(self.app[SECRET], [WS], now=time.time())
+        return mint_token(self.app[TOKEN_SECRET].value, [WS], now=time.time())
 
     @property
     def headers(self) -> dict[str, str]:

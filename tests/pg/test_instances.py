@@ -20,7 +20,7 @@ from cv_mutations import new_op_id
 from cv_server import ServerConfig, create_app
 from cv_server.auth import mint_token, verify_token
 from cv_server.cli import _with_schema
-from cv_server.keys import SECRET, STORES
+from cv_server.keys import STORES, TOKEN_SECRET
 from cv_server.pg import PostgresOpLogStore
 from cv_server.pg.queue import PostgresQueueStore
 from cv_server.pg.stores import (
@@ -44,7 +44,7 @@ def dsn_in(postgres_url: str, schema: str) -> str:
 
 
 def bearer(client: TestClient[Any, Any], *workspaces: str) -> dict[str, str]:
-    token = mint_token(client.app[SECRET], list(workspaces or (WS,)), now=time.time())
+    token = mint_token(client.app[TOKEN_SECRET].value, list(workspaces or (WS,)), now=time.time())
     return {"Authorization": f"Bearer {token}"}
 
 
@@ -101,8 +101,8 @@ async def test_instances_share_one_token_secret_created_by_the_first(
     instances: list[TestClient[Any, Any]], postgres_url: str, schema: str
 ) -> None:
     first, second = instances
-    assert first.app[SECRET] == second.app[SECRET]
-    assert await read_token_secret(dsn_in(postgres_url, schema)) == first.app[SECRET]
+    assert first.app[TOKEN_SECRET].value == second.app[TOKEN_SECRET].value
+    assert await read_token_secret(dsn_in(postgres_url, schema)) == first.app[TOKEN_SECRET].value
 
 
 async def test_a_subscriber_on_one_instance_sees_each_op_committed_on_another_once_in_order(
@@ -208,7 +208,7 @@ async def test_the_token_command_mints_a_token_the_instances_accept(
         timeout=60,
     )
     token = out.stdout.strip()
-    claims = verify_token(instances[0].app[SECRET], token, now=time.time())
+    claims = verify_token(instances[0].app[TOKEN_SECRET].value, token, now=time.time())
     assert claims.workspaces == frozenset({WS})
     resp = await instances[1].get(
         f"/v1/workspaces/{WS}/docs/tree", headers={"Authorization": f"Bearer {token}"}
