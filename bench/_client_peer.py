@@ -1,27 +1,38 @@
 """Run the ShareDB peer benchmark (`peers/sharedb-bench.js` in the shared folder beside the
 repository) with a given workload and read its figures back.
 
-The peer is ShareDB 7 with its in-memory database (not durable), installed once with
+The peer is ShareDB 7, installed once with
 
     npm install --prefix /tmp/peer-sharedb sharedb@7 ws@8 sharedb-postgres@5
+
+with its in-memory database (`db="memory"`: not durable, the issue's yardstick) or with
+sharedb-postgres (`db="pg"`: each op committed to PostgreSQL before its ack, the peer's own durable
+setup). For the latter every run gets a scratch database of its own (`scratch_peer_database`),
+created from the peer's `structure.sql` and dropped afterwards, so no run sees another's ops.
 
 `PEER_MODULES` (environment) overrides where its node_modules live.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
+from urllib.parse import urlsplit
 
+import asyncpg  # type: ignore[import-untyped]
 import psutil  # type: ignore[import-untyped]  # no types-psutil in the dev extras
 
-__all__ = ["PeerFigures", "find_peer", "run_peer"]
+__all__ = ["PeerFigures", "find_peer", "run_peer", "scratch_peer_database"]
 
 #: Where the peer README installs ShareDB.
 DEFAULT_MODULES: Final = Path("/tmp/peer-sharedb/node_modules")
@@ -81,8 +92,57 @@ def _latency(line: str) -> dict[str, float]:
     return {"p50": p50, "p95": p95, "p99": p99, "n": n}
 
 
-def run_peer(peer: Peer, *, ops: int, writers: int, subs: int, docs: int) -> PeerFigures:
-    """One run of the peer benchmark (memory database) with this workload."""
+@contextmanager
+def scratch_peer_database(peer: Peer, admin_dsn: str) -> Iterator[dict[str, str]]:
+    """A fresh PostgreSQL database holding sharedb-postgres's tables, dropped on exit; yields the
+    `PG*` environment that points the peer at it. `admin_dsn`: any database of the server, from
+    which the scratch one is created."""
+    structure = peer.modules / "sharedb-postgres" / "structure.sql"
+    if not structure.exists():
+        raise FileNotFoundError(f"{structure} is missing (npm install ... sharedb-postgres@5)")
+    name = f"cv_peer_sharedb_{secrets.token_hex(4)}"
+    parts = urlsplit(admin_dsn)
+    scratch_dsn = parts._replace(path=f"/{name}", query="").geturl()
+
+    async def admin(sql: str) -> None:
+        conn = await asyncpg.connect(admin_dsn)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    async def create_tables() -> None:
+        conn = await asyncpg.connect(scratch_dsn)
+        try:
+            await conn.execute(structure.read_text())
+        finally:
+            await conn.close()
+
+    asyncio.run(admin(f"CREATE DATABASE {name}"))
+    try:
+        asyncio.run(create_tables())
+        yield {
+            "PGHOST": parts.hostname or "127.0.0.1",
+            "PGPORT": str(parts.port or 5432),
+            "PGUSER": parts.username or "postgres",
+            "PGDATABASE": name,
+        }
+    finally:
+        asyncio.run(admin(f"DROP DATABASE IF EXISTS {name}"))
+
+
+def run_peer(
+    peer: Peer,
+    *,
+    ops: int,
+    writers: int,
+    subs: int,
+    docs: int,
+    db: str = "memory",
+    env: dict[str, str] | None = None,
+) -> PeerFigures:
+    """One run of the peer benchmark with this workload: `db` "memory" (the default) or "pg"
+    (with `env` from `scratch_peer_database`)."""
     figures = PeerFigures()
     command = [
         peer.node,
@@ -95,10 +155,15 @@ def run_peer(peer: Peer, *, ops: int, writers: int, subs: int, docs: int) -> Pee
         str(subs),
         "--docs",
         str(docs),
+        "--db",
+        db,
     ]
-    env = dict(os.environ, NODE_PATH=str(peer.modules))
     proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, NODE_PATH=str(peer.modules), **(env or {})),
     )
     sampler = _CpuSampler(proc.pid)
     try:

@@ -1,6 +1,7 @@
 """Client SDK benchmark (issue 4): `WorkspaceClient` against the real `cv-server` process.
 
     python -m bench.client [--quick] [--no-peer] [--part 1|2|all] [--profile DIR] [--json PATH]
+        [--peer-db memory|pg|both] [--database-url DSN] [--backends sqlite,postgres]
 
 Every client runs in its own spawned process (never in the server's), durable on both sides: the
 writers' outbox is a SQLite file (the SDK's default: each op committed to the file before its first
@@ -16,6 +17,10 @@ fresh SQLite file per phase (WAL, `synchronous=FULL`: an op is fsynced before it
    websocket: 1 writer / 1 sub-doc; 4 writers + 4 subscribers on 1 and on 4 sub-docs; 16 + 16 on
    16; 64 writers on 64. ShareDB 7 (memory database, not durable) runs the same workloads in the
    same run (`shared/peers/sharedb-bench.js`); `--no-peer` skips it. Target: match it.
+   `--peer-db pg` (or `both`) runs ShareDB with sharedb-postgres too, the peer's own durable
+   setup (each op committed to PostgreSQL before its ack), on a scratch database per run;
+   `--backends sqlite,postgres` runs ours on PostgreSQL as well (a fresh schema per phase, on the
+   server of `--database-url`), so durable meets durable on the same database server.
    Two layouts of ours (`--layout`): each writer its own `WorkspaceClient` (own socket, own
    outbox file: the peer gives each writer its own connection), and one client per writer
    process shared by its writers (how an app uses the SDK: one client per process); writers sit
@@ -38,15 +43,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Final
 
+import asyncpg  # type: ignore[import-untyped]
+
 from bench._client_delivery import measure_delivery
 from bench._client_outbox import OutboxFigure, measure_outbox
-from bench._client_peer import Peer, PeerFigures, find_peer, run_peer
+from bench._client_peer import Peer, PeerFigures, find_peer, run_peer, scratch_peer_database
 from bench._client_phase import Phase, run_phase, warm_sub_docs, workspace_name
 from bench._client_workers import SubscriberJob, Transport, WriterJob
 from bench._procs import ServerProcess, ServerRefused, fsync_probe_ms, raise_nofile
 from bench.oplog import print_profile
+from bench.pg_instances import fresh_schema, with_schema
 
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
+#: The PostgreSQL server the durable peer (and ours, with `--backends ...postgres`) runs on.
+DEFAULT_DSN: Final = os.environ.get(
+    "CV_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test"
+)
 #: apply_op calls one pipelining client keeps in flight.
 PIPELINE_WINDOW: Final = 500
 
@@ -83,6 +95,8 @@ class Row:
     ours: Phase
     peer: PeerFigures | None = None
     peer_skipped: str = ""
+    #: ShareDB on sharedb-postgres (durable), when `--peer-db` asks for it.
+    peer_pg: PeerFigures | None = None
 
 
 @dataclass(slots=True)
@@ -184,14 +198,36 @@ def run_ours(
     quick: bool,
     profile: Path | None,
     shared: bool,
+    database_url: str | None = None,
 ) -> Phase:
-    """Our side of a workload on a fresh server; `shared`: one client per writer process."""
-    key = f"{workload.key}-{'shared' if shared else 'own'}"
+    """Our side of a workload on a fresh server; `shared`: one client per writer process;
+    `database_url`: the server on PostgreSQL (a schema of its own) instead of a SQLite file."""
+    if database_url is not None:
+        with fresh_schema(database_url) as schema:
+            return _run_ours(
+                workload, workdir, ops, quick, profile, shared, with_schema(database_url, schema)
+            )
+    return _run_ours(workload, workdir, ops, quick, profile, shared, None)
+
+
+def _run_ours(
+    workload: Workload,
+    workdir: Path,
+    ops: int,
+    quick: bool,
+    profile: Path | None,
+    shared: bool,
+    database_url: str | None,
+) -> Phase:
+    backend = "pg" if database_url else "sqlite"
+    key = f"{workload.key}-{'shared' if shared else 'own'}-{backend}"
     docs = _docs(workload)
     per_writer = -(-ops // workload.writers)
     try:
         server = ServerProcess.start(
-            workdir / f"{key}.db", profile_dir=profile / f"server-{key}" if profile else None
+            workdir / f"{key}.db",
+            database_url=database_url,
+            profile_dir=profile / f"server-{key}" if profile else None,
         )
     except ServerRefused as exc:
         return Phase(correct=False, errors=[f"server refused: {exc}"])
@@ -245,28 +281,61 @@ def run_workload(
     profile: Path | None,
     peer: Peer | str,
     layouts: Sequence[bool],
+    *,
+    backends: Sequence[str] = ("sqlite",),
+    peer_dbs: Sequence[str] = ("memory",),
+    dsn: str = DEFAULT_DSN,
 ) -> list[Row]:
-    """Ours in each layout (False: a client per writer, True: shared), then the peer."""
+    """Ours in each layout (False: a client per writer, True: shared) on each backend, then the
+    peer on each of its databases."""
     rows = []
-    for shared in layouts:
-        if shared and workload.writers == 1 and False in layouts:
-            continue  # one writer: sharing its client changes nothing
-        label = f"{workload.label}{', shared client' if shared else ''}"
-        rows.append(
-            Row(workload.key, label, run_ours(workload, workdir, ops, quick, profile, shared))
-        )
-    figures: PeerFigures | None = None
+    for backend in backends:
+        for shared in layouts:
+            if shared and workload.writers == 1 and False in layouts:
+                continue  # one writer: sharing its client changes nothing
+            label = f"{workload.label}{', shared client' if shared else ''}"
+            label += ", PostgreSQL" if backend == "postgres" else ""
+            url = dsn if backend == "postgres" else None
+            phase = run_ours(workload, workdir, ops, quick, profile, shared, url)
+            rows.append(Row(workload.key, label, phase))
+    figures: dict[str, PeerFigures] = {}
     skipped = ""
     if isinstance(peer, str):
         skipped = peer
     else:
-        shape = {"writers": workload.writers, "subs": workload.subs, "docs": workload.docs}
-        figures = run_peer(peer, ops=ops, **shape)
-        # The same run without ops: start-up, connects and shutdown, taken off its CPU per op.
-        figures.idle_cpu_s = run_peer(peer, ops=0, **shape).cpu_s
+        for db in peer_dbs:
+            figures[db] = _peer_figures(peer, workload, ops, db, dsn)
     for row in rows:
-        row.peer, row.peer_skipped = figures, skipped
+        row.peer, row.peer_pg, row.peer_skipped = figures.get("memory"), figures.get("pg"), skipped
     return rows
+
+
+def _peer_figures(peer: Peer, workload: Workload, ops: int, db: str, dsn: str) -> PeerFigures:
+    def run(count: int, env: dict[str, str] | None = None) -> PeerFigures:
+        return run_peer(
+            peer,
+            ops=count,
+            writers=workload.writers,
+            subs=workload.subs,
+            docs=workload.docs,
+            db=db,
+            env=env,
+        )
+
+    if db == "memory":
+        figures = run(ops)
+        # The same run without ops: start-up, connects and shutdown, taken off its CPU per op.
+        figures.idle_cpu_s = run(0).cpu_s
+        return figures
+    # A scratch database per run: the idle run must not find the measured run's documents.
+    try:
+        with scratch_peer_database(peer, dsn) as env:
+            figures = run(ops, env)
+        with scratch_peer_database(peer, dsn) as env:
+            figures.idle_cpu_s = run(0, env).cpu_s
+    except (OSError, asyncpg.PostgresError) as exc:
+        return PeerFigures(error=f"no scratch database for sharedb-postgres: {exc}")
+    return figures
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -339,6 +408,15 @@ def render_workload(rows: list[Row]) -> str:
             f" all seen {peer.all_seen}; CPU {_peer_cpu_us(peer):,.0f} us/op (both processes,"
             " less an idle run's)"
         )
+    pg = row.peer_pg
+    if pg is not None and pg.error:
+        lines.append(f"    ShareDB    sharedb-postgres failed: {pg.error}")
+    elif pg is not None:
+        lines.append(
+            f"    ShareDB {pg.version} sharedb-postgres (durable): {pg.ops:,} ops ="
+            f" {pg.ops_per_s:,.0f} ops/s; ack {_pct(pg.ack_ms)}; broadcast {_pct(pg.broadcast_ms)};"
+            f" all seen {pg.all_seen}; CPU {_peer_cpu_us(pg):,.0f} us/op (node processes only)"
+        )
     return "\n".join(lines)
 
 
@@ -401,6 +479,28 @@ def render_tables(report: Report) -> str:
                 f" {_our_cpu_us(ours):,.0f} / {_num(p_cpu, 0)} |"
                 f" {'yes' if ours.correct else 'NO'} | {ours.load[0]:.1f} |"
             )
+    durable = [row for row in report.workloads if row.peer_pg is not None]
+    if durable:
+        lines += [
+            "",
+            "Durable against durable (ShareDB on sharedb-postgres, same run):",
+            "",
+            "| workload | ours ops/s | ShareDB-pg ops/s | ratio | ours ack p99 |"
+            " ShareDB-pg ack p99 | all seen ours / ShareDB-pg |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for row in durable:
+            ours, pg = row.ours, row.peer_pg
+            assert pg is not None
+            ok = pg.ops and not pg.error
+            p_ops = pg.ops_per_s if ok else None
+            p_ack = pg.ack_ms.get("p99") if ok else None
+            seen = "-" if pg.all_seen is None else ("yes" if pg.all_seen else "NO")
+            lines.append(
+                f"| {row.label} | {ours.ops_per_s:,.0f} | {_num(p_ops, 0)} |"
+                f" {_ratio(ours.ops_per_s, p_ops)} | {_num(ours.ack_ms.get('p99'), 2, ' ms')} |"
+                f" {_num(p_ack, 2, ' ms')} | {'yes' if ours.correct else 'NO'} / {seen} |"
+            )
     return "\n".join(lines)
 
 
@@ -435,9 +535,31 @@ def main(argv: list[str] | None = None) -> int:
         help="part 2: each writer its own WorkspaceClient (like the peer's one connection per"
         " writer), one client per writer process shared by its writers, or both (default)",
     )
+    parser.add_argument(
+        "--peer-db",
+        choices=["memory", "pg", "both"],
+        default="memory",
+        help="part 2: ShareDB on its memory database (default), on sharedb-postgres (durable), or"
+        " both, in the same run",
+    )
+    parser.add_argument(
+        "--backends",
+        default="sqlite",
+        help="part 2: our server's backends, comma-separated: sqlite (default), postgres",
+    )
+    parser.add_argument(
+        "--database-url",
+        default=DEFAULT_DSN,
+        help="PostgreSQL server for sharedb-postgres's scratch databases and our postgres"
+        " backend's scratch schemas (default: $CV_TEST_DATABASE_URL or the local server)",
+    )
     parser.add_argument("--profile", type=Path, default=None, help="cProfile output directory")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not backends or any(b not in ("sqlite", "postgres") for b in backends):
+        parser.error("--backends takes sqlite and/or postgres, comma-separated")
+    peer_dbs = {"memory": ["memory"], "pg": ["pg"], "both": ["memory", "pg"]}[args.peer_db]
 
     raise_nofile()
     peer: Peer | str = "--no-peer given" if args.no_peer else find_peer(REPO_ROOT)
@@ -471,7 +593,18 @@ def main(argv: list[str] | None = None) -> int:
             chosen = [w for w in WORKLOADS if args.only in (None, w.key)]
             for workload in chosen:
                 layouts = {"own": [False], "shared": [True], "both": [False, True]}[args.layout]
-                rows = run_workload(workload, workdir, ops, args.quick, args.profile, peer, layouts)
+                rows = run_workload(
+                    workload,
+                    workdir,
+                    ops,
+                    args.quick,
+                    args.profile,
+                    peer,
+                    layouts,
+                    backends=backends,
+                    peer_dbs=peer_dbs,
+                    dsn=args.database_url,
+                )
                 report.workloads.extend(rows)
                 print(render_workload(rows), flush=True)
     print()
