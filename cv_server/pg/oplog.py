@@ -11,6 +11,12 @@ Same pure pipeline as SQLite (`cv_server.oplog.pipeline`); what changes is who e
 - **Group commit.** Appends to one sub-doc queue in a per-sub-doc lane; one task drains the lane,
   committing every append waiting there in **one** transaction (one lock, one dedupe lookup,
   one write statement, one COMMIT). Appends still commit in call order.
+- **Across sub-docs too.** The groups of every lane that is ready in the same event-loop tick
+  (the applies of one websocket message, the acks of one commit answered at once) commit in one
+  transaction (`_Batch`): the heads locked in one statement, in key order, one lookup, one write
+  statement, one COMMIT, so 64 sub-docs with one writer each cost one fsync, not 64. If that
+  transaction fails, each group is committed again alone, so one sub-doc's failure (a corrupt
+  log, say) is its own and no other's.
 - **Publish on commit.** The write statement NOTIFYs `workspace_id/sub_doc/clock` on `channel` in
   the same transaction, so other instances hear of it only once it is readable; a lost
   notification is covered by catch-up from the log (`read_since`), never by re-applying.
@@ -88,6 +94,18 @@ class _Pending:
 
 
 @dataclass(slots=True)
+class _Member:
+    """One lane's group in a `_Batch`. The lane's lock is held from before it joins until the
+    batch is over, and released by the batch, not by the drainer: a drainer cancelled while it
+    waits must not free a lane whose cached state the batch is still changing."""
+
+    key: tuple[str, str]
+    lane: _Lane
+    group: list[_Pending]
+    future: asyncio.Future[list[AppendResult]]
+
+
+@dataclass(slots=True)
 class _Lane:
     """Everything this instance holds for one sub-doc. `lock` guards `doc`."""
 
@@ -137,10 +155,15 @@ class PostgresOpLogStore(OpLogStore):
         # state is only ever used after catching up from the log under the head row lock, so a
         # dropped (or even duplicated) lane costs a rebuild, never a wrong answer.
         self._lanes: OrderedDict[tuple[str, str], _Lane] = OrderedDict()
+        #: Groups ready in this event-loop tick, committed together once it ends.
+        self._forming: list[_Member] | None = None
+        self._batches: set[asyncio.Task[None]] = set()
         self._closed = False
-        #: Group transactions committed and appends they carried (for metrics and tests).
+        #: Lanes' groups committed, the appends they carried, and the transactions that carried
+        #: them (several groups share one when their lanes were ready in the same tick).
         self.groups_committed = 0
         self.appends_committed = 0
+        self.transactions_committed = 0
 
     @classmethod
     async def open(
@@ -256,6 +279,8 @@ class PostgresOpLogStore(OpLogStore):
         drainers = [lane.drainer for lane in self._lanes.values() if lane.drainer is not None]
         if drainers:
             await asyncio.gather(*drainers, return_exceptions=True)
+        if self._batches:  # drainers cancelled meanwhile leave their batch running
+            await asyncio.gather(*self._batches, return_exceptions=True)
         self._lanes.clear()
         if self._owns_pool:
             # Bounded: a graceful close on a dead path never ends (see `close_pool`).
@@ -306,12 +331,8 @@ class PostgresOpLogStore(OpLogStore):
             while lane.pending:
                 group = self._take_group(lane)
                 try:
-                    async with lane.lock:
-                        results = await run_with_retry(
-                            functools.partial(self._commit_group, key, lane, group),
-                            policy=self._retry_policy,
-                            sleep=self._sleep,
-                        )
+                    await lane.lock.acquire()
+                    results = await self._join(key, lane, group)
                 except Exception as exc:
                     for pending in group:
                         if not pending.future.done():
@@ -342,6 +363,131 @@ class PostgresOpLogStore(OpLogStore):
             # No await between the last `while` check and this line: an append that arrives
             # after it sees `drainer is None` and starts a new drainer.
             lane.drainer = None
+
+    # -- batches of lanes ------------------------------------------------------------------------
+
+    def _join(
+        self, key: tuple[str, str], lane: _Lane, group: list[_Pending]
+    ) -> asyncio.Future[list[AppendResult]]:
+        """Add `group` (its lane locked by the caller) to the batch of this tick; the batch
+        releases the lane's lock once it is over."""
+        loop = asyncio.get_running_loop()
+        member = _Member(key, lane, group, loop.create_future())
+        if self._forming is None:
+            self._forming = []
+            # Once this tick's ready callbacks ran: every lane ready now has joined by then.
+            loop.call_soon(self._launch)
+        self._forming.append(member)
+        return member.future
+
+    def _launch(self) -> None:
+        members, self._forming = self._forming or [], None
+        task = asyncio.get_running_loop().create_task(self._run_batch(members))
+        self._batches.add(task)
+        task.add_done_callback(self._batches.discard)
+
+    async def _run_batch(self, members: list[_Member]) -> None:
+        try:
+            if len(members) > 1:
+                try:
+                    results = await run_with_retry(
+                        functools.partial(self._commit_groups, members),
+                        policy=self._retry_policy,
+                        sleep=self._sleep,
+                    )
+                except Exception:
+                    # Whatever failed took the whole transaction: each group again, alone, so
+                    # it fails (or commits) on its own account. Nothing was committed.
+                    logger.debug("batch of %d sub-docs failed; committing each alone", len(members))
+                else:
+                    for member, result in zip(members, results, strict=True):
+                        _settle(member.future, result)
+                    return
+            await asyncio.gather(*(self._run_alone(member) for member in members))
+        except BaseException as exc:
+            for member in members:
+                if not member.future.done():
+                    member.lane.doc = None
+                    member.future.set_exception(
+                        RuntimeError(f"{member.key}: the op-log batch stopped mid-commit ({exc!r})")
+                    )
+            raise
+        finally:
+            for member in members:
+                member.lane.lock.release()
+
+    async def _run_alone(self, member: _Member) -> None:
+        try:
+            result = await run_with_retry(
+                functools.partial(self._commit_group, member.key, member.lane, member.group),
+                policy=self._retry_policy,
+                sleep=self._sleep,
+            )
+        except Exception as exc:
+            if not member.future.done():
+                member.future.set_exception(exc)
+        else:
+            _settle(member.future, result)
+
+    async def _commit_groups(self, members: list[_Member]) -> list[list[AppendResult]]:
+        """`_commit_group` for the groups of several lanes, in one transaction."""
+        try:
+            async with self.pool.acquire() as conn, conn.transaction():
+                heads = await sql.lock_heads(conn, [member.key for member in members])
+                docs = [
+                    await self._caught_up(conn, member.key, member.lane, heads[member.key])
+                    for member in members
+                ]
+                wanted = [
+                    (*member.key, op_id)
+                    for member in members
+                    for op_id in op_ids_to_look_up(
+                        op for pending in member.group for op in pending.ops
+                    )
+                ]
+                recorded = await sql.look_up_many(conn, wanted) if wanted else {}
+                all_plans = [
+                    self._plan_group(doc, member.group, recorded.get(member.key, {}))
+                    for member, doc in zip(members, docs, strict=True)
+                ]
+                writes: list[sql.DocWrite] = []
+                for member, plans in zip(members, all_plans, strict=True):
+                    entries = [entry for plan in plans for entry in plan.entries]
+                    rejections = [rejection for plan in plans for rejection in plan.rejections]
+                    if not entries and not rejections:
+                        continue
+                    clock = plans[-1].clock
+                    payload = oplog_payload(*member.key, clock) if entries else None
+                    if payload is not None:
+                        check_payload(payload)
+                    writes.append(
+                        sql.DocWrite(
+                            *member.key,
+                            entries=entries,
+                            fingerprints=[fp for plan in plans for fp in plan.fingerprints],
+                            rejections=rejections,
+                            clock=clock,
+                            payload=payload,
+                        )
+                    )
+                if writes:
+                    await sql.write_batches(conn, writes, self.channel)
+                for member, doc, plans in zip(members, docs, all_plans, strict=True):
+                    head, clock = heads[member.key], plans[-1].clock
+                    if clock // self.snapshot_every > head // self.snapshot_every:
+                        await sql.write_snapshot(
+                            conn, *member.key, sql.CachedSubDoc(clock, doc.state)
+                        )
+        except BaseException:
+            for member in members:  # see `_commit_group`
+                member.lane.doc = None
+            raise
+        for doc, plans in zip(docs, all_plans, strict=True):
+            doc.clock = plans[-1].clock
+        self.groups_committed += len(members)
+        self.transactions_committed += 1
+        self.appends_committed += sum(len(member.group) for member in members)
+        return [[(plan.outcomes, plan.entries) for plan in plans] for plans in all_plans]
 
     # -- one group transaction -------------------------------------------------------------------
 
@@ -384,6 +530,7 @@ class PostgresOpLogStore(OpLogStore):
             raise
         doc.clock = clock
         self.groups_committed += 1
+        self.transactions_committed += 1
         self.appends_committed += len(group)
         return [(plan.outcomes, plan.entries) for plan in plans]
 
@@ -417,6 +564,14 @@ class PostgresOpLogStore(OpLogStore):
         recorded: dict[str, Recorded] = (
             await sql.look_up(conn, workspace_id, sub_doc, op_ids) if op_ids else {}
         )
+        return self._plan_group(doc, group, recorded)
+
+    @staticmethod
+    def _plan_group(
+        doc: sql.CachedSubDoc, group: list[_Pending], recorded: dict[str, Recorded]
+    ) -> list[CommitPlan]:
+        """The pipeline for each append of the group, in order, on the cached state (`recorded`:
+        what the log holds for the group's op_ids; it is added to as the plans go)."""
         plans: list[CommitPlan] = []
         clock = doc.clock
         for pending in group:
@@ -432,3 +587,8 @@ class PostgresOpLogStore(OpLogStore):
                     rejection.code, rejection.message, rejection.fingerprint
                 )
         return plans
+
+
+def _settle(future: asyncio.Future[list[AppendResult]], result: list[AppendResult]) -> None:
+    if not future.done():  # its drainer was cancelled; the commit itself happened
+        future.set_result(result)

@@ -32,10 +32,13 @@ __all__ = [
     "catch_up",
     "load_sub_doc",
     "lock_head",
+    "lock_heads",
     "look_up",
+    "look_up_many",
     "read_head",
     "read_since",
     "write_batch",
+    "write_batches",
     "write_snapshot",
 ]
 
@@ -94,6 +97,48 @@ WITH new_ops AS (
 )
 SELECT pg_notify($12, $13) WHERE $13::text IS NOT NULL
 """
+# Several sub-docs in one transaction (`write_batches`): the heads are locked in one order on
+# every instance (ORDER BY under FOR UPDATE locks rows as they come out of the sort), so two
+# instances locking overlapping sets cannot deadlock. Only heads created meanwhile are locked
+# out of that order; PostgreSQL detects such a deadlock and the transaction is retried (40P01).
+_LOCK_HEADS: Final = f"""
+SELECT h.workspace_id, h.sub_doc, h.clock
+FROM {HEADS_TABLE} h
+JOIN unnest($1::text[], $2::text[]) AS k(workspace_id, sub_doc)
+    ON h.workspace_id = k.workspace_id AND h.sub_doc = k.sub_doc
+ORDER BY h.workspace_id, h.sub_doc
+FOR UPDATE OF h
+"""
+_CREATE_HEADS: Final = f"""
+INSERT INTO {HEADS_TABLE} (workspace_id, sub_doc)
+SELECT * FROM unnest($1::text[], $2::text[])
+ON CONFLICT (workspace_id, sub_doc) DO NOTHING
+"""
+_LOOK_UP_MANY: Final = f"""
+SELECT o.workspace_id, o.sub_doc, o.op_id, o.clock, o.fingerprint, o.code, o.message
+FROM unnest($1::text[], $2::text[], $3::text[]) AS k(workspace_id, sub_doc, op_id)
+JOIN {OUTCOMES_TABLE} o
+    ON o.op_id = k.op_id AND o.workspace_id = k.workspace_id AND o.sub_doc = k.sub_doc
+"""
+_WRITE_BATCHES: Final = f"""
+WITH new_ops AS (
+    INSERT INTO {OPS_TABLE} (workspace_id, sub_doc, clock, op_id, op)
+    SELECT t.workspace_id, t.sub_doc, t.clock, t.op_id, t.op::json
+    FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::text[])
+        AS t(workspace_id, sub_doc, clock, op_id, op)
+), new_outcomes AS (
+    INSERT INTO {OUTCOMES_TABLE} (op_id, workspace_id, sub_doc, fingerprint, clock, code, message)
+    SELECT t.op_id, t.workspace_id, t.sub_doc, t.fingerprint, t.clock, t.code, t.message
+    FROM unnest($6::text[], $7::text[], $8::text[], $9::text[], $10::bigint[], $11::text[],
+                $12::text[])
+        AS t(op_id, workspace_id, sub_doc, fingerprint, clock, code, message)
+), new_heads AS (
+    UPDATE {HEADS_TABLE} h SET clock = t.clock
+    FROM unnest($13::text[], $14::text[], $15::bigint[]) AS t(workspace_id, sub_doc, clock)
+    WHERE h.workspace_id = t.workspace_id AND h.sub_doc = t.sub_doc AND h.clock < t.clock
+)
+SELECT pg_notify($16, p) FROM unnest($17::text[]) AS p
+"""
 _UPSERT_SNAPSHOT: Final = f"""
 INSERT INTO {SNAPSHOTS_TABLE} (workspace_id, sub_doc, clock, state)
 VALUES ($1, $2, $3, $4::text::json)
@@ -131,6 +176,25 @@ async def lock_head(conn: asyncpg.Connection, workspace_id: str, sub_doc: str) -
         await conn.execute(_CREATE_HEAD, workspace_id, sub_doc)
         clock = await conn.fetchval(_LOCK_HEAD, workspace_id, sub_doc)
     return int(clock)
+
+
+async def lock_heads(
+    conn: asyncpg.Connection, keys: Sequence[tuple[str, str]]
+) -> dict[tuple[str, str], int]:
+    """`lock_head` for several sub-docs at once: their row locks (in key order) and heads."""
+    heads = await _lock_heads(conn, sorted(keys))
+    missing = sorted(key for key in keys if key not in heads)
+    if missing:
+        await conn.execute(_CREATE_HEADS, [key[0] for key in missing], [key[1] for key in missing])
+        heads.update(await _lock_heads(conn, missing))
+    return heads
+
+
+async def _lock_heads(
+    conn: asyncpg.Connection, keys: Sequence[tuple[str, str]]
+) -> dict[tuple[str, str], int]:
+    rows = await conn.fetch(_LOCK_HEADS, [key[0] for key in keys], [key[1] for key in keys])
+    return {(row["workspace_id"], row["sub_doc"]): int(row["clock"]) for row in rows}
 
 
 async def read_head(conn: asyncpg.Connection, workspace_id: str, sub_doc: str) -> int:
@@ -183,6 +247,75 @@ async def look_up(
                 row["code"], row["message"], row["fingerprint"]
             )
     return recorded
+
+
+async def look_up_many(
+    conn: asyncpg.Connection, wanted: Sequence[tuple[str, str, str]]
+) -> dict[tuple[str, str], dict[str, Recorded]]:
+    """`look_up` for (workspace_id, sub_doc, op_id) triples of several sub-docs: per sub-doc,
+    what the log holds for its op_ids."""
+    recorded: dict[tuple[str, str], dict[str, Recorded]] = {}
+    rows = await conn.fetch(
+        _LOOK_UP_MANY, [w[0] for w in wanted], [w[1] for w in wanted], [w[2] for w in wanted]
+    )
+    for row in rows:
+        of_doc = recorded.setdefault((row["workspace_id"], row["sub_doc"]), {})
+        if row["clock"] is not None:
+            of_doc[row["op_id"]] = RecordedCommit(int(row["clock"]), row["fingerprint"])
+        else:
+            of_doc[row["op_id"]] = RecordedRejection(
+                row["code"], row["message"], row["fingerprint"]
+            )
+    return recorded
+
+
+@dataclass(slots=True)
+class DocWrite:
+    """What one sub-doc's group writes in a `write_batches` transaction."""
+
+    workspace_id: str
+    sub_doc: str
+    entries: Sequence[LogEntry]
+    fingerprints: Sequence[str]
+    rejections: Sequence[NewRejection]
+    clock: int
+    payload: str | None
+
+
+async def write_batches(conn: asyncpg.Connection, writes: Sequence[DocWrite], channel: str) -> None:
+    """`write_batch` for several sub-docs in one statement: their entries, outcomes, heads, and
+    one notification per sub-doc that committed entries."""
+    ops: list[tuple[str, str, int, str | None, str]] = []
+    outcomes: list[tuple[str, str, str, str, int | None, str | None, str | None]] = []
+    heads: list[tuple[str, str, int]] = []
+    payloads: list[str] = []
+    for w in writes:
+        for entry, fingerprint in zip(w.entries, w.fingerprints, strict=True):
+            ops.append((w.workspace_id, w.sub_doc, entry.clock, entry.op_id, _dumps(entry.op)))
+            if entry.op_id is not None:
+                outcomes.append(
+                    (entry.op_id, w.workspace_id, w.sub_doc, fingerprint, entry.clock, None, None)
+                )
+        for r in w.rejections:
+            outcomes.append(
+                (r.op_id, w.workspace_id, w.sub_doc, r.fingerprint, None, r.code, r.message)
+            )
+        heads.append((w.workspace_id, w.sub_doc, w.clock))
+        if w.payload is not None:
+            payloads.append(w.payload)
+    await conn.execute(
+        _WRITE_BATCHES,
+        *_columns(ops, 5),
+        *_columns(outcomes, 7),
+        *_columns(heads, 3),
+        channel,
+        payloads,
+    )
+
+
+def _columns(rows: Sequence[tuple[Any, ...]], width: int) -> list[list[Any]]:
+    """Rows as `width` column arrays (what `unnest` takes back apart)."""
+    return [[row[i] for row in rows] for i in range(width)]
 
 
 async def write_batch(
