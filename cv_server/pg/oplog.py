@@ -13,10 +13,10 @@ Same pure pipeline as SQLite (`cv_server.oplog.pipeline`); what changes is who e
   one write statement, one COMMIT). Appends still commit in call order.
 - **Across sub-docs too.** The groups of every lane that is ready in the same event-loop tick
   (the applies of one websocket message, the acks of one commit answered at once) commit in one
-  transaction (`_Batch`): the heads locked in one statement, in key order, one lookup, one write
-  statement, one COMMIT, so 64 sub-docs with one writer each cost one fsync, not 64. If that
-  transaction fails, each group is committed again alone, so one sub-doc's failure (a corrupt
-  log, say) is its own and no other's.
+  transaction (`_join`, `_commit_groups`): the heads locked in one statement, in key order, one
+  lookup, one write statement, one COMMIT, so 64 sub-docs with one writer each cost one fsync,
+  not 64. If that transaction fails, each group is committed again alone, so one sub-doc's
+  failure (a corrupt log, say) is its own and no other's.
 - **Publish on commit.** The write statement NOTIFYs `workspace_id/sub_doc/clock` on `channel` in
   the same transaction, so other instances hear of it only once it is readable; a lost
   notification is covered by catch-up from the log (`read_since`), never by re-applying.
@@ -95,7 +95,7 @@ class _Pending:
 
 @dataclass(slots=True)
 class _Member:
-    """One lane's group in a `_Batch`. The lane's lock is held from before it joins until the
+    """One lane's group in a batch (`_join`). The lane's lock is held from before it joins until the
     batch is over, and released by the batch, not by the drainer: a drainer cancelled while it
     waits must not free a lane whose cached state the batch is still changing."""
 
