@@ -15,7 +15,6 @@ created from the peer's `structure.sql` and dropped afterwards, so no run sees a
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import secrets
@@ -29,8 +28,9 @@ from pathlib import Path
 from typing import Final
 from urllib.parse import urlsplit
 
-import asyncpg  # type: ignore[import-untyped]
 import psutil  # type: ignore[import-untyped]  # no types-psutil in the dev extras
+
+from bench.pg_instances import execute
 
 __all__ = ["PeerFigures", "find_peer", "run_peer", "scratch_peer_database"]
 
@@ -104,23 +104,9 @@ def scratch_peer_database(peer: Peer, admin_dsn: str) -> Iterator[dict[str, str]
     parts = urlsplit(admin_dsn)
     scratch_dsn = parts._replace(path=f"/{name}", query="").geturl()
 
-    async def admin(sql: str) -> None:
-        conn = await asyncpg.connect(admin_dsn)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
-    async def create_tables() -> None:
-        conn = await asyncpg.connect(scratch_dsn)
-        try:
-            await conn.execute(structure.read_text())
-        finally:
-            await conn.close()
-
-    asyncio.run(admin(f"CREATE DATABASE {name}"))
+    execute(admin_dsn, f"CREATE DATABASE {name}")
     try:
-        asyncio.run(create_tables())
+        execute(scratch_dsn, structure.read_text())
         yield {
             "PGHOST": parts.hostname or "127.0.0.1",
             "PGPORT": str(parts.port or 5432),
@@ -128,7 +114,7 @@ def scratch_peer_database(peer: Peer, admin_dsn: str) -> Iterator[dict[str, str]
             "PGDATABASE": name,
         }
     finally:
-        asyncio.run(admin(f"DROP DATABASE IF EXISTS {name}"))
+        execute(admin_dsn, f"DROP DATABASE IF EXISTS {name}")
 
 
 def run_peer(

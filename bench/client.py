@@ -52,13 +52,9 @@ from bench._client_phase import Phase, run_phase, warm_sub_docs, workspace_name
 from bench._client_workers import SubscriberJob, Transport, WriterJob
 from bench._procs import ServerProcess, ServerRefused, fsync_probe_ms, raise_nofile
 from bench.oplog import print_profile
-from bench.pg_instances import fresh_schema, with_schema
+from bench.pg_instances import DEFAULT_DSN, fresh_schema, with_schema
 
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
-#: The PostgreSQL server the durable peer (and ours, with `--backends ...postgres`) runs on.
-DEFAULT_DSN: Final = os.environ.get(
-    "CV_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test"
-)
 #: apply_op calls one pipelining client keeps in flight.
 PIPELINE_WINDOW: Final = 500
 

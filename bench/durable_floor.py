@@ -36,12 +36,9 @@ from typing import Final
 import asyncpg  # type: ignore[import-untyped]
 
 from bench._client_peer import find_peer, run_peer
-from bench.pg_instances import fresh_schema, pg_setting, with_schema
+from bench.pg_instances import DEFAULT_DSN, fresh_schema, pg_setting, with_schema
 
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
-DEFAULT_DSN: Final = os.environ.get(
-    "CV_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test"
-)
 _PAGE: Final = b"x" * 4096
 
 

@@ -45,6 +45,25 @@ WARMUP_S: Final = 2.0
 # -- PostgreSQL and server processes ---------------------------------------------------------------
 
 
+#: The PostgreSQL server benchmarks use when not told another (the tests' default).
+DEFAULT_DSN: Final = os.environ.get(
+    "CV_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test"
+)
+
+
+def execute(dsn: str, sql: str) -> None:
+    """Run `sql` (any number of statements) on a connection of its own to `dsn`."""
+
+    async def run() -> None:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(run())
+
+
 def with_schema(dsn: str, schema: str) -> str:
     sep = "&" if "?" in dsn else "?"
     return f"{dsn}{sep}search_path={schema}"
@@ -53,19 +72,11 @@ def with_schema(dsn: str, schema: str) -> str:
 @contextmanager
 def fresh_schema(dsn: str) -> Iterator[str]:
     name = f"bench_{secrets.token_hex(5)}"
-
-    async def run(sql: str) -> None:
-        conn = await asyncpg.connect(dsn)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
-    asyncio.run(run(f"CREATE SCHEMA {name}"))
+    execute(dsn, f"CREATE SCHEMA {name}")
     try:
         yield name
     finally:
-        asyncio.run(run(f"DROP SCHEMA IF EXISTS {name} CASCADE"))
+        execute(dsn, f"DROP SCHEMA IF EXISTS {name} CASCADE")
 
 
 def pg_setting(dsn: str, name: str) -> str:

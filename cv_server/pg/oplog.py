@@ -390,11 +390,7 @@ class PostgresOpLogStore(OpLogStore):
         try:
             if len(members) > 1:
                 try:
-                    results = await run_with_retry(
-                        functools.partial(self._commit_groups, members),
-                        policy=self._retry_policy,
-                        sleep=self._sleep,
-                    )
+                    results = await self._commit_with_retry(members)
                 except Exception:
                     # Whatever failed took the whole transaction: each group again, alone, so
                     # it fails (or commits) on its own account. Nothing was committed.
@@ -418,19 +414,25 @@ class PostgresOpLogStore(OpLogStore):
 
     async def _run_alone(self, member: _Member) -> None:
         try:
-            result = await run_with_retry(
-                functools.partial(self._commit_group, member.key, member.lane, member.group),
-                policy=self._retry_policy,
-                sleep=self._sleep,
-            )
+            (result,) = await self._commit_with_retry([member])
         except Exception as exc:
             if not member.future.done():
                 member.future.set_exception(exc)
         else:
             _settle(member.future, result)
 
+    async def _commit_with_retry(self, members: list[_Member]) -> list[list[AppendResult]]:
+        return await run_with_retry(
+            functools.partial(self._commit_groups, members),
+            policy=self._retry_policy,
+            sleep=self._sleep,
+        )
+
+    # -- one transaction -------------------------------------------------------------------------
+
     async def _commit_groups(self, members: list[_Member]) -> list[list[AppendResult]]:
-        """`_commit_group` for the groups of several lanes, in one transaction."""
+        """Commit the groups of one or several lanes (their locks held) in one transaction: per
+        lane, the results of its appends in order."""
         try:
             async with self.pool.acquire() as conn, conn.transaction():
                 heads = await sql.lock_heads(conn, [member.key for member in members])
@@ -479,7 +481,9 @@ class PostgresOpLogStore(OpLogStore):
                             conn, *member.key, sql.CachedSubDoc(clock, doc.state)
                         )
         except BaseException:
-            for member in members:  # see `_commit_group`
+            # The plans mutated the cached states; whatever the failure (even an unknown COMMIT
+            # outcome), rebuilding from the database is right.
+            for member in members:
                 member.lane.doc = None
             raise
         for doc, plans in zip(docs, all_plans, strict=True):
@@ -488,51 +492,6 @@ class PostgresOpLogStore(OpLogStore):
         self.transactions_committed += 1
         self.appends_committed += sum(len(member.group) for member in members)
         return [[(plan.outcomes, plan.entries) for plan in plans] for plans in all_plans]
-
-    # -- one group transaction -------------------------------------------------------------------
-
-    async def _commit_group(
-        self, key: tuple[str, str], lane: _Lane, group: list[_Pending]
-    ) -> list[AppendResult]:
-        workspace_id, sub_doc = key
-        try:
-            async with self.pool.acquire() as conn, conn.transaction():
-                head = await sql.lock_head(conn, workspace_id, sub_doc)
-                doc = await self._caught_up(conn, key, lane, head)
-                plans = await self._plan(conn, key, doc, group)
-                clock = plans[-1].clock
-                entries = [entry for plan in plans for entry in plan.entries]
-                fingerprints = [fp for plan in plans for fp in plan.fingerprints]
-                rejections = [rejection for plan in plans for rejection in plan.rejections]
-                if entries or rejections:
-                    payload = oplog_payload(workspace_id, sub_doc, clock) if entries else None
-                    if payload is not None:
-                        check_payload(payload)
-                    await sql.write_batch(
-                        conn,
-                        workspace_id,
-                        sub_doc,
-                        entries,
-                        fingerprints,
-                        rejections,
-                        clock,
-                        self.channel,
-                        payload,
-                    )
-                    if clock // self.snapshot_every > head // self.snapshot_every:
-                        await sql.write_snapshot(
-                            conn, workspace_id, sub_doc, sql.CachedSubDoc(clock, doc.state)
-                        )
-        except BaseException:
-            # The plans mutated the cached state; whatever the failure (even an unknown COMMIT
-            # outcome), rebuilding from the database is right.
-            lane.doc = None
-            raise
-        doc.clock = clock
-        self.groups_committed += 1
-        self.transactions_committed += 1
-        self.appends_committed += len(group)
-        return [(plan.outcomes, plan.entries) for plan in plans]
 
     async def _caught_up(
         self, conn: asyncpg.Connection, key: tuple[str, str], lane: _Lane, head: int
@@ -550,21 +509,6 @@ class PostgresOpLogStore(OpLogStore):
             raise OpLogCorrupted(f"{key}: the log ends at clock {doc.clock}, the head is {head}")
         lane.doc = doc
         return doc
-
-    async def _plan(
-        self,
-        conn: asyncpg.Connection,
-        key: tuple[str, str],
-        doc: sql.CachedSubDoc,
-        group: list[_Pending],
-    ) -> list[CommitPlan]:
-        """Run the pipeline for each append of the group, in order, on the cached state."""
-        workspace_id, sub_doc = key
-        op_ids = op_ids_to_look_up(op for pending in group for op in pending.ops)
-        recorded: dict[str, Recorded] = (
-            await sql.look_up(conn, workspace_id, sub_doc, op_ids) if op_ids else {}
-        )
-        return self._plan_group(doc, group, recorded)
 
     @staticmethod
     def _plan_group(

@@ -31,13 +31,10 @@ __all__ = [
     "OpLogCorrupted",
     "catch_up",
     "load_sub_doc",
-    "lock_head",
     "lock_heads",
-    "look_up",
     "look_up_many",
     "read_head",
     "read_since",
-    "write_batch",
     "write_batches",
     "write_snapshot",
 ]
@@ -47,13 +44,6 @@ OPS_TABLE: Final = "workspace_sub_doc_ops"
 OUTCOMES_TABLE: Final = "workspace_sub_doc_op_outcomes"
 SNAPSHOTS_TABLE: Final = "workspace_sub_doc_snapshots"
 
-_LOCK_HEAD: Final = (
-    f"SELECT clock FROM {HEADS_TABLE} WHERE workspace_id = $1 AND sub_doc = $2 FOR UPDATE"
-)
-_CREATE_HEAD: Final = (
-    f"INSERT INTO {HEADS_TABLE} (workspace_id, sub_doc) VALUES ($1, $2)"
-    " ON CONFLICT (workspace_id, sub_doc) DO NOTHING"
-)
 _SELECT_HEAD: Final = f"SELECT clock FROM {HEADS_TABLE} WHERE workspace_id = $1 AND sub_doc = $2"
 _SELECT_OPS_AFTER: Final = (
     f"SELECT clock, op::text AS op FROM {OPS_TABLE}"
@@ -75,30 +65,11 @@ LEFT JOIN LATERAL (
 WHERE h.workspace_id = $1 AND h.sub_doc = $2
 ORDER BY o.clock
 """
-_LOOK_UP: Final = f"""
-SELECT op_id, clock, fingerprint, code, message FROM {OUTCOMES_TABLE}
-WHERE op_id = ANY($3::text[]) AND workspace_id = $1 AND sub_doc = $2
-"""
-# Rows, outcomes, the head and the notification in one round trip. Data-modifying CTEs run
-# whether or not the outer query reads them; pg_notify fires at COMMIT (never on rollback).
-_WRITE_BATCH: Final = f"""
-WITH new_ops AS (
-    INSERT INTO {OPS_TABLE} (workspace_id, sub_doc, clock, op_id, op)
-    SELECT $1, $2, t.clock, t.op_id, t.op::json
-    FROM unnest($3::bigint[], $4::text[], $5::text[]) AS t(clock, op_id, op)
-), new_outcomes AS (
-    INSERT INTO {OUTCOMES_TABLE} (op_id, workspace_id, sub_doc, fingerprint, clock, code, message)
-    SELECT t.op_id, $1, $2, t.fingerprint, t.clock, t.code, t.message
-    FROM unnest($6::text[], $7::text[], $8::bigint[], $9::text[], $10::text[])
-        AS t(op_id, fingerprint, clock, code, message)
-), new_head AS (
-    UPDATE {HEADS_TABLE} SET clock = $11
-    WHERE workspace_id = $1 AND sub_doc = $2 AND clock < $11
-)
-SELECT pg_notify($12, $13) WHERE $13::text IS NOT NULL
-"""
-# Several sub-docs in one transaction (`write_batches`): the heads are locked in one order on
-# every instance (ORDER BY under FOR UPDATE locks rows as they come out of the sort), so two
+# The groups of one or several sub-docs in one transaction: heads locked (`lock_heads`), outcomes
+# looked up (`look_up_many`), then rows, outcomes, heads and notifications written in one round
+# trip (`write_batches`: data-modifying CTEs run whether or not the outer query reads them, and
+# pg_notify fires at COMMIT, never on rollback). The heads are locked in one order on every
+# instance (ORDER BY under FOR UPDATE locks rows as they come out of the sort), so two
 # instances locking overlapping sets cannot deadlock. Only heads created meanwhile are locked
 # out of that order; PostgreSQL detects such a deadlock and the transaction is retried (40P01).
 _LOCK_HEADS: Final = f"""
@@ -165,23 +136,15 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-async def lock_head(conn: asyncpg.Connection, workspace_id: str, sub_doc: str) -> int:
-    """Take the sub-doc's row lock (held until the transaction ends); return its head clock.
-
-    Every writer of the sub-doc, on every instance, queues here: clocks are allocated under this
-    lock, so there is nothing to retry (issue 7: no optimistic retry storms).
-    """
-    clock = await conn.fetchval(_LOCK_HEAD, workspace_id, sub_doc)
-    if clock is None:
-        await conn.execute(_CREATE_HEAD, workspace_id, sub_doc)
-        clock = await conn.fetchval(_LOCK_HEAD, workspace_id, sub_doc)
-    return int(clock)
-
-
 async def lock_heads(
     conn: asyncpg.Connection, keys: Sequence[tuple[str, str]]
 ) -> dict[tuple[str, str], int]:
-    """`lock_head` for several sub-docs at once: their row locks (in key order) and heads."""
+    """Take the sub-docs' head row locks (in key order, held until the transaction ends) and
+    return their head clocks, creating the heads of new sub-docs.
+
+    Every writer of a sub-doc, on every instance, queues here: clocks are allocated under this
+    lock, so there is nothing to retry (issue 7: no optimistic retry storms).
+    """
     heads = await _lock_heads(conn, sorted(keys))
     missing = sorted(key for key in keys if key not in heads)
     if missing:
@@ -234,26 +197,11 @@ async def catch_up(
     _replay(doc, rows, (workspace_id, sub_doc))
 
 
-async def look_up(
-    conn: asyncpg.Connection, workspace_id: str, sub_doc: str, op_ids: list[str]
-) -> dict[str, Recorded]:
-    """What the log holds for `op_ids`: committed clocks and recorded rejections."""
-    recorded: dict[str, Recorded] = {}
-    for row in await conn.fetch(_LOOK_UP, workspace_id, sub_doc, op_ids):
-        if row["clock"] is not None:
-            recorded[row["op_id"]] = RecordedCommit(int(row["clock"]), row["fingerprint"])
-        else:
-            recorded[row["op_id"]] = RecordedRejection(
-                row["code"], row["message"], row["fingerprint"]
-            )
-    return recorded
-
-
 async def look_up_many(
     conn: asyncpg.Connection, wanted: Sequence[tuple[str, str, str]]
 ) -> dict[tuple[str, str], dict[str, Recorded]]:
-    """`look_up` for (workspace_id, sub_doc, op_id) triples of several sub-docs: per sub-doc,
-    what the log holds for its op_ids."""
+    """What the log holds for (workspace_id, sub_doc, op_id) triples, per sub-doc: committed
+    clocks and recorded rejections."""
     recorded: dict[tuple[str, str], dict[str, Recorded]] = {}
     rows = await conn.fetch(
         _LOOK_UP_MANY, [w[0] for w in wanted], [w[1] for w in wanted], [w[2] for w in wanted]
@@ -283,8 +231,9 @@ class DocWrite:
 
 
 async def write_batches(conn: asyncpg.Connection, writes: Sequence[DocWrite], channel: str) -> None:
-    """`write_batch` for several sub-docs in one statement: their entries, outcomes, heads, and
-    one notification per sub-doc that committed entries."""
+    """Insert each sub-doc's entries (`fingerprints[i]` is that of `entries[i]`), the outcomes of
+    their op_ids and the rejections, move the heads, and NOTIFY each sub-doc's payload (if any)
+    on `channel` when the transaction commits."""
     ops: list[tuple[str, str, int, str | None, str]] = []
     outcomes: list[tuple[str, str, str, str, int | None, str | None, str | None]] = []
     heads: list[tuple[str, str, int]] = []
@@ -316,43 +265,6 @@ async def write_batches(conn: asyncpg.Connection, writes: Sequence[DocWrite], ch
 def _columns(rows: Sequence[tuple[Any, ...]], width: int) -> list[list[Any]]:
     """Rows as `width` column arrays (what `unnest` takes back apart)."""
     return [[row[i] for row in rows] for i in range(width)]
-
-
-async def write_batch(
-    conn: asyncpg.Connection,
-    workspace_id: str,
-    sub_doc: str,
-    entries: Sequence[LogEntry],
-    fingerprints: Sequence[str],
-    rejections: Sequence[NewRejection],
-    clock: int,
-    channel: str,
-    payload: str | None,
-) -> None:
-    """Insert `entries` (`fingerprints[i]` is that of `entries[i]`), the outcomes of their op_ids
-    and the `rejections`, move the head to `clock`, and NOTIFY `payload` (if any) on `channel`
-    when the transaction commits."""
-    committed = [
-        (entry, fingerprint)
-        for entry, fingerprint in zip(entries, fingerprints, strict=True)
-        if entry.op_id is not None
-    ]
-    await conn.execute(
-        _WRITE_BATCH,
-        workspace_id,
-        sub_doc,
-        [entry.clock for entry in entries],
-        [entry.op_id for entry in entries],
-        [_dumps(entry.op) for entry in entries],
-        [entry.op_id for entry, _ in committed] + [r.op_id for r in rejections],
-        [fingerprint for _, fingerprint in committed] + [r.fingerprint for r in rejections],
-        [entry.clock for entry, _ in committed] + [None] * len(rejections),
-        [None] * len(committed) + [r.code for r in rejections],
-        [None] * len(committed) + [r.message for r in rejections],
-        clock,
-        channel,
-        payload,
-    )
 
 
 async def write_snapshot(
