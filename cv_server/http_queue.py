@@ -48,7 +48,7 @@ from cv_server.queue import (
     random_request_id,
     request_fingerprint,
 )
-from cv_server.queue.model import fence
+from cv_server.queue.model import fence, input_differs
 from cv_server.security import authenticate, authorize
 
 __all__ = ["routes"]
@@ -142,12 +142,15 @@ def _stream_url(row: ProcessRequest) -> str:
     return f"/v1/workspaces/{row.workspace_id}/requests/{row.request_id}/stream"
 
 
-def _enqueue_answer(enqueued: Enqueued) -> dict[str, Any]:
+def _enqueue_answer(enqueued: Enqueued, req: NewRequest) -> dict[str, Any]:
+    """`input_differs`: the enqueue coalesced into a request whose stored input differs from
+    the one sent, which was therefore not used (see docs/queue.md); coalescing goes on."""
     row = enqueued.row
     return {
         "request_id": row.request_id,
         "status": row.status,
         "coalesced": enqueued.coalesced,
+        "input_differs": input_differs(enqueued, req),
         "stream_url": _stream_url(row),
     }
 
@@ -228,7 +231,7 @@ async def enqueue(request: web.Request) -> web.Response:
             enqueued = await stores.queue.enqueue(req, now=None, rerun=rerun)
         except QueueError as exc:
             raise _queue_problem(exc) from None
-        return web.json_response(_enqueue_answer(enqueued), status=202)
+        return web.json_response(_enqueue_answer(enqueued, req), status=202)
 
     # Printable text only: a header that is not UTF-8 reaches us with lone surrogates, which no
     # store can encode (the enqueue answered 500, and clients retry a 500).
@@ -255,7 +258,7 @@ async def enqueue(request: web.Request) -> web.Response:
         raise Problem(422, "idempotency_key_reuse", "the key was used for a different request")
     assert isinstance(begun, Owned)
     completion = KeyCompletion[Enqueued](
-        workspace_id, key, fingerprint, lambda e: StoredResponse(202, _enqueue_answer(e))
+        workspace_id, key, fingerprint, lambda e: StoredResponse(202, _enqueue_answer(e, req))
     )
     try:
         try:
@@ -272,7 +275,7 @@ async def enqueue(request: web.Request) -> web.Response:
         # a held connection and its advisory lock, and a retry that finds the lock free while
         # the key is still in progress takes it over as the key of a dead owner.
         await begun.release()
-    return web.json_response(_enqueue_answer(enqueued), status=202)
+    return web.json_response(_enqueue_answer(enqueued, req), status=202)
 
 
 async def _row(request: web.Request) -> ProcessRequest:
