@@ -530,10 +530,13 @@ async def _read_result(request: web.Request, limit: int) -> bytes:
     if declared is not None and declared > limit:
         raise _too_large(limit)
     received = bytearray()
-    async for chunk in request.content.iter_chunked(_UPLOAD_CHUNK):
-        received += chunk
-        if len(received) > limit:
-            raise _too_large(limit)
+    try:
+        async for chunk in request.content.iter_chunked(_UPLOAD_CHUNK):
+            received += chunk
+            if len(received) > limit:  # decoded bytes: a compressed body is bounded the same
+                raise _too_large(limit)
+    except web.RequestPayloadError as exc:  # a body its Content-Encoding does not decode
+        raise Problem(400, "bad_request", f"the body could not be read: {exc}") from None
     return bytes(received)
 
 
