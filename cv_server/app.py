@@ -186,7 +186,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 def create_app(config: ServerConfig) -> web.Application:
     """Build the application. Stores open in `cleanup_ctx`, i.e. when the app starts."""
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[problems_middleware])
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=[problems_middleware],
+        # Bodies are decoded by `bodies.read_body`, which answers a bad or unknown coding with
+        # its own code and holds the limit on the decoded size (docs/limits.md).
+        handler_args={"auto_decompress": False},
+    )
     server_log = logging.getLogger("aiohttp.server")
     if _MALFORMED_REQUEST_LOG not in server_log.filters:
         server_log.addFilter(_MALFORMED_REQUEST_LOG)
