@@ -149,8 +149,8 @@ class _Session:
             # were all served (+200 MB). Refused alone, naming its sub-doc and `since`, so the
             # client fails that subscription and keeps the others (docs/limits.md).
             self.app[METRICS].count_subscription_refused()
-            raise Problem(
-                429,
+            raise Problem(  # the status is unused: a websocket error frame carries none
+                409,
                 "too_many_subscriptions",
                 f"this socket has {cap} subscriptions, the most the server allows; "
                 "unsubscribe one first",
