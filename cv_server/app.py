@@ -91,6 +91,10 @@ async def problems_middleware(request: web.Request, handler: Handler) -> web.Str
         return problem_response(Problem(exc.status, code, exc.text or exc.reason))
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
+        if request.writer.output_size:
+            # A response (a websocket's 101) has gone out: an HTTP answer written now would land
+            # inside the upgraded stream. aiohttp closes the connection instead.
+            raise
         return problem_response(Problem(500, "internal", "unexpected server error"))
 
 

@@ -310,20 +310,28 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
     unwatch = app[TOKEN_SECRET].watch(on_new_secret)
     on_new_secret(app[TOKEN_SECRET].value)  # one rotated during the handshake's awaits
     try:
-        async for msg in ws:
-            if msg.type == WSMsgType.TEXT:
-                try:
-                    session.handle(msg.data)
-                except Exception:
-                    # One message the server failed on must not end the socket and every
-                    # subscription on it; and never an HTTP answer on the upgraded stream.
-                    log.exception("a websocket message failed on %s", workspace_id)
-                    session.error("internal", "the server could not handle this message")
-            elif msg.type == WSMsgType.BINARY:
-                session.error("malformed_json", "frames must be JSON text")
-            if conn.closing:
-                break
-            await session.room()  # paced by the commits: see `_Session._in_flight`
+        try:
+            async for msg in ws:
+                if msg.type == WSMsgType.TEXT:
+                    try:
+                        session.handle(msg.data)
+                    except Exception:
+                        # One message the server failed on must not end the socket and every
+                        # subscription on it; and never an HTTP answer on the upgraded stream.
+                        log.exception("a websocket message failed on %s", workspace_id)
+                        session.error("internal", "the server could not handle this message")
+                elif msg.type == WSMsgType.BINARY:
+                    session.error("malformed_json", "frames must be JSON text")
+                if conn.closing:
+                    break
+                await session.room()  # paced by the commits: see `_Session._in_flight`
+        except Exception:
+            # Never out to the middleware: its HTTP answer would land inside the upgraded
+            # stream. The socket ends as a websocket does on a server error.
+            log.exception("the socket of %s failed", workspace_id)
+            closing = conn.close(1011, b"server error; reconnect")
+            if closing is not None:
+                await closing
     finally:
         unwatch()
         if expiry is not None:

@@ -15,10 +15,11 @@ import pytest
 
 from cv_mutations import new_op_id
 from cv_server import ServerConfig
+from cv_server.http_socket import _Session
 from cv_server.keys import CONNECTIONS, STORES
 from tests.server.conftest import SECRET
 from tests.server.helpers import insert
-from tests.server.wire import RawSocket, Served, served
+from tests.server.wire import RawSocket, Served, frame, served
 
 
 @pytest.fixture
@@ -94,13 +95,13 @@ async def test_any_frame_with_such_a_req_gets_an_error_frame_not_a_dead_socket(
     server: Served, req: str
 ) -> None:
     ws = await _subscribed(server)
-    for frame in (
+    for text in (
         f'{{"type":"nope","sub_doc":"tree","req":{req}}}',
         f'{{"type":"apply","sub_doc":"TREE","req":{req},"ops":[]}}',
         f'{{"type":"subscribe","sub_doc":"tree","since":-1,"req":{req}}}',
         f'[{{"type":"unsubscribe","sub_doc":"other","req":{req}}}]',
     ):
-        await ws.send_text(frame)
+        await ws.send_text(text)
         error = await ws.next_json("error")
         assert error["code"] == "invalid_field", error
     await ws.send_text(_apply('"still here"', "good"))
@@ -179,3 +180,43 @@ async def test_after_the_1009_close_the_server_closes_its_end_once_the_peer_has(
     async with asyncio.timeout(10):  # the handler returns once the connection is closed
         while server.app[CONNECTIONS]:  # noqa: ASYNC110 (server state; no event to await)
             await asyncio.sleep(0.01)
+
+
+# -- a failure of the server's own ---------------------------------------------------------------
+
+
+async def test_a_message_the_server_fails_on_gets_an_internal_error_and_the_socket_lives(
+    server: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ws = await _subscribed(server)
+    real = _Session.handle
+
+    def fail_on_boom(self: _Session, text: str) -> None:
+        if "boom" in text:
+            raise RuntimeError("a bug")
+        real(self, text)
+
+    monkeypatch.setattr(_Session, "handle", fail_on_boom)
+    await ws.send_json({"type": "boom"})
+    assert (await ws.next_json("error"))["code"] == "internal"
+    await ws.send_text(_apply("2", "good"))
+    ack, op = await _ack_and_op(ws)
+    assert (ack["req"], op["clock"]) == (2, 1)
+    await ws.close()
+
+
+async def test_a_failure_after_the_upgrade_never_writes_http_onto_the_socket(
+    server: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken(self: _Session) -> None:
+        raise RuntimeError("a bug between two messages")
+
+    monkeypatch.setattr(_Session, "room", broken)
+    ws = await RawSocket.connect(server.port)
+    await ws.send_json({"type": "unsubscribe", "sub_doc": "tree"})
+    opcode, payload = await ws.receive()
+    assert (opcode, ws.close_code) == (0x8, 1011), payload  # a websocket close, not HTTP
+    await ws.send(frame(b"\x03\xf3", opcode=0x8))  # the client's close (1011) in answer
+    async with asyncio.timeout(10):
+        assert await ws.reader.read() == b""
+    await ws.close()
