@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import cv_server
 from cv_mutations import new_op_id
 from cv_server import ServerConfig
 from cv_server.bodies import decode_body
@@ -185,3 +186,24 @@ def test_decode_body_round_trips_every_accepted_coding() -> None:
     assert decode_body("deflate", zlib.compress(data), len(data)) == data
     raw = zlib.compressobj(wbits=-zlib.MAX_WBITS)
     assert decode_body("deflate", raw.compress(data) + raw.flush(), len(data)) == data
+
+
+def test_every_route_reads_its_body_through_read_body() -> None:
+    """A route reading `request` itself would get the coded bytes (`auto_decompress` is off)
+    and skip the decoded-size limit."""
+    root = Path(cv_server.__file__).parent
+    readers = (
+        "request.read(",
+        "request.text(",
+        "request.json(",
+        "request.post(",
+        "request.content",
+    )
+    offenders = [
+        f"{path.relative_to(root)}: {reader}"
+        for path in root.rglob("*.py")
+        if path.name != "bodies.py"
+        for reader in readers
+        if reader in path.read_text()
+    ]
+    assert offenders == []
