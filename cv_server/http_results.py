@@ -17,6 +17,7 @@ from typing import Final
 import orjson
 from aiohttp import web
 
+from cv_server.bodies import read_body
 from cv_server.http_queue import queue_problem, row_of, storable
 from cv_server.inputs import check_ids
 from cv_server.keys import CONFIG, STORES
@@ -48,8 +49,6 @@ async def get_blob(request: web.Request) -> web.Response:
 
 #: The header that carries the claim token of a result upload (its body is the result itself).
 CLAIM_TOKEN_HEADER: Final = "Claim-Token"
-#: Bytes read from an upload at a time.
-_UPLOAD_CHUNK: Final = 256 * 1024
 
 
 def _too_large(limit: int) -> Problem:
@@ -63,20 +62,14 @@ def _too_large(limit: int) -> Problem:
 
 
 async def _read_result(request: web.Request, limit: int) -> bytes:
-    """The upload's body, refused with 413 `result_too_large` as soon as it passes `limit`
-    bytes (by its Content-Length before anything is read, else while it arrives)."""
-    declared = request.content_length
-    if declared is not None and declared > limit:
-        raise _too_large(limit)
-    received = bytearray()
+    """The upload's body, decoded (`read_body`), refused with 413 `result_too_large` as soon as
+    it passes `limit` bytes, before or after decoding."""
     try:
-        async for chunk in request.content.iter_chunked(_UPLOAD_CHUNK):
-            received += chunk
-            if len(received) > limit:  # decoded bytes: a compressed body is bounded the same
-                raise _too_large(limit)
-    except web.RequestPayloadError as exc:  # a body its Content-Encoding does not decode
-        raise Problem(400, "bad_request", f"the body could not be read: {exc}") from None
-    return bytes(received)
+        return await read_body(request, limit=limit)
+    except Problem as problem:
+        if problem.code == "body_too_large":
+            raise _too_large(limit) from None
+        raise
 
 
 @routes.post("/v1/workspaces/{ws}/requests/{id}/result")
@@ -85,7 +78,8 @@ async def upload_result(request: web.Request) -> web.Response:
     is the result's JSON, sent as is and served back byte for byte by `GET .../blobs/{ref}`;
     the claim token travels in the `Claim-Token` header. Answers 201 `{"blob_ref", "bytes"}`;
     409 `lease_lost` (nothing stored) unless the token holds the request; 413
-    `result_too_large` past `max_result_bytes`; 400 `malformed_json` if the body is not JSON."""
+    `result_too_large` past `max_result_bytes` (before or after decoding its Content-Encoding,
+    as every body: docs/limits.md); 400 `malformed_json` if the body is not JSON."""
     row = await row_of(request)
     token = request.headers.get(CLAIM_TOKEN_HEADER, "")
     if not token or not token.isprintable() or len(token) > 256:

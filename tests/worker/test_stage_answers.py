@@ -137,7 +137,18 @@ async def test_the_result_upload_is_fenced_and_refuses_what_is_not_json(
             ({"Claim-Token": token}, b"not json", 400, "malformed_json"),
             ({"Claim-Token": token}, b'"' + b"x" * 2000 + b'"', 413, "result_too_large"),
             ({}, b'"x"', 422, "invalid_field"),
-            ({"Claim-Token": token, "Content-Encoding": "gzip"}, b"not gzip", 400, "bad_request"),
+            (
+                {"Claim-Token": token, "Content-Encoding": "gzip"},
+                b"not gzip",
+                400,
+                "malformed_body",
+            ),
+            (
+                {"Claim-Token": token, "Content-Encoding": "br"},
+                b'"x"',
+                415,
+                "unsupported_content_encoding",
+            ),
             # Bounded once decoded: a small compressed body past the limit is refused too.
             (
                 {"Claim-Token": token, "Content-Encoding": "gzip"},
