@@ -6,6 +6,7 @@ work from a shell or an agent, with no browser present.
               [--outbox PATH]
     cv-workspace enqueue --workspace W --stage S [--job-id J] [--input JSON] [--wait]
     cv-workspace requests list|show|wait|replay|rerun ...
+    cv-workspace mcp [--transport stdio | --transport http --host H --port P] [--outbox PATH]
 
 `--url` / `--token` default to the environment's `CV_URL` / `CV_TOKEN`; `--token-file` (or
 `CV_TOKEN_FILE`) reads the token from a file instead, which `cv-worker` reads again whenever the
@@ -480,6 +481,26 @@ def _workspace_parser() -> argparse.ArgumentParser:
     rerun = verbs.add_parser("rerun", help="run a finished request again (enqueue --rerun)")
     _common(rerun)
     _add_enqueue_args(rerun, rerun_flag=False)
+
+    mcp = commands.add_parser(
+        "mcp",
+        help="serve the workspace tools to agents over MCP (needs the `mcp` extra)",
+        description="Serve MCP tools (get_state, apply_ops, enqueue, wait_request, ...) and "
+        "sub-doc resources over one SDK client: over stdio (how an agent host starts a tool "
+        "server) or streamable HTTP. See docs/mcp.md.",
+    )
+    _common(mcp)
+    mcp.add_argument("--transport", choices=["stdio", "http"], default="stdio")
+    mcp.add_argument(
+        "--host", default="127.0.0.1", help="HTTP transport: address to bind (loopback)"
+    )
+    mcp.add_argument("--port", type=int, default=8000, help="HTTP transport: port (0: a free one)")
+    mcp.add_argument(
+        "--outbox",
+        default=None,
+        help="SQLite file for the durable op outbox: ops not yet answered survive a restart "
+        "of this server (one server per file)",
+    )
     return parser
 
 
@@ -518,7 +539,42 @@ async def _enqueue(client: QueueClient, args: argparse.Namespace, *, rerun: bool
     return _outcome_exit(outcome)
 
 
+async def _mcp(args: argparse.Namespace) -> int:
+    """`cv-workspace mcp`: one `WorkspaceClient` for the process lifetime, its tools served
+    until the agent host closes stdin (stdio) or the process is signalled (HTTP). Nothing but
+    the protocol goes to stdout on stdio; the HTTP transport prints its URL there."""
+    try:
+        from cv_workspace_client import mcp_server
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] not in ("mcp", "mcp_types", "uvicorn"):
+            raise
+        raise UsageError(
+            "cv-workspace mcp needs the mcp extra: pip install 'cv-workspace[mcp]'"
+        ) from None
+    from cv_workspace_client.client import WorkspaceClient
+
+    url, token = _need_url(args), _need_token(args)
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be within 0..65535, not {args.port}")
+    refresh = _token_file_provider(args.token_file) if args.token_file else None
+    async with WorkspaceClient(
+        url, token=token, token_provider=refresh, outbox=args.outbox
+    ) as client:
+        if args.transport == "stdio":
+            await mcp_server.serve_stdio(client)
+        else:
+            await mcp_server.serve_http(
+                client,
+                args.host,
+                args.port,
+                ready=lambda where: _announce(f"cv-workspace mcp listening on {where}"),
+            )
+    return EXIT_OK
+
+
 async def _workspace(args: argparse.Namespace) -> int:
+    if args.command == "mcp":
+        return await _mcp(args)
     url, token = _need_url(args), _need_token(args)
     if getattr(args, "verb", None) == "list":
         _need_count("--limit", args.limit)

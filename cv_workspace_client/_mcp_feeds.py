@@ -1,0 +1,159 @@
+"""Resource-update notifications of the MCP server (`cv-workspace mcp`, docs/mcp.md): a sub-doc's
+resource `cv://{workspace_id}/docs/{sub_doc}` is "updated" each time an op is committed to it.
+
+One SDK subscription (`WorkspaceClient.subscribe`) per subscribed sub-doc, however many MCP
+sessions and listen streams follow it, started at the first subscriber and ended with the last.
+Each committed op it yields is published two ways, one per protocol era the `mcp` SDK serves:
+
+- 2026-07-28 connections open a `subscriptions/listen` stream naming the URIs; the event goes on
+  the server's subscription bus, and the SDK's listen handler routes it to the streams that
+  asked for that URI.
+- Earlier (handshake-era) connections send `resources/subscribe`; the event is sent to each
+  such session as `notifications/resources/updated`. A session that cannot be written to any
+  more (it ended) is forgotten.
+
+Notifications say *that* the resource changed; the client reads it again (`resources/read`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import Callable
+
+from mcp.server.session import ServerSession
+from mcp.server.subscriptions import ResourceUpdated, SubscriptionBus
+
+from cv_workspace_client.client import WorkspaceClient
+from cv_workspace_client.errors import WorkspaceError
+
+__all__ = ["DOC_URI", "ResourceFeeds", "doc_uri", "parse_doc_uri"]
+
+_log = logging.getLogger(__name__)
+
+#: The resource template of a sub-doc's state.
+DOC_URI = "cv://{workspace_id}/docs/{sub_doc}"
+_DOC_URI = re.compile(r"^cv://(?P<workspace_id>[^/]+)/docs/(?P<sub_doc>[^/]+)$")
+
+
+def doc_uri(workspace_id: str, sub_doc: str) -> str:
+    return f"cv://{workspace_id}/docs/{sub_doc}"
+
+
+def parse_doc_uri(uri: str) -> tuple[str, str] | None:
+    """`(workspace_id, sub_doc)` of a sub-doc's URI, or None for any other URI."""
+    match = _DOC_URI.match(uri)
+    return None if match is None else (match["workspace_id"], match["sub_doc"])
+
+
+class _Feed:
+    def __init__(self, task: asyncio.Task[None]) -> None:
+        self.task = task
+        #: Listen streams following it (2026-07-28).
+        self.listeners = 0
+        #: Handshake-era sessions subscribed to it.
+        self.sessions: set[ServerSession] = set()
+
+    @property
+    def idle(self) -> bool:
+        return self.listeners == 0 and not self.sessions
+
+
+class ResourceFeeds:
+    """The running SDK subscriptions, keyed by resource URI. Call from the server's loop only."""
+
+    def __init__(self, client: WorkspaceClient, bus: SubscriptionBus) -> None:
+        self._client = client
+        self._bus = bus
+        self._feeds: dict[str, _Feed] = {}
+
+    @property
+    def uris(self) -> frozenset[str]:
+        """The URIs with a running feed (for tests and `/metrics`-like introspection)."""
+        return frozenset(self._feeds)
+
+    def listen(self, uris: list[str]) -> Callable[[], None]:
+        """A listen stream follows `uris` (those that are sub-doc URIs); the returned callable
+        ends that (idempotent)."""
+        taken = [uri for uri in dict.fromkeys(uris) if parse_doc_uri(uri) is not None]
+        for uri in taken:
+            self._feed(uri).listeners += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            for uri in taken:
+                feed = self._feeds.get(uri)
+                if feed is not None:
+                    feed.listeners -= 1
+                    self._stop_if_idle(uri)
+
+        return release
+
+    def subscribe(self, session: ServerSession, uri: str) -> None:
+        """A handshake-era session subscribes to `uri` (a sub-doc URI: checked by the caller)."""
+        self._feed(uri).sessions.add(session)
+
+    def unsubscribe(self, session: ServerSession, uri: str) -> None:
+        feed = self._feeds.get(uri)
+        if feed is not None:
+            feed.sessions.discard(session)
+            self._stop_if_idle(uri)
+
+    async def close(self) -> None:
+        tasks = [feed.task for feed in self._feeds.values()]
+        self._feeds.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _feed(self, uri: str) -> _Feed:
+        feed = self._feeds.get(uri)
+        if feed is None:
+            task = asyncio.get_running_loop().create_task(self._follow(uri), name=f"feed {uri}")
+            feed = self._feeds[uri] = _Feed(task)
+        return feed
+
+    def _stop_if_idle(self, uri: str) -> None:
+        feed = self._feeds.get(uri)
+        if feed is not None and feed.idle:
+            del self._feeds[uri]
+            feed.task.cancel()
+
+    async def _follow(self, uri: str) -> None:
+        ids = parse_doc_uri(uri)
+        assert ids is not None
+        workspace_id, sub_doc = ids
+        try:
+            # From the head: a subscriber is told of what changes after it subscribed (it reads
+            # the resource for the state before). The SDK resumes across reconnects by clock, so
+            # no commit is missed or told twice while the feed runs.
+            head, _ = await self._client.read_ops(workspace_id, sub_doc, since=0, limit=1)
+            async for _committed in self._client.subscribe(workspace_id, sub_doc, since=head):
+                await self._publish(uri)
+        except asyncio.CancelledError:
+            raise
+        except WorkspaceError as exc:
+            # A token that does not grant the workspace, an invalid id: this feed cannot run.
+            # Nothing is published; a later subscribe starts it again.
+            _log.warning("resource feed %s stopped: %s", uri, exc)
+        finally:
+            feed = self._feeds.get(uri)
+            if feed is not None and feed.task is asyncio.current_task():
+                del self._feeds[uri]
+
+    async def _publish(self, uri: str) -> None:
+        await self._bus.publish(ResourceUpdated(uri=uri))
+        feed = self._feeds.get(uri)
+        for session in list(feed.sessions if feed is not None else ()):
+            try:
+                await session.send_resource_updated(uri)
+            except Exception:  # the session's transport is gone (its client left): forget it
+                _log.debug("resource feed %s: session gone", uri, exc_info=True)
+                with contextlib.suppress(KeyError):
+                    self.unsubscribe(session, uri)
