@@ -112,8 +112,9 @@ async def call(client: Client, tool: str, **arguments: Any) -> dict[str, Any]:
     """A tool's structured answer; the call must have succeeded."""
     result = await client.call_tool(tool, arguments)
     assert not result.is_error, (tool, result.content)
-    assert result.structured_content is not None
-    return result.structured_content
+    answer: dict[str, Any] | None = result.structured_content
+    assert answer is not None
+    return answer
 
 
 async def refused(client: Client, tool: str, **arguments: Any) -> dict[str, Any]:
