@@ -111,7 +111,9 @@ class _Server(MCPServer[None]):
                 return workspace_error(cause)
             if isinstance(cause, ValidationError):
                 return arguments_error(name, arguments, cause)
-            if cause is None:  # the SDK's own refusal: an unknown tool, say
+            if cause is None and name not in TOOL_NAMES:
+                return tool_error("unknown_tool", f"no tool {name!r}: the tools are {TOOL_NAMES}")
+            if cause is None:  # the SDK's own refusal of the call
                 return tool_error("invalid_arguments", str(exc))
             _log.error("tool %s failed", name, exc_info=cause)
             return tool_error("internal", f"{name} failed unexpectedly; see the MCP server's log")
@@ -285,14 +287,9 @@ class _Tools:
                 "wait_request or get_request again",
                 request=raw,
             )
-        ended: Literal["done", "poison", "cancelled"] = (
-            "done" if outcome.status == "done" else "poison"
-        )
-        if row is not None and str(row.status) == "cancelled":
-            ended = "cancelled"
         return WaitAnswer(
             request_id=request_id,
-            status=ended,
+            status=outcome.status,
             request_status=None if row is None else row.status,
             result=outcome.result,
             error=outcome.error,
@@ -310,7 +307,7 @@ class _Tools:
     ) -> ListAnswer:
         """The workspace's requests, oldest first (by status)."""
         rows = await self.client.list_requests(
-            status=status,  # type: ignore[arg-type]  # `cancelled` once the queue has it
+            status=status,
             workspace_id=workspace_id,
             limit=limit,
         )
@@ -322,11 +319,7 @@ class _Tools:
         """Cancel a request: a pending one at once; an in-progress one is stopped at its
         holder's next heartbeat (writes already committed stay). Done and poison requests
         answer `not_cancellable`."""
-        cancel: Callable[[str, str], Any] | None = getattr(self.client, "cancel_request", None)
-        if cancel is None:
-            raise ProtocolError("not_supported", "this SDK has no cancel_request")
-        row = await cancel(workspace_id, request_id)
-        assert isinstance(row, QueuedRequest)
+        row = await self.client.cancel_request(workspace_id, request_id)
         return await self._answer(row)
 
     async def replay_request(

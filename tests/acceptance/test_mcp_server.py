@@ -261,6 +261,11 @@ async def test_refusals_and_malformed_arguments_are_tool_errors(fleet: Fleet) ->
             **tree,
             ops=[{"type": "node.insert", "node_id": "a b", "parent_id": "root"}],
         )
+        write_forbidden = await refused(
+            client, "apply_ops", workspace_id="elsewhere", sub_doc="tree",
+            ops=[{"type": "node.insert", "node_id": "a", "parent_id": "root"}],
+        )  # fmt: skip
+        no_tool = await refused(client, "drop_everything", workspace_id=WS)
         missing = await refused(client, "wait_request", workspace_id=WS)
         negative = await refused(
             client, "wait_request", workspace_id=WS, request_id="r", timeout_s=-1
@@ -275,6 +280,12 @@ async def test_refusals_and_malformed_arguments_are_tool_errors(fleet: Fleet) ->
 
     assert forbidden["code"] == enqueue_forbidden["code"] == "forbidden_workspace"
     assert unknown["code"] == "not_found"
+    # The op was never applied; it waits under the op_id the answer names (a token replaced in
+    # the token file would let it through, once: the server dedupes on that op_id).
+    assert write_forbidden["code"] == "forbidden_workspace"
+    assert write_forbidden["pending"] is True
+    assert len(write_forbidden["op_ids"]) == 1
+    assert no_tool["code"] == "unknown_tool"
     assert not_a_list["code"] == "invalid_arguments"
     assert "ops" in not_a_list["message"]
     assert bad_op["code"] == "unknown_op_type"
@@ -291,7 +302,9 @@ async def test_refusals_and_malformed_arguments_are_tool_errors(fleet: Fleet) ->
     assert still["sub_doc"] == "tree"
 
 
-async def test_a_wait_that_times_out_says_the_request_goes_on(fleet: Fleet) -> None:
+async def test_a_wait_that_times_out_says_the_request_goes_on_until_cancelled(
+    fleet: Fleet,
+) -> None:
     async with stdio_session(fleet) as client:
         # No worker serves this stage: the request stays pending.
         enqueued = await call(client, "enqueue", workspace_id=WS, stage="unserved", job_id="J9")
@@ -306,6 +319,24 @@ async def test_a_wait_that_times_out_says_the_request_goes_on(fleet: Fleet) -> N
             client, "enqueue", workspace_id=WS, stage="unserved", job_id="J9", input={"other": 1}
         )
         listed = await call(client, "list_requests", workspace_id=WS, status="pending")
+        cancelled = await call(
+            client, "cancel_request", workspace_id=WS, request_id=enqueued["request_id"]
+        )
+        async with asyncio.timeout(SCENARIO_S / 4):  # a cancelled request's wait ends at once
+            after = await call(
+                client,
+                "wait_request",
+                workspace_id=WS,
+                request_id=enqueued["request_id"],
+                timeout_s=SCENARIO_S,
+            )
+        done = await call(client, "enqueue", workspace_id=WS, stage="evaluate", job_id="J-done",
+                          input=evaluate_input("x"))  # fmt: skip
+        await call(client, "wait_request", workspace_id=WS, request_id=done["request_id"])
+        too_late = await refused(
+            client, "cancel_request", workspace_id=WS, request_id=done["request_id"]
+        )
+        listed_cancelled = await call(client, "list_requests", workspace_id=WS, status="cancelled")
 
     assert waited["status"] == "timeout"
     assert waited["request_status"] == "pending"
@@ -314,6 +345,10 @@ async def test_a_wait_that_times_out_says_the_request_goes_on(fleet: Fleet) -> N
     assert again["coalesced"] is True
     assert again["input_differs"] is True
     assert enqueued["request_id"] in [row["request_id"] for row in listed["requests"]]
+    assert cancelled["status"] == "cancelled"
+    assert after["status"] == "cancelled"
+    assert too_late["code"] == "not_cancellable"
+    assert [r["request_id"] for r in listed_cancelled["requests"]] == [enqueued["request_id"]]
 
 
 async def test_a_committed_op_notifies_the_sub_docs_resource(fleet: Fleet) -> None:
