@@ -96,7 +96,9 @@ class EnqueueAnswer(BaseModel):
 
 class RequestAnswer(BaseModel):
     """`get_request` / `replay_request` / `cancel_request`: the request as it stands. `result`
-    is the stage's result (fetched from the blob store when it was too large for the row)."""
+    is the stage's result (fetched from the blob store when it was too large for the row);
+    `attempts` the runs it took so far; `request` the rest of the row (`unclaimed_seconds`:
+    how long it has waited for a worker — long, for a stage no worker serves)."""
 
     request_id: str
     workspace_id: str
@@ -110,7 +112,8 @@ class RequestAnswer(BaseModel):
 
 class WaitAnswer(BaseModel):
     """`wait_request`: `done`, `poison` or `cancelled` — or `timeout`, which ends only the wait:
-    the request goes on (`request_status` says where it was), and waiting again is safe."""
+    the request goes on (`request_status` says where it was), and waiting again is safe.
+    `attempts`: the runs it took (`get_request` has the whole row)."""
 
     request_id: str
     status: Literal["done", "poison", "cancelled", "timeout"]
@@ -118,7 +121,7 @@ class WaitAnswer(BaseModel):
     result: JsonValue = None
     error: JsonValue = None
     note: str | None = None
-    request: dict[str, JsonValue] | None = None
+    attempts: int | None = None
 
 
 class ListAnswer(BaseModel):

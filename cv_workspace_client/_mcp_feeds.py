@@ -26,6 +26,7 @@ from collections.abc import Callable
 from mcp.server.session import ServerSession
 from mcp.server.subscriptions import ResourceUpdated, SubscriptionBus
 
+from cv_workspace_client._retry import is_retryable
 from cv_workspace_client.client import WorkspaceClient
 from cv_workspace_client.errors import WorkspaceError
 
@@ -77,9 +78,11 @@ class ResourceFeeds:
     def listen(self, uris: list[str]) -> Callable[[], None]:
         """A listen stream follows `uris` (those that are sub-doc URIs); the returned callable
         ends that (idempotent)."""
-        taken = [uri for uri in dict.fromkeys(uris) if parse_doc_uri(uri) is not None]
-        for uri in taken:
-            self._feed(uri).listeners += 1
+        taken: dict[str, _Feed] = {}
+        for uri in dict.fromkeys(uris):
+            if parse_doc_uri(uri) is not None:
+                feed = taken[uri] = self._feed(uri)
+                feed.listeners += 1
         released = False
 
         def release() -> None:
@@ -87,9 +90,10 @@ class ResourceFeeds:
             if released:
                 return
             released = True
-            for uri in taken:
-                feed = self._feeds.get(uri)
-                if feed is not None:
+            for uri, feed in taken.items():
+                # Only the feed this stream counted in: one that stopped (its sub-doc refused)
+                # may have been replaced by another subscriber's, which this stream never held.
+                if self._feeds.get(uri) is feed:
                     feed.listeners -= 1
                     self._stop_if_idle(uri)
 
@@ -133,7 +137,7 @@ class ResourceFeeds:
             # From the head: a subscriber is told of what changes after it subscribed (it reads
             # the resource for the state before). The SDK resumes across reconnects by clock, so
             # no commit is missed or told twice while the feed runs.
-            head, _ = await self._client.read_ops(workspace_id, sub_doc, since=0, limit=1)
+            head = await self._head(workspace_id, sub_doc)
             async for _committed in self._client.subscribe(workspace_id, sub_doc, since=head):
                 await self._publish(uri)
         except asyncio.CancelledError:
@@ -146,6 +150,20 @@ class ResourceFeeds:
             feed = self._feeds.get(uri)
             if feed is not None and feed.task is asyncio.current_task():
                 del self._feeds[uri]
+
+    async def _head(self, workspace_id: str, sub_doc: str) -> int:
+        """The sub-doc's head clock, read again with the client's backoff while the server
+        cannot be reached (the subscription after it resumes by itself; this read must too)."""
+        failures = 0
+        while True:
+            try:
+                head, _ = await self._client.read_ops(workspace_id, sub_doc, since=0, limit=1)
+                return head
+            except WorkspaceError as exc:
+                if not is_retryable(exc):
+                    raise
+                failures += 1
+                await self._client.config.sleep(self._client.backoff(failures))
 
     async def _publish(self, uri: str) -> None:
         await self._bus.publish(ResourceUpdated(uri=uri))

@@ -13,10 +13,16 @@ imports this module.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import os
+import signal
 import socket
-from collections.abc import Callable, Mapping
+import stat
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -25,7 +31,9 @@ from mcp.server import MCPServer
 from mcp.server.context import ServerRequestContext
 from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.exceptions import ResourceError, ToolError
+from mcp.server.stdio import stdio_server
 from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
+from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE
 from mcp_types import (
     CallToolResult,
     EmptyResult,
@@ -277,7 +285,7 @@ class _Tools:
         the request goes on, and `wait_request` or `get_request` later is safe."""
         outcome = await self.client.wait_request(workspace_id, request_id, timeout=timeout_s)
         row = outcome.request
-        raw = None if row is None else _json_object(row.raw)
+        attempts = None if row is None else row.dequeue_count
         if outcome.status == "timeout":
             return WaitAnswer(
                 request_id=request_id,
@@ -285,7 +293,7 @@ class _Tools:
                 request_status=None if row is None else row.status,
                 note=f"the wait ended after {timeout_s:g} s; the request goes on: call "
                 "wait_request or get_request again",
-                request=raw,
+                attempts=attempts,
             )
         return WaitAnswer(
             request_id=request_id,
@@ -293,7 +301,7 @@ class _Tools:
             request_status=None if row is None else row.status,
             result=outcome.result,
             error=outcome.error,
-            request=raw,
+            attempts=attempts,
         )
 
     async def list_requests(
@@ -345,7 +353,9 @@ class _Tools:
             attempts=row.dequeue_count,
             result=result,
             error=row.error,
-            request=_json_object(row.raw),
+            # The row's other members (timestamps, claimed_by, unclaimed_seconds, ...) once:
+            # its result and error are the ones above.
+            request={k: v for k, v in row.raw.items() if k not in ("result", "error")},
         )
 
 
@@ -447,12 +457,65 @@ def _serve_subscriptions(
 
 
 async def serve_stdio(client: WorkspaceClient) -> None:
-    """Serve MCP over this process's stdin/stdout until the client (the agent host) leaves."""
+    """Serve MCP over this process's stdin/stdout until the agent host closes stdin, or the
+    task is cancelled (SIGTERM)."""
     server, feeds = build_server(client)
+    lowlevel = server._lowlevel_server
     try:
-        await server.run_stdio_async()
+        async with (
+            _stdin_lines() as lines,
+            stdio_server(stdin=lines) as (read_stream, write_stream),
+        ):
+            await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
     finally:
         await feeds.close()
+
+
+class _PipeLines:
+    """stdin's lines read on the event loop. The `mcp` SDK reads stdin in a worker thread,
+    which a cancel cannot interrupt: SIGTERM left the server blocked in that read until the
+    host wrote a line or closed the pipe. A read here is cancelled like any await."""
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        self._reader = reader
+
+    def __aiter__(self) -> _PipeLines:
+        return self
+
+    async def __anext__(self) -> str:
+        try:
+            line = await self._reader.readline()
+        except ValueError:  # longer than the limit: dropped up to its end, answered as garbage
+            _log.warning("an MCP message over %d bytes was dropped", DEFAULT_MAX_REQUEST_BODY_SIZE)
+            return "\n"
+        if not line:
+            raise StopAsyncIteration
+        return line.decode("utf-8", errors="replace")
+
+
+@contextlib.asynccontextmanager
+async def _stdin_lines() -> AsyncIterator[Any]:
+    """`_PipeLines` over stdin when it is a pipe or a socket (how hosts start tool servers);
+    None (the SDK's own reader) otherwise: a file or a terminal cannot be read on the loop."""
+    loop = asyncio.get_running_loop()
+    try:
+        mode = os.fstat(0).st_mode
+    except OSError:
+        yield None
+        return
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+        yield None
+        return
+    # The MCP SDK's own bound on one message over HTTP, for one line here.
+    reader = asyncio.StreamReader(limit=DEFAULT_MAX_REQUEST_BODY_SIZE, loop=loop)
+    pipe = os.fdopen(os.dup(0), "rb", buffering=0)
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader, loop=loop), pipe
+    )
+    try:
+        yield _PipeLines(reader)
+    finally:
+        transport.close()
 
 
 async def serve_http(
@@ -473,10 +536,32 @@ async def serve_http(
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     sock.listen()
-    runner = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    runner = _Uvicorn(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    handled = threading.current_thread() is threading.main_thread()
+    if handled:
+        for sig in signals:  # a graceful stop: open requests finish, then exit 0
+            loop.add_signal_handler(sig, runner.stop)
     try:
         ready(f"http://{shown}:{bound}/mcp")
         await runner.serve(sockets=[sock])
     finally:
+        if handled:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
         sock.close()
         await feeds.close()
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server with the process's signals left to `serve_http`: uvicorn's own
+    handlers re-raised the signal once it had stopped, which cancelled its lifespan task
+    mid-shutdown (a traceback on stderr at every SIGTERM)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    def stop(self) -> None:
+        self.should_exit = True
