@@ -101,9 +101,11 @@ def _mcp_args(fleet: Fleet, *extra: str) -> list[str]:
 
 
 @contextlib.asynccontextmanager
-async def stdio_session(fleet: Fleet, **options: Any) -> AsyncIterator[Client]:
+async def stdio_session(fleet: Fleet, *args: str, **options: Any) -> AsyncIterator[Client]:
     """The MCP server as an agent host starts it: a subprocess speaking MCP on its stdio."""
-    params = StdioServerParameters(command=sys.executable, args=_mcp_args(fleet), cwd=str(REPO))
+    params = StdioServerParameters(
+        command=sys.executable, args=_mcp_args(fleet, *args), cwd=str(REPO)
+    )
     async with Client(params, read_timeout_seconds=SCENARIO_S, **options) as client:
         yield client
 
@@ -405,6 +407,34 @@ async def test_survives_the_cv_server_restarting_under_it(fleet: Fleet) -> None:
 
     assert applied["results"][0]["status"] == "committed"
     assert set(state["state"]["nodes"]) == {"root", "before", "after"}
+
+
+async def test_a_write_the_server_never_answered_is_applied_once_across_an_mcp_restart(
+    fleet: Fleet,
+) -> None:
+    outbox = str(fleet.log_dir / "agent-outbox.db")
+    insert = [{"type": "node.insert", "node_id": "c", "parent_id": "root"}]
+    bump = [{"type": "node.increment", "node_id": "c", "field": "n"}]
+    async with stdio_session(fleet, "--outbox", outbox) as client:
+        await call(client, "apply_ops", workspace_id=WS, sub_doc="durable", ops=insert)
+        fleet.server.kill()
+        # No answer, after the SDK's retries: the op waits in the outbox file under its op_id.
+        unanswered = await refused(
+            client, "apply_ops", workspace_id=WS, sub_doc="durable", ops=bump
+        )
+    # The MCP server is gone too (the host closed it); the cv-server comes back.
+    fleet.restart_server()
+    retry = [{**bump[0], "op_id": unanswered["op_ids"][0]}]
+    async with stdio_session(fleet, "--outbox", outbox) as client:
+        # The agent retries with the op_id it was given; the new MCP server replayed the outbox
+        # first (ops to one sub-doc go in order), so this is the second send of one op.
+        again = await call(client, "apply_ops", workspace_id=WS, sub_doc="durable", ops=retry)
+        state = await call(client, "get_state", workspace_id=WS, sub_doc="durable")
+
+    assert unanswered["code"] == "connection_failed"
+    assert unanswered["pending"] is True
+    assert again["results"][0]["duplicate"] is True
+    assert state["state"]["nodes"]["c"]["fields"] == {"n": 1}
 
 
 async def test_the_same_tools_over_streamable_http(fleet: Fleet) -> None:
