@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable
 
 from mcp.server.session import ServerSession
-from mcp.server.subscriptions import ResourceUpdated, SubscriptionBus
+from mcp.server.subscriptions import ListenHandler, ResourceUpdated, SubscriptionBus
 
 from cv_workspace_client._retry import is_retryable
 from cv_workspace_client.client import WorkspaceClient
@@ -69,6 +69,8 @@ class ResourceFeeds:
         self._client = client
         self._bus = bus
         self._feeds: dict[str, _Feed] = {}
+        #: The listen streams' handler, once the server serves them (`end_streams`).
+        self.streams: ListenHandler | None = None
 
     @property
     def uris(self) -> frozenset[str]:
@@ -108,6 +110,12 @@ class ResourceFeeds:
         if feed is not None:
             feed.sessions.discard(session)
             self._stop_if_idle(uri)
+
+    def end_streams(self) -> None:
+        """End every open listen stream gracefully (its client sees the end, not a drop): a
+        server stopping must not wait for streams that never end by themselves."""
+        if self.streams is not None:
+            self.streams.close()
 
     async def close(self) -> None:
         tasks = [feed.task for feed in self._feeds.values()]

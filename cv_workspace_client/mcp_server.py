@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -66,8 +67,16 @@ from cv_workspace_client._queue_api import get_blob
 from cv_workspace_client.client import WorkspaceClient
 from cv_workspace_client.errors import OpRejectedError, ProtocolError, WorkspaceError
 from cv_workspace_client.queue_models import QueuedRequest
+from cv_workspace_client.worker import WorkerConfig
 
-__all__ = ["MAX_WAIT_SECONDS", "TOOL_NAMES", "build_server", "serve_http", "serve_stdio"]
+__all__ = [
+    "DRAIN_SECONDS",
+    "MAX_WAIT_SECONDS",
+    "TOOL_NAMES",
+    "build_server",
+    "serve_http",
+    "serve_stdio",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -92,6 +101,10 @@ MAX_WAIT_SECONDS = 600.0
 _DEFAULT_WAIT_SECONDS = 60.0
 #: The list route's own page bound (`limit`): asking for more is refused by the server.
 _MAX_LIST = 1000
+#: How long a stopping HTTP server lets calls in progress finish (a `wait_request` may run for
+#: minutes): the drain deadline of the deployment's other processes (`cv-worker`'s default; uvicorn
+#: takes whole seconds).
+DRAIN_SECONDS = math.ceil(WorkerConfig().drain_seconds)
 
 _READ_ONLY = ToolAnnotations(read_only_hint=True, open_world_hint=False)
 
@@ -423,7 +436,7 @@ def _serve_subscriptions(
     (which `MCPServer` does not serve itself: registering them also advertises
     `resources.subscribe` to those clients)."""
     lowlevel = server._lowlevel_server  # the handlers' registry: no public seam for these
-    listen = ListenHandler(bus)
+    listen = feeds.streams = ListenHandler(bus)
 
     async def on_listen(
         ctx: ServerRequestContext[Any, Any], params: SubscriptionsListenRequestParams
@@ -536,7 +549,10 @@ async def serve_http(
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     sock.listen()
-    runner = _Uvicorn(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan="on", timeout_graceful_shutdown=DRAIN_SECONDS
+    )
+    runner = _Uvicorn(config, feeds)
     loop = asyncio.get_running_loop()
     signals = (signal.SIGINT, signal.SIGTERM)
     handled = threading.current_thread() is threading.main_thread()
@@ -559,9 +575,16 @@ class _Uvicorn(uvicorn.Server):
     handlers re-raised the signal once it had stopped, which cancelled its lifespan task
     mid-shutdown (a traceback on stderr at every SIGTERM)."""
 
+    def __init__(self, config: uvicorn.Config, feeds: ResourceFeeds) -> None:
+        super().__init__(config)
+        self._feeds = feeds
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
 
     def stop(self) -> None:
+        """Stop accepting, end the listen streams (they never end by themselves), let the
+        calls in progress finish within `DRAIN_SECONDS`, then stop."""
+        self._feeds.end_streams()
         self.should_exit = True

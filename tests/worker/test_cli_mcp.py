@@ -3,6 +3,7 @@ server opens no connection to the cv-server before a tool needs one, so these ru
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from mcp import Client
 
 from tests.acceptance.procs import free_port
 
@@ -63,6 +65,12 @@ def _stdio(tmp_path: Path) -> contextlib.AbstractContextManager[subprocess.Popen
     return _killed_on_exit(subprocess.Popen(_mcp(tmp_path), stdin=pipe, stdout=pipe, stderr=pipe))
 
 
+def _http(tmp_path: Path) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
+    args = _mcp(tmp_path, "--transport", "http", "--port", "0")
+    pipe = subprocess.PIPE
+    return _killed_on_exit(subprocess.Popen(args, stdout=pipe, stderr=pipe, text=True))
+
+
 def _initialized(proc: subprocess.Popen[bytes]) -> dict[str, object]:
     """Send `initialize` over stdio; the answer (the server is up and speaking MCP)."""
     assert proc.stdin is not None
@@ -103,10 +111,7 @@ def test_stdio_stops_on_sigterm_while_the_host_keeps_stdin_open(tmp_path: Path) 
 
 
 def test_http_prints_its_url_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
-    args = _mcp(tmp_path, "--transport", "http", "--port", "0")
-    with _killed_on_exit(
-        subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ) as proc:
+    with _http(tmp_path) as proc:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         proc.send_signal(signal.SIGTERM)
@@ -140,3 +145,21 @@ def test_bad_arguments_are_usage_errors(args: list[str], message: str) -> None:
     assert out.returncode == 2
     assert out.stdout == ""
     assert message in json.loads(out.stderr)["error"]["message"]
+
+
+async def test_http_on_sigterm_ends_open_listen_streams_gracefully(tmp_path: Path) -> None:
+    # A listen stream never ends by itself: a server stopping must end it (the client sees a
+    # graceful close), not sit out its drain deadline and then drop it.
+    with _http(tmp_path) as proc:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().split()[-1]
+        async with (
+            Client(url, read_timeout_seconds=30) as client,
+            client.listen(resource_subscriptions=["cv://ws/docs/notes"]) as stream,
+        ):
+            proc.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(30):
+                events = [event async for event in stream]
+        code = await asyncio.to_thread(proc.wait, 30)
+    assert events == []
+    assert code == 0
