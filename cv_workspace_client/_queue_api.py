@@ -104,6 +104,8 @@ async def enqueue(
             coalesced=bool(answer["coalesced"]),
             stream_url=str(answer["stream_url"]),
             replayed=replayed,
+            # A server that predates the member coalesced without saying: False, as then.
+            input_differs=bool(answer.get("input_differs", False)),
         )
     except (KeyError, TypeError) as exc:
         raise ProtocolError("bad_answer", f"enqueue answer: {exc!r}") from None
@@ -447,7 +449,9 @@ class QueueMethods:
 
         With a `job_id`, the id is deterministic by default (hash of workspace, job, branch and
         stage): enqueueing it again coalesces into the live request, or returns the finished
-        one — pass `rerun=True` to run a finished one again on purpose. Without, each enqueue is
+        one — pass `rerun=True` to run a finished one again on purpose. `input_differs` on the
+        answer says the request it coalesced into holds another input than `input`, which was
+        not used. Without a `job_id`, each enqueue is
         a new request. Each call carries an `Idempotency-Key` (minted, or yours), so a retry
         after a lost answer can neither fork the work nor be mistaken for another's enqueue.
         """

@@ -45,7 +45,7 @@ from cv_workspace_client._retry import backoff_for
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import WorkspaceError
 from cv_workspace_client.providers import CountingFakeProvider, OpenAICompatibleProvider, Provider
-from cv_workspace_client.queue_models import STATUSES, RequestOutcome
+from cv_workspace_client.queue_models import STATUSES, EnqueuedRequest, RequestOutcome
 from cv_workspace_client.stage import Handler, Stage
 from cv_workspace_client.worker import Worker, WorkerConfig
 
@@ -531,6 +531,8 @@ async def _enqueue(client: QueueClient, args: argparse.Namespace, *, rerun: bool
         worker_class=args.worker_class,
         max_dequeues=args.max_dequeues,
     )
+    if answer.input_differs:
+        _warn_input_differs(answer, rerun=rerun)
     if not args.wait:
         _print(answer.to_json())
         return EXIT_OK
@@ -542,6 +544,29 @@ async def _enqueue(client: QueueClient, args: argparse.Namespace, *, rerun: bool
         raise
     _print({"enqueued": answer.to_json(), **outcome.to_json()})
     return _outcome_exit(outcome)
+
+
+def _warn_input_differs(answer: EnqueuedRequest, *, rerun: bool) -> None:
+    """The enqueue coalesced into a request whose input is not `--input`: say so on stderr
+    (the answer on stdout stays the answer), and how to run it on this input."""
+    if answer.status in ("pending", "in_progress"):
+        how = "it is still running: once it finished, enqueue again with --rerun to run yours"
+    else:
+        how = "enqueue again with --rerun to run it on yours"
+    message = (
+        f"request {answer.request_id} already exists with another input, which it keeps: "
+        f"your --input was not used; {how}"
+    )
+    if rerun:
+        message = (
+            f"request {answer.request_id} is still running with another input, which it "
+            "keeps: your --input was not used; --rerun again once it finished"
+        )
+    print(
+        json.dumps({"warning": {"code": "input_differs", "message": message}}),
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 async def _mcp(args: argparse.Namespace) -> int:

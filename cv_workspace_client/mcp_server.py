@@ -47,7 +47,7 @@ from mcp_types import (
 )
 from pydantic import Field, JsonValue, ValidationError
 
-from cv_mutations import Op, canonical_json
+from cv_mutations import Op
 from cv_workspace_client._mcp_answers import (
     ApplyAnswer,
     CommittedOp,
@@ -254,27 +254,13 @@ class _Tools:
             idempotency_key=idempotency_key,
             rerun=rerun,
         )
-        differs = await self._input_differs(
-            workspace_id, answer.request_id, answer.coalesced, input
-        )
         return EnqueueAnswer(
             request_id=answer.request_id,
             status=answer.status,
             coalesced=answer.coalesced,
-            input_differs=differs,
+            input_differs=answer.input_differs,
             replayed=answer.replayed,
         )
-
-    async def _input_differs(
-        self, workspace_id: str, request_id: str, coalesced: bool, sent: JsonValue
-    ) -> bool:
-        """Whether the request that absorbed this enqueue holds another input than `sent`: the
-        request id leaves the input out (a job's id is its job, branch and stage), so a
-        coalesced enqueue's input is not used."""
-        if not coalesced:
-            return False
-        row = await self.client.get_request(workspace_id, request_id)
-        return canonical_json(row.input) != canonical_json(sent)
 
     async def get_request(self, workspace_id: WorkspaceId, request_id: RequestId) -> RequestAnswer:
         """The request as it stands: status, result (once done), error, attempts."""
