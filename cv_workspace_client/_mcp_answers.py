@@ -50,8 +50,8 @@ class CommittedOp(BaseModel):
 
 
 class OpsAnswer(BaseModel):
-    """`read_ops`: committed ops after `since`, in clock order; `clock` is the head. Fewer ops
-    than `limit` with `ops[-1].clock < clock` cannot happen: a short page is the end of the log."""
+    """`read_ops`: committed ops after `since`, in clock order; `clock` is the head (when the
+    last op's clock is below it, there is more: read again from there)."""
 
     workspace_id: str
     sub_doc: str

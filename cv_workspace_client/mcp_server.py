@@ -99,7 +99,8 @@ TOOL_NAMES = (
 #: ends the work.
 MAX_WAIT_SECONDS = 600.0
 _DEFAULT_WAIT_SECONDS = 60.0
-#: The list route's own page bound (`limit`): asking for more is refused by the server.
+#: The server's own page bound (the list route's, and the op log's default `catchup_page`): the
+#: server answers at most that many rows a call.
 _MAX_LIST = 1000
 #: How long a stopping HTTP server lets calls in progress finish (a `wait_request` may run for
 #: minutes): the drain deadline of the deployment's other processes (`cv-worker`'s default; uvicorn
@@ -171,7 +172,9 @@ class _Tools:
             sub_doc=sub_doc,
             clock=clock,
             ops=[
-                CommittedOp(clock=c.clock, op_id=c.op_id, op=c.op.model_dump(mode="json"))
+                CommittedOp(
+                    clock=c.clock, op_id=c.op_id, op=c.op.model_dump(mode="json", exclude_none=True)
+                )
                 for c in ops
             ],
         )
