@@ -130,3 +130,18 @@ async def test_a_listen_stream_runs_one_feed_per_sub_doc_while_it_lasts(
             async with asyncio.timeout(30):
                 event = await anext(aiter(events))
         assert event.uri == uri  # type: ignore[union-attr]
+
+
+async def test_an_enqueue_retried_under_its_idempotency_key_answers_the_first_request(
+    server_url: str, token: str
+) -> None:
+    async with in_process(server_url, token) as (client, _):
+        args: dict[str, Any] = {"workspace_id": WS, "stage": "unserved", "input": {"n": 1}}
+        first = await call(client, "enqueue", **args, idempotency_key="agent-key-1")
+        retried = await call(client, "enqueue", **args, idempotency_key="agent-key-1")
+        other = await call(client, "enqueue", **args)
+
+    assert retried["request_id"] == first["request_id"]
+    assert first["replayed"] is False
+    assert retried["replayed"] is True
+    assert other["request_id"] != first["request_id"]  # no job_id, no key: a new request
