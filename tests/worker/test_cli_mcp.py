@@ -135,7 +135,7 @@ def test_http_prints_its_url_and_stops_cleanly_on_sigterm(tmp_path: Path) -> Non
 )
 def test_bad_arguments_are_usage_errors(args: list[str], message: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "cv_workspace_client.cli", "workspace", "mcp", *args],
+        [sys.executable, "-m", "cv_workspace_client.cli", "workspace", "mcp", "--json", *args],
         capture_output=True,
         text=True,
         timeout=60,
