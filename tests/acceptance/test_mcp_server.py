@@ -437,7 +437,14 @@ async def test_a_write_the_server_never_answered_is_applied_once_across_an_mcp_r
     assert state["state"]["nodes"]["c"]["fields"] == {"n": 1}
 
 
+@pytest.mark.filterwarnings("ignore::mcp.MCPDeprecationWarning")
 async def test_the_same_tools_over_streamable_http(fleet: Fleet) -> None:
+    legacy_updates: asyncio.Queue[str] = asyncio.Queue()
+
+    async def on_message(message: Any) -> None:
+        if isinstance(message, ResourceUpdatedNotification):
+            legacy_updates.put_nowait(str(message.params.uri))
+
     http = Proc(
         [*_mcp_args(fleet, "--transport", "http", "--port", "0")],
         fleet.log_dir / "mcp-http.log",
@@ -464,6 +471,16 @@ async def test_the_same_tools_over_streamable_http(fleet: Fleet) -> None:
                     event = await anext(aiter(events))
             state = await call(client, "get_state", workspace_id=WS, sub_doc="jobs")
             error = await refused(client, "get_state", workspace_id="elsewhere", sub_doc="jobs")
+        # A handshake-era client on the same endpoint: resources/subscribe, notified on its
+        # session's stream.
+        async with Client(http.url, mode="legacy", message_handler=on_message) as legacy:
+            await legacy.subscribe_resource(f"cv://{WS}/docs/http-legacy")
+            await call(
+                legacy, "apply_ops", workspace_id=WS, sub_doc="http-legacy",
+                ops=[{"type": "node.insert", "node_id": "x", "parent_id": "root"}],
+            )  # fmt: skip
+            async with asyncio.timeout(SCENARIO_S):
+                legacy_uri = await legacy_updates.get()
     finally:
         http.stop()
 
@@ -473,3 +490,4 @@ async def test_the_same_tools_over_streamable_http(fleet: Fleet) -> None:
     assert event.uri == f"cv://{WS}/docs/jobs"  # type: ignore[union-attr]
     assert error["code"] == "forbidden_workspace"
     assert list(paid_prompts(fleet, job).values()) == [1]
+    assert legacy_uri == f"cv://{WS}/docs/http-legacy"
