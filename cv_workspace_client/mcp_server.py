@@ -108,6 +108,23 @@ _MAX_LIST = 1000
 DRAIN_SECONDS = math.ceil(WorkerConfig().drain_seconds)
 
 _READ_ONLY = ToolAnnotations(read_only_hint=True, open_world_hint=False)
+#: What a host may assume of each tool (hints: a host may run read-only ones without asking).
+#: `cancel_request` and `replay_request` are idempotent: repeated, they answer the row as it
+#: stands (or refuse the transition) and change nothing more. `apply_ops` is only when its ops
+#: carry op_ids, and `enqueue` only with a `job_id` or an `idempotency_key`: not hinted.
+_ANNOTATIONS: dict[str, ToolAnnotations] = {
+    **dict.fromkeys(
+        ("get_state", "read_ops", "get_request", "wait_request", "list_requests"), _READ_ONLY
+    ),
+    "apply_ops": ToolAnnotations(destructive_hint=True, open_world_hint=False),
+    "enqueue": ToolAnnotations(destructive_hint=False, open_world_hint=False),
+    "cancel_request": ToolAnnotations(
+        destructive_hint=True, idempotent_hint=True, open_world_hint=False
+    ),
+    "replay_request": ToolAnnotations(
+        destructive_hint=False, idempotent_hint=True, open_world_hint=False
+    ),
+}
 
 WorkspaceId = Annotated[str, Field(description="the workspace's id")]
 SubDoc = Annotated[str, Field(description="the sub-doc's name (e.g. `jobs`, `tree`)")]
@@ -388,12 +405,11 @@ def build_server(client: WorkspaceClient) -> tuple[MCPServer[None], ResourceFeed
         log_level="WARNING",
     )
     tools = _Tools(client)
-    read_only = {"get_state", "read_ops", "get_request", "wait_request", "list_requests"}
     for name in TOOL_NAMES:
         server.add_tool(
             getattr(tools, name),
             name=name,
-            annotations=_READ_ONLY if name in read_only else None,
+            annotations=_ANNOTATIONS[name],
             structured_output=True,
         )
 
