@@ -159,7 +159,8 @@ async def test_lists_the_tools_with_their_schemas(fleet: Fleet) -> None:
         assert tool.description, tool.name
     assert set(tools["apply_ops"].input_schema["required"]) == {"workspace_id", "sub_doc", "ops"}
     assert set(tools["wait_request"].input_schema["required"]) == {"workspace_id", "request_id"}
-    read_only = {name for name, tool in tools.items() if tool.annotations.read_only_hint}  # type: ignore[union-attr]
+    hints = {name: tool.annotations for name, tool in tools.items()}
+    read_only = {name for name, hint in hints.items() if hint is not None and hint.read_only_hint}
     assert read_only == {"get_state", "read_ops", "get_request", "wait_request", "list_requests"}
 
 
