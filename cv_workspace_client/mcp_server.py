@@ -31,11 +31,13 @@ import uvicorn
 from mcp.server import MCPServer
 from mcp.server.context import ServerRequestContext
 from mcp.server.mcpserver import Context
-from mcp.server.mcpserver.exceptions import ResourceError, ToolError
+from mcp.server.mcpserver.exceptions import ResourceError, ResourceNotFoundError, ToolError
 from mcp.server.stdio import stdio_server
 from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE
+from mcp.shared.exceptions import MCPError
 from mcp_types import (
+    INVALID_PARAMS,
     CallToolResult,
     EmptyResult,
     InputRequiredResult,
@@ -424,7 +426,10 @@ def build_server(client: WorkspaceClient) -> tuple[MCPServer[None], ResourceFeed
         try:
             clock, state = await client.get_state(workspace_id, sub_doc)
         except WorkspaceError as exc:
-            raise ResourceError(f"{exc.code}: {exc.message}") from None
+            # A refusal (`forbidden_workspace`, `invalid_id`) is the caller's to fix: JSON-RPC's
+            # invalid params, as the SDK answers an unknown resource; anything else is internal.
+            final = ResourceNotFoundError if not exc.retryable else ResourceError
+            raise final(f"{exc.code}: {exc.message}") from None
         body = {"workspace_id": workspace_id, "sub_doc": sub_doc, "clock": clock}
         return json.dumps({**body, "state": state.to_json()}, sort_keys=True)
 
@@ -457,7 +462,7 @@ def _serve_subscriptions(
     ) -> EmptyResult:
         uri = str(params.uri)
         if parse_doc_uri(uri) is None:
-            raise ResourceError(f"no resource {uri!r}: sub-docs are {DOC_URI}")
+            raise MCPError(INVALID_PARAMS, f"no resource {uri!r}: sub-docs are {DOC_URI}")
         feeds.subscribe(ctx.session, uri)
         return EmptyResult()
 

@@ -11,7 +11,9 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-from mcp import Client
+import pytest
+from mcp import Client, MCPError
+from mcp_types import INVALID_PARAMS
 from pydantic import ValidationError
 
 from cv_mutations import NodeInsert
@@ -145,3 +147,33 @@ async def test_an_enqueue_retried_under_its_idempotency_key_answers_the_first_re
     assert first["replayed"] is False
     assert retried["replayed"] is True
     assert other["request_id"] != first["request_id"]  # no job_id, no key: a new request
+
+
+async def test_a_sub_doc_the_token_does_not_grant_is_an_invalid_params_error(
+    server_url: str, token: str
+) -> None:
+    async with in_process(server_url, token) as (client, _):
+        with pytest.raises(MCPError) as refused:
+            await client.read_resource(doc_uri("elsewhere", "tree"))
+
+    assert refused.value.error.code == INVALID_PARAMS
+    assert "forbidden_workspace" in refused.value.error.message
+
+
+@pytest.mark.filterwarnings("ignore::mcp.MCPDeprecationWarning")
+async def test_subscribing_to_a_uri_that_is_no_sub_doc_is_refused(
+    server_url: str, token: str
+) -> None:
+    async with WorkspaceClient(server_url, token=token) as sdk:
+        server, feeds = build_server(sdk)
+        try:
+            async with Client(server, mode="legacy") as client:
+                with pytest.raises(MCPError) as refused:
+                    await client.subscribe_resource("file:///etc/passwd")
+                await client.subscribe_resource(doc_uri(WS, "tree"))
+                followed = feeds.uris
+        finally:
+            await feeds.close()
+
+    assert refused.value.error.code == INVALID_PARAMS
+    assert followed == {doc_uri(WS, "tree")}
