@@ -146,8 +146,11 @@ class ResourceFeeds:
             # the resource for the state before). The SDK resumes across reconnects by clock, so
             # no commit is missed or told twice while the feed runs.
             head = await self._head(workspace_id, sub_doc)
-            async for _committed in self._client.subscribe(workspace_id, sub_doc, since=head):
-                await self._publish(uri)
+            # `async with`: a feed stopped (its last subscriber gone) unsubscribes at once,
+            # not when the collector gets round to the dropped subscription.
+            async with self._client.subscribe(workspace_id, sub_doc, since=head) as committed:
+                async for _op in committed:
+                    await self._publish(uri)
         except asyncio.CancelledError:
             raise
         except WorkspaceError as exc:

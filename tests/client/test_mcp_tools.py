@@ -161,7 +161,7 @@ async def test_a_sub_doc_the_token_does_not_grant_is_an_invalid_params_error(
 
 
 @pytest.mark.filterwarnings("ignore::mcp.MCPDeprecationWarning")
-async def test_subscribing_to_a_uri_that_is_no_sub_doc_is_refused(
+async def test_a_handshake_era_subscription_runs_a_feed_until_unsubscribed(
     server_url: str, token: str
 ) -> None:
     async with WorkspaceClient(server_url, token=token) as sdk:
@@ -172,8 +172,11 @@ async def test_subscribing_to_a_uri_that_is_no_sub_doc_is_refused(
                     await client.subscribe_resource("file:///etc/passwd")
                 await client.subscribe_resource(doc_uri(WS, "tree"))
                 followed = feeds.uris
+                await client.unsubscribe_resource(doc_uri(WS, "tree"))
+                after = feeds.uris
         finally:
             await feeds.close()
 
     assert refused.value.error.code == INVALID_PARAMS
     assert followed == {doc_uri(WS, "tree")}
+    assert after == frozenset()  # the last subscriber gone: the SDK subscription ends
