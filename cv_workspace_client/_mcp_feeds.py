@@ -18,11 +18,11 @@ Notifications say *that* the resource changed; the client reads it again (`resou
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 from collections.abc import Callable
 
+from mcp.server.connection import Connection
 from mcp.server.session import ServerSession
 from mcp.server.subscriptions import ListenHandler, ResourceUpdated, SubscriptionBus
 
@@ -54,8 +54,8 @@ class _Feed:
         self.task = task
         #: Listen streams following it (2026-07-28).
         self.listeners = 0
-        #: Handshake-era sessions subscribed to it.
-        self.sessions: set[ServerSession] = set()
+        #: Handshake-era connections subscribed to it.
+        self.sessions: set[Connection] = set()
 
     @property
     def idle(self) -> bool:
@@ -102,13 +102,16 @@ class ResourceFeeds:
         return release
 
     def subscribe(self, session: ServerSession, uri: str) -> None:
-        """A handshake-era session subscribes to `uri` (a sub-doc URI: checked by the caller)."""
-        self._feed(uri).sessions.add(session)
+        """A handshake-era client subscribes to `uri` (a sub-doc URI: checked by the caller)."""
+        self._feed(uri).sessions.add(_connection_of(session))
 
     def unsubscribe(self, session: ServerSession, uri: str) -> None:
+        self._forget(_connection_of(session), uri)
+
+    def _forget(self, connection: Connection, uri: str) -> None:
         feed = self._feeds.get(uri)
         if feed is not None:
-            feed.sessions.discard(session)
+            feed.sessions.discard(connection)
             self._stop_if_idle(uri)
 
     def end_streams(self) -> None:
@@ -179,10 +182,17 @@ class ResourceFeeds:
     async def _publish(self, uri: str) -> None:
         await self._bus.publish(ResourceUpdated(uri=uri))
         feed = self._feeds.get(uri)
-        for session in list(feed.sessions if feed is not None else ()):
+        for connection in list(feed.sessions if feed is not None else ()):
             try:
-                await session.send_resource_updated(uri)
-            except Exception:  # the session's transport is gone (its client left): forget it
-                _log.debug("resource feed %s: session gone", uri, exc_info=True)
-                with contextlib.suppress(KeyError):
-                    self.unsubscribe(session, uri)
+                await connection.send_resource_updated(uri)
+            except Exception:  # the connection's transport is gone (its client left): forget it
+                _log.debug("resource feed %s: connection gone", uri, exc_info=True)
+                self._forget(connection, uri)
+
+
+def _connection_of(session: ServerSession) -> Connection:
+    """The client connection a request's session belongs to. The `mcp` SDK makes a session per
+    request: a subscription is the connection's (its `unsubscribe` comes in another request's
+    session), and its notifications go on the connection's own channel. No public accessor."""
+    connection: Connection = session._connection
+    return connection
