@@ -823,12 +823,15 @@ async def _mcp(args: argparse.Namespace) -> int:
         if args.transport == "stdio":
             await mcp_server.serve_stdio(client)
         else:
-            await mcp_server.serve_http(
-                client,
-                args.host,
-                args.port,
-                ready=lambda where: _announce(f"cv-workspace mcp listening on {where}"),
-            )
+            try:
+                await mcp_server.serve_http(
+                    client,
+                    args.host,
+                    args.port,
+                    ready=lambda where: _announce(f"cv-workspace mcp listening on {where}"),
+                )
+            except mcp_server.ListenFailed as exc:  # exit 1, as a port `cv-server` cannot use
+                raise WorkspaceError("listen_failed", str(exc)) from None
     return EXIT_OK
 
 

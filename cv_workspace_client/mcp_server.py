@@ -75,6 +75,7 @@ __all__ = [
     "DRAIN_SECONDS",
     "MAX_WAIT_SECONDS",
     "TOOL_NAMES",
+    "ListenFailed",
     "build_server",
     "serve_http",
     "serve_stdio",
@@ -553,9 +554,9 @@ async def serve_http(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError:
+    except OSError as exc:  # in use, not an address of this host, not a host at all
         sock.close()
-        raise
+        raise ListenFailed(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     sock.listen()
@@ -578,6 +579,10 @@ async def serve_http(
                 loop.remove_signal_handler(sig)
         sock.close()
         await feeds.close()
+
+
+class ListenFailed(Exception):
+    """The HTTP transport cannot listen where it was asked to (the message says why)."""
 
 
 class _Uvicorn(uvicorn.Server):

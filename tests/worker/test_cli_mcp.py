@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -163,3 +164,33 @@ async def test_http_on_sigterm_ends_open_listen_streams_gracefully(tmp_path: Pat
         code = await asyncio.to_thread(proc.wait, 30)
     assert events == []
     assert code == 0
+
+
+def test_http_on_a_port_in_use_says_so_and_exits_1(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [*_mcp(tmp_path, "--transport", "http", "--port", str(port)), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert out.returncode == 1
+    assert out.stdout == ""
+    error = json.loads(out.stderr)["error"]
+    assert error["code"] == "listen_failed"
+    assert f"127.0.0.1:{port}" in error["message"]
+
+
+def test_stdio_stops_on_sigint_too(tmp_path: Path) -> None:
+    with _stdio(tmp_path) as proc:
+        _initialized(proc)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+        assert proc.stderr is not None
+        errors = proc.stderr.read()
+    assert code == 128 + signal.SIGINT
+    assert b"Traceback" not in errors
