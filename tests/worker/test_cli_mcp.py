@@ -194,3 +194,18 @@ def test_stdio_stops_on_sigint_too(tmp_path: Path) -> None:
         errors = proc.stderr.read()
     assert code == 128 + signal.SIGINT
     assert b"Traceback" not in errors
+
+
+def test_stdio_drops_a_message_past_the_bound_and_answers_the_next(tmp_path: Path) -> None:
+    huge = {"jsonrpc": "2.0", "id": 0, "method": "ping", "params": {"pad": "x" * (5 << 20)}}
+    with _stdio(tmp_path) as proc:
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(huge).encode() + b"\n")
+        answer = _initialized(proc)
+        proc.stdin.close()
+        code = proc.wait(timeout=30)
+        assert proc.stderr is not None
+        errors = proc.stderr.read()
+    assert answer["id"] == 1  # the huge one got no answer; the server went on
+    assert code == 0
+    assert b"dropped" in errors
