@@ -193,8 +193,10 @@ class _Tools:
             list[Op],
             Field(
                 min_length=1,
-                description="ops in order (`node.insert`, `node.update`, ...); an op without an "
-                "`op_id` gets one, answered in `op_ids`: to retry, send the same ops with them",
+                description="ops in order (`node.insert`, `node.update`, ...). An op without an "
+                "`op_id` gets one, answered in `op_ids`: to retry, send the same ops with them. "
+                "Give your own `op_id` (8-64 of A-Z a-z 0-9 _ -) to an op that must not apply "
+                "twice even if this call's answer never reaches you",
             ),
         ],
         atomic: Annotated[
