@@ -180,3 +180,36 @@ async def test_a_handshake_era_subscription_runs_a_feed_until_unsubscribed(
     assert refused.value.error.code == INVALID_PARAMS
     assert followed == {doc_uri(WS, "tree")}
     assert after == frozenset()  # the last subscriber gone: the SDK subscription ends
+
+
+async def test_a_result_past_the_row_comes_back_whole_from_the_blob_store(
+    server_url: str, token: str
+) -> None:
+    # 2,000,000 characters: past what a row holds, stored as a blob; both tools fetch it.
+    size = 2_000_000
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "cv_workspace_client.cli", "worker",
+        "--url", server_url, "--token", token,
+        "--stages", "tests.worker.answer_stages:STAGES", "--log-level", "WARNING",
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert worker.stdout is not None
+        ready = await asyncio.wait_for(worker.stdout.readline(), 60)
+        assert b"ready" in ready
+        async with in_process(server_url, token) as (client, _):
+            enqueued = await call(client, "enqueue", workspace_id=WS, stage="big", input=size)
+            waited = await call(
+                client, "wait_request", workspace_id=WS, request_id=enqueued["request_id"]
+            )
+            shown = await call(
+                client, "get_request", workspace_id=WS, request_id=enqueued["request_id"]
+            )
+    finally:
+        worker.kill()
+        await worker.wait()
+
+    assert waited["status"] == "done"
+    assert waited["result"] == "x" * size
+    assert shown["result"] == "x" * size
+    assert shown["request"]["blob_ref"]  # it did go through the blob store
