@@ -50,8 +50,11 @@ def parse_doc_uri(uri: str) -> tuple[str, str] | None:
 
 
 class _Feed:
-    def __init__(self, task: asyncio.Task[None]) -> None:
-        self.task = task
+    def __init__(self) -> None:
+        self.task: asyncio.Task[None] | None = None
+        #: Set once the feed knows the sub-doc's head (every commit after it will be told), or
+        #: has stopped: what a subscription's acknowledgment waits for.
+        self.ready = asyncio.Event()
         #: Listen streams following it (2026-07-28).
         self.listeners = 0
         #: Handshake-era connections subscribed to it.
@@ -77,9 +80,9 @@ class ResourceFeeds:
         """The URIs with a running feed (for tests and `/metrics`-like introspection)."""
         return frozenset(self._feeds)
 
-    def listen(self, uris: list[str]) -> Callable[[], None]:
-        """A listen stream follows `uris` (those that are sub-doc URIs); the returned callable
-        ends that (idempotent)."""
+    async def listen(self, uris: list[str]) -> Callable[[], None]:
+        """A listen stream follows `uris` (those that are sub-doc URIs), from when this returns:
+        a commit after it is told (`ready`). The returned callable ends that (idempotent)."""
         taken: dict[str, _Feed] = {}
         for uri in dict.fromkeys(uris):
             if parse_doc_uri(uri) is not None:
@@ -99,11 +102,20 @@ class ResourceFeeds:
                     feed.listeners -= 1
                     self._stop_if_idle(uri)
 
+        try:
+            for feed in taken.values():
+                await feed.ready.wait()
+        except BaseException:  # cancelled while waiting: nothing follows these for this stream
+            release()
+            raise
         return release
 
-    def subscribe(self, session: ServerSession, uri: str) -> None:
-        """A handshake-era client subscribes to `uri` (a sub-doc URI: checked by the caller)."""
-        self._feed(uri).sessions.add(_connection_of(session))
+    async def subscribe(self, session: ServerSession, uri: str) -> None:
+        """A handshake-era client subscribes to `uri` (a sub-doc URI: checked by the caller),
+        from when this returns: a commit after it is told."""
+        feed = self._feed(uri)
+        feed.sessions.add(_connection_of(session))
+        await feed.ready.wait()
 
     def unsubscribe(self, session: ServerSession, uri: str) -> None:
         self._forget(_connection_of(session), uri)
@@ -121,7 +133,7 @@ class ResourceFeeds:
             self.streams.close()
 
     async def close(self) -> None:
-        tasks = [feed.task for feed in self._feeds.values()]
+        tasks = [feed.task for feed in self._feeds.values() if feed.task is not None]
         self._feeds.clear()
         for task in tasks:
             task.cancel()
@@ -130,30 +142,35 @@ class ResourceFeeds:
     def _feed(self, uri: str) -> _Feed:
         feed = self._feeds.get(uri)
         if feed is None:
-            task = asyncio.get_running_loop().create_task(self._follow(uri), name=f"feed {uri}")
-            feed = self._feeds[uri] = _Feed(task)
+            feed = self._feeds[uri] = _Feed()
+            loop = asyncio.get_running_loop()
+            feed.task = loop.create_task(self._follow(uri, feed), name=f"feed {uri}")
         return feed
 
     def _stop_if_idle(self, uri: str) -> None:
         feed = self._feeds.get(uri)
         if feed is not None and feed.idle:
             del self._feeds[uri]
-            feed.task.cancel()
+            if feed.task is not None:
+                feed.task.cancel()
 
-    async def _follow(self, uri: str) -> None:
+    async def _follow(self, uri: str, feed: _Feed) -> None:
         ids = parse_doc_uri(uri)
         assert ids is not None
         workspace_id, sub_doc = ids
+        changed = asyncio.Event()
+        publisher = asyncio.get_running_loop().create_task(self._publisher(uri, changed))
         try:
             # From the head: a subscriber is told of what changes after it subscribed (it reads
             # the resource for the state before). The SDK resumes across reconnects by clock, so
-            # no commit is missed or told twice while the feed runs.
+            # no commit is missed while the feed runs.
             head = await self._head(workspace_id, sub_doc)
+            feed.ready.set()
             # `async with`: a feed stopped (its last subscriber gone) unsubscribes at once,
             # not when the collector gets round to the dropped subscription.
             async with self._client.subscribe(workspace_id, sub_doc, since=head) as committed:
                 async for _op in committed:
-                    await self._publish(uri)
+                    changed.set()
         except asyncio.CancelledError:
             raise
         except WorkspaceError as exc:
@@ -161,9 +178,21 @@ class ResourceFeeds:
             # Nothing is published; a later subscribe starts it again.
             _log.warning("resource feed %s stopped: %s", uri, exc)
         finally:
-            feed = self._feeds.get(uri)
-            if feed is not None and feed.task is asyncio.current_task():
+            publisher.cancel()
+            feed.ready.set()  # stopped: a subscription waiting on it is acknowledged, silent
+            if self._feeds.get(uri) is feed:
                 del self._feeds[uri]
+
+    async def _publisher(self, uri: str, changed: asyncio.Event) -> None:
+        """One notification for every run of commits that arrived while the last was being
+        published: a burst (3,000 ops in one `apply_ops`) told op by op overflowed each listen
+        stream's backlog (1,024 events in the `mcp` SDK), which then ends the stream. A commit
+        after a notification's publication always gets one of its own: the flag is cleared
+        before publishing (test_a_burst_of_commits_leaves_the_listen_stream_open)."""
+        while True:
+            await changed.wait()
+            changed.clear()
+            await self._publish(uri)
 
     async def _head(self, workspace_id: str, sub_doc: str) -> int:
         """The sub-doc's head clock, read again with the client's backoff while the server

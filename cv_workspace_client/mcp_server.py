@@ -440,7 +440,9 @@ def _serve_subscriptions(
     async def on_listen(
         ctx: ServerRequestContext[Any, Any], params: SubscriptionsListenRequestParams
     ) -> SubscriptionsListenResult:
-        release = feeds.listen(list(params.notifications.resource_subscriptions or ()))
+        # Acknowledged (by `listen`) once every sub-doc's feed knows its head: a commit after
+        # the acknowledgment is told (test_a_committed_op_notifies_the_sub_docs_resource).
+        release = await feeds.listen(list(params.notifications.resource_subscriptions or ()))
         try:
             return await listen(ctx, params)
         finally:
@@ -452,7 +454,7 @@ def _serve_subscriptions(
         uri = str(params.uri)
         if parse_doc_uri(uri) is None:
             raise MCPError(INVALID_PARAMS, f"no resource {uri!r}: sub-docs are {DOC_URI}")
-        feeds.subscribe(ctx.session, uri)
+        await feeds.subscribe(ctx.session, uri)
         return EmptyResult()
 
     async def on_unsubscribe(

@@ -374,6 +374,31 @@ async def test_a_committed_op_notifies_the_sub_docs_resource(fleet: Fleet) -> No
     assert "n1" in after["state"]["nodes"]
 
 
+async def test_a_burst_of_commits_leaves_the_listen_stream_open(fleet: Fleet) -> None:
+    # 3,000 ops in one call, told one notification per op, overflowed the listen stream's
+    # backlog in the `mcp` SDK (1,024 events), which ended the agent's stream: a later commit
+    # to another sub-doc on the same stream was never told.
+    burst, other = f"cv://{WS}/docs/burst", f"cv://{WS}/docs/burst-after"
+    insert = [{"type": "node.insert", "node_id": "b", "parent_id": "root"}]
+    bumps = [{"type": "node.increment", "node_id": "b", "field": "n"}] * 3000
+    async with stdio_session(fleet) as client:
+        await call(client, "apply_ops", workspace_id=WS, sub_doc="burst", ops=insert)
+        async with client.listen(resource_subscriptions=[burst, other]) as stream:
+            await call(client, "apply_ops", workspace_id=WS, sub_doc="burst", ops=bumps)
+            await call(client, "apply_ops", workspace_id=WS, sub_doc="burst-after", ops=insert)
+            told: list[str] = []
+            async with asyncio.timeout(SCENARIO_S):
+                async for event in stream:  # ends early if the server ended the stream
+                    told.append(event.uri)  # type: ignore[union-attr]
+                    if event.uri == other:  # type: ignore[union-attr]
+                        break
+        state = await call(client, "get_state", workspace_id=WS, sub_doc="burst")
+
+    assert told[-1] == other
+    assert set(told) == {burst, other}
+    assert state["state"]["nodes"]["b"]["fields"] == {"n": 3000}
+
+
 @pytest.mark.filterwarnings("ignore::mcp.MCPDeprecationWarning")
 async def test_a_handshake_era_client_is_notified_through_resources_subscribe(
     fleet: Fleet,

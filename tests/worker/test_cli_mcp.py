@@ -1,5 +1,6 @@
 """`cv-workspace mcp` as a process: how it starts, answers and stops (docs/mcp.md). The MCP
-server opens no connection to the cv-server before a tool needs one, so these run without one."""
+server opens no connection to the cv-server before a tool or a subscription needs one, so most
+of these run without one."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from aiohttp.test_utils import TestServer
 from mcp import Client
 
 from tests.acceptance.procs import free_port
+from tests.worker.conftest import WS, token_for, url_of
 
 T = TypeVar("T", str, bytes)
 
@@ -36,12 +39,12 @@ INITIALIZE = {
 }
 
 
-def _mcp(tmp_path: Path, *extra: str) -> list[str]:
-    token = tmp_path / "token"
-    token.write_text("t0ken\n")
+def _mcp(tmp_path: Path, *extra: str, url: str = URL, token: str = "t0ken") -> list[str]:
+    token_file = tmp_path / "token"
+    token_file.write_text(token + "\n")
     return [
         sys.executable, "-m", "cv_workspace_client.cli", "workspace", "mcp",
-        "--url", URL, "--token-file", str(token), *extra,
+        "--url", url, "--token-file", str(token_file), *extra,
     ]  # fmt: skip
 
 
@@ -66,8 +69,10 @@ def _stdio(tmp_path: Path) -> contextlib.AbstractContextManager[subprocess.Popen
     return _killed_on_exit(subprocess.Popen(_mcp(tmp_path), stdin=pipe, stdout=pipe, stderr=pipe))
 
 
-def _http(tmp_path: Path) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
-    args = _mcp(tmp_path, "--transport", "http", "--port", "0")
+def _http(
+    tmp_path: Path, url: str = URL, token: str = "t0ken"
+) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
+    args = _mcp(tmp_path, "--transport", "http", "--port", "0", url=url, token=token)
     pipe = subprocess.PIPE
     return _killed_on_exit(subprocess.Popen(args, stdout=pipe, stderr=pipe, text=True))
 
@@ -148,15 +153,17 @@ def test_bad_arguments_are_usage_errors(args: list[str], message: str) -> None:
     assert message in json.loads(out.stderr)["error"]["message"]
 
 
-async def test_http_on_sigterm_ends_open_listen_streams_gracefully(tmp_path: Path) -> None:
+async def test_http_on_sigterm_ends_open_listen_streams_gracefully(
+    tmp_path: Path, server: TestServer
+) -> None:
     # A listen stream never ends by itself: a server stopping must end it (the client sees a
     # graceful close), not sit out its drain deadline and then drop it.
-    with _http(tmp_path) as proc:
+    with _http(tmp_path, url=url_of(server), token=token_for(WS)) as proc:
         assert proc.stdout is not None
         url = proc.stdout.readline().split()[-1]
         async with (
             Client(url, read_timeout_seconds=30) as client,
-            client.listen(resource_subscriptions=["cv://ws/docs/notes"]) as stream,
+            client.listen(resource_subscriptions=[f"cv://{WS}/docs/notes"]) as stream,
         ):
             proc.send_signal(signal.SIGTERM)
             async with asyncio.timeout(30):
