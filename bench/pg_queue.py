@@ -44,6 +44,9 @@ WORKSPACE: Final = "bench"
 STAGE: Final = "noop"
 ENQUEUERS: Final = 16
 PEER_REQUIREMENT: Final = "procrastinate[psycopg]==3.10.0"
+DBOS_REQUIREMENTS: Final = ("dbos==3.4.0", "psycopg[binary]")
+#: DBOS's queue polling interval for the benchmark (its default is 1 s).
+DEFAULT_DBOS_POLL_S: Final = 0.01
 
 
 # -- cv-workspace ----------------------------------------------------------------------------------
@@ -208,6 +211,46 @@ def run_procrastinate(
     return float(report["enqueue_s"]), float(report["drain_s"])
 
 
+# -- DBOS ------------------------------------------------------------------------------------------
+
+
+def dbos_python(given: str | None) -> str:
+    """The interpreter of a virtualenv with DBOS: `given`, or one created (once) in the temp dir
+    (the same one `bench.queue` uses)."""
+    if given:
+        return given
+    venv = Path(tempfile.gettempdir()) / "cv-bench-dbos"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", *DBOS_REQUIREMENTS], check=True, timeout=600
+        )
+    return str(python)
+
+
+def run_dbos(
+    python: str, dsn: str, jobs: int, workers: int, concurrency: int, poll_s: float
+) -> tuple[float, float, dict[str, Any]]:
+    """(enqueue seconds, drain seconds, rows per job per table) for DBOS."""
+    with fresh_schema(dsn) as schema:
+        args = [dsn, str(jobs), str(workers), str(concurrency), str(poll_s), schema]
+        done = subprocess.run(
+            [python, "-m", "bench._dbos_peer", *args],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            cwd=Path(__file__).resolve().parent.parent,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"DBOS run failed: {done.stderr[-2000:]}")
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+    if report["succeeded"] != jobs:
+        raise RuntimeError(f"DBOS finished {report['succeeded']} of {jobs} workflows")
+    return jobs / float(report["enqueue_per_s"]), float(report["drain_s"]), report["rows_per_job"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.pg_queue", description=__doc__)
     parser.add_argument("--database-url", required=True)
@@ -217,9 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-concurrency", default="1,16")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--procrastinate-python", default=None)
+    parser.add_argument("--dbos-python", default=None)
+    parser.add_argument("--dbos-poll", type=float, default=DEFAULT_DBOS_POLL_S)
+    parser.add_argument("--no-dbos", action="store_true")
     args = parser.parse_args(argv)
     dsn, jobs, workers = args.database_url, args.jobs, args.workers
     python = peer_python(args.procrastinate_python)
+    dbos = None if args.no_dbos else dbos_python(args.dbos_python)
     print(
         f"PostgreSQL synchronous_commit={pg_setting(dsn, 'synchronous_commit')}; {jobs} no-op"
         f" jobs, {workers} workers; load {os.getloadavg()[0]:.1f}",
@@ -237,12 +284,27 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         best_peer = min(peers.values())
+        dbos_drains: dict[int, float] = {}
+        for concurrency in (int(c) for c in args.peer_concurrency.split(",")) if dbos else ():
+            assert dbos is not None
+            d_enqueue, d_drain, rows = run_dbos(
+                dbos, dsn, jobs, workers, concurrency, args.dbos_poll
+            )
+            dbos_drains[concurrency] = d_drain
+            print(
+                f"  DBOS, concurrency {concurrency:<4}         "
+                f"  enqueue {jobs / d_enqueue:7,.0f} jobs/s"
+                f"   drain {jobs / d_drain:7,.0f} jobs/s"
+                f"   (poll {args.dbos_poll} s; rows/job {rows})",
+                flush=True,
+            )
         for batch in (int(b) for b in args.batches.split(",")):
             enqueue_s, drain_s = run_ours(dsn, jobs, workers, batch)
             print(
                 f"  cv-workspace, batch {batch:<4}        enqueue {jobs / enqueue_s:7,.0f} jobs/s"
                 f"   drain {jobs / drain_s:7,.0f} jobs/s"
-                f"   {best_peer / drain_s:5.1f}x procrastinate's best drain",
+                f"   {best_peer / drain_s:5.1f}x procrastinate's best drain"
+                + (f", {min(dbos_drains.values()) / drain_s:5.1f}x DBOS's" if dbos_drains else ""),
                 flush=True,
             )
     return 0

@@ -15,6 +15,14 @@ For each worker-process count, on fresh database files:
   one producer, then `huey_consumer -k process -w N` drains them; the no-op task returns the time
   it ran, so the result is stored (like our `done` row). Installed in a throwaway venv
   (`--huey-venv`, created on first use); never a dependency of this project.
+- DBOS: the same `--jobs` no-op workflows enqueued one call each (each with its own workflow id,
+  DBOS's idempotency key) on a DBOS `Queue` over a SQLite system database, then that many worker
+  processes (each its own executor, `worker_concurrency` = `--concurrency`, polling every
+  `--dbos-poll` seconds: DBOS's default is 1 s, which would cap one worker at concurrency 1 near
+  one job a second) drain them (`bench._dbos_peer`). Installed in a throwaway venv
+  (`--dbos-venv`); never a dependency of this project. Per job DBOS keeps a `workflow_status`
+  row (enqueued, claimed, run and finished are each an update of it), a `workflow_input` row and
+  a `workflow_output` row; the run prints the rows per table it found.
 
 The drain rate is measured the same way for both: jobs / (last task run - first task run), so
 process start-up is left out; wall time including start-up is printed too. Each cv-workspace job
@@ -51,6 +59,10 @@ DEFAULT_HUEY_VENV: Final = Path(tempfile.gettempdir()) / "huey-venv"
 ENQUEUE_IN_FLIGHT: Final = 64
 #: Give up on a drain after this long (a stuck run must not hang the benchmark).
 DRAIN_TIMEOUT_S: Final = 1800.0
+DBOS_REQUIREMENT: Final = "dbos==3.4.0"
+DEFAULT_DBOS_VENV: Final = Path(tempfile.gettempdir()) / "cv-bench-dbos"
+#: DBOS's queue polling interval for the benchmark (its default is 1 s).
+DEFAULT_DBOS_POLL_S: Final = 0.01
 TABLE: Final = "workspace_process_requests"
 
 
@@ -215,6 +227,49 @@ def run_huey(
     return result, dict(data["settings"])
 
 
+# -- DBOS ------------------------------------------------------------------------------------------
+
+
+def ensure_dbos(venv: Path) -> Path:
+    """The venv's python, with DBOS installed (created on first use)."""
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", "import dbos"]
+    if python.exists() and subprocess.run(probe, capture_output=True, check=False).returncode == 0:
+        return python
+    print(f"creating {venv} with {DBOS_REQUIREMENT} (benchmark only)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", DBOS_REQUIREMENT, "psycopg[binary]"], check=True
+    )
+    return python
+
+
+def run_dbos(
+    python: Path, system_db: str, jobs: int, workers: int, concurrency: int, poll_s: float
+) -> tuple[Result, dict[str, object]]:
+    """Drive `bench._dbos_peer` on `system_db` (a SQLite or PostgreSQL URL); the result and the
+    peer's report (rows per job per table, version)."""
+    args = [system_db, str(jobs), str(workers), str(concurrency), str(poll_s)]
+    done = subprocess.run(
+        [str(python), "-m", "bench._dbos_peer", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=DRAIN_TIMEOUT_S,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"DBOS side failed: {done.stderr.strip()[-2000:]}")
+    data = json.loads(done.stdout.strip().splitlines()[-1])
+    if data["succeeded"] != jobs:
+        raise RuntimeError(f"DBOS finished {data['succeeded']} of {jobs} workflows")
+    result = Result(
+        "dbos", workers, concurrency, jobs, float(data["enqueue_per_s"]), float(data["drain_s"]),
+        float(data["wall_s"]),
+    )  # fmt: skip
+    return result, {"rows_per_job": data["rows_per_job"], "version": data["dbos_version"]}
+
+
 # -- report ----------------------------------------------------------------------------------------
 
 
@@ -234,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1", help="stages at once per cv-worker")
     parser.add_argument("--huey-venv", type=Path, default=DEFAULT_HUEY_VENV)
     parser.add_argument("--no-huey", action="store_true")
+    parser.add_argument("--dbos-venv", type=Path, default=DEFAULT_DBOS_VENV)
+    parser.add_argument("--dbos-poll", type=float, default=DEFAULT_DBOS_POLL_S)
+    parser.add_argument("--no-dbos", action="store_true")
     parser.add_argument("--dir", type=Path, default=None, help="where the databases go")
     parser.add_argument("--profile", type=Path, default=None, help="profile the server into DIR")
     args = parser.parse_args(argv)
@@ -241,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     worker_counts = [int(x) for x in args.workers.split(",")]
     concurrencies = [int(x) for x in args.concurrency.split(",")]
     python = None if args.no_huey else ensure_huey(args.huey_venv)
+    dbos_python = None if args.no_dbos else ensure_dbos(args.dbos_venv)
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         directory = Path(tmp)
@@ -256,15 +315,35 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(ours)
                 print(_row(ours), flush=True)
                 print(f"      {cpu}", flush=True)
+                if dbos_python is not None:
+                    system_db = f"sqlite:///{directory / f'dbos-{workers}x{concurrency}.sqlite'}"
+                    dbos, report = run_dbos(
+                        dbos_python, system_db, jobs, workers, concurrency, args.dbos_poll
+                    )
+                    results.append(dbos)
+                    print(_row(dbos), flush=True)
+                    print(f"      dbos, poll {args.dbos_poll} s: {report}", flush=True)
             if python is not None:
                 theirs, settings = run_huey(python, directory, jobs, workers)
                 results.append(theirs)
                 print(_row(theirs), flush=True)
                 print(f"      huey storage: {settings}", flush=True)
+        if dbos_python is not None:
+            print("drain rate, cv-workspace / DBOS (same processes and concurrency):")
+            for r in results:
+                if r.system != "cv-workspace":
+                    continue
+                key = (r.workers, r.concurrency)
+                peer = next(
+                    d for d in results if d.system == "dbos" and (d.workers, d.concurrency) == key
+                )
+                print(
+                    f"  {r.workers} proc x {r.concurrency}: {r.drain_per_s / peer.drain_per_s:.2f}x"
+                )
         if python is not None:
             print("drain rate, cv-workspace / huey (same process count):")
             for r in results:
-                if r.system == "huey":
+                if r.system != "cv-workspace":
                     continue
                 peer = next(h for h in results if h.system == "huey" and h.workers == r.workers)
                 print(
