@@ -7,6 +7,15 @@ from cv_server.oplog.store import (
     OpLogStore,
     Outcome,
     Rejected,
+    SubDocHead,
 )
 
-__all__ = ["Committed", "IncomingOp", "LogEntry", "OpLogStore", "Outcome", "Rejected"]
+__all__ = [
+    "Committed",
+    "IncomingOp",
+    "LogEntry",
+    "OpLogStore",
+    "Outcome",
+    "Rejected",
+    "SubDocHead",
+]

@@ -46,7 +46,7 @@ from cv_server.oplog.pipeline import (
     op_ids_to_look_up,
     plan_commit,
 )
-from cv_server.oplog.store import IncomingOp, LogEntry, OpLogStore, Outcome
+from cv_server.oplog.store import IncomingOp, LogEntry, OpLogStore, Outcome, SubDocHead
 from cv_server.sqlite_db import SQLiteDatabase, Transaction
 
 __all__ = ["OpLogCorrupted", "SQLiteOpLogStore", "create_schema"]
@@ -81,6 +81,24 @@ _SELECT_OPS_AFTER: Final = (
     " WHERE workspace_id = ? AND sub_doc = ? AND clock > ? ORDER BY clock"
 )
 _SELECT_HEAD: Final = f"SELECT max(clock) FROM {OPS_TABLE} WHERE workspace_id = ? AND sub_doc = ?"
+# The workspace's sub-docs by name, each found by one seek of the primary key to the next name
+# after the last (a loose index scan): a page costs `limit` seeks, not a scan of every op of the
+# workspace. ?1 workspace, ?2 the name to start after ('' sorts before every valid id), ?3 limit.
+_LIST_SUB_DOCS: Final = f"""
+WITH RECURSIVE docs(sub_doc) AS (
+    SELECT (SELECT min(sub_doc) FROM {OPS_TABLE} WHERE workspace_id = ?1 AND sub_doc > ?2)
+    UNION ALL
+    SELECT (SELECT min(sub_doc) FROM {OPS_TABLE} WHERE workspace_id = ?1 AND sub_doc > docs.sub_doc)
+    FROM docs WHERE docs.sub_doc IS NOT NULL
+    LIMIT ?3
+)
+SELECT d.sub_doc, o.clock, o.committed_at
+FROM docs d
+JOIN {OPS_TABLE} o ON o.workspace_id = ?1 AND o.sub_doc = d.sub_doc AND o.clock = (
+    SELECT max(clock) FROM {OPS_TABLE} WHERE workspace_id = ?1 AND sub_doc = d.sub_doc
+)
+ORDER BY d.sub_doc
+"""
 
 _DEFAULT_SNAPSHOT_EVERY: Final = ServerConfig().snapshot_every
 _DEFAULT_CACHE_LIMIT: Final = ServerConfig().subdoc_cache_limit
@@ -281,6 +299,22 @@ class SQLiteOpLogStore(OpLogStore):
         def read(conn: sqlite3.Connection) -> int:
             value = conn.execute(_SELECT_HEAD, (workspace_id, sub_doc)).fetchone()[0]
             return int(value or 0)
+
+        return await self.db.read(read)
+
+    async def list_sub_docs(
+        self, workspace_id: str, *, after: str | None = None, limit: int
+    ) -> list[SubDocHead]:
+        self._check_open()
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0: {limit!r}")
+        if limit == 0:
+            return []
+
+        def read(conn: sqlite3.Connection) -> list[SubDocHead]:
+            rows = conn.execute(_LIST_SUB_DOCS, (workspace_id, after or "", limit)).fetchall()
+            # committed_at is stored in milliseconds.
+            return [SubDocHead(name, clock, at / 1000) for name, clock, at in rows]
 
         return await self.db.read(read)
 

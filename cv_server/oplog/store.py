@@ -15,7 +15,15 @@ from cv_mutations import Op, SubDocState
 if TYPE_CHECKING:
     import asyncio
 
-__all__ = ["Committed", "IncomingOp", "LogEntry", "OpLogStore", "Outcome", "Rejected"]
+__all__ = [
+    "Committed",
+    "IncomingOp",
+    "LogEntry",
+    "OpLogStore",
+    "Outcome",
+    "Rejected",
+    "SubDocHead",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +88,19 @@ class LogEntry:
         return {"clock": self.clock, "op_id": self.op_id, "op": self.op}
 
 
+@dataclass(frozen=True, slots=True)
+class SubDocHead:
+    """A written sub-doc as a listing shows it: its head clock and when that op committed
+    (epoch seconds, on the committing server's clock)."""
+
+    sub_doc: str
+    clock: int
+    committed_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sub_doc": self.sub_doc, "clock": self.clock, "committed_at": self.committed_at}
+
+
 class OpLogStore(abc.ABC):
     """The op-log of every sub-doc of every workspace.
 
@@ -137,6 +158,17 @@ class OpLogStore(abc.ABC):
     @abc.abstractmethod
     async def head(self, workspace_id: str, sub_doc: str) -> int:
         """The clock of the last committed op (0 for a sub-doc never written)."""
+
+    @abc.abstractmethod
+    async def list_sub_docs(
+        self, workspace_id: str, *, after: str | None = None, limit: int
+    ) -> list[SubDocHead]:
+        """The workspace's sub-docs with at least one committed op, by name, each at its head.
+
+        At most `limit` of them, those named after `after` (the last name of the previous page;
+        None: from the first). A sub-doc only ever rejected ops is not listed: its clock is 0,
+        as for one never written. Raises `ValueError` if `limit` is negative.
+        """
 
     @abc.abstractmethod
     async def close(self) -> None:

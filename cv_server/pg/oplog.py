@@ -48,7 +48,7 @@ from cv_server.oplog.pipeline import (
     op_ids_to_look_up,
     plan_commit,
 )
-from cv_server.oplog.store import IncomingOp, LogEntry, OpLogStore, Outcome
+from cv_server.oplog.store import IncomingOp, LogEntry, OpLogStore, Outcome, SubDocHead
 from cv_server.pg import oplog_sql as sql
 from cv_server.pg.migrations import migrate
 from cv_server.pg.notifier import check_payload
@@ -269,6 +269,18 @@ class PostgresOpLogStore(OpLogStore):
         self._check_open()
         async with self.pool.acquire() as conn:
             return await sql.read_head(conn, workspace_id, sub_doc)
+
+    async def list_sub_docs(
+        self, workspace_id: str, *, after: str | None = None, limit: int
+    ) -> list[SubDocHead]:
+        self._check_open()
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0: {limit!r}")
+        if limit == 0:
+            return []
+        async with self.pool.acquire() as conn:
+            rows = await sql.list_sub_docs(conn, workspace_id, after or "", limit)
+        return [SubDocHead(name, clock, at) for name, clock, at in rows]
 
     async def close(self) -> None:
         """Finish every append queued before this call, then close the pool if this store
