@@ -26,7 +26,13 @@ from cv_server.inputs import check_since, decode_json, parse_apply_body
 from cv_server.keys import CONFIG, CONNECTIONS, HUB, METRICS, STATE, STORES, TOKEN_SECRET
 from cv_server.oplog import LogEntry, Outcome
 from cv_server.problems import Problem
-from cv_server.security import authenticate, bearer_token, seconds_left, signed_with
+from cv_server.security import (
+    SOCKET_SUBPROTOCOL,
+    authenticate,
+    bearer_token,
+    seconds_left,
+    signed_with,
+)
 
 __all__ = ["CLOSE_FORBIDDEN", "CLOSE_UNAUTHORIZED", "routes"]
 
@@ -210,6 +216,9 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
     config = app[CONFIG]
     workspace_id = request.match_info["ws"]
     ws = web.WebSocketResponse(
+        # Chosen when the client offers it (a browser passing its token as `cv-bearer.<token>`
+        # must, since a browser fails a handshake whose answer names none of its offers).
+        protocols=(SOCKET_SUBPROTOCOL,),
         max_msg_size=config.max_ws_frame_bytes,
         autoping=True,
         heartbeat=config.socket_heartbeat_seconds,
@@ -218,7 +227,7 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
     reason = b""
     expires_in: float | None = None
     try:
-        claims = authenticate(request, allow_query=True)
+        claims = authenticate(request, allow_query=True, allow_subprotocol=True)
         expires_in = seconds_left(claims)
         if not is_valid_workspace_id(workspace_id) or not claims.allows(workspace_id):
             close_code, reason = CLOSE_FORBIDDEN, b"forbidden workspace"
@@ -248,7 +257,7 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
         expiry = asyncio.get_running_loop().call_later(
             max(0.0, expires_in), conn.close, CLOSE_UNAUTHORIZED, b"token expired"
         )
-    token = bearer_token(request, allow_query=True)
+    token = bearer_token(request, allow_query=True, allow_subprotocol=True)
     assert token is not None  # `authenticate` took it
 
     def on_new_secret(secret: bytes) -> None:
