@@ -83,9 +83,8 @@ async def test_held_locks_are_listed_with_holder_and_time_left_but_never_their_t
 
 async def test_a_released_lock_is_no_longer_listed(server: TestClient[Any, Any]) -> None:
     won = await acquire(server, "J1", "t", "w")
-    resp = await server.post(
-        f"{LOCKS}/release", json={"job_id": "J1", "task": "t", "token": won["token"]}, headers=auth(WS)
-    )
+    body = {"job_id": "J1", "task": "t", "token": won["token"]}
+    resp = await server.post(f"{LOCKS}/release", json=body, headers=auth(WS))
     assert (await resp.json())["released"] is True
     assert (await get(server, LOCKS))["locks"] == []
 
