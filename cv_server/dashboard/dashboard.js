@@ -290,12 +290,13 @@
     if (frame.op_id) li.dataset.opId = frame.op_id;
     const time = new Date().toLocaleTimeString();
     const op = frame.op && typeof frame.op === "object" ? frame.op : {};
+    const { type, op_id: _opId, ...fields } = op; // the type is shown, the op_id is the line's
     const parts = [
       ["time", `${time} `],
       ["doc", frame.sub_doc],
       ["clock", ` @${frame.clock} `],
-      ["type", `${op.type || "op"} `],
-      ["body", JSON.stringify(op)],
+      ["type", `${type || "op"} `],
+      ["body", JSON.stringify(fields)],
     ];
     for (const [cls, text] of parts) {
       const span = document.createElement("span");
@@ -446,8 +447,12 @@
     let text;
     try {
       text = await api("/metrics", { raw: true });
-    } catch {
-      return; // metrics are optional for the page: the listings still work
+    } catch (error) {
+      // Optional for the page: the listings work without them.
+      const why = `metrics unavailable (${error.status || error.message})`;
+      $("value-queue-wait").textContent = why;
+      $("value-stage-wall").textContent = why;
+      return;
     }
     const samples = parsePrometheus(text);
     const waits = histogramTotals(samples, "cv_queue_wait_seconds", null);
