@@ -25,6 +25,7 @@ from cv_server.inputs import check_ids, decode_json
 from cv_server.keys import CONFIG, STORES, WAITERS, WORK_SIGNALS
 from cv_server.problems import Problem
 from cv_server.queue import (
+    STATUSES,
     Completion,
     Enqueued,
     InProgress,
@@ -53,6 +54,8 @@ _ERROR_STATUS = {
     "invalid_transition": 409,
     "request_id_conflict": 409,
     "idempotency_key_lost": 409,
+    "cancelled": 409,
+    "not_cancellable": 409,
 }
 
 
@@ -279,9 +282,15 @@ async def _row(request: web.Request) -> ProcessRequest:
     return row
 
 
+async def _row_json(request: web.Request, row: ProcessRequest) -> dict[str, Any]:
+    """The row as a requester sees it, with how long it has waited unclaimed, judged on the
+    store's clock (the one its times are on)."""
+    return row.to_json(now=await request.app[STORES].queue.clock())
+
+
 @routes.get("/v1/workspaces/{ws}/requests/{id}")
 async def get_request(request: web.Request) -> web.Response:
-    return web.json_response((await _row(request)).to_json())
+    return web.json_response(await _row_json(request, await _row(request)))
 
 
 def _sse(event: str, data: Any) -> bytes:
@@ -290,7 +299,8 @@ def _sse(event: str, data: Any) -> bytes:
 
 @routes.get("/v1/workspaces/{ws}/requests/{id}/stream")
 async def stream_request(request: web.Request) -> web.StreamResponse:
-    """SSE: `queued` (if not finished), then `done` (the row) or `error` TIMEOUT at the deadline.
+    """SSE: `queued` (if not finished), then the row once it finished — `done` (done or poison,
+    as ever) or `cancelled` — or `error` TIMEOUT at the deadline.
 
     The result lives on the row, so a dropped stream simply reconnects (or polls) without loss.
     """
@@ -307,14 +317,16 @@ async def stream_request(request: web.Request) -> web.StreamResponse:
         return transport is None or transport.is_closing()
 
     if not row.is_finished:
-        await response.write(_sse("queued", row.to_json()))
+        await response.write(_sse("queued", await _row_json(request, row)))
         latest = await request.app[WAITERS].wait(
             row.workspace_id, row.request_id, timeout, abandoned=hung_up
         )
         if hung_up():  # nobody left to tell (and a write would raise); the row keeps the outcome
             return response
         row = latest or row
-    if row.is_finished:
+    if row.status == "cancelled":
+        await response.write(_sse("cancelled", row.to_json()))
+    elif row.is_finished:
         await response.write(_sse("done", row.to_json()))
     else:  # seed 003: the deadline only ends the wait; the work goes on, the row keeps its result
         await response.write(
@@ -544,8 +556,8 @@ async def fail(request: web.Request) -> web.Response:
 async def list_requests(request: web.Request) -> web.Response:
     claims = authenticate(request)
     status = request.query.get("status")
-    if status not in (None, "pending", "in_progress", "done", "poison"):
-        raise Problem(422, "invalid_field", "status must be pending|in_progress|done|poison")
+    if status is not None and status not in STATUSES:
+        raise Problem(422, "invalid_field", f"status must be one of {'|'.join(STATUSES)}")
     workspace_id = request.query.get("workspace")
     if workspace_id is None and "*" not in claims.workspaces:
         raise Problem(403, "forbidden_workspace", "name a workspace (?workspace=) you may touch")
@@ -560,18 +572,20 @@ async def list_requests(request: web.Request) -> web.Response:
         raise Problem(400, "invalid_field", "limit must be an integer") from None
     if limit < 0:  # the stores refuse it (SQLite: ValueError; PostgreSQL: LIMIT -1): was a 500
         raise Problem(422, "invalid_field", "limit must be an integer in 0..1000")
-    rows = await request.app[STORES].queue.list(
-        status=status,  # type: ignore[arg-type]
+    queue = request.app[STORES].queue
+    rows = await queue.list(
+        status=status,
         workspace_id=workspace_id,
         limit=limit,
         after=_list_cursor(request.query.get("after")),
     )
+    now = await queue.clock()
     # A full page may have more behind it: `?after=<next_after>` asks for the next one (there
     # was no next page: poison requests past the first 1000 could not be found to replay).
     last = rows[-1] if rows and len(rows) == limit else None
     next_after = None if last is None else f"{last.created_at!r},{last.request_id}"
     return web.json_response(
-        {"requests": [row.to_json() for row in rows], "next_after": next_after}
+        {"requests": [row.to_json(now=now) for row in rows], "next_after": next_after}
     )
 
 
@@ -598,3 +612,17 @@ async def replay(request: web.Request) -> web.Response:
     except QueueError as exc:
         raise _queue_problem(exc) from None
     return web.json_response(after.to_json())
+
+
+@routes.post("/v1/workspaces/{ws}/requests/{id}/cancel")
+async def cancel(request: web.Request) -> web.Response:
+    """Cancel a request: a pending one is `cancelled` at once; one in progress answers with
+    `cancel_requested: true` and becomes `cancelled` once its holder stops (it hears of it at
+    its next heartbeat) or its lease lapses. Cancelling twice is answered with the row as it
+    stands; a done or poison request answers 409 `not_cancellable`. See docs/queue.md."""
+    row = await _row(request)
+    try:
+        after = await request.app[STORES].queue.cancel(row.request_id, now=None)
+    except QueueError as exc:
+        raise _queue_problem(exc) from None
+    return web.json_response(await _row_json(request, after))

@@ -63,7 +63,8 @@ async def wait_for_work(
 
 
 async def heartbeat(host: QueueHost, workspace_id: str, request_id: str, claim_token: str) -> float:
-    """Extend the lease; return its new expiry. Raises `LeaseLostError` when the token is gone."""
+    """Extend the lease; return its new expiry. Raises `LeaseLostError` when the token is gone,
+    `RequestCancelledError` when someone cancelled the request (stop, then `fail`)."""
     path = ws_path(workspace_id, "requests", request_id, "heartbeat")
     answer = await retried(host, "POST", path, body={"claim_token": claim_token})
     return float(answer["lease_expires_at"])

@@ -5,7 +5,7 @@ work from a shell or an agent, with no browser present.
               [--worker-class C] [--provider fake | --provider openai --provider-url U --model M]
               [--outbox PATH]
     cv-workspace enqueue --workspace W --stage S [--job-id J] [--input JSON] [--wait]
-    cv-workspace requests list|show|wait|replay|rerun ...
+    cv-workspace requests list|show|wait|replay|rerun|cancel ...
 
 `--url` / `--token` default to the environment's `CV_URL` / `CV_TOKEN`; `--token-file` (or
 `CV_TOKEN_FILE`) reads the token from a file instead, which `cv-worker` reads again whenever the
@@ -44,7 +44,7 @@ from cv_workspace_client._retry import backoff_for
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import WorkspaceError
 from cv_workspace_client.providers import CountingFakeProvider, OpenAICompatibleProvider, Provider
-from cv_workspace_client.queue_models import RequestOutcome
+from cv_workspace_client.queue_models import STATUSES, RequestOutcome
 from cv_workspace_client.stage import Handler, Stage
 from cv_workspace_client.worker import Worker, WorkerConfig
 
@@ -458,7 +458,7 @@ def _workspace_parser() -> argparse.ArgumentParser:
     verbs = requests.add_subparsers(dest="verb", required=True)
     listing = verbs.add_parser("list", help="requests by status, oldest first")
     _common(listing)
-    listing.add_argument("--status", choices=["pending", "in_progress", "done", "poison"])
+    listing.add_argument("--status", choices=list(STATUSES))
     listing.add_argument("--workspace", default=None)
     listing.add_argument("--limit", type=int, default=100)
     listing.add_argument(
@@ -467,6 +467,11 @@ def _workspace_parser() -> argparse.ArgumentParser:
     for verb, text in (
         ("show", "one request"),
         ("replay", "put a poison request back in the queue, by hand"),
+        (
+            "cancel",
+            "cancel a request: a pending one at once, one in progress once its worker stops "
+            "(the answer then says cancel_requested); a done or poison one cannot be",
+        ),
     ):
         sub = verbs.add_parser(verb, help=text)
         _common(sub)
@@ -544,6 +549,8 @@ async def _workspace(args: argparse.Namespace) -> int:
             _print((await client.get_request(args.workspace, args.request_id)).raw)
         elif args.verb == "replay":
             _print((await client.replay_request(args.workspace, args.request_id)).raw)
+        elif args.verb == "cancel":
+            _print((await client.cancel_request(args.workspace, args.request_id)).raw)
         elif args.verb == "wait":
             _need_seconds("--timeout", args.timeout)
             outcome = await client.wait_request(

@@ -46,6 +46,7 @@ __all__ = [
     "ExpectedError",
     "Handler",
     "LeaseLostError",
+    "RequestCancelledError",
     "Stage",
     "StageContext",
     "StageRequest",
@@ -87,6 +88,18 @@ class LeaseLostError(WorkspaceError):
 
     def __init__(self, message: str = "the claim token no longer holds the request") -> None:
         super().__init__("lease_lost", message)
+
+
+class RequestCancelledError(WorkspaceError):
+    """Someone cancelled the request this worker runs (code `cancelled`; see docs/queue.md).
+
+    The server refuses the holder's heartbeat with it; from then on `StageContext.ensure_lease` /
+    `apply_op` raise it, the worker cancels the handler and reports back, and the request ends
+    `cancelled`. Writes the stage committed before stay committed.
+    """
+
+    def __init__(self, message: str = "the request was cancelled") -> None:
+        super().__init__("cancelled", message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,12 +175,14 @@ _FINAL_ANSWERS = (OpRejectedError, InvalidRequestError, AuthError, ForbiddenErro
 
 
 class LeaseState:
-    """Whether the worker still holds the request; the worker's heartbeat flips it, once."""
+    """Whether the worker still holds the request (`lost`), and whether someone cancelled it
+    (`cancelled`); the worker's heartbeat flips one of them, once."""
 
-    __slots__ = ("lost",)
+    __slots__ = ("cancelled", "lost")
 
     def __init__(self) -> None:
         self.lost = False
+        self.cancelled = False
 
 
 class StageContext:
@@ -226,18 +241,27 @@ class StageContext:
         """The deterministic op_id of this run's write named `key` (see `op_id_for`)."""
         return op_id_for(self.request.request_id, self.request.run, key)
 
+    @property
+    def cancelled(self) -> bool:
+        """True once the worker's heartbeat learned that someone cancelled the request."""
+        return self._lease.cancelled
+
     def ensure_lease(self) -> None:
-        """Raise `LeaseLostError` once the worker's heartbeat found its claim gone. Call it
-        before any side effect that `apply_op` does not cover."""
+        """Raise `LeaseLostError` once the worker's heartbeat found its claim gone, or
+        `RequestCancelledError` once it learned the request was cancelled. Call it before any
+        side effect that `apply_op` does not cover."""
         if self._lease.lost:
             raise LeaseLostError()
+        if self._lease.cancelled:
+            raise RequestCancelledError()
 
     async def apply_op(self, sub_doc: str, op: Op, *, key: str) -> Commit:
         """Write `op` to `sub_doc` of this request's workspace under the op_id derived from
         `key`; return once the server committed it (a re-driven run gets `duplicate=True`).
 
         Use one distinct `key` per write of the stage. Raises `LeaseLostError` if the lease is
-        gone, and whatever `WorkspaceClient.apply_op` raises.
+        gone, `RequestCancelledError` if the request was cancelled, and whatever
+        `WorkspaceClient.apply_op` raises.
         """
         self.ensure_lease()
         derived = op.model_copy(update={"op_id": self.op_id_for(key)})

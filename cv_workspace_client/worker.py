@@ -16,7 +16,9 @@ The loop, in order of the rules it keeps:
   100 ms doubling to 2 s, woken early by the server's `/v1/queue/pending` push.
 - **Run** each under a heartbeat (every 60 s). A heartbeat answered `lease_lost` marks the
   context (`ensure_lease()` / `apply_op` raise `LeaseLostError`), cancels the handler and
-  completes nothing: another worker re-drove the request (River #1302).
+  completes nothing: another worker re-drove the request (River #1302). A heartbeat answered
+  `cancelled` (someone cancelled the request) cancels the handler likewise and reports back,
+  which ends the request `cancelled`.
 - **Report**: success → `complete` with the result, only once the handler returned and its
   writes committed; `ExpectedError` → `complete` with the error payload (never retried); any
   other exception → `fail` (the server applies the backoff, then poison at `max_dequeues`).
@@ -58,6 +60,7 @@ from cv_workspace_client.stage import (
     Handler,
     LeaseLostError,
     LeaseState,
+    RequestCancelledError,
     Stage,
     StageContext,
     StageRequest,
@@ -112,6 +115,8 @@ class WorkerStats:
     cache_hits: int = 0
     shared_runs: int = 0
     leases_lost: int = 0
+    #: Stages stopped because someone cancelled their request (reported back: `cancelled`).
+    cancelled: int = 0
     #: Stages still running at the drain deadline, cancelled without a report (they re-drive).
     cancelled_at_drain: int = 0
 
@@ -383,10 +388,14 @@ class Worker:
                 current.uncancel()
                 self._lease_lost(row, "its heartbeat was refused")
                 return
-            raise
+            if not lease.cancelled:
+                raise
+            current.uncancel()  # by the heartbeat, which heard the request was cancelled
         except LeaseLostError:
             self._lease_lost(row, "the stage stopped on a lost lease")
             return
+        except RequestCancelledError:  # `ensure_lease` / `apply_op` after the heartbeat heard
+            pass
         except ExpectedError as exc:
             kind, value, cache, shared = "error", _expected_payload(exc), None, False
         except Exception as exc:
@@ -394,12 +403,15 @@ class Worker:
         finally:
             beat.stop()
             slot.release()  # the stage is over; its report may overlap the next claim
+        if lease.lost:  # the handler swallowed the cancellation: still report nothing
+            self._lease_lost(row, "its heartbeat was refused")
+            return
+        if lease.cancelled:  # whatever the handler did once told to stop: it was cancelled
+            await self._report_cancelled(claimed)
+            return
         if failure is not None:
             logger.warning("stage %s failed on %s: %r", row.stage, row.request_id, failure)
             await self._report_failure(claimed, _error_payload(failure))
-            return
-        if lease.lost:  # the handler swallowed the cancellation: still report nothing
-            self._lease_lost(row, "its heartbeat was refused")
             return
         if shared:
             self.stats.shared_runs += 1
@@ -539,6 +551,25 @@ class Worker:
             return
         self.stats.failed += 1
         logger.info("request %s failed, now %s", row.request_id, status)
+
+    async def _report_cancelled(self, claimed: api.Claim) -> None:
+        """Tell the server the stage stopped on a cancel: the holder's `fail`, which finishes a
+        request whose cancel was requested as `cancelled` (never retried). Unreported (a lost
+        answer, a server away), the lease lapses and the next claim parks it as cancelled."""
+        row = claimed.request
+        error = {"code": "cancelled", "message": "the stage stopped: the request was cancelled"}
+        try:
+            status, _ = await api.fail(
+                self.client, row.workspace_id, row.request_id, claimed.claim_token, error
+            )
+        except LeaseLostError:
+            self._lease_lost(row, "its cancellation report was refused")
+            return
+        except WorkspaceError as exc:
+            logger.warning("could not report the cancellation of %s: %s", row.request_id, exc)
+            return
+        self.stats.cancelled += 1
+        logger.info("request %s cancelled, now %s", row.request_id, status)
 
     def _lease_lost(self, row: api.QueuedRequest, why: str) -> None:
         self.stats.leases_lost += 1
