@@ -377,21 +377,24 @@
       tr.dataset.requestId = row.request_id;
       tr.dataset.status = row.status;
       const attempts = `${row.dequeue_count}/${row.max_dequeues}`;
+      const status = row.cancel_requested ? `${row.status} (cancel requested)` : row.status;
       cells(tr, [
         row.request_id,
         row.stage,
-        row.status,
+        status.replace("_", " "),
+        row.claimed_by || "",
         formatAge(now - row.created_at),
         attempts,
         errorText(row.error),
       ]);
       tr.cells[2].className = "status";
-      tr.cells[5].className = "error";
+      tr.cells[6].className = "error";
       const actions = document.createElement("td");
       if (row.status === "poison") actions.append(actionButton("replay", row));
-      if (row.status === "pending" || row.status === "in_progress") {
-        actions.append(actionButton("cancel", row));
-      }
+      // In progress, a cancel is a request the holder acts on at its next heartbeat: once asked,
+      // asking again changes nothing.
+      const cancellable = row.status === "pending" || row.status === "in_progress";
+      if (cancellable && !row.cancel_requested) actions.append(actionButton("cancel", row));
       tr.append(actions);
       return tr;
     });
