@@ -16,8 +16,11 @@
   const RETRY_BASE_S = 1;
   const RETRY_CAP_S = 300;
   const MAX_OPS_SHOWN = 200; // the live stream keeps its newest lines only
-  const MAX_FINISHED_SHOWN = 20; // requests seen finishing while the page watched
+  const MAX_FINISHED_SHOWN = 10; // requests seen finishing while the page watched
   const CHART_POINTS = 60;
+  // The queue-wait and stage charts plot the mean over the last few refreshes, not the last one
+  // alone: at a refresh of 2 s, most single intervals see no run of a given stage finish.
+  const MEAN_WINDOW = 5;
   const PAGE = 1000; // the routes' largest page
   const LIVE_STATUSES = ["pending", "in_progress", "poison"];
   const SUBPROTOCOL = "cv-workspace.v1";
@@ -84,6 +87,14 @@
     return `${Math.floor(s / 86400)} d`;
   }
 
+  /** The smallest of 1, 2, 5 × 10^k at or above `value`: a chart's top line. */
+  function niceCeil(value) {
+    if (!(value > 0)) return 1;
+    const power = 10 ** Math.floor(Math.log10(value));
+    for (const step of [1, 2, 5, 10]) if (step * power >= value) return step * power;
+    return 10 * power;
+  }
+
   function formatNumber(value) {
     if (value == null || !Number.isFinite(value)) return "–";
     if (value === 0) return "0";
@@ -128,7 +139,7 @@
       stageWall: { series: new Map() },
     },
     lastClockSum: null,
-    lastMetrics: null,
+    metricsHistory: [], // the last MEAN_WINDOW + 1 readings of the histograms
   };
 
   function setStatus(kind, text) {
@@ -460,11 +471,13 @@
     const samples = parsePrometheus(text);
     const waits = histogramTotals(samples, "cv_queue_wait_seconds", null);
     const stages = histogramTotals(samples, "cv_stage_seconds", "stage");
-    const last = state.lastMetrics;
-    state.lastMetrics = { waits, stages };
+    const history = state.metricsHistory;
+    history.push({ waits, stages });
+    while (history.length > MEAN_WINDOW + 1) history.shift();
     if (!waits.size) $("value-queue-wait").textContent = "not exported by this server";
     if (!stages.size) $("value-stage-wall").textContent = "not exported by this server";
-    if (!last) return;
+    if (history.length < 2) return;
+    const last = history[0];
     const wait = intervalMean(last.waits.get("all"), waits.get("all"));
     pushPoint(state.charts.queueWait, "wait", wait);
     if (waits.size) $("value-queue-wait").textContent = wait == null ? "idle" : `${formatNumber(wait)} s`;
@@ -490,7 +503,7 @@
     const PAD = 14;
     const ns = "http://www.w3.org/2000/svg";
     const values = [...chart.series.values()].flat().filter((v) => v != null);
-    const max = Math.max(1e-9, ...values) * 1.1;
+    const max = niceCeil(Math.max(0, ...values));
     const children = [];
     for (const fraction of [0, 0.5, 1]) {
       const y = H - PAD - fraction * (H - 2 * PAD);
@@ -614,7 +627,7 @@
     state.finished = new Map();
     state.firstDocsLoaded = false;
     state.lastClockSum = null;
-    state.lastMetrics = null;
+    state.metricsHistory = [];
     for (const chart of Object.values(state.charts)) chart.series = new Map();
     $("ops").replaceChildren();
     state.opsShown = 0;
@@ -642,6 +655,6 @@
     if (token) connect();
   }
 
-  window.cvDashboard = { parsePrometheus, histogramTotals, intervalMean, formatAge };
+  window.cvDashboard = { parsePrometheus, histogramTotals, intervalMean, niceCeil, formatAge };
   start();
 })();

@@ -293,3 +293,35 @@ async def test_the_charts_read_interval_means_from_prometheus_histograms(
         "quiet": None,  # nothing observed in the interval: a gap, not a zero
         "stages": ["evaluate", 'say "hi"'],
     }
+
+
+async def test_the_queue_wait_and_stage_charts_draw_what_the_server_exports(
+    browser: Browser, server: TestServer, http: aiohttp.ClientSession
+) -> None:
+    async with http.get("/metrics") as resp:
+        exported = await resp.text()
+    if "cv_queue_wait_seconds" not in exported or "cv_stage_seconds" not in exported:
+        pytest.skip("this server exports no queue-wait and stage histograms on /metrics")
+    await open_dashboard(browser, server, refresh="0.5")
+    for stage in ("evaluate", "summarize"):
+        body = {"stage": stage, "worker_class": WORKER_CLASS}
+        answer = await call(http, "POST", f"/v1/workspaces/{WS}/requests", **body)
+        token = await claim(http, answer["request_id"])
+        path = f"/v1/workspaces/{WS}/requests/{answer['request_id']}/complete"
+        await call(http, "POST", path, claim_token=token, result={"ok": True})
+    await browser.call(
+        "waitFunction",
+        source="""() => {
+            const wait = document.getElementById("value-queue-wait").textContent;
+            const stages = document.getElementById("value-stage-wall").textContent;
+            return /^[0-9.e-]+ s$/.test(wait)
+                && stages.includes("evaluate") && stages.includes("summarize");
+        }""",
+        timeout=10_000,
+    )
+    legend = await browser.call(
+        "evaluate",
+        source="""() => [...document.querySelectorAll("#chart-stage-wall text")]
+            .map((t) => t.textContent).filter((t) => /[a-z]/.test(t)).sort()""",
+    )
+    assert legend == ["evaluate", "summarize"]
