@@ -61,9 +61,12 @@
     return totals;
   }
 
-  /** Mean of the observations made between two readings of a histogram (null: none made). */
+  /** Mean of the observations made between two readings of a histogram (null: none made). A
+   * series missing from the first reading had none yet: a client library exports a labelled
+   * series from its first observation on. */
   function intervalMean(before, after) {
-    if (!before || !after) return null;
+    if (!after) return null;
+    before = before || { sum: 0, count: 0 };
     const count = after.count - before.count;
     return count > 0 ? (after.sum - before.sum) / count : null;
   }

@@ -262,6 +262,8 @@ METRICS_AFTER = (
     .replace("wait_seconds_count 4.0", "wait_seconds_count 6.0")
     .replace('"evaluate"} 10.0', '"evaluate"} 16.0')
     .replace('"evaluate"} 5.0', '"evaluate"} 7.0')
+    # A stage first run in the interval: its series did not exist before.
+    + 'cv_stage_seconds_sum{stage="new"} 3.0\ncv_stage_seconds_count{stage="new"} 2.0\n'
 )
 
 
@@ -282,6 +284,7 @@ async def test_the_charts_read_interval_means_from_prometheus_histograms(
                 wait: d.intervalMean(a.wait.get("all"), b.wait.get("all")),
                 evaluate: d.intervalMean(a.stages.get("evaluate"), b.stages.get("evaluate")),
                 quiet: d.intervalMean(a.stages.get('say "hi"'), b.stages.get('say "hi"')),
+                fresh: d.intervalMean(a.stages.get("new"), b.stages.get("new")),
                 stages: [...b.stages.keys()].sort(),
             };
         }""",
@@ -291,7 +294,8 @@ async def test_the_charts_read_interval_means_from_prometheus_histograms(
         "wait": (5.0 - 2.0) / (6 - 4),
         "evaluate": (16.0 - 10.0) / (7 - 5),
         "quiet": None,  # nothing observed in the interval: a gap, not a zero
-        "stages": ["evaluate", 'say "hi"'],
+        "fresh": 3.0 / 2,
+        "stages": ["evaluate", "new", 'say "hi"'],
     }
 
 
