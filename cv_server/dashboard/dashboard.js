@@ -522,7 +522,7 @@
       label.setAttribute("y", String(y - 2));
       label.setAttribute("font-size", "8");
       label.setAttribute("fill", "#6b7385");
-      label.textContent = values.length ? formatNumber(max * fraction) : "";
+      label.textContent = values.length ? String(Number((max * fraction).toPrecision(3))) : "";
       children.push(label);
     }
     let color = 0;
