@@ -126,7 +126,8 @@
     workspace: "",
     refreshS: DEFAULT_REFRESH_S,
     generation: 0, // bumped on each connect: stale timers and sockets of the last one stop
-    skewS: 0, // server clock minus ours, from the Date header (1 s resolution)
+    skewS: 0, // server clock minus ours, estimated from the Date headers (see `observeDate`)
+    skewBounds: null, // [low, high]: what the Date headers seen so far allow the skew to be
     socket: null,
     subscribed: new Map(), // sub_doc -> last clock seen
     docs: [],
@@ -165,7 +166,27 @@
     }
   }
 
+  /** Narrow the estimate of the server's clock with one answer's `Date` header, sent at some
+   * moment between our `sentAt` and `receivedAt` and truncated to the second: the skew is in
+   * [date - receivedAt, date + 1 - sentAt]. Intersecting these bounds over many answers pins
+   * it far better than to the second; bounds that stop overlapping (a clock was stepped) start
+   * the estimate afresh. */
+  function observeDate(header, sentAt, receivedAt) {
+    const date = Date.parse(header || "") / 1000;
+    if (!Number.isFinite(date)) return;
+    const low = date - receivedAt;
+    const high = date + 1 - sentAt;
+    const bounds = state.skewBounds;
+    if (bounds && low <= bounds[1] && high >= bounds[0]) {
+      state.skewBounds = [Math.max(low, bounds[0]), Math.min(high, bounds[1])];
+    } else {
+      state.skewBounds = [low, high];
+    }
+    state.skewS = (state.skewBounds[0] + state.skewBounds[1]) / 2;
+  }
+
   async function api(path, options = {}) {
+    const sentAt = Date.now() / 1000;
     const response = await fetch(path, {
       method: options.method || "GET",
       headers: { Authorization: `Bearer ${state.token}`, Accept: "application/json" },
@@ -173,8 +194,7 @@
       credentials: "omit",
       referrerPolicy: "no-referrer",
     });
-    const date = Date.parse(response.headers.get("Date") || "");
-    if (Number.isFinite(date)) state.skewS = (date - Date.now()) / 1000;
+    observeDate(response.headers.get("Date"), sentAt, Date.now() / 1000);
     const text = await response.text();
     if (!response.ok) {
       let code = "http_error";
@@ -212,7 +232,9 @@
     state.firstDocsLoaded = true;
     renderDocs();
     const sum = page.docs.reduce((total, doc) => total + doc.clock, 0);
-    const now = state.docsFetchedAt;
+    // Rates on our own monotonic clock: the server's, as estimated, may be corrected between
+    // two readings, which would stretch or shrink (even reverse) an interval.
+    const now = performance.now() / 1000;
     if (state.lastClockSum) {
       const dt = now - state.lastClockSum.at;
       if (dt > 0) {
@@ -348,7 +370,10 @@
     });
     // A request that left the live listings finished (or was cancelled) while we watched: read
     // it once for its final status.
-    const gone = [...state.requests.keys()].filter((id) => !live.has(id));
+    // At most as many as are shown: a burst of completions costs a bounded number of reads.
+    const gone = [...state.requests.keys()]
+      .filter((id) => !live.has(id))
+      .slice(-MAX_FINISHED_SHOWN);
     const finished = await Promise.all(
       gone.map((id) =>
         api(`${wsPath()}/requests/${encodeURIComponent(id)}`).catch(() => null),

@@ -118,7 +118,8 @@ class ComputeLockStore(abc.ABC):
         after: tuple[str, str] | None = None,
         limit: int,
     ) -> list[LockInfo]:
-        """The workspace's live locks at `now` (operators), by `(job_id, task)`.
+        """The workspace's live locks at `now` (operators), by `(job_id, task)` in the backend's
+        order of names (byte order on SQLite, the database's collation on PostgreSQL).
 
         At most `limit` of them, those whose key sorts after `after` (the `(job_id, task)` of the
         previous page's last lock; None: from the first). Dead locks are not listed, as `get`

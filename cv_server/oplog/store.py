@@ -165,6 +165,9 @@ class OpLogStore(abc.ABC):
     ) -> list[SubDocHead]:
         """The workspace's sub-docs with at least one committed op, by name, each at its head.
 
+        By name in the backend's order of names (byte order on SQLite, the database's collation
+        on PostgreSQL): a listing paged with `after` is complete in either.
+
         At most `limit` of them, those named after `after` (the last name of the previous page;
         None: from the first). A sub-doc only ever rejected ops is not listed: its clock is 0,
         as for one never written. Raises `ValueError` if `limit` is negative.
