@@ -21,6 +21,7 @@ import orjson
 from aiohttp import web
 
 from cv_mutations import is_valid_workspace_id
+from cv_server.bodies import read_body
 from cv_server.inputs import check_ids, decode_json
 from cv_server.keys import CONFIG, STORES, WAITERS, WORK_SIGNALS
 from cv_server.problems import Problem
@@ -68,7 +69,7 @@ def _queue_problem(exc: QueueError) -> Problem:
 
 
 async def _json_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
-    raw = await request.read()
+    raw = await read_body(request)
     body = decode_json(raw) if raw else {}
     if not isinstance(body, dict):
         raise Problem(400, "malformed_json", "body must be a JSON object")
@@ -300,7 +301,7 @@ def _sse(event: str, data: Any) -> bytes:
 @routes.get("/v1/workspaces/{ws}/requests/{id}/stream")
 async def stream_request(request: web.Request) -> web.StreamResponse:
     """SSE: `queued` (if not finished), then the row once it finished — `done` (done or poison,
-    as ever) or `cancelled` — or `error` TIMEOUT at the deadline.
+    as ever) or `cancelled` — or `error` `wait_timeout` at the deadline.
 
     The result lives on the row, so a dropped stream simply reconnects (or polls) without loss.
     """
@@ -330,7 +331,10 @@ async def stream_request(request: web.Request) -> web.StreamResponse:
         await response.write(_sse("done", row.to_json()))
     else:  # seed 003: the deadline only ends the wait; the work goes on, the row keeps its result
         await response.write(
-            _sse("error", {"code": "TIMEOUT", "request_id": row.request_id, "status": row.status})
+            _sse(
+                "error",
+                {"code": "wait_timeout", "request_id": row.request_id, "status": row.status},
+            )
         )
     await response.write_eof()
     return response

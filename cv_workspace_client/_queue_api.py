@@ -23,7 +23,8 @@ import aiohttp
 
 from cv_workspace_client._auth import TokenRefresher, bearer_of, with_token
 from cv_workspace_client._queue_http import QueueHost, call, config_of, retried, ws_path
-from cv_workspace_client._retry import backoff_for, is_retryable, retrying
+from cv_workspace_client._retry import backoff_for, is_retryable, log_retry, retrying
+from cv_workspace_client._url import check_server_url
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
     AuthError,
@@ -96,7 +97,9 @@ async def enqueue(
             in_progress = exc.code == "idempotency_key_in_progress"
             if attempt == attempts or not (is_retryable(exc) or in_progress):
                 raise
-            await config.sleep(backoff_for(config)(attempt))
+            delay = backoff_for(config)(attempt)
+            log_retry(exc, attempt, attempts, delay)
+            await config.sleep(delay)
     try:
         return EnqueuedRequest(
             request_id=str(answer["request_id"]),
@@ -335,7 +338,7 @@ async def wait_request(
     A dropped stream reconnects (the result lives on the row, so nothing is lost); a server
     deadline shorter than `timeout` is simply waited out again. `event: cancelled` ends the wait
     at once with the `cancelled` outcome. Events this SDK does not know are skipped; a stream
-    that ends without a final event or the server's deadline (`error` TIMEOUT) is followed by
+    that ends without a final event or the server's deadline (`error` wait_timeout) is followed by
     one read of the row — a finished row answers the wait, a live one waits again after a
     backoff, never in a tight loop. Past `timeout`, the answer is a `RequestOutcome` with
     status `timeout` — never an exception that would lose the request id.
@@ -356,7 +359,7 @@ async def wait_request(
     while True:
         remaining = deadline - loop.time()
         saw_event = False
-        deadline_ended = False  # the server's own deadline ended the stream (`error` TIMEOUT)
+        deadline_ended = False  # the server's own deadline ended the stream (`error` wait_timeout)
         finished: QueuedRequest | None = None
         try:
             # The stream's own HTTP timeout only catches a dead peer, 10 s past the deadline: on
@@ -377,7 +380,7 @@ async def wait_request(
                     if event == "queued":
                         last = QueuedRequest.from_json(data)
                     elif event == "error" and isinstance(data, dict):
-                        if data.get("code") != "TIMEOUT":
+                        if data.get("code") != "wait_timeout":
                             raise error_from_problem(None, data)
                         deadline_ended = True
                     # Any other event is one this SDK does not know: skipped.
@@ -532,7 +535,7 @@ class QueueClient(QueueMethods):
         config: ClientConfig | None = None,
         session: aiohttp.ClientSession | None = None,
     ) -> None:
-        self.url = url.rstrip("/")
+        self.url = check_server_url(url)
         self.token = token
         self.config = config or ClientConfig()
         #: A session passed in stays the caller's to close.
