@@ -145,7 +145,9 @@ async def test_the_shell_cancels_and_lists_cancelled_requests(
 ) -> None:
     kept = await client.enqueue(WS, stage="nobody", job_id="kept")
     dropped = await client.enqueue(WS, stage="nobody", job_id="dropped")
-    code, row = await _cli(capsys, server, "requests", "cancel", WS, dropped.request_id)
+    code, row = await _cli(
+        capsys, server, "requests", "cancel", "--workspace", WS, dropped.request_id
+    )
     assert code == 0
     assert (row["request_id"], row["status"]) == (dropped.request_id, "cancelled")
     code, listing = await _cli(
