@@ -107,6 +107,8 @@ async def enqueue(
             coalesced=bool(answer["coalesced"]),
             stream_url=str(answer["stream_url"]),
             replayed=replayed,
+            # A server that predates the member coalesced without saying: False, as then.
+            input_differs=bool(answer.get("input_differs", False)),
         )
     except (KeyError, TypeError) as exc:
         raise ProtocolError("bad_answer", f"enqueue answer: {exc!r}") from None
@@ -338,7 +340,7 @@ async def wait_request(
     A dropped stream reconnects (the result lives on the row, so nothing is lost); a server
     deadline shorter than `timeout` is simply waited out again. `event: cancelled` ends the wait
     at once with the `cancelled` outcome. Events this SDK does not know are skipped; a stream
-    that ends without a final event or the server's deadline (`error` wait_timeout) is followed by
+    that ends without a final event or the server's deadline (`error` `wait_timeout`) is followed by
     one read of the row — a finished row answers the wait, a live one waits again after a
     backoff, never in a tight loop. Past `timeout`, the answer is a `RequestOutcome` with
     status `timeout` — never an exception that would lose the request id.
@@ -359,7 +361,9 @@ async def wait_request(
     while True:
         remaining = deadline - loop.time()
         saw_event = False
-        deadline_ended = False  # the server's own deadline ended the stream (`error` wait_timeout)
+        deadline_ended = (
+            False  # the server's own deadline ended the stream (`error` `wait_timeout`)
+        )
         finished: QueuedRequest | None = None
         try:
             # The stream's own HTTP timeout only catches a dead peer, 10 s past the deadline: on
@@ -450,7 +454,9 @@ class QueueMethods:
 
         With a `job_id`, the id is deterministic by default (hash of workspace, job, branch and
         stage): enqueueing it again coalesces into the live request, or returns the finished
-        one — pass `rerun=True` to run a finished one again on purpose. Without, each enqueue is
+        one — pass `rerun=True` to run a finished one again on purpose. `input_differs` on the
+        answer says the request it coalesced into holds another input than `input`, which was
+        not used. Without a `job_id`, each enqueue is
         a new request. Each call carries an `Idempotency-Key` (minted, or yours), so a retry
         after a lost answer can neither fork the work nor be mistaken for another's enqueue.
         """

@@ -75,13 +75,15 @@ async def call(
     body: Any = None,
     params: Sequence[tuple[str, str]] | None = None,
     headers: Mapping[str, str] | None = None,
+    raw: bytes | None = None,
 ) -> tuple[int, Any, Mapping[str, str]]:
     """One request. 2xx → (status, decoded JSON or None, headers); otherwise the typed error.
-    Refused for its token, it goes once more with a fresh one if the host gets one."""
+    `body` goes as JSON; `raw`, bytes of JSON already encoded, goes as it is. Refused for its
+    token, it goes once more with a fresh one if the host gets one."""
     return await with_token(
         host,
         lambda auth: _call_once(
-            host, method, path, auth, body=body, params=params, headers=headers
+            host, method, path, auth, body=body, params=params, headers=headers, raw=raw
         ),
     )
 
@@ -95,11 +97,13 @@ async def _call_once(
     body: Any,
     params: Sequence[tuple[str, str]] | None,
     headers: Mapping[str, str] | None,
+    raw: bytes | None = None,
 ) -> tuple[int, Any, Mapping[str, str]]:
     all_headers = {**auth, **(headers or {})}
-    data = None
+    data = raw
     if body is not None:
         data = json.dumps(body, separators=(",", ":")).encode()
+    if data is not None:
         all_headers["Content-Type"] = "application/json"
     try:
         async with host.session.request(

@@ -161,6 +161,7 @@ class Completer:
                 item["claim_token"],
                 result=item.get("result"),
                 error=item.get("error"),
+                blob_ref=item.get("blob_ref"),
                 cache=item.get("cache"),
                 telemetry=item.get("telemetry"),
             )

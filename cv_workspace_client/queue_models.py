@@ -117,20 +117,24 @@ def _seconds(value: Any) -> float | None:
 @dataclass(frozen=True, slots=True)
 class EnqueuedRequest:
     """The answer to an enqueue: the request's id and status; `coalesced` when an existing row
-    absorbed it (an identical live request, or a finished deterministic one); `replayed` when the
-    server answered from a stored Idempotency-Key response."""
+    absorbed it (an identical live request, or a finished deterministic one); `input_differs`
+    when that row's input is not the one sent — yours was not used: wait for it and enqueue
+    again with `rerun=True` to run it on your input; `replayed` when the server answered from a
+    stored Idempotency-Key response."""
 
     request_id: str
     status: RequestStatus
     coalesced: bool
     stream_url: str
     replayed: bool = False
+    input_differs: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
             "request_id": self.request_id,
             "status": self.status,
             "coalesced": self.coalesced,
+            "input_differs": self.input_differs,
             "stream_url": self.stream_url,
             "replayed": self.replayed,
         }

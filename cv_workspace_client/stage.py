@@ -212,6 +212,9 @@ class StageContext:
         #: The first write of this run that ended without the server's final answer (its retries
         #: ran out, the client closed, the outbox failed): it may still commit later, or never.
         self._unsettled: BaseException | None = None
+        #: The writes the server refused for good, by the refusal raised to the handler: the
+        #: worker names the op when such a refusal ends the run (`refused_write`).
+        self._refused: list[tuple[BaseException, dict[str, Any]]] = []
 
     @property
     def input(self) -> Any:
@@ -270,13 +273,29 @@ class StageContext:
         try:
             return await self.client.apply_op(self.workspace_id, sub_doc, derived)
         except BaseException as exc:
-            if self._unsettled is None and not isinstance(exc, _FINAL_ANSWERS):
+            if isinstance(exc, _FINAL_ANSWERS):
+                write = {"key": key, "sub_doc": sub_doc, "type": op.type, "op_id": derived.op_id}
+                self._refused.append((exc, write))
+            elif self._unsettled is None:
                 self._unsettled = exc
             raise
         finally:
             self._writes -= 1
             if self._writes == 0:
                 self._settled.set()
+
+    def refused_write(self, exc: BaseException) -> dict[str, Any] | None:
+        """The write of this run (`key`, `sub_doc`, op `type`, `op_id`) whose final refusal is
+        `exc` — or the exception `exc` was raised from — or None if it is no such refusal."""
+        seen: set[int] = set()
+        current: BaseException | None = exc
+        while current is not None and id(current) not in seen:
+            seen.add(id(current))
+            for refusal, write in self._refused:
+                if refusal is current:
+                    return write
+            current = current.__cause__ or current.__context__
+        return None
 
     async def writes_settled(self) -> None:
         """Return once no `apply_op` of this context is in flight, and every one of them got the

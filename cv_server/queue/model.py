@@ -57,6 +57,7 @@ __all__ = [
     "fail",
     "fence",
     "heartbeat",
+    "input_differs",
     "is_claimable",
     "is_exhausted",
     "is_parked_on_lapse",
@@ -316,6 +317,18 @@ def decide_enqueue(
         return Enqueued(existing, coalesced=True), False
     reopened = dataclasses.replace(new_row(req, now), run=existing.run + 1)
     return Enqueued(reopened, coalesced=False), True
+
+
+def input_differs(answer: Enqueued, req: NewRequest) -> bool:
+    """True when `answer` coalesced `req` into a row whose stored input is not the one `req`
+    sent: the caller's input was not used (the id leaves the input out, seed 000), which its
+    answer must say. Compared as canonical JSON, type for type (`1`, `1.0` and `true` differ;
+    the order of an object's members does not)."""
+    return answer.coalesced and _canonical(answer.row.input) != _canonical(req.input)
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 # -- claim -----------------------------------------------------------------------------------------

@@ -437,6 +437,7 @@ EXPECTED: dict[str, type[WorkspaceError]] = {
     "request_id_conflict": InvalidRequestError,
     "cancelled": RequestCancelledError,
     "not_cancellable": InvalidRequestError,
+    "result_too_large": InvalidRequestError,
     "internal": ServerError,
     "unavailable": ServerError,
 }
