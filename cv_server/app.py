@@ -75,23 +75,27 @@ async def problems_middleware(request: web.Request, handler: Handler) -> web.Str
     try:
         return await handler(request)
     except Problem as problem:
-        return problem_response(problem)
+        return _problem(request, problem)
     except web.HTTPRequestEntityTooLarge as exc:
-        return problem_response(Problem(413, "body_too_large", exc.text or ""))
+        return _problem(request, Problem(413, "body_too_large", exc.text or ""))
     except web.HTTPNotFound:
-        return problem_response(Problem(404, "not_found", f"no route for {request.path}"))
+        return _problem(request, Problem(404, "not_found", f"no route for {request.path}"))
     except web.HTTPMethodNotAllowed:
-        return problem_response(Problem(405, "method_not_allowed", request.method))
+        return _problem(request, Problem(405, "method_not_allowed", request.method))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         # aiohttp's own refusals (a plain GET on the socket route: "No WebSocket UPGRADE hdr")
         # went out as text/plain with no `code`; every error is problem+json (DESIGN §5).
         code = "bad_request" if exc.status < 500 else "internal"
-        return problem_response(Problem(exc.status, code, exc.text or exc.reason))
+        return _problem(request, Problem(exc.status, code, exc.text or exc.reason))
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return problem_response(Problem(500, "internal", "unexpected server error"))
+        return _problem(request, Problem(500, "internal", "unexpected server error"))
+
+
+def _problem(request: web.Request, problem: Problem) -> web.Response:
+    return problem_response(problem, request.app[CONFIG].problem_type_base)
 
 
 async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:

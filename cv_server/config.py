@@ -21,6 +21,10 @@ class ServerConfig:
     #: HMAC secret for bearer tokens; read from (or created in) the database when None. Not in
     #: the repr: whoever holds it mints tokens for every workspace.
     token_secret: bytes | None = field(default=None, repr=False)
+    #: Prefix of every problem document's `type`; the problem's code is appended. The default
+    #: is a reference relative to the repository root, where docs/problems.md has one anchor
+    #: per code; a deployment that publishes the docs points it at them (docs/problems.md).
+    problem_type_base: str = "docs/problems.md#"
 
     # -- request limits (DESIGN §11) --
     max_body_bytes: int = 1024 * 1024
@@ -71,6 +75,10 @@ class ServerConfig:
         # than served: `compute_lock_ttl_seconds=0` answered 500 to every lock acquisition,
         # `max_dequeues=0` refused every enqueue and `max_ops_per_request=0` every apply as if
         # the client had sent something wrong.
+        if not self.problem_type_base or not self.problem_type_base.isprintable():
+            raise ValueError(
+                f"problem_type_base must be printable, non-empty text: {self.problem_type_base!r}"
+            )
         heartbeat = self.socket_heartbeat_seconds
         if heartbeat is not None and not (math.isfinite(heartbeat) and heartbeat > 0):
             raise ValueError(
