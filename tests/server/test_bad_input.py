@@ -68,7 +68,7 @@ async def test_bad_bodies_get_their_code_and_leave_the_log_unchanged(
     await post_ops(client, [insert("seed")])
     got_status, problem = await _raw_post(client, body)
     assert (got_status, problem["code"]) == (status, code)
-    assert problem["type"].endswith("/" + code)
+    assert problem["type"] == "docs/problems.md#" + code
     assert (await get_ops(client))["clock"] == 1
 
 
