@@ -1,4 +1,5 @@
-"""cv_server: the op-log server, work queue and compute lock (DESIGN §4, §5, §7, §8)."""
+"""cv_server: the op-log server, work queue and compute lock (docs/concepts.md, docs/protocol.md,
+docs/queue.md, docs/stages.md)."""
 
 from cv_server.app import create_app
 from cv_server.config import ServerConfig

@@ -86,7 +86,7 @@ async def problems_middleware(request: web.Request, handler: Handler) -> web.Str
         if exc.status < 400:
             raise
         # aiohttp's own refusals (a plain GET on the socket route: "No WebSocket UPGRADE hdr")
-        # went out as text/plain with no `code`; every error is problem+json (DESIGN §5).
+        # went out as text/plain with no `code`; every error is problem+json (docs/protocol.md).
         code = "bad_request" if exc.status < 500 else "internal"
         return _problem(request, Problem(exc.status, code, exc.text or exc.reason))
     except Exception:
@@ -134,7 +134,7 @@ async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _reap_forever(stores: Stores, every: float) -> None:
-    """Delete expired idempotency keys and blobs (seed 004: on a schedule, not by index alone)."""
+    """Delete expired idempotency keys and blobs (on a schedule, not by index alone)."""
     while True:
         await asyncio.sleep(every)
         try:
@@ -174,7 +174,7 @@ async def readyz(request: web.Request) -> web.Response:
     # A load balancer routes by this answer. While the database is unreachable every route
     # answers 5xx, so the instance is not ready (it used to say "ready" regardless); /healthz
     # stays 200, since a restart would not bring the database back. One cheap read; no timeout
-    # of our own (DESIGN §10 gives none): the prober's own timeout bounds a hung one, and on
+    # of our own (none is configured): the prober's own timeout bounds a hung one, and on
     # PostgreSQL the statement_timeout guard does.
     try:
         await request.app[STORES].oplog.head("readyz", "readyz")

@@ -1,5 +1,4 @@
-"""`cv-server`: serve the op-log, set up its database, mint tokens, rotate their secret
-(DESIGN §12).
+"""`cv-server`: serve the op-log, set up its database, mint tokens, rotate their secret.
 
 Errors are one line on stderr: exit 2 for arguments the parser refuses, 1 for a setting or a
 database that cannot work. 130 when interrupted (Ctrl-C) before serving; 141 when the reader of
@@ -127,8 +126,9 @@ _OFF = frozenset({"off", "none"})
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """`NAME=VALUE` pairs for the numeric ServerConfig settings (DESIGN §10 constants and
-    limits): every constant is configurable without code, and tests shrink leases this way."""
+    """`NAME=VALUE` pairs for the numeric ServerConfig settings (the constants and
+    limits of docs/configuration.md): every constant is configurable without code, and tests shrink
+    leases this way."""
     overrides: dict[str, Any] = {}
     for item in items:
         name, sep, raw = item.partition("=")
@@ -238,10 +238,10 @@ async def _serve(config: ServerConfig, host: str, port: int) -> None:
 
 async def _serve_app(config: ServerConfig, host: str, port: int) -> None:
     app = create_app(config)
-    # The drain deadline of seed 004 bounds how long in-flight requests may take to finish.
-    # aiohttp spends `shutdown_timeout` twice on a handler that is still running: once waiting
-    # for it, then again after failing its body reads, before it cancels it. A handler that
-    # reads no body (an SSE request stream waiting for its outcome) thus held SIGTERM for twice
+    # The drain deadline (`drain_seconds`, docs/operating.md) bounds how long in-flight requests may
+    # take to finish. aiohttp spends `shutdown_timeout` twice on a handler that is still running:
+    # once waiting for it, then again after failing its body reads, before it cancels it. A handler
+    # that reads no body (an SSE request stream waiting for its outcome) thus held SIGTERM for twice
     # the deadline (50 s: past a 30 s termination grace period, i.e. SIGKILL). Half each way
     # keeps the total within the deadline; a commit in flight is shielded and still awaited.
     # aiohttp reads a timeout of 0 as "none": `drain_seconds=0` (drain nothing) held SIGTERM

@@ -1,4 +1,4 @@
-"""Server configuration. Every constant comes from DESIGN §10 and can be overridden."""
+"""Server configuration. Every constant is in docs/configuration.md and can be overridden."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class ServerConfig:
     #: per code; a deployment that publishes the docs points it at them (docs/problems.md).
     problem_type_base: str = "docs/problems.md#"
 
-    # -- request limits (DESIGN §11) --
+    # -- request limits (docs/limits.md) --
     max_body_bytes: int = 1024 * 1024
     max_ops_per_request: int = 1000
     max_ws_frame_bytes: int = 1024 * 1024
@@ -36,7 +36,7 @@ class ServerConfig:
     #: connection if no pong comes within half of it (aiohttp's heartbeat): a peer gone without
     #: a goodbye (power lost, a NAT that forgot the flow) otherwise keeps its connection, its
     #: subscriptions and their queues until the OS gives up on the TCP connection, hours later.
-    #: DESIGN §10's heartbeat (60 s). None switches it off.
+    #: The default heartbeat (60 s). None switches it off.
     socket_heartbeat_seconds: float | None = 60.0
     #: Page size of catch-up reads.
     catchup_page: int = 1000
@@ -46,7 +46,7 @@ class ServerConfig:
     #: evicted sub-doc is rebuilt from its snapshot plus at most `snapshot_every` log entries).
     subdoc_cache_limit: int = 10_000
 
-    # -- queue (DESIGN §10, seed 003) --
+    # -- queue (docs/configuration.md, docs/queue.md) --
     #: A claim's lease. The heartbeat that renews it is the worker's (`WorkerConfig`, 60 s),
     #: which beats at least twice per lease the server grants (a shorter lease set here is
     #: honoured by every worker without their configs changing).
@@ -58,16 +58,16 @@ class ServerConfig:
     #: also answer a trivial query this often (a silently dead one is replaced).
     sweep_seconds: float = 5.0
     blob_retention_seconds: float = 24 * 3600.0
-    #: Expired blobs and idempotency keys are reaped this often (seed 003: hourly).
+    #: Expired blobs and idempotency keys are reaped this often (hourly).
     reap_seconds: float = 3600.0
     #: A result whose JSON is larger than this goes to the blob store; the row keeps a reference.
     blob_threshold_bytes: int = 64 * 1024
     idempotency_retention_seconds: float = 24 * 3600.0
 
-    # -- compute lock (DESIGN §10, seed 000) --
+    # -- compute lock (docs/configuration.md, docs/stages.md) --
     compute_lock_ttl_seconds: float = 60.0
 
-    # -- shutdown (seed 004) --
+    # -- shutdown (docs/operating.md) --
     drain_seconds: float = 25.0
 
     def __post_init__(self) -> None:

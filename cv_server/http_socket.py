@@ -1,4 +1,4 @@
-"""The workspace websocket (DESIGN §5): subscribe / unsubscribe / apply, acks and live ops.
+"""The workspace websocket (docs/protocol.md): subscribe / unsubscribe / apply, acks and live ops.
 
 A message either way is one JSON frame or a JSON array of frames, handled in order as if each had
 come alone. The server sends arrays only to a client that connected with `?batch=1` (frames that

@@ -1,4 +1,4 @@
-"""Errors as `application/problem+json` with a stable `code` (DESIGN §5, §11).
+"""Errors as `application/problem+json` with a stable `code` (docs/protocol.md, docs/problems.md).
 
 Handlers raise `Problem`; the middleware in `app.py` turns it (and anything unexpected) into a
 response, so no error can take the server down or leak a stack trace.

@@ -1,4 +1,4 @@
-"""Two commands (DESIGN §12): `cv-worker` runs stage handlers; `cv-workspace` submits and inspects
+"""Two commands: `cv-worker` runs stage handlers; `cv-workspace` submits and inspects
 work from a shell or an agent, with no browser present.
 
     cv-worker --url URL --token TOKEN --stages pkg.module:STAGES [--concurrency N]
@@ -158,8 +158,8 @@ def _token_file_provider(path: str, config: ClientConfig | None = None) -> Token
     may hold a fresh one by now (a Kubernetes projected token, a Vault agent's sink).
 
     A file caught mid-rotation (a writer that truncates, then writes; one that removes, then
-    creates) is read again with the client's retry policy (`config`: DESIGN §10, full jitter,
-    `retry_attempts` reads). Read once, its empty content failed the refresh, the refused
+    creates) is read again with the client's retry policy (`config`: docs/configuration.md, full
+    jitter, `retry_attempts` reads). Read once, its empty content failed the refresh, the refused
     claim stood, and the worker stopped with exit 1 on a rotation that was going well."""
     policy = config or ClientConfig()
     backoff = backoff_for(policy)
@@ -387,7 +387,7 @@ async def _run_worker(args: argparse.Namespace, stages: dict[str, Handler | Stag
             )
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, worker.stop)  # seed 004 §9: drain, then exit 0
+                loop.add_signal_handler(sig, worker.stop)  # Drain, then exit 0
             _announce(f"cv-worker {worker.worker_id} ready")
             stats = await worker.run()
             logging.getLogger("cv_workspace_client.worker").info("drained: %s", stats)

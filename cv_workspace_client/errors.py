@@ -1,9 +1,9 @@
 """The SDK's one exception hierarchy, and the pure mapping from the server's problem codes to it.
 
 Every error the client raises is a `WorkspaceError` with a stable string `code` (the server's own
-code when the server answered, DESIGN §5). Whether an error is worth retrying is a property of its
-class (`retryable`): only connection errors, timeouts, 5xx and 429 are (seed 004); a 4xx answer is
-final and is never retried.
+code when the server answered, docs/protocol.md). Whether an error is worth retrying is a property
+of its class (`retryable`): only connection errors, timeouts, 5xx and 429 are (docs/client.md); a
+4xx answer is final and is never retried.
 
 Pure: no I/O, so the sans-I/O core may import it.
 """
@@ -232,7 +232,7 @@ def retry_delay(value: object) -> float | None:
     returns: the op, every later op of its sub-doc, or the read hung for good. A negative value
     meant "at once", hammering a server that asked for a pause, and an integer past a float's
     range raised `OverflowError` to the app. A huge value is kept (as the largest float): the
-    retry policy's cap (DESIGN §10, 300 s) bounds the wait where it is used.
+    retry policy's cap (docs/configuration.md, 300 s) bounds the wait where it is used.
     """
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None

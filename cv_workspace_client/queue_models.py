@@ -1,4 +1,4 @@
-"""The values the queue verbs answer with (DESIGN §7): request rows, enqueue answers, wait
+"""The values the queue verbs answer with (docs/queue.md): request rows, enqueue answers, wait
 outcomes, claims. Pure data: no I/O.
 """
 
@@ -115,7 +115,7 @@ class EnqueuedRequest:
 @dataclass(frozen=True, slots=True)
 class RequestOutcome:
     """How a wait ended. `status` is `done`, `poison`, or `timeout` — the deadline passed and the
-    work goes on (seed 003): keep `request_id` and wait again or `get_request` later.
+    work goes on (docs/queue.md): keep `request_id` and wait again or `get_request` later.
 
     `result` is the stage's result (fetched from the blob store when it was large); `error` the
     expected error payload (done) or the last unexpected error (poison). `request` is the row as

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
@@ -196,6 +197,7 @@ def test_every_help_text_names_only_documents_that_exist(
     for name, run in _commands().items():
         for command, text in _help_texts(run, capsys, []):
             seen += 1
+            assert _BLUEPRINT_REFERENCE.search(text) is None, (name, command)
             for reference in _DOC_REFERENCE.findall(text):
                 path, _, fragment = reference.partition("#")
                 target = REPO / path if "/" in path else DOCS / path
@@ -203,6 +205,44 @@ def test_every_help_text_names_only_documents_that_exist(
                 if fragment:
                     assert fragment in anchors(target), f"{name} {command} --help: {reference}"
     assert seen >= 10, "the subcommands' help texts were not all read"
+
+
+# -- no references to documents users do not have -------------------------------------------
+
+#: The design notes and source documents the project was built from are not shipped: code, help
+#: texts and messages cite the docs/ page that holds the rule instead, or state it. (Spelled in
+#: pieces so that this file does not match itself.)
+_BLUEPRINT_REFERENCE = re.compile("|".join([r"\bDES" + r"IGN\b", r"\bseeds? 0" + r"0\d"]))
+_CHECKED_TREES = ("cv_mutations", "cv_workspace_client", "cv_server", "scripts", "bench")
+
+
+def _references() -> Iterator[str]:
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--", *_CHECKED_TREES, "examples", "tests"],
+            cwd=REPO,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
+    for name in filter(None, listed):
+        path = REPO / name
+        if not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue  # not text
+        # A reference may be cut by a line break inside a comment: "DES" "IGN\n# §6".
+        joined = re.sub(r"\s*\n\s*(?:#:?|--)?\s*", " ", text)
+        for match in _BLUEPRINT_REFERENCE.finditer(joined):
+            yield f"{name}: ...{joined[max(0, match.start() - 30) : match.end() + 10]}..."
+
+
+def test_no_code_help_text_or_message_cites_the_unshipped_design_notes() -> None:
+    assert list(_references()) == []
 
 
 if __name__ == "__main__":  # `python -m tests.test_docs`: list broken links

@@ -1,4 +1,5 @@
-"""Every bad input gets its stable code, and the log is left exactly as it was (DESIGN §11)."""
+"""Every bad input gets its stable code, and the log is left exactly as it was
+(docs/problems.md)."""
 
 from __future__ import annotations
 
