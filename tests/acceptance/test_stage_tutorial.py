@@ -125,7 +125,7 @@ def test_two_requests_racing_for_one_summary_pay_for_one_call(
         ids.append(answer["request_id"])
     results = []
     for request_id in ids:
-        code, answer = _cli(url, token_file, "requests", "wait", "demo", request_id)
+        code, answer = _cli(url, token_file, "requests", "wait", "--workspace", "demo", request_id)
         assert (code, answer["status"]) == (0, "done"), answer
         results.append(answer["result"])
     with urllib.request.urlopen(f"{provider}/stats", timeout=10) as resp:
