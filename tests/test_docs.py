@@ -4,6 +4,7 @@ links that resolve, and `--help` texts that name only documents that exist."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import re
@@ -153,6 +154,14 @@ def test_the_link_check_catches_a_missing_file_and_a_missing_anchor(tmp_path: Pa
     assert "not_found" in anchors(DOCS / "problems.md")
     assert _slug("`node.insert` — `NodeInsert`") == "nodeinsert--nodeinsert"
     assert _slug("The three layers") == "the-three-layers"
+
+
+def test_every_python_example_in_the_readme_and_docs_compiles() -> None:
+    for page in _markdown_files():
+        text = page.read_text(encoding="utf-8")
+        for block in re.findall(r"```python\n(.*?)```", text, re.DOTALL):
+            # Examples run inside an app's coroutine: top-level `async with` / `await` are fine.
+            compile(block, str(page), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
 
 
 def test_the_readme_fits_its_brief() -> None:
