@@ -5,6 +5,7 @@ anchors), and a deployment's own base when it sets one."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +13,8 @@ import pytest
 from cv_server import ServerConfig, create_app
 from cv_server.cli import parse_overrides
 from cv_server.problems import PROBLEM_BASE
-from tests.server.conftest import ClientFactory, auth
+from tests.server.conftest import SECRET, ClientFactory, auth
+from tests.server.wire import raw_http, served
 
 
 async def test_the_default_type_points_at_the_code_in_docs_problems(
@@ -50,3 +52,14 @@ def test_serve_takes_the_base_with_set() -> None:
 def test_a_base_that_cannot_prefix_a_uri_is_refused(base: str) -> None:
     with pytest.raises(ValueError, match="problem_type_base"):
         ServerConfig(problem_type_base=base)
+
+
+async def test_a_parser_refusal_answered_outside_the_app_uses_the_base_too(tmp_path: Path) -> None:
+    # An over-long request line never reaches the app's middleware: the runner answers it.
+    base = "https://docs.example.com/cv/problems.md#"
+    config = ServerConfig(db_path=tmp_path / "cv.db", token_secret=SECRET, problem_type_base=base)
+    async with served(config) as server:
+        request = f"GET /healthz?{'x' * 9000} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
+        answer = await raw_http(server.port, request)
+    assert answer.status == 400
+    assert answer.json()["type"] == base + "line_too_long"
