@@ -31,7 +31,6 @@ DOCS = REPO / "docs"
 #: never tolerated.
 PAGES_FROM_OTHER_BRANCHES = frozenset(
     {
-        "docs/limits.md",
         "docs/queue.md",
         "docs/observability.md",
         "docs/dashboard.md",
