@@ -1,11 +1,11 @@
-"""HTTP routes of the work queue (layer 1, DESIGN §5, §7; seed 003): enqueue, poll, SSE stream,
-blobs, the worker verbs (claim / heartbeat / result upload / complete / fail) and the operator
-verbs (list, replay, cancel).
+"""HTTP routes of the work queue (layer 1, docs/protocol.md, docs/queue.md): enqueue, poll, SSE
+stream, blobs, the worker verbs (claim / heartbeat / result upload / complete / fail) and the
+operator verbs (list, replay, cancel).
 
 A result too large for a completion's body is uploaded first, as the raw bytes of its JSON, by
 the claim holder (`POST .../requests/{id}/result`, fenced by its claim token, up to
 `ServerConfig.max_result_bytes`), and the completion names the stored blob (`blob_ref`): the
-claim check of seed 003. Every other body keeps the server's `max_body_bytes` limit.
+claim check (docs/queue.md). Every other body keeps the server's `max_body_bytes` limit.
 
 The queue verbs are given `now=None`: the store takes the time from its own clock
 (`QueueStore.clock`), which on PostgreSQL is the database's, shared by every instance. This
@@ -596,7 +596,7 @@ async def complete(request: web.Request) -> web.Response:
     stores, config = request.app[STORES], request.app[CONFIG]
     blob_ref = await _uploaded(request, row.workspace_id, body)
     encoded = json.dumps(result, separators=(",", ":")).encode()
-    if blob_ref is None and len(encoded) > config.blob_threshold_bytes:  # seed 003: claim check
+    if blob_ref is None and len(encoded) > config.blob_threshold_bytes:  # Claim check
         # Answer a retried or refused completion before storing its payload: a holder retrying
         # after a lost answer stored every attempt's copy, and a holder whose lease was lost
         # stored one the row would never name; each stayed for the whole blob retention (24 h).

@@ -107,7 +107,7 @@ async def complete(
 ) -> str:
     """Mark the request done (fenced by `claim_token`) with `result`, or with the uploaded
     result `blob_ref` names (`upload_result`). Call only after the stage's writes committed
-    (seed 004: never ack before the work). Raises `LeaseLostError` if refused."""
+    (never ack before the work). Raises `LeaseLostError` if refused."""
     body: dict[str, Any] = {"claim_token": claim_token, "result": result}
     for name, value in (
         ("error", error),

@@ -1,6 +1,6 @@
-"""The HTTP transport of the work-queue routes (DESIGN §5, §7): one request to a queue route
-with the host's token, its JSON answer decoded or its problem+json turned back into the SDK's
-typed error (`LeaseLostError` when a fenced verb is refused, `RequestCancelledError` when a
+"""The HTTP transport of the work-queue routes (docs/protocol.md, docs/queue.md): one request to a
+queue route with the host's token, its JSON answer decoded or its problem+json turned back into the
+SDK's typed error (`LeaseLostError` when a fenced verb is refused, `RequestCancelledError` when a
 heartbeat finds its request cancelled), and the SDK's retry rule around it.
 
 The requester's verbs (`_queue_api`) and the claim holder's (`_queue_holder`) both go through

@@ -427,7 +427,7 @@ class Worker:
                 logger.warning("stage %s failed on %s: %r", row.stage, row.request_id, failure)
                 await self._report_failure(claimed, error_payload(failure))
                 return
-            # A final refusal: the same run would meet it again (seed 004 §7), so it is the
+            # A final refusal: the same run would meet it again (docs/stages.md), so it is the
             # request's answer, not a failure to retry toward poison.
             logger.info("stage %s on %s answered %s", row.stage, row.request_id, answer["code"])
             kind, value, cache, shared = "error", answer, None, False
@@ -549,7 +549,7 @@ class Worker:
         # ASCII (json.dumps escapes the rest): its length is its size in bytes.
         size = len(text)
         if kind == "result" and size > self.config.batch_result_max_bytes:
-            # seed 003: a big payload goes to the blob store, the completion names it. Uploaded
+            # A big payload goes to the blob store, the completion names it. Uploaded
             # as its own body (up to the server's max_result_bytes), never inside a completion,
             # whose body the server bounds far lower.
             del item["result"]

@@ -19,7 +19,7 @@ issue 7).
   what a listener elsewhere acts on is sent — `pending` (wakes idle workers), `done`,
   `poison` and `cancelled` (wake waiters) — while claims (`in_progress`), which no listener
   acts on, commit without NOTIFY and are announced locally only. A missed notification costs
-  at most a worker poll or a waiter sweep (DESIGN §7); nothing depends on it for correctness.
+  at most a worker poll or a waiter sweep (docs/queue.md); nothing depends on it for correctness.
 - **One clock.** Leases, backoffs and availability are judged on the database server's clock
   (`clock`), not on the machine of whichever instance serves the call: one running ahead would
   hand a live request to a second worker, one running behind would hand out backed-off or

@@ -322,7 +322,7 @@ def decide_enqueue(
 
 def input_differs(answer: Enqueued, req: NewRequest) -> bool:
     """True when `answer` coalesced `req` into a row whose stored input is not the one `req`
-    sent: the caller's input was not used (the id leaves the input out, seed 000), which its
+    sent: the caller's input was not used (the id leaves the input out, docs/concepts.md), which its
     answer must say. Compared as canonical JSON, type for type (`1`, `1.0` and `true` differ;
     the order of an object's members does not)."""
     return answer.coalesced and _canonical(answer.row.input) != _canonical(req.input)
