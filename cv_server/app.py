@@ -16,12 +16,14 @@ from aiohttp.http_exceptions import HttpProcessingError
 from cv_server import http_docs, http_locks, http_queue, http_socket
 from cv_server.backends import Stores, open_stores
 from cv_server.config import ServerConfig
+from cv_server.http_ratelimit import RateLimits, rate_limit_middleware
 from cv_server.hub import Connection, Hub
 from cv_server.keys import (
     CONFIG,
     CONNECTIONS,
     HUB,
     METRICS,
+    RATE_LIMITS,
     STATE,
     STORES,
     TOKEN_SECRET,
@@ -186,13 +188,17 @@ async def metrics(request: web.Request) -> web.Response:
 
 def create_app(config: ServerConfig) -> web.Application:
     """Build the application. Stores open in `cleanup_ctx`, i.e. when the app starts."""
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[problems_middleware])
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=[problems_middleware, rate_limit_middleware],
+    )
     server_log = logging.getLogger("aiohttp.server")
     if _MALFORMED_REQUEST_LOG not in server_log.filters:
         server_log.addFilter(_MALFORMED_REQUEST_LOG)
     app[CONFIG] = config
     app[STATE] = ServerState()
     app[METRICS] = Metrics()
+    app[RATE_LIMITS] = RateLimits(config)
     connections: set[Connection] = set()
     app[CONNECTIONS] = connections
     app.cleanup_ctx.append(_stores_ctx)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 from cv_server.oplog import Committed, Outcome
@@ -15,6 +16,8 @@ class Metrics:
         self.ops_duplicate = 0
         self.ops_rejected = 0
         self.ws_too_slow = 0
+        #: Requests refused 429 `rate_limited`, by route class.
+        self.rate_limited: Counter[str] = Counter()
         self.gauges: dict[str, Callable[[], float]] = {}
 
     def record_outcomes(self, outcomes: Iterable[Outcome]) -> None:
@@ -29,6 +32,9 @@ class Metrics:
     def count_too_slow(self) -> None:
         self.ws_too_slow += 1
 
+    def count_rate_limited(self, route_class: str) -> None:
+        self.rate_limited[route_class] += 1
+
     def render(self) -> str:
         lines = [
             "# TYPE cv_ops_committed_total counter",
@@ -39,6 +45,11 @@ class Metrics:
             f"cv_ops_rejected_total {self.ops_rejected}",
             "# TYPE cv_ws_closed_too_slow_total counter",
             f"cv_ws_closed_too_slow_total {self.ws_too_slow}",
+            "# TYPE cv_rate_limited_total counter",
+            *(
+                f'cv_rate_limited_total{{route_class="{cls}"}} {n}'
+                for cls, n in sorted(self.rate_limited.items())
+            ),
         ]
         for name, read in sorted(self.gauges.items()):
             lines += [f"# TYPE {name} gauge", f"{name} {read()}"]

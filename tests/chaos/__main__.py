@@ -20,7 +20,9 @@ from tests.chaos.harness import ChaosResult, ChaosSpec, run_chaos, run_in_schema
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.chaos", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--backend", choices=["sqlite", "postgres"], required=True)
     parser.add_argument("--seconds", type=float, required=True, help="length of the fault phase")
     parser.add_argument("--seed", type=int, required=True, help="the fault schedule's seed")
@@ -43,7 +45,6 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         workdir=workdir,
         writer_rate=args.writer_rate,
-        subscribers=3 if args.backend == "postgres" else 2,
     )
     result = asyncio.run(_run(spec, args.database_url))
     for line in result.history.fault_log:
@@ -51,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     if not result.verdict.ok:
         for violation in result.verdict.violations:
             print(f"VIOLATION: {violation}")
-        print(f"repeat with: --backend {spec.backend} --seconds {spec.seconds:g} --seed {spec.seed}")
+        print(
+            f"repeat with: --backend {spec.backend} --seconds {spec.seconds:g} --seed {spec.seed}"
+        )
         print(f"logs kept in {workdir}")
     elif args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -66,9 +69,7 @@ async def _run(spec: ChaosSpec, database_url: str | None) -> ChaosResult:
     assert database_url is not None
 
     async def body(url: str) -> ChaosResult:
-        return await run_chaos(
-            ChaosSpec(**{**spec.__dict__, "database_url": url})  # type: ignore[arg-type]
-        )
+        return await run_chaos(ChaosSpec(**{**spec.__dict__, "database_url": url}))
 
     return await run_in_schema(database_url, body)
 

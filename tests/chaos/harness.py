@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import random
+import signal
 import sqlite3
 import sys
 import time
@@ -31,7 +34,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Final, Literal
 
 from cv_mutations import NodeInsert
 from cv_workspace_client import (
@@ -44,7 +47,7 @@ from cv_workspace_client.testing import FaultProxy
 from tests.acceptance.procs import ServerProcess, free_port, mint_cli_token
 from tests.acceptance.three_layers_procs import Proc, provider_stats, worker_cmd
 from tests.chaos.invariants import History, RequestRecord, Verdict, check
-from tests.chaos.plan import DOCS, WS
+from tests.chaos.plan import DOCS, WS, parse_op_id
 from tests.chaos.schedule import Fault, FaultKind, Profile, schedule
 from tests.chaos.writer import CHAOS_RETRY, read_log
 
@@ -62,28 +65,35 @@ __all__ = [
 
 Backend = Literal["sqlite", "postgres"]
 
-#: Durations the servers run with: short, so a killed worker's request is re-driven within
-#: seconds. The compute lock outlives the lease, so a request re-driven while its killed
-#: predecessor's lock still stands waits for that lock rather than paying a second time early.
+#: Durations the servers run with: a short lease, so a killed worker's request is re-driven
+#: within seconds. The compute lock keeps its production TTL (60 s): a lock is only as good as
+#: its TTL is longer than its holder's longest stall, and a server outage on a loaded machine
+#: lasted 22 s, so a shrunk TTL let a second request compute and write a cell the first was
+#: still writing (what is and is not promised: docs/reliability.md).
 SERVER_SETTINGS: Final = (
     "lease_seconds=4",
-    "compute_lock_ttl_seconds=8",
     "failure_backoff_seconds=0.5",
 )
+#: How long a server may take to say it is listening (a loaded CI machine is slow to start one).
+START_TIMEOUT_S: Final = 120.0
+#: The most a fault waits for its target to be at work (see `_inject`).
+GATE_S: Final = 15.0
+#: Ops applied since a server's restart (a writer's start) before it may be killed again.
+PROGRESS_OPS: Final = 5
 #: Bound on everything after the fault phase (writers settling, requests ending, catch-up).
 QUIESCE_S: Final = 240.0
 
 
 def default_profile(backend: Backend) -> Profile:
     """Mean seconds between faults of each kind: about one kill a second, a cut every 4 s, a
-    subscriber reset every second (a CI run of ~75 s gets 50+ kills, 500+ cut connections)."""
+    subscriber reset every 0.4 s (a CI run of ~75 s gets 50+ kills, 500+ cut connections)."""
     every: dict[FaultKind, float | None] = {
         "kill_writer": 2.0,
         "kill_worker": 4.0,
         "term_worker": 12.0,
         "kill_server": 7.0 if backend == "sqlite" else 5.0,
         "cut_writers": 4.0,
-        "drop_subscribers": 1.0,
+        "drop_subscribers": 0.4,
         "kill_backends": 4.0 if backend == "postgres" else None,
     }
     return Profile(every)
@@ -102,13 +112,13 @@ class ChaosSpec:
     #: Ops per second each writer intends.
     writer_rate: float = 12.0
     workers: int = 3
-    subscribers: int = 2
+    subscribers: int = 4
     #: A new job (two requests) this often.
     enqueue_every: float = 1.5
     columns: int = 3
     #: Per server answer (HTTP proxies) / per server chunk after the 101 (websocket proxies).
-    http_cut_p: float = 0.08
-    ws_cut_p: float = 0.05
+    http_cut_p: float = 0.12
+    ws_cut_p: float = 0.08
     #: Per server answer on the workers' and the enqueuer's links.
     worker_cut_p: float = 0.01
     provider_delay: float = 0.1
@@ -162,6 +172,92 @@ def figure_line(result: ChaosResult) -> str:
 # -- processes ------------------------------------------------------------------------------------
 
 
+class _Child:
+    """A process the zygote forked: its pid, and its exit code once it ended."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    @property
+    def running(self) -> bool:
+        return not self.exited.done()
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self.exited)
+
+
+class _Zygote:
+    """The harness's side of `tests.chaos.zygote`: writers and workers are forked there."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self._proc = proc
+        self._spawning: dict[int, asyncio.Future[int]] = {}
+        self._children: dict[int, _Child] = {}
+        self._next = 0
+        self._reader = asyncio.create_task(self._read())
+
+    @classmethod
+    async def start(cls, log: Path) -> _Zygote:
+        with log.open("a") as err:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tests.chaos.zygote",
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=err,
+            )  # fmt: skip
+        assert proc.stdout is not None
+        ready = await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT_S)
+        if b"ready" not in ready:
+            raise RuntimeError(f"the zygote did not start; see {log}")
+        return cls(proc)
+
+    async def _read(self) -> None:
+        assert self._proc.stdout is not None
+        while line := await self._proc.stdout.readline():
+            message = json.loads(line)
+            if "spawned" in message:
+                child = _Child(message["pid"])
+                self._children[child.pid] = child
+                self._spawning.pop(message["spawned"]).set_result(child.pid)
+            elif "exited" in message:
+                ended = self._children.pop(message["exited"], None)
+                if ended is not None and not ended.exited.done():
+                    ended.exited.set_result(message["code"])
+        for child in self._children.values():  # the zygote died: so did its children
+            if not child.exited.done():
+                child.exited.set_result(-9)
+        for future in self._spawning.values():
+            if not future.done():
+                future.set_exception(RuntimeError("the zygote exited"))
+
+    async def spawn(self, kind: str, argv: list[str], log: Path) -> _Child:
+        self._next += 1
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._spawning[self._next] = future
+        assert self._proc.stdin is not None
+        command = {"spawn": self._next, "kind": kind, "argv": argv, "log": str(log)}
+        self._proc.stdin.write((json.dumps(command) + "\n").encode())
+        await self._proc.stdin.drain()
+        pid = await asyncio.wait_for(future, START_TIMEOUT_S)
+        return self._children[pid]
+
+    async def close(self) -> None:
+        for child in list(self._children.values()):
+            child.signal(signal.SIGKILL)
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            await asyncio.wait_for(self._proc.wait(), 30)
+        except TimeoutError:
+            self._proc.kill()
+            await self._proc.wait()
+        await self._reader
+
+
 @dataclass
 class _Writer:
     index: int
@@ -169,33 +265,33 @@ class _Writer:
     log: Path
     outbox: Path
     acks: Path
-    proc: asyncio.subprocess.Process | None = None
+    child: _Child | None = None
+    #: `_Run.seen_of(index)` when the current process was started.
+    mark: int = 0
 
-    async def spawn(self) -> None:
-        with self.log.open("a") as out:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "tests.chaos.writer", *self.args,
-                stdout=out, stderr=out,
-            )  # fmt: skip
+    async def spawn(self, zygote: _Zygote) -> None:
+        self.child = await zygote.spawn("writer", self.args, self.log)
 
     @property
     def running(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
+        return self.child is not None and self.child.running
 
 
 @dataclass
 class _Worker:
     index: int
+    #: `cv-worker`'s arguments.
     args: list[str]
     log: Path
     outbox: Path
-    current: Proc | None = None
-    generation: int = 0
+    child: _Child | None = None
 
-    def start(self) -> None:
-        self.generation += 1
-        self.current = Proc(self.args, self.log, "ready").spawn()
-        self.current.wait_ready()
+    async def spawn(self, zygote: _Zygote) -> None:
+        self.child = await zygote.spawn("worker", self.args, self.log)
+
+    @property
+    def running(self) -> bool:
+        return self.child is not None and self.child.running
 
 
 @dataclass
@@ -216,6 +312,7 @@ class _Follower:
         self.name = name
         self.doc = doc
         self.seen: list[tuple[int, str | None]] = []
+        self.by_writer: Counter[int] = Counter()
         self._changed = changed
         self.task = asyncio.create_task(self._follow(client))
 
@@ -228,6 +325,8 @@ class _Follower:
             async with client.subscribe(WS, self.doc, since=0) as subscription:
                 async for committed in subscription:
                     self.seen.append((committed.clock, committed.op_id))
+                    if (key := parse_op_id(committed.op_id)) is not None:
+                        self.by_writer[key[0]] += 1
                     self._changed.set()
         finally:
             self._changed.set()
@@ -239,6 +338,7 @@ class _Run:
     token: str
     instances: list[_Instance]
     provider: Proc
+    zygote: _Zygote
     started: float = field(default_factory=time.monotonic)
     fault_log: list[str] = field(default_factory=list)
     faults: Counter[str] = field(default_factory=Counter)
@@ -247,11 +347,32 @@ class _Run:
     followers: list[_Follower] = field(default_factory=list)
     requests: dict[str, str] = field(default_factory=dict)  # request id -> job id
     key_answers: dict[str, set[str]] = field(default_factory=dict)
-    worker_kills: int = 0
+    #: Set whenever a subscriber was handed an op.
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: `progress()` when a server last came back.
+    last_restart: int = 0
 
     def note(self, kind: str, target: object, detail: str = "") -> None:
         at = time.monotonic() - self.started
         self.fault_log.append(f"{at:9.3f}s {kind} {target} {detail}".rstrip())
+
+    def progress(self) -> int:
+        """Writer ops the first subscriber client was handed so far."""
+        return sum(self.seen_of(w) for w in range(self.spec.writers))
+
+    def seen_of(self, writer: int) -> int:
+        """Ops of `writer` the first subscriber client was handed so far."""
+        return sum(f.by_writer[writer] for f in self.followers if f.name == "s0")
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        """Until `predicate()` holds (checked whenever a subscriber is handed an op), or
+        `GATE_S` passed: then on anyway, a fault schedule must not stall because the system
+        did."""
+        deadline = time.monotonic() + GATE_S
+        while not predicate() and time.monotonic() < deadline:
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), deadline - time.monotonic())
 
     def proxies(self) -> list[FaultProxy]:
         return [p for i in self.instances for p in (i.http, i.ws, i.sub, i.work)]
@@ -265,7 +386,13 @@ async def run_chaos(spec: ChaosSpec) -> ChaosResult:
     async with _cluster(spec) as run:
         history = await _drive(run)
     verdict = check(history)
-    return ChaosResult(spec, verdict, history, time.monotonic() - started)
+    result = ChaosResult(spec, verdict, history, time.monotonic() - started)
+    # Beside the processes' logs, so a failed run can be read after the fact.
+    (spec.workdir / "verdict.txt").write_text(
+        "\n".join([*history.fault_log, *(f"VIOLATION: {v}" for v in verdict.violations),
+                   result.figure_line, ""])
+    )  # fmt: skip
+    return result
 
 
 @asynccontextmanager
@@ -296,16 +423,20 @@ async def _cluster(spec: ChaosSpec) -> AsyncIterator[_Run]:
         stack.callback(provider.stop)
         for server in servers:
             stack.callback(server.stop)
-        await asyncio.gather(*(asyncio.to_thread(s.start) for s in servers))
+        await asyncio.gather(*(asyncio.to_thread(s.start, START_TIMEOUT_S) for s in servers))
         await asyncio.to_thread(provider.start)
         instances = []
         for n, server in enumerate(servers):
             proxies = [
-                await stack.enter_async_context(FaultProxy(server.url, seed=spec.seed * 31 + 4 * n + k))
+                await stack.enter_async_context(
+                    FaultProxy(server.url, seed=spec.seed * 31 + 4 * n + k)
+                )
                 for k in range(4)
             ]
             instances.append(_Instance(server, *proxies))
-        run = _Run(spec, token, instances, provider)
+        zygote = await _Zygote.start(work / "zygote.log")
+        stack.push_async_callback(zygote.close)
+        run = _Run(spec, token, instances, provider, zygote)
         yield run
 
 
@@ -326,7 +457,7 @@ async def _drive(run: _Run) -> History:
             await admin.apply_op(
                 WS, doc, NodeInsert(node_id="counter", parent_id="root", fields={"n": 0})
             )
-        changed = asyncio.Event()
+        changed = run.changed
         for s in range(spec.subscribers):
             inst = run.instances[s % len(run.instances)]
             client = await stack.enter_async_context(
@@ -344,13 +475,16 @@ async def _drive(run: _Run) -> History:
         for w in range(spec.workers):
             inst = run.instances[w % len(run.instances)]
             outbox = work / f"worker{w}.outbox.db"
+            command = worker_cmd(inst.work.url, run.token, run.provider.url, f"chaos{w}", 1.0)
             args = [
-                *worker_cmd(inst.work.url, run.token, run.provider.url, f"chaos{w}", 1.0),
-                "--outbox", str(outbox),
-            ]  # fmt: skip
+                *command[3:],
+                "--outbox",
+                str(outbox),
+            ]  # without `-m cv_workspace_client.cli worker`
             run.workers.append(_Worker(w, args, work / f"worker{w}.log", outbox))
-        await asyncio.gather(*(asyncio.to_thread(w.start) for w in run.workers))
-        stack.callback(_stop_workers, run)
+        for worker in run.workers:
+            await worker.spawn(run.zygote)
+        stack.push_async_callback(_stop_workers, run)
 
         until = time.time() + spec.seconds
         for i in range(spec.writers):
@@ -362,8 +496,7 @@ async def _drive(run: _Run) -> History:
                     str(acks), str(spec.writer_rate)]  # fmt: skip
             run.writers.append(_Writer(i, args, work / f"writer{i}.log", outbox, acks))
         for writer in run.writers:
-            await writer.spawn()
-        stack.push_async_callback(_kill_writers, run)
+            await writer.spawn(run.zygote)
 
         faults = schedule(spec.seed, spec.seconds, spec.profile or default_profile(spec.backend),
                           _targets(spec))  # fmt: skip
@@ -394,7 +527,7 @@ async def _drive(run: _Run) -> History:
         heads = {doc: entries[-1].clock if entries else 0 for doc, entries in logs.items()}
         await _wait_caught_up(run, heads, changed, quiesce_deadline)
         stats = await asyncio.to_thread(provider_stats, run.provider.url)
-        await asyncio.to_thread(_stop_workers, run)
+        await _stop_workers(run)
 
     cut_connections = sum(p.stats.cuts + p.stats.dropped for p in run.proxies())
     return History(
@@ -436,13 +569,14 @@ def _targets(spec: ChaosSpec) -> dict[FaultKind, int]:
 
 
 async def _execute(run: _Run, faults: list[Fault], phase_started: float) -> None:
-    """One executor per fault kind, each running its faults in time order (a fault that comes
-    due while the previous one of its kind is still restarting runs right after it); the
-    worker kinds share one executor, so a worker is never killed and terminated at once."""
+    """One executor per fault kind and target, each running its faults in time order (a fault
+    that comes due while the previous one on its target is still restarting runs right after
+    it); a worker's kill and terminate share one, so it is never killed and terminated at
+    once."""
     lanes: dict[str, list[Fault]] = {}
     for fault in faults:
-        lane = "worker" if fault.kind in ("kill_worker", "term_worker") else fault.kind
-        lanes.setdefault(lane, []).append(fault)
+        kind = "worker" if fault.kind in ("kill_worker", "term_worker") else fault.kind
+        lanes.setdefault(f"{kind}{fault.target}", []).append(fault)
 
     async def lane(items: list[Fault]) -> None:
         for fault in items:
@@ -460,34 +594,47 @@ async def _inject(run: _Run, fault: Fault) -> bool:
     kind, target = fault.kind, fault.target
     if kind == "kill_server":
         server = run.instances[target].server
+        # Mid-run: the ops applied since the last restart went up first (killed again before
+        # its clients were back, a server would only be tested on its start-up).
+        mark = run.last_restart
+        await run.wait_for(
+            lambda: run.progress() >= mark + PROGRESS_OPS or not any(w.running for w in run.writers)
+        )
         await asyncio.to_thread(server.kill)
         run.note(kind, f"server{target}")
-        await asyncio.to_thread(server.start)
+        await asyncio.to_thread(server.start, START_TIMEOUT_S)
         run.note("restarted", f"server{target}")
+        run.last_restart = run.progress()
         return True
     if kind == "kill_writer":
         writer = run.writers[target]
+        # Mid-stream: a writer is killed once its ops are flowing again since its last start (on
+        # a loaded machine a process takes seconds to start: killed on a timer alone, writers
+        # were killed before their first op, and the run tested nothing but start-ups).
+        mark = writer.mark
+        await run.wait_for(lambda: run.seen_of(target) >= mark + PROGRESS_OPS or not writer.running)
         if not writer.running:
             return False
-        assert writer.proc is not None
-        writer.proc.kill()
-        await writer.proc.wait()
+        assert writer.child is not None
+        writer.child.signal(signal.SIGKILL)
+        await writer.child.wait()
         run.note(kind, f"writer{target}")
-        await writer.spawn()
+        writer.mark = run.seen_of(target)
+        await writer.spawn(run.zygote)
         return True
     if kind in ("kill_worker", "term_worker"):
         worker = run.workers[target]
-        assert worker.current is not None and worker.current.proc is not None
+        assert worker.child is not None
         if kind == "kill_worker":
-            await asyncio.to_thread(worker.current.kill)
+            worker.child.signal(signal.SIGKILL)
+            await worker.child.wait()
         else:
-            worker.current.proc.terminate()
-            code = await asyncio.to_thread(worker.current.proc.wait, 60)
+            worker.child.signal(signal.SIGTERM)
+            code = await asyncio.wait_for(worker.child.wait(), 60)
             if code != 0:
                 run.note("worker_failed", f"worker{target}", f"drained with exit {code}")
-        worker.current.stop()  # its files (the process is gone)
         run.note(kind, f"worker{target}")
-        await asyncio.to_thread(worker.start)
+        await worker.spawn(run.zygote)
         return True
     if kind == "cut_writers":
         armed = sum(p.cut_open() for i in run.instances for p in (i.http, i.ws))
@@ -508,7 +655,7 @@ async def _terminate_backends(run: _Run, server: ServerProcess) -> int:
     """`pg_terminate_backend` of every database connection of `server` (and only its: the
     database is shared), found by the local ports of its process's sockets to PostgreSQL."""
     import asyncpg  # type: ignore[import-untyped]
-    import psutil
+    import psutil  # type: ignore[import-untyped]
 
     if server.proc is None or server.proc.poll() is not None:
         return 0
@@ -579,14 +726,13 @@ async def _enqueue_one(
 async def _wait_writers(run: _Run, deadline: float) -> list[int]:
     codes = []
     for writer in run.writers:
-        assert writer.proc is not None
+        assert writer.child is not None
         try:
             async with asyncio.timeout(max(1.0, deadline - time.monotonic())):
-                codes.append(await writer.proc.wait())
+                codes.append(await writer.child.wait())
         except TimeoutError:
-            writer.proc.kill()
-            await writer.proc.wait()
-            codes.append(-9)
+            writer.child.signal(signal.SIGKILL)
+            codes.append(await writer.child.wait())
     return codes
 
 
@@ -614,9 +760,7 @@ async def _wait_caught_up(
 def _record(run: _Run, outcome: RequestOutcome) -> RequestRecord:
     result = outcome.result if isinstance(outcome.result, dict) else {}
     computed = tuple(f"eval:{name}" for name in result.get("computed", []))
-    status = outcome.status
-    if outcome.request is not None and outcome.request.status == "cancelled":
-        status = "cancelled"
+    status: str = outcome.status
     return RequestRecord(outcome.request_id, run.requests[outcome.request_id], status, computed)
 
 
@@ -637,18 +781,15 @@ def _outbox_rows(path: Path) -> int:
         return int(db.execute("SELECT COUNT(*) FROM outbox").fetchone()[0])
 
 
-def _stop_workers(run: _Run) -> None:
+async def _stop_workers(run: _Run) -> None:
+    """SIGTERM every worker (they drain), bounded; the zygote kills whatever is left."""
     for worker in run.workers:
-        if worker.current is not None:
-            worker.current.stop()
-
-
-async def _kill_writers(run: _Run) -> None:
-    for writer in run.writers:
-        if writer.running:
-            assert writer.proc is not None
-            writer.proc.kill()
-            await writer.proc.wait()
+        if worker.child is not None:
+            worker.child.signal(signal.SIGTERM)
+    for worker in run.workers:
+        if worker.child is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(worker.child.wait(), 60)
 
 
 async def run_in_schema(
@@ -660,4 +801,3 @@ async def run_in_schema(
 
     async with fresh_schema(base_url) as schema:
         return await body(_with_schema(base_url, schema))
-

@@ -105,9 +105,7 @@ def check(history: History) -> Verdict:
     for op_id in [*in_log, *acked]:
         if (key := parse_op_id(op_id)) is not None:
             highest[key[0]] = max(highest.get(key[0], -1), key[1])
-    intended = {
-        op_for(w, k)[1]["op_id"] for w, top in highest.items() for k in range(top + 1)
-    }
+    intended = {op_for(w, k)[1]["op_id"] for w, top in highest.items() for k in range(top + 1)}
     missing = sorted(intended - in_log)
     if missing:
         bad.append(f"{len(missing)} intended ops not in the log: {missing[:5]}")
@@ -131,7 +129,9 @@ def check(history: History) -> Verdict:
         expected = [(clock, op_id) for clock, op_id, _ in history.logs.get(doc, [])]
         if seen != expected:
             diverged += 1
-            bad.append(f"subscriber {who} of {doc} diverged from the log: {_first_diff(seen, expected)}")
+            bad.append(
+                f"subscriber {who} of {doc} diverged from the log: {_first_diff(seen, expected)}"
+            )
 
     # -- requests, cells, the provider ----------------------------------------------------------
     statuses = Counter(r.status for r in history.requests)
@@ -145,7 +145,9 @@ def check(history: History) -> Verdict:
     twice = sorted(cell for cell, n in computed.items() if n > 1)
     if twice:
         bad.append(f"cells computed by two requests: {twice[:5]}")
-    written = Counter(cell for _, _, op in history.logs.get(history.jobs_doc, []) for cell in _cells_of(op))
+    written = Counter(
+        cell for _, _, op in history.logs.get(history.jobs_doc, []) for cell in _cells_of(op)
+    )
     rewritten = sorted(cell for cell, n in written.items() if n > 1)
     if rewritten:
         bad.append(f"cells written twice: {rewritten[:5]}")
