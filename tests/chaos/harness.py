@@ -85,11 +85,11 @@ QUIESCE_S: Final = 240.0
 
 
 def default_profile(backend: Backend) -> Profile:
-    """Mean seconds between faults of each kind: about one kill a second, a cut every 4 s, a
+    """Mean seconds between faults of each kind: more than one kill a second, a cut every 4 s, a
     subscriber reset every 0.4 s (a CI run of ~75 s gets 50+ kills, 500+ cut connections)."""
     every: dict[FaultKind, float | None] = {
-        "kill_writer": 2.0,
-        "kill_worker": 4.0,
+        "kill_writer": 1.5,
+        "kill_worker": 3.0,
         "term_worker": 12.0,
         "kill_server": 7.0 if backend == "sqlite" else 5.0,
         "cut_writers": 4.0,
