@@ -6,6 +6,7 @@ test_rate_limits.py; the worker: tests/worker/test_rate_limited_worker.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,18 @@ async def test_a_client_behind_the_limit_gets_every_op_applied_once_in_order(
     url = str(server.make_url("")).rstrip("/")
     client_config = fast_config(retry_attempts=100, ops_over_websocket=transport == "ws")
     intended: dict[str, list[str]] = {doc: [] for doc in DOCS}
-    async with WorkspaceClient(url, token=token_for(WS), config=client_config) as client:
+    async with (
+        WorkspaceClient(url, token=token_for(WS), config=client_config) as client,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        if transport == "ws":
+            # The socket open before the first op: every op then goes over it (not over HTTP
+            # while it connects), so the limit met is the apply frames'.
+            await stack.enter_async_context(client.subscribe(WS, "other"))
+            async with asyncio.timeout(30):
+                async for status in client.watch_sync_status():
+                    if WS in status.connected:
+                        break
 
         async def write(doc: str) -> None:
             first = await client.apply_op(
