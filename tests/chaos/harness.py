@@ -16,6 +16,9 @@ restarted: a server on its database and port, a writer or worker on its outbox),
 workers (they drain), cuts every open writer connection, resets subscriber links and, on
 PostgreSQL, terminates one instance's database connections. Then the faults stop, every process
 finishes, and `tests.chaos.invariants.check` judges what was recorded.
+
+Servers are the real `cv-server serve`; writers and workers are forked by `tests.chaos.zygote`
+(separate processes, restarted in milliseconds rather than seconds of imports).
 """
 
 from __future__ import annotations
