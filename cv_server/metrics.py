@@ -18,6 +18,7 @@ class Metrics:
         self.ws_too_slow = 0
         #: Requests refused 429 `rate_limited`, by route class.
         self.rate_limited: Counter[str] = Counter()
+        self.subscriptions_refused = 0
         self.gauges: dict[str, Callable[[], float]] = {}
 
     def record_outcomes(self, outcomes: Iterable[Outcome]) -> None:
@@ -34,6 +35,8 @@ class Metrics:
 
     def count_rate_limited(self, route_class: str) -> None:
         self.rate_limited[route_class] += 1
+    def count_subscription_refused(self) -> None:
+        self.subscriptions_refused += 1
 
     def render(self) -> str:
         lines = [
@@ -50,6 +53,8 @@ class Metrics:
                 f'cv_rate_limited_total{{route_class="{cls}"}} {n}'
                 for cls, n in sorted(self.rate_limited.items())
             ),
+            "# TYPE cv_subscriptions_refused_total counter",
+            f"cv_subscriptions_refused_total {self.subscriptions_refused}",
         ]
         for name, read in sorted(self.gauges.items()):
             lines += [f"# TYPE {name} gauge", f"{name} {read()}"]
