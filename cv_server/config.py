@@ -79,6 +79,7 @@ class ServerConfig:
     rate_limit_ops_per_second: float | None = None
     rate_limit_reads_per_second: float | None = None
     rate_limit_enqueue_per_second: float | None = None
+    rate_limit_claim_per_second: float | None = None
     rate_limit_queue_per_second: float | None = None
     rate_limit_locks_per_second: float | None = None
     rate_limit_socket_per_second: float | None = None

@@ -35,6 +35,7 @@ class Metrics:
 
     def count_rate_limited(self, route_class: str) -> None:
         self.rate_limited[route_class] += 1
+
     def count_subscription_refused(self) -> None:
         self.subscriptions_refused += 1
 

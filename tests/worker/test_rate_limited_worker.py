@@ -1,6 +1,7 @@
-"""A worker behind a rate limit on the queue routes (claims, heartbeats, completions answered
-`429 rate_limited` with Retry-After now and then) waits them out: every request is done, each
-stage ran once, on a real server on loopback."""
+"""A worker behind rate limits on the queue routes (its claims, heartbeats and completions
+answered `429 rate_limited` with Retry-After now and then) waits them out: every request is
+done, each stage ran once, on a real server on loopback. Its idle polling, far over the claim
+budget, does not starve its completions (they are another class)."""
 
 from __future__ import annotations
 
@@ -26,12 +27,16 @@ async def _refused(url: str, route_class: str) -> int:
     )
 
 
-async def test_a_worker_over_its_queue_budget_still_runs_every_request_once(
+async def test_a_worker_over_its_claim_budget_still_runs_every_request_once(
     make_server: MakeServer,
 ) -> None:
-    # Eight queue calls a second for the worker's token, one saved up: an idle worker polls
-    # faster than that, and each request costs a claim and a completion.
-    server = await make_server(rate_limit_queue_per_second=8.0, rate_limit_burst_seconds=0.125)
+    # Eight claims and eight completions a second for the worker's token, one saved up: an
+    # idle worker polls at 20 a second.
+    server = await make_server(
+        rate_limit_claim_per_second=8.0,
+        rate_limit_queue_per_second=8.0,
+        rate_limit_burst_seconds=0.125,
+    )
     runs: list[str | None] = []
 
     async def stage(ctx: StageContext) -> dict[str, Any]:
@@ -54,7 +59,7 @@ async def test_a_worker_over_its_queue_budget_still_runs_every_request_once(
                 outcomes = [
                     await api.wait_request(client, WS, e.request_id, timeout=60) for e in enqueued
                 ]
-    assert await _refused(url_of(server), "queue") > 0, "the limit was never hit"
+    assert await _refused(url_of(server), "claim") > 0, "the limit was never hit"
     assert [o.status for o in outcomes] == ["done"] * REQUESTS
     assert [o.result for o in outcomes] == [{"job": f"J{i:02d}"} for i in range(REQUESTS)]
     assert sorted(runs, key=str) == [f"J{i:02d}" for i in range(REQUESTS)]  # each ran once
