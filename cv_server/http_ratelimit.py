@@ -50,6 +50,8 @@ ROUTE_CLASS_OF: Final[dict[tuple[str, str], RouteClass]] = {
     ("POST", f"{_WS}/requests/{{id}}/complete"): "queue",
     ("POST", f"{_WS}/requests/{{id}}/fail"): "queue",
     ("POST", f"{_WS}/requests/{{id}}/replay"): "queue",
+    ("POST", f"{_WS}/requests/{{id}}/result"): "queue",
+    ("POST", f"{_WS}/requests/{{id}}/cancel"): "queue",
     ("POST", f"{_WS}/locks/acquire"): "locks",
     ("POST", f"{_WS}/locks/release"): "locks",
     ("GET", f"{_WS}/socket"): "socket",
