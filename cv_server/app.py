@@ -13,15 +13,24 @@ from typing import Final
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from cv_server import http_docs, http_locks, http_queue, http_socket
+from cv_server import (
+    http_docs,
+    http_locks,
+    http_queue,
+    http_queue_operators,
+    http_results,
+    http_socket,
+)
 from cv_server.backends import Stores, open_stores
 from cv_server.config import ServerConfig
+from cv_server.http_ratelimit import RateLimits, rate_limit_middleware
 from cv_server.hub import Connection, Hub
 from cv_server.keys import (
     CONFIG,
     CONNECTIONS,
     HUB,
     METRICS,
+    RATE_LIMITS,
     STATE,
     STORES,
     TOKEN_SECRET,
@@ -196,7 +205,7 @@ def create_app(config: ServerConfig) -> web.Application:
     """Build the application. Stores open in `cleanup_ctx`, i.e. when the app starts."""
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[problems_middleware],
+        middlewares=[problems_middleware, rate_limit_middleware],
         # Bodies are decoded by `bodies.read_body`, which answers a bad or unknown coding with
         # its own code and holds the limit on the decoded size (docs/limits.md).
         handler_args={"auto_decompress": False},
@@ -207,6 +216,7 @@ def create_app(config: ServerConfig) -> web.Application:
     app[CONFIG] = config
     app[STATE] = ServerState()
     app[METRICS] = Metrics()
+    app[RATE_LIMITS] = RateLimits(config)
     connections: set[Connection] = set()
     app[CONNECTIONS] = connections
     app.cleanup_ctx.append(_stores_ctx)
@@ -215,5 +225,7 @@ def create_app(config: ServerConfig) -> web.Application:
     app.add_routes(http_docs.routes)
     app.add_routes(http_socket.routes)
     app.add_routes(http_queue.routes)
+    app.add_routes(http_results.routes)
+    app.add_routes(http_queue_operators.routes)
     app.add_routes(http_locks.routes)
     return app

@@ -80,6 +80,24 @@ class ServerConfig:
     # -- shutdown (docs/operating.md) --
     drain_seconds: float = 25.0
 
+    # -- rate limits per token and route class (docs/reliability.md) --
+    # Off by default (None): the right budget depends on the deployment (one worker token may
+    # claim for a whole fleet, one app token carry every user of a tenant), and a default the
+    # server cannot know would refuse legitimate traffic. Requests per second per token; a
+    # refused request is answered 429 `rate_limited` with Retry-After, which the SDK and
+    # workers wait out.
+    rate_limit_ops_per_second: float | None = None
+    rate_limit_reads_per_second: float | None = None
+    rate_limit_enqueue_per_second: float | None = None
+    rate_limit_claim_per_second: float | None = None
+    rate_limit_queue_per_second: float | None = None
+    rate_limit_locks_per_second: float | None = None
+    rate_limit_socket_per_second: float | None = None
+    #: Seconds of its rate a bucket saves up (at least one request): a client idle that long
+    #: may send that much at once, as an outbox replaying its backlog after a reconnect does.
+    #: Ten seconds: long enough for such a replay, short enough that a budget means per second.
+    rate_limit_burst_seconds: float = 10.0
+
     def __post_init__(self) -> None:
         # A setting that cannot work is refused here, at start-up, in one line naming it, rather
         # than served: `compute_lock_ttl_seconds=0` answered 500 to every lock acquisition,
@@ -96,6 +114,12 @@ class ServerConfig:
             )
         for setting in fields(self):
             value = getattr(self, setting.name)
+            if setting.name.startswith("rate_limit_") and setting.type == "float | None":
+                if value is not None and not (math.isfinite(value) and value > 0):
+                    raise ValueError(
+                        f"{setting.name} must be a finite number > 0 or None, not {value!r}"
+                    )
+                continue
             if setting.name in _MAY_BE_ZERO:
                 if not (math.isfinite(value) and value >= 0):
                     raise ValueError(f"{setting.name} must be a finite number >= 0, not {value!r}")
