@@ -1,6 +1,6 @@
-"""HTTP routes of the work queue (layer 1, DESIGN §5, §7; seed 003): enqueue, read and stream a
-request, and the worker verbs (claim / heartbeat / complete / fail). The upload and download of
-large results are in `http_results`, the operators' verbs (list, replay, cancel) in
+"""HTTP routes of the work queue (layer 1, docs/protocol.md, docs/queue.md): enqueue, read and
+stream a request, and the worker verbs (claim / heartbeat / complete / fail). The upload and
+download of large results are in `http_results`, the operators' verbs (list, replay, cancel) in
 `http_queue_operators`; both use this module's request helpers (`row_of`, `row_json`, ...).
 
 A completion may name an uploaded result (`blob_ref`) instead of carrying it: it is checked to

@@ -31,11 +31,8 @@ DOCS = REPO / "docs"
 #: never tolerated.
 PAGES_FROM_OTHER_BRANCHES = frozenset(
     {
-        "docs/queue.md",
         "docs/observability.md",
         "docs/dashboard.md",
-        "docs/mcp.md",
-        "docs/reliability.md",
         "docs/architecture.md",
         "schemas/openapi.json",
     }
