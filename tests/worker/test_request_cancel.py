@@ -134,7 +134,7 @@ async def test_done_and_unknown_requests_refuse_a_cancel(client: WorkspaceClient
 
 
 async def _cli(capsys: pytest.CaptureFixture[str], server: TestServer, *args: str) -> Any:
-    argv = [*args, "--url", url_of(server), "--token", token_for(WS)]
+    argv = [*args, "--json", "--url", url_of(server), "--token", token_for(WS)]
     code = await asyncio.to_thread(workspace_main, argv)
     out, err = capsys.readouterr()
     return code, json.loads(out) if out.strip() else json.loads(err)
