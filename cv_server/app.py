@@ -13,7 +13,7 @@ from typing import Final
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from cv_server import http_docs, http_locks, http_queue, http_socket
+from cv_server import http_docs, http_locks, http_queue, http_socket, observe
 from cv_server.backends import Stores, open_stores
 from cv_server.config import ServerConfig
 from cv_server.hub import Connection, Hub
@@ -29,7 +29,7 @@ from cv_server.keys import (
     WORK_SIGNALS,
     ServerState,
 )
-from cv_server.metrics import Metrics
+from cv_server.metrics import CONTENT_TYPE, Metrics
 from cv_server.problems import Problem, problem_response
 from cv_server.security import TokenSecret
 from cv_server.waiters import Waiters, WorkSignals
@@ -107,19 +107,33 @@ async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
     # given in the config is not the database's, so a rotation there does not replace it.
     if stores.follow_secret is not None and app[CONFIG].token_secret is None:
         await stores.follow_secret(token_secret.replace)
-    app[METRICS].gauges["cv_ws_connections"] = lambda: len(app[CONNECTIONS])
-    app[METRICS].gauges["cv_subscriptions"] = lambda: hub.subscriber_count
+    metrics = app[METRICS]
+    metrics.gauge(
+        "cv_ws_connections", "Open websockets (this process).", lambda: len(app[CONNECTIONS])
+    )
+    metrics.gauge(
+        "cv_subscriptions",
+        "Live sub-doc subscriptions (this process).",
+        lambda: hub.subscriber_count,
+    )
+    observe.watch_stores(app, stores)
     config = app[CONFIG]
     waiters = Waiters(stores.queue, sweep_seconds=config.sweep_seconds)
     waiters.start()
     app[WAITERS] = waiters
     signals = WorkSignals(stores.queue)
     app[WORK_SIGNALS] = signals
-    app[METRICS].gauges["cv_request_waiters"] = lambda: waiters.count
+    metrics.gauge(
+        "cv_request_waiters",
+        "Clients waiting on a request's outcome (streams, this process).",
+        lambda: waiters.count,
+    )
     reaper = asyncio.create_task(_reap_forever(stores, config.reap_seconds))
     app[STATE].ready = True
+    log.info("stores open, serving", extra={"step": "ready"})
     yield
     app[STATE].ready = False
+    log.info("stopping: closing request waiters and stores", extra={"step": "close_stores"})
     reaper.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await reaper
@@ -127,6 +141,7 @@ async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
     signals.close()
     # In-flight commits finished before cleanup (the runner waited for handlers); now flush.
     await stores.close()
+    log.info("stores closed", extra={"step": "stores_closed"})
 
 
 async def _reap_forever(stores: Stores, every: float) -> None:
@@ -145,6 +160,11 @@ async def _on_shutdown(app: web.Application) -> None:
     """Stop accepting work and close every socket with 1001 (going away)."""
     app[STATE].shutting_down = True
     app[STATE].ready = False
+    log.info(
+        "shutting down: closing %d websockets",
+        len(app[CONNECTIONS]),
+        extra={"step": "close_sockets"},
+    )
     app[WAITERS].release_all()  # request streams end now, not at their deadline
     app[WORK_SIGNALS].release_all()  # and idle workers' long polls, not at their 2 s ceiling
     connections = app[CONNECTIONS]
@@ -181,12 +201,16 @@ async def readyz(request: web.Request) -> web.Response:
 
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(text=request.app[METRICS].render(), content_type="text/plain")
+    body = await request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 def create_app(config: ServerConfig) -> web.Application:
     """Build the application. Stores open in `cleanup_ctx`, i.e. when the app starts."""
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[problems_middleware])
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=[observe.observe_middleware, problems_middleware],
+    )
     server_log = logging.getLogger("aiohttp.server")
     if _MALFORMED_REQUEST_LOG not in server_log.filters:
         server_log.addFilter(_MALFORMED_REQUEST_LOG)
@@ -197,6 +221,7 @@ def create_app(config: ServerConfig) -> web.Application:
     app[CONNECTIONS] = connections
     app.cleanup_ctx.append(_stores_ctx)
     app.on_shutdown.append(_on_shutdown)
+    app.on_response_prepare.append(observe.echo_request_id)
     app.add_routes(routes)
     app.add_routes(http_docs.routes)
     app.add_routes(http_socket.routes)

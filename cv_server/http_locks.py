@@ -14,12 +14,13 @@ worker can time its compute against the lock with its own clock, however far tha
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from aiohttp import web
 
 from cv_server.inputs import check_ids, decode_json
-from cv_server.keys import CONFIG, STORES
+from cv_server.keys import CONFIG, METRICS, STORES
 from cv_server.locks.store import Acquired
 from cv_server.problems import Problem
 from cv_server.security import authorize
@@ -27,6 +28,8 @@ from cv_server.security import authorize
 __all__ = ["routes"]
 
 routes = web.RouteTableDef()
+
+log = logging.getLogger("cv_server.locks")
 
 
 async def _body(request: web.Request) -> tuple[str, dict[str, Any]]:
@@ -57,8 +60,24 @@ async def acquire(request: web.Request) -> web.Response:
     now = await locks.clock()
     outcome = await locks.acquire(workspace_id, body["job_id"], body["task"], holder, ttl, now)
     timing = {"expires_at": outcome.expires_at, "expires_in": outcome.expires_at - now, "ttl": ttl}
+    metrics = request.app[METRICS]
+    fields = {"workspace": workspace_id, "job_id": body["job_id"], "task": body["task"]}
     if isinstance(outcome, Acquired):
+        metrics.lock_acquired.inc()
+        log.info(
+            "lock acquired %s/%s",
+            body["job_id"],
+            body["task"],
+            extra=_lock_fields("lock_acquired", fields, holder),
+        )
         return web.json_response({"acquired": True, "token": outcome.token, **timing})
+    metrics.lock_contended.inc()
+    log.info(
+        "lock contended %s/%s",
+        body["job_id"],
+        body["task"],
+        extra=_lock_fields("lock_contended", fields, holder, outcome.holder),
+    )
     return web.json_response(
         {"acquired": False, "locked": True, "holder": outcome.holder, **timing}
     )
@@ -76,4 +95,25 @@ async def release(request: web.Request) -> web.Response:
     released = await locks.release(
         workspace_id, body["job_id"], body["task"], token, await locks.clock()
     )
+    if not released:
+        request.app[METRICS].lock_expired.inc()
+    fields = {"workspace": workspace_id, "job_id": body["job_id"], "task": body["task"]}
+    log.info(
+        "lock %s %s/%s",
+        "released" if released else "expired before release",
+        body["job_id"],
+        body["task"],
+        extra={"event": "lock_released" if released else "lock_expired", **fields},
+    )
     return web.json_response({"released": released})
+
+
+def _lock_fields(
+    event: str, fields: dict[str, str], holder: str, held_by: str | None = None
+) -> dict[str, object]:
+    """A lock decision's log fields: the key, the holder the caller named and, when refused,
+    the holder that has it."""
+    extra: dict[str, object] = {"event": event, **fields, "holder": holder}
+    if held_by is not None:
+        extra["held_by"] = held_by
+    return extra

@@ -22,7 +22,8 @@ from aiohttp import web
 
 from cv_mutations import is_valid_workspace_id
 from cv_server.inputs import check_ids, decode_json
-from cv_server.keys import CONFIG, STORES, WAITERS, WORK_SIGNALS
+from cv_server.keys import CONFIG, METRICS, STORES, WAITERS, WORK_SIGNALS
+from cv_server.observe import log_coalesced
 from cv_server.problems import Problem
 from cv_server.queue import (
     Completion,
@@ -107,6 +108,16 @@ def _payload(body: dict[str, Any], name: str) -> Any:
         reason = "holds an integer past 64 bits" if "64-bit" in str(exc) else "is nested too deeply"
         raise Problem(422, "invalid_field", f"{name} {reason}") from None
     return value
+
+
+def _telemetry(body: dict[str, Any]) -> Any:
+    """The worker's telemetry, or None when the route could not store it (nested too deeply, an
+    integer past 64 bits): telemetry is fire-and-forget, so what is wrong with it never fails
+    the completion it rides on (`tests/server/test_metrics_workload.py` pins it)."""
+    try:
+        return _payload(body, "telemetry")
+    except Problem:
+        return None
 
 
 def _patience(request: web.Request, ceiling: float) -> float:
@@ -218,6 +229,7 @@ async def enqueue(request: web.Request) -> web.Response:
             enqueued = await stores.queue.enqueue(req, now=None, rerun=rerun)
         except QueueError as exc:
             raise _queue_problem(exc) from None
+        _count_coalesced(request, enqueued)
         return web.json_response(_enqueue_answer(enqueued), status=202)
 
     # Printable text only: a header that is not UTF-8 reaches us with lone surrogates, which no
@@ -262,7 +274,17 @@ async def enqueue(request: web.Request) -> web.Response:
         # a held connection and its advisory lock, and a retry that finds the lock free while
         # the key is still in progress takes it over as the key of a dead owner.
         await begun.release()
+    _count_coalesced(request, enqueued)
     return web.json_response(_enqueue_answer(enqueued), status=202)
+
+
+def _count_coalesced(request: web.Request, enqueued: Enqueued) -> None:
+    """An enqueue that an existing request absorbed wrote nothing, so the store announced
+    nothing: counted and logged here (the ones that wrote are counted by the store's observer)."""
+    if enqueued.coalesced:
+        row = enqueued.row
+        request.app[METRICS].queue_coalesced.inc()
+        log_coalesced(row.workspace_id, row.request_id, row.status, row.stage)
 
 
 async def _row(request: web.Request) -> ProcessRequest:
@@ -412,7 +434,7 @@ async def complete_batch(request: web.Request) -> web.Response:
                     result=result,
                     error=_payload(item, "error"),
                     cache=item.get("cache"),
-                    telemetry=_payload(item, "telemetry"),
+                    telemetry=_telemetry(item),
                 )
             )
         except ValueError as exc:
@@ -482,7 +504,7 @@ async def complete(request: web.Request) -> web.Response:
     _, body = await _json_body(request)
     token = _claim_token(body)
     result, error = _payload(body, "result"), _payload(body, "error")
-    telemetry = _payload(body, "telemetry")
+    telemetry = _telemetry(body)
     cache = body.get("cache")
     if cache not in (None, "hit", "miss"):
         raise Problem(422, "invalid_field", 'cache must be "hit", "miss" or absent')

@@ -235,7 +235,11 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
     batch_bytes = config.max_ws_frame_bytes if request.query.get("batch") == "1" else 0
     metrics = app[METRICS]
     conn = Connection(
-        ws, config.subscriber_queue_limit, batch_bytes, on_too_slow=metrics.count_too_slow
+        ws,
+        config.subscriber_queue_limit,
+        batch_bytes,
+        on_too_slow=metrics.count_too_slow,
+        on_written=metrics.record_written,
     )
     session = _Session(app, conn, workspace_id)
     app[CONNECTIONS].add(conn)

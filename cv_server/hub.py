@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -61,6 +62,7 @@ class Connection:
         limit: int,
         batch_bytes: int = 0,
         on_too_slow: Callable[[], None] | None = None,
+        on_written: Callable[[float], None] | None = None,
     ) -> None:
         self.ws = ws
         self.limit = limit
@@ -68,6 +70,13 @@ class Connection:
         #: Called once when this connection is cut off as too slow (`/metrics` counts them).
         self._on_too_slow = on_too_slow
         self._queue: deque[str] = deque()
+        #: Called with the commit stamp of each live op frame once it is written to the socket
+        #: (`cv_broadcast_lag_seconds`). Stamps ride beside the queue, keyed by the frame's
+        #: number: `_queued` counts frames ever queued, `_written` frames ever written.
+        self._on_written = on_written
+        self._stamps: deque[tuple[int, float]] = deque()
+        self._queued = 0
+        self._written = 0
         self._ready = asyncio.Event()
         # Set when the queue is at or below half the limit: catch-up waits on it (`room`).
         self._room = asyncio.Event()
@@ -76,14 +85,18 @@ class Connection:
         self._writer = asyncio.create_task(self._drain())
         self.subscriptions: dict[str, Subscription] = {}
 
-    def send(self, text: str) -> bool:
-        """Queue a frame. False (and the connection closes with 4008) when over the limit."""
+    def send(self, text: str, stamp: float | None = None) -> bool:
+        """Queue a frame (`stamp`: the `perf_counter()` of its commit, for a live op frame).
+        False (and the connection closes with 4008) when over the limit."""
         if self._closing:
             return False
         if len(self._queue) >= self.limit:
             self.too_slow()
             return False
         self._queue.append(text)
+        self._queued += 1
+        if stamp is not None and self._on_written is not None:
+            self._stamps.append((self._queued, stamp))
         self._ready.set()
         return True
 
@@ -101,6 +114,7 @@ class Connection:
             return None
         self._closing = True
         self._queue.clear()
+        self._stamps.clear()
         self._room.set()
         for subscription in list(self.subscriptions.values()):
             subscription.stop()
@@ -139,15 +153,26 @@ class Connection:
                 queue = self._queue
                 half = self.limit // 2
                 while queue:
-                    if len(queue) == 1 or not self.batch_bytes:
+                    before = len(queue)
+                    if before == 1 or not self.batch_bytes:
                         await self.ws.send_str(queue.popleft())
                     else:
                         await self.ws.send_str(self._pack(queue))
+                    self._written += before - len(queue)
+                    if self._stamps:
+                        self._report_written()
                     if len(queue) <= half:
                         self._room.set()
         except (ConnectionResetError, RuntimeError):  # peer gone; the reader side cleans up
             self._closing = True
             self._room.set()
+
+    def _report_written(self) -> None:
+        stamps, on_written = self._stamps, self._on_written
+        while stamps and stamps[0][0] <= self._written:
+            _, stamp = stamps.popleft()
+            if on_written is not None:
+                on_written(stamp)
 
     def _pack(self, queue: deque[str]) -> str:
         """Pop the frames that fit in one message of at most `batch_bytes` UTF-8 bytes, the
@@ -226,7 +251,7 @@ class Subscription:
     # Called synchronously by the hub, in commit order.
     def on_frames(self, frames: list[Frame]) -> None:
         for frame in self.cursor.offer(frames):
-            if not self.conn.send(frame.text):
+            if not self.conn.send(frame.text, frame.stamp):
                 return
         if not self.cursor.live:
             if len(self.cursor.pending) > self.pending_limit:
@@ -305,7 +330,7 @@ class Subscription:
                 await self.conn.room()  # what arrived meanwhile is flushed at once
                 out, live = self.cursor.go_live()
                 for frame in out:
-                    if not self.conn.send(frame.text):
+                    if not self.conn.send(frame.text, frame.stamp):
                         return
                 if not live:
                     continue
@@ -346,7 +371,11 @@ class Hub:
         subs = self._topics.get((workspace_id, sub_doc))
         if not subs:
             return
-        frames = [encode_entry(sub_doc, entry) for entry in entries]
+        stamp = time.perf_counter()
+        frames = [
+            Frame(frame.clock, frame.text, stamp)
+            for frame in (encode_entry(sub_doc, entry) for entry in entries)
+        ]
         for sub in list(subs):
             sub.on_frames(frames)
 

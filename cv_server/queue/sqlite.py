@@ -290,7 +290,7 @@ class SQLiteQueueStore(QueueStore):
     def _announce_committed(self, task: asyncio.Future[tuple[Any, list[RequestEvent]]]) -> None:
         if task.cancelled() or task.exception() is not None:
             return
-        self._announce(task.result()[1])
+        self._committed(task.result()[1])
 
     async def clock(self) -> float:
         """This process's wall clock: only one process opens the file (DESIGN §9)."""
@@ -318,7 +318,7 @@ class SQLiteQueueStore(QueueStore):
                     _insert(tx, answer.row)
                 else:  # a rerun rewrites the whole request
                     _update(tx, existing, answer.row, _COLUMNS)
-                events.append(RequestEvent.of(answer.row))
+                events.append(RequestEvent.of(answer.row, "enqueued"))
             if idempotency is not None:
                 response = idempotency.respond(answer)
                 complete_key(
@@ -389,6 +389,13 @@ class SQLiteQueueStore(QueueStore):
 
         return await self._db.read(read)
 
+    async def status_counts(self) -> dict[RequestStatus, int]:
+        def read(conn: sqlite3.Connection) -> dict[RequestStatus, int]:
+            found = conn.execute(f"SELECT status, count(*) FROM {TABLE} GROUP BY status")
+            return {status: int(n) for status, n in found}
+
+        return await self._db.read(read)
+
     # -- workers ----------------------------------------------------------------------------------
 
     async def claim_many(
@@ -418,7 +425,7 @@ class SQLiteQueueStore(QueueStore):
                     for row in exhausted:
                         parked = model.poison_exhausted(row, now)
                         _update(tx, row, parked)
-                        events.append(RequestEvent.of(parked))
+                        events.append(RequestEvent.of(parked, "poisoned", lapsed=True))
                     continue
                 claimed = []
                 oldest = sorted(found, key=_claimable_since)[:limit]
@@ -429,7 +436,8 @@ class SQLiteQueueStore(QueueStore):
                     )
                     _update(tx, row, held)
                     claimed.append(held)
-                    events.append(RequestEvent.of(held))
+                    lapsed = row.status == "in_progress"
+                    events.append(RequestEvent.of(held, "claimed", lapsed=lapsed))
                 return claimed, events
 
         return await self._write(job)
@@ -476,7 +484,7 @@ class SQLiteQueueStore(QueueStore):
                     continue
                 if changed:
                     _update(tx, row, done)
-                    events.append(RequestEvent.of(done))
+                    events.append(RequestEvent.of(done, "done"))
                 outcomes.append(done)
             return outcomes, events
 
@@ -493,7 +501,7 @@ class SQLiteQueueStore(QueueStore):
             if not changed:
                 return after, []
             _update(tx, row, after)
-            return after, [RequestEvent.of(after)]
+            return after, [RequestEvent.of(after, "failed")]
 
         return await self._write(job)
 
@@ -506,7 +514,7 @@ class SQLiteQueueStore(QueueStore):
             row = _select(tx, request_id)
             replayed = model.replay_poison(row, now)
             _update(tx, row, replayed)
-            return replayed, [RequestEvent.of(replayed)]
+            return replayed, [RequestEvent.of(replayed, "replayed")]
 
         return await self._write(job)
 
