@@ -36,10 +36,11 @@ from cv_server.meta import (
     rotate_sqlite_token_secret,
     sqlite_token_secret,
 )
+from cv_workspace_client.logs import LOG_FORMATS, JsonFormatter, LogFormat, configure_logging
 
 __all__ = ["main"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("cv_server.cli")
 
 DEFAULT_DB = Path("data/cv.db")
 
@@ -192,6 +193,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_port, default=8080, help="0 picks a free port")
     serve.add_argument("--log-level", type=_log_level, default="INFO")
     serve.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="json: every line the server writes is one JSON object (docs/observability.md)",
+    )
+    serve.add_argument(
         "--set",
         action="append",
         default=[],
@@ -217,7 +224,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _serve(config: ServerConfig, host: str, port: int) -> None:
+def _say(line: str, log_format: LogFormat, **fields: Any) -> None:
+    """A line on stdout for whoever watches the start (`cv-server listening on ...`): with
+    `--log-format json`, the same words as one JSON object, so that every line is one."""
+    if log_format == "json":
+        record = logging.LogRecord("cv_server", logging.INFO, __file__, 0, line, (), None)
+        record.__dict__.update(fields)
+        line = JsonFormatter().format(record)
+    print(line, flush=True)
+
+
+async def _serve(
+    config: ServerConfig, host: str, port: int, log_format: LogFormat = "text"
+) -> None:
     serving_lock = None
     if not config.database_url and config.db_path is not None:
         # One server per SQLite file: a second one would leave the first's cached sub-doc
@@ -227,13 +246,15 @@ async def _serve(config: ServerConfig, host: str, port: int) -> None:
         except DatabaseUnusable as exc:
             raise SystemExit(f"cv-server: cannot start: {exc}") from None
     try:
-        await _serve_app(config, host, port)
+        await _serve_app(config, host, port, log_format)
     finally:
         if serving_lock is not None:  # after the stores closed: every write is on disk
             serving_lock.close()
 
 
-async def _serve_app(config: ServerConfig, host: str, port: int) -> None:
+async def _serve_app(config: ServerConfig, host: str, port: int, log_format: LogFormat) -> None:
+    backend = "postgresql" if config.database_url else "sqlite"
+    log.info("starting: opening the %s stores", backend, extra={"step": "open_stores"})
     app = create_app(config)
     # The drain deadline of seed 004 bounds how long in-flight requests may take to finish.
     # aiohttp spends `shutdown_timeout` twice on a handler that is still running: once waiting
@@ -263,7 +284,12 @@ async def _serve_app(config: ServerConfig, host: str, port: int) -> None:
     gc.freeze()
     gc.set_threshold(10_000, 20, 20)
     try:
-        print(f"cv-server listening on http://{host}:{bound_port}", flush=True)
+        _say(
+            f"cv-server listening on http://{host}:{bound_port}",
+            log_format,
+            step="listening",
+            url=f"http://{host}:{bound_port}",
+        )
     except BrokenPipeError:
         # Nobody reads the line any more (a `| head -1` that has exited): serving is the job,
         # the line a courtesy. The server died of it, a traceback, before serving a request.
@@ -273,8 +299,14 @@ async def _serve_app(config: ServerConfig, host: str, port: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    log.info(
+        "stopping: no new connections; draining in-flight requests (at most %.0f s)",
+        config.drain_seconds,
+        extra={"step": "drain"},
+    )
     # Stop accepting, close sockets with 1001, let in-flight commits finish, then close stores.
     await runner.cleanup()
+    log.info("stopped", extra={"step": "stopped"})
 
 
 async def _init(db_path: Path, database_url: str | None) -> str:
@@ -410,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
-        logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
+        configure_logging(args.log_format, args.log_level)
         database_url = args.database_url and _with_schema(args.database_url, args.schema)
         try:
             config = dataclasses.replace(
@@ -419,7 +451,7 @@ def _main(argv: list[str] | None) -> int:
             )
         except ValueError as exc:  # a setting that cannot work (ServerConfig says which)
             raise SystemExit(f"cv-server: --set: {exc}") from None
-        _run(_serve(config, args.host, args.port))
+        _run(_serve(config, args.host, args.port, args.log_format))
         return 0
     if args.command == "init":
         database_url = args.database_url and _with_schema(args.database_url, args.schema)

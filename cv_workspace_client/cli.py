@@ -43,6 +43,7 @@ from cv_workspace_client._queue_api import QueueClient
 from cv_workspace_client._retry import backoff_for
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import WorkspaceError
+from cv_workspace_client.logs import LOG_FORMATS, JsonFormatter, configure_logging
 from cv_workspace_client.providers import CountingFakeProvider, OpenAICompatibleProvider, Provider
 from cv_workspace_client.queue_models import RequestOutcome
 from cv_workspace_client.stage import Handler, Stage
@@ -348,6 +349,13 @@ def _worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heartbeat-seconds", type=float, default=defaults.heartbeat_seconds)
     parser.add_argument("--drain-seconds", type=float, default=defaults.drain_seconds)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="json: every line the worker writes is one JSON object, each line of a stage run "
+        "carrying its queue_request_id (docs/observability.md)",
+    )
     return parser
 
 
@@ -388,7 +396,12 @@ async def _run_worker(args: argparse.Namespace, stages: dict[str, Handler | Stag
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, worker.stop)  # seed 004 §9: drain, then exit 0
-            _announce(f"cv-worker {worker.worker_id} ready")
+            ready = f"cv-worker {worker.worker_id} ready"
+            if args.log_format == "json":  # every line one JSON object, the ready line too
+                record = logging.LogRecord("cv_worker", logging.INFO, __file__, 0, ready, (), None)
+                record.__dict__.update(event="ready", worker=worker.worker_id)
+                ready = JsonFormatter().format(record)
+            _announce(ready)
             stats = await worker.run()
             logging.getLogger("cv_workspace_client.worker").info("drained: %s", stats)
             return EXIT_OK if stats.clean else EXIT_FAILED
@@ -406,9 +419,7 @@ def worker_main(argv: list[str] | None = None) -> int:
         # Validated here, not left to `logging`/`WorkerConfig`: their ValueError would escape
         # as a traceback with exit 1 instead of a usage error (exit 2).
         try:
-            logging.basicConfig(
-                level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
-            )
+            configure_logging(args.log_format, args.log_level)
         except ValueError:
             raise UsageError(f"--log-level {args.log_level!r} is not a logging level") from None
         if args.concurrency < 1:
