@@ -8,12 +8,13 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Final
+from typing import Any, Final
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from cv_server import http_docs, http_locks, http_queue, http_socket, observe
+from cv_server.api_models import Health, Ready
 from cv_server.backends import Stores, open_stores
 from cv_server.config import ServerConfig
 from cv_server.hub import Connection, Hub
@@ -30,6 +31,7 @@ from cv_server.keys import (
     ServerState,
 )
 from cv_server.metrics import CONTENT_TYPE, Metrics
+from cv_server.openapi import Doc, Media, build_document, documented, render_docs_page
 from cv_server.problems import Problem, problem_response
 from cv_server.security import TokenSecret
 from cv_server.waiters import Waiters, WorkSignals
@@ -178,11 +180,21 @@ routes = web.RouteTableDef()
 
 
 @routes.get("/healthz")
+@documented(Doc("Liveness: the process serves", {200: Health}, auth=False, tag="operations"))
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
 @routes.get("/readyz")
+@documented(
+    Doc(
+        "Readiness: stores open and the database reachable (route traffic here)",
+        {200: Ready},
+        problems={503: ("unavailable",)},
+        auth=False,
+        tag="operations",
+    )
+)
 async def readyz(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if not state.ready or state.shutting_down:
@@ -200,9 +212,51 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 @routes.get("/metrics")
+@documented(
+    Doc(
+        "Prometheus metrics (text exposition format 0.0.4; docs/observability.md)",
+        {200: Media("text/plain")},
+        auth=False,
+        tag="operations",
+    )
+)
 async def metrics(request: web.Request) -> web.Response:
     body = await request.app[METRICS].render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def _document(app: web.Application) -> dict[str, Any]:
+    """Built once per app, on first use: the routes do not change once it serves."""
+    document = app[STATE].openapi
+    if document is None:
+        document = app[STATE].openapi = build_document(app)
+    return document
+
+
+@routes.get("/openapi.json")
+@documented(
+    Doc(
+        "This document: OpenAPI 3.1 of every route",
+        {200: Media("application/json", {"type": "object"})},
+        auth=False,
+        tag="operations",
+    )
+)
+async def openapi_document(request: web.Request) -> web.Response:
+    return web.json_response(_document(request.app))
+
+
+@routes.get("/docs")
+@documented(
+    Doc(
+        "This document for people: plain HTML, no script, works offline",
+        {200: Media("text/html")},
+        auth=False,
+        tag="operations",
+    )
+)
+async def docs_page(request: web.Request) -> web.Response:
+    return web.Response(text=render_docs_page(_document(request.app)), content_type="text/html")
 
 
 def create_app(config: ServerConfig) -> web.Application:

@@ -24,6 +24,7 @@ from cv_server.http_docs import commit_and_publish, publish
 from cv_server.hub import Connection, Subscription
 from cv_server.inputs import check_since, decode_json, parse_apply_body
 from cv_server.keys import CONFIG, CONNECTIONS, HUB, METRICS, STATE, STORES, TOKEN_SECRET
+from cv_server.openapi import Doc, Param, documented
 from cv_server.oplog import LogEntry, Outcome
 from cv_server.problems import Problem
 from cv_server.security import authenticate, bearer_token, seconds_left, signed_with
@@ -205,6 +206,24 @@ class _Session:
 
 
 @routes.get("/v1/workspaces/{ws}/socket")
+@documented(
+    Doc(
+        "The websocket: subscribe to sub-docs (catch-up, then live ops) and apply ops",
+        {101: None},
+        description=(
+            "A websocket upgrade. The token may come as `?token=` (browsers cannot set headers);"
+            " a refused token or workspace closes the socket with 4001 / 4003 after the upgrade."
+        ),
+        params=(
+            Param(
+                "token", {"type": "string"}, "The bearer token, for clients that cannot set headers"
+            ),
+            Param("batch", {"type": "string", "enum": ["1"]}, "Frames batched in JSON arrays"),
+        ),
+        problems={400: ("bad_request",), 503: ("unavailable",)},
+        tag="op-log",
+    )
+)
 async def socket(request: web.Request) -> web.WebSocketResponse:
     app = request.app
     config = app[CONFIG]

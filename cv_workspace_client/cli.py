@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib
 import json
 import logging
@@ -39,6 +40,7 @@ from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 from cv_workspace_client._auth import TokenProvider
+from cv_workspace_client._progress import Progress, watching
 from cv_workspace_client._queue_api import QueueClient
 from cv_workspace_client._retry import backoff_for
 from cv_workspace_client.config import ClientConfig
@@ -456,6 +458,23 @@ def _add_enqueue_args(parser: argparse.ArgumentParser, *, rerun_flag: bool) -> N
         parser.add_argument("--rerun", action="store_true", help="re-run a finished request")
     parser.add_argument("--wait", action="store_true", help="wait for the result")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait")
+    _progress_arg(parser)
+
+
+def _progress_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="status changes and bulk counts on stderr (default: when stderr is a terminal)",
+    )
+
+
+def _progress(args: argparse.Namespace) -> Progress:
+    enabled = args.progress
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    return Progress(bool(enabled))
 
 
 def _workspace_parser() -> argparse.ArgumentParser:
@@ -475,6 +494,7 @@ def _workspace_parser() -> argparse.ArgumentParser:
     listing.add_argument(
         "--all", action="store_true", help="every matching request, fetched --limit at a time"
     )
+    _progress_arg(listing)
     for verb, text in (
         ("show", "one request"),
         ("replay", "put a poison request back in the queue, by hand"),
@@ -488,6 +508,7 @@ def _workspace_parser() -> argparse.ArgumentParser:
     wait.add_argument("workspace")
     wait.add_argument("request_id")
     wait.add_argument("--timeout", type=float, default=60.0)
+    _progress_arg(wait)
     rerun = verbs.add_parser("rerun", help="run a finished request again (enqueue --rerun)")
     _common(rerun)
     _add_enqueue_args(rerun, rerun_flag=False)
@@ -520,7 +541,15 @@ async def _enqueue(client: QueueClient, args: argparse.Namespace, *, rerun: bool
         _print(answer.to_json())
         return EXIT_OK
     try:
-        outcome = await client.wait_request(args.workspace, answer.request_id, timeout=args.timeout)
+        async with watching(
+            functools.partial(client.get_request, args.workspace, answer.request_id),
+            _progress(args),
+        ) as watch:
+            watch.enqueued(answer)
+            outcome = await client.wait_request(
+                args.workspace, answer.request_id, timeout=args.timeout
+            )
+            watch.seen(outcome.request)
     except asyncio.CancelledError:  # SIGINT/SIGTERM: the wait ends, the request goes on
         interrupted = {"request_id": answer.request_id, "status": "interrupted"}
         _print({"enqueued": answer.to_json(), **interrupted})
@@ -540,12 +569,15 @@ async def _workspace(args: argparse.Namespace) -> int:
             return await _enqueue(client, args, rerun=True)
         if args.verb == "list":
             if args.all:
-                rows = [
-                    row
-                    async for row in client.iter_requests(
-                        status=args.status, workspace_id=args.workspace, page=args.limit
-                    )
-                ]
+                progress = _progress(args)
+                rows = []
+                async for row in client.iter_requests(
+                    status=args.status, workspace_id=args.workspace, page=args.limit
+                ):
+                    rows.append(row)
+                    if len(rows) % args.limit == 0:
+                        progress.count(f"fetched {len(rows)} requests")
+                progress.done(f"fetched {len(rows)} requests")
             else:
                 rows = await client.list_requests(
                     status=args.status, workspace_id=args.workspace, limit=args.limit
@@ -557,9 +589,14 @@ async def _workspace(args: argparse.Namespace) -> int:
             _print((await client.replay_request(args.workspace, args.request_id)).raw)
         elif args.verb == "wait":
             _need_seconds("--timeout", args.timeout)
-            outcome = await client.wait_request(
-                args.workspace, args.request_id, timeout=args.timeout
-            )
+            async with watching(
+                functools.partial(client.get_request, args.workspace, args.request_id),
+                _progress(args),
+            ) as watch:
+                outcome = await client.wait_request(
+                    args.workspace, args.request_id, timeout=args.timeout
+                )
+                watch.seen(outcome.request)
             _print(outcome.to_json())
             return _outcome_exit(outcome)
         return EXIT_OK

@@ -149,6 +149,8 @@ async def test_every_counter_of_a_known_workload_adds_up_exactly(
     assert (await _verb(client, row, "complete", result=2, telemetry=bad_telemetry))[
         "status"
     ] == "done"
+    resp = await client.get(f"/v1/workspaces/{WS}/requests/{row['request_id']}", headers=auth(WS))
+    assert (await resp.json())["telemetry"] is None  # dropped, and the completion went through
     # a lapse: claimed, never heartbeated, claimed again once the lease lapsed, then done
     stale = await _claim(client, "slow")
     assert stale is not None
