@@ -12,11 +12,14 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestClient
 
 from cv_server import ServerConfig, create_app
+from cv_server.cli import _with_schema
 from tests.observe.scrape import Samples, scrape
-from tests.server.conftest import ClientFactory, auth
+from tests.pg.helpers import fresh_schema
+from tests.server.conftest import SECRET, ClientFactory, auth
 from tests.server.helpers import insert, post_ops
 
 WS = "ws1"
@@ -287,3 +290,27 @@ async def test_every_family_has_help_and_type(client: TestClient[Any, Any]) -> N
     for family, kind in wanted.items():
         assert samples.types.get(family) == kind, family
         assert samples.helps[family], family
+
+
+@pytest.mark.postgres
+async def test_with_two_instances_counters_are_each_ones_own_and_queue_gauges_are_shared(
+    aiohttp_client: ClientFactory, postgres_url: str
+) -> None:
+    async with fresh_schema(postgres_url) as schema:
+        config = ServerConfig(database_url=_with_schema(postgres_url, schema), token_secret=SECRET)
+        first = await aiohttp_client(create_app(config))
+        second = await aiohttp_client(create_app(config))
+        await post_ops(first, [insert("a", op_id="op-first-0001")])
+        await _enqueue(first, stage="work")
+        await _enqueue(first, stage="work")
+        row = await _claim(second, "work")  # the other instance claims one
+        assert row is not None
+        one, other = await scrape(first), await scrape(second)
+        # counters: what each instance did itself
+        assert (one["cv_ops_committed_total"], other["cv_ops_committed_total"]) == (1, 0)
+        assert (one["cv_queue_enqueued_total"], other["cv_queue_enqueued_total"]) == (2, 0)
+        assert (one["cv_queue_claimed_total"], other["cv_queue_claimed_total"]) == (0, 1)
+        # the queue gauges: the shared table, the same on both
+        for samples in (one, other):
+            assert samples["cv_queue_requests", {"status": "pending"}] == 1
+            assert samples["cv_queue_requests", {"status": "in_progress"}] == 1
