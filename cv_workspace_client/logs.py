@@ -21,6 +21,7 @@ import json
 import logging
 import re
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import IO, Any, Final, Literal
@@ -183,7 +184,30 @@ def configure_logging(
     root.setLevel(levelno)
     logging.captureWarnings(True)
     sys.excepthook = _log_uncaught
+    sys.unraisablehook = _log_unraisable
+    threading.excepthook = _log_thread_exception
     return handler
+
+
+def _log_unraisable(unraisable: sys.UnraisableHookArgs) -> None:
+    """What the interpreter would print as "Exception ignored in ...", as one log record."""
+    exc = unraisable.exc_value
+    logging.getLogger("unraisable").error(
+        "exception ignored in %r: %s",
+        unraisable.object,
+        unraisable.err_msg or "",
+        exc_info=None if exc is None else (type(exc), exc, unraisable.exc_traceback),
+    )
+
+
+def _log_thread_exception(args: threading.ExceptHookArgs) -> None:
+    if args.exc_value is None:
+        return
+    logging.getLogger("uncaught").critical(
+        "uncaught exception in thread %s",
+        args.thread.name if args.thread is not None else "?",
+        exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+    )
 
 
 def _log_uncaught(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:

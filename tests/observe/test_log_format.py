@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import sys
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -18,7 +20,9 @@ TOKEN = "cvt1.eyJ3cyI6WyIqIl19.c2lnbmF0dXJlLWJ5dGVz"
 def restore_root() -> Iterator[None]:
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
+    hooks = sys.excepthook, sys.unraisablehook, threading.excepthook
     yield
+    sys.excepthook, sys.unraisablehook, threading.excepthook = hooks
     for handler in list(root.handlers):
         root.removeHandler(handler)
     for handler in handlers:
@@ -90,3 +94,21 @@ def test_an_unknown_level_or_format_is_refused() -> None:
         configure_logging("json", "LOUD")
     with pytest.raises(ValueError, match="format"):
         configure_logging("xml", "INFO")  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("restore_root")
+def test_an_exception_in_a_thread_is_one_json_line() -> None:
+    out = io.StringIO()
+    configure_logging("json", "INFO", stream=out)
+
+    def boom() -> None:
+        raise RuntimeError(f"thread failed with {TOKEN}")
+
+    thread = threading.Thread(target=boom, name="t1")
+    thread.start()
+    thread.join()
+    (line,) = out.getvalue().splitlines()
+    record = json.loads(line)
+    assert record["level"] == "CRITICAL"
+    assert "RuntimeError" in record["exc"]
+    assert TOKEN not in line
