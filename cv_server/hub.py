@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 
 #: Close code for a subscriber that fell too far behind; it reconnects and catches up.
 CLOSE_TOO_SLOW: Final = 4008
+
+#: Commit stamps kept for ops read back from the log (`Hub.stamped`). The log read they serve
+#: follows the publish within a notification's grace (tens of milliseconds): 10,000 ops covers
+#: that at many times the peak commit rate, in about a megabyte.
+_RECENT_STAMPS: Final = 10_000
 
 
 def encode_entry(sub_doc: str, entry: LogEntry) -> Frame:
@@ -321,7 +326,7 @@ class Subscription:
                             # naming the sub-doc.
                             self._refuse(f"since {self.cursor.last} is past the head clock {head}")
                             return
-                        frames = (encode_entry(self.sub_doc, entry) for entry in entries)
+                        frames = (self.hub.stamped(self, entry) for entry in entries)
                         for frame in self.cursor.from_log(frames):
                             if not self.conn.send(frame.text):
                                 return
@@ -357,6 +362,11 @@ class Hub:
     def __init__(self, store: OpLogStore) -> None:
         self.store = store
         self._topics: dict[tuple[str, str], set[Subscription]] = {}
+        # The commit stamps of the ops published lately, so that a subscriber that reads one of
+        # them from the log (sent there by this instance's own notification arriving before the
+        # publish, on a busy machine) still measures its lag from the commit: every frame of a
+        # commit of this instance is measured once, whichever way it reached the socket.
+        self._recent: OrderedDict[tuple[str, str, int], float] = OrderedDict()
         # Keyed weakly: a connection's lock goes with it.
         self._catch_up_locks: weakref.WeakKeyDictionary[Connection, asyncio.Lock] = (
             weakref.WeakKeyDictionary()
@@ -376,8 +386,20 @@ class Hub:
             Frame(frame.clock, frame.text, stamp)
             for frame in (encode_entry(sub_doc, entry) for entry in entries)
         ]
+        recent = self._recent
+        for frame in frames:
+            recent[workspace_id, sub_doc, frame.clock] = stamp
+        while len(recent) > _RECENT_STAMPS:
+            recent.popitem(last=False)
         for sub in list(subs):
             sub.on_frames(frames)
+
+    def stamped(self, sub: Subscription, entry: LogEntry) -> Frame:
+        """`entry`, read from the log for `sub`, as a frame with its commit stamp when this
+        instance published it lately (None otherwise: another instance's, or an old one)."""
+        frame = encode_entry(sub.sub_doc, entry)
+        stamp = self._recent.get((sub.workspace_id, sub.sub_doc, entry.clock))
+        return frame if stamp is None else Frame(frame.clock, frame.text, stamp)
 
     def notify_head(self, workspace_id: str, sub_doc: str, head: int) -> None:
         """Another instance committed up to `head`: subscribers that are behind catch up."""
