@@ -34,6 +34,7 @@ from cv_server.meta import (
     rotate_sqlite_token_secret,
     sqlite_token_secret,
 )
+from cv_server.serving import ServerRunner
 from cv_workspace_client.logs import LOG_FORMATS, JsonFormatter, LogFormat, configure_logging
 
 __all__ = ["EXIT_CODES", "main"]
@@ -339,7 +340,7 @@ async def _serve_app(config: ServerConfig, host: str, port: int, log_format: Log
     # keeps the total within the deadline; a commit in flight is shielded and still awaited.
     # aiohttp reads a timeout of 0 as "none": `drain_seconds=0` (drain nothing) held SIGTERM
     # forever behind a request whose body never came. The smallest float is its "zero".
-    runner = web.AppRunner(
+    runner = ServerRunner(
         app, shutdown_timeout=config.drain_seconds / 2 or math.ulp(0.0), access_log=None
     )
     try:

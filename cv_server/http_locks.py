@@ -27,6 +27,7 @@ from cv_server.api_models import (
     LockReleased,
     parse_body,
 )
+from cv_server.bodies import read_body
 from cv_server.inputs import check_ids, decode_json
 from cv_server.keys import CONFIG, METRICS, STORES
 from cv_server.locks.store import Acquired
@@ -48,7 +49,7 @@ async def _body(request: web.Request, model: type[M]) -> tuple[str, M]:
     workspace_id = request.match_info["ws"]
     check_ids(workspace_id)
     authorize(request, workspace_id)
-    return workspace_id, parse_body(model, decode_json(await request.read()))
+    return workspace_id, parse_body(model, decode_json(await read_body(request)))
 
 
 @routes.post("/v1/workspaces/{ws}/locks/acquire")

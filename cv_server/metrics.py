@@ -94,6 +94,10 @@ class Metrics:
         self.ws_too_slow = counter(
             "cv_ws_closed_too_slow_total", "Websockets closed (4008) for falling too far behind."
         )
+        self.subscriptions_refused = counter(
+            "cv_subscriptions_refused_total",
+            "Subscribes refused because the socket already held its cap of subscriptions.",
+        )
         # -- HTTP
         self.http_requests = counter(
             "cv_http_requests_total",
@@ -224,6 +228,9 @@ class Metrics:
 
     def count_too_slow(self) -> None:
         self.ws_too_slow.inc()
+
+    def count_subscription_refused(self) -> None:
+        self.subscriptions_refused.inc()
 
     def set_queue_counts(self, counts: Mapping[Any, int], statuses: Iterable[str]) -> None:
         """Every status in `statuses` is exported, 0 when absent from `counts`."""

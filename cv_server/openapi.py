@@ -126,18 +126,22 @@ _PATH_PARAMS: Final[Mapping[str, tuple[Mapping[str, Any], str]]] = {
 
 
 def _common_problems(path: str, doc: Doc) -> dict[int, list[str]]:
-    """What every route of its kind may answer: a bad token, a workspace the token does not
-    grant, a malformed workspace or sub-doc id, a body that is not JSON or too large, and the
-    server's own failure (`internal`) or unavailability."""
-    problems: dict[int, list[str]] = {500: ["internal"]}
+    """What every route of its kind may answer: a request the HTTP parser refuses, a bad token,
+    a workspace the token does not grant, a malformed workspace or sub-doc id, a body that is
+    not JSON, not decodable or too large, and the server's own failure (`internal`)."""
+    problems: dict[int, list[str]] = {
+        400: ["line_too_long", "malformed_request"],
+        500: ["internal"],
+    }
     if doc.auth:
         problems[401] = ["unauthorized"]
     if "{ws}" in path:
         problems.setdefault(403, []).append("forbidden_workspace")
         problems.setdefault(422, []).append("invalid_id")
     if doc.body is not None:
-        problems.setdefault(400, []).append("malformed_json")
+        problems[400] += ["malformed_json", "malformed_body"]
         problems.setdefault(413, []).append("body_too_large")
+        problems.setdefault(415, []).append("unsupported_content_encoding")
         problems.setdefault(422, []).append("invalid_field")
     return problems
 
