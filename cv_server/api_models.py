@@ -54,6 +54,7 @@ __all__ = [
     "RejectedOp",
     "RequestList",
     "StateOut",
+    "UploadAnswer",
     "parse_body",
 ]
 
@@ -64,7 +65,7 @@ _NO_NUL = r"^[^\x00]*$"
 Name64 = Annotated[str, Field(min_length=1, max_length=64, pattern=_NO_NUL)]
 Name256 = Annotated[str, Field(min_length=1, max_length=256, pattern=_NO_NUL)]
 Token = Annotated[str, Field(min_length=1, pattern=_NO_NUL)]
-RequestStatus = Literal["pending", "in_progress", "done", "poison"]
+RequestStatus = Literal["pending", "in_progress", "done", "poison", "cancelled"]
 
 
 class _Body(BaseModel):
@@ -220,6 +221,10 @@ class QueueRequest(_Answer):
     claimed_at: float | None
     finished_at: float | None
     telemetry: JsonValue
+    cancel_requested: bool = Field(description="A cancel is asked for; its holder stops soon")
+    unclaimed_seconds: float | None = Field(
+        default=None, description="How long it has waited unclaimed (on some routes)"
+    )
 
 
 class ClaimedRequest(QueueRequest):
@@ -230,6 +235,9 @@ class EnqueueAnswer(_Answer):
     request_id: str
     status: RequestStatus
     coalesced: bool
+    input_differs: bool = Field(
+        description="Coalesced into a request whose input differs: the input sent was not used"
+    )
     stream_url: str
 
 
@@ -264,6 +272,9 @@ class CompleteBody(ClaimTokenBody):
     result: Any = Field(default=None, description="Any JSON: the stage's answer")
     error: Any = Field(default=None, description="An expected error: an answer, final")
     cache: Literal["hit", "miss"] | None = None
+    blob_ref: Name256 | None = Field(
+        default=None, description="An uploaded result (`POST .../result`) instead of `result`"
+    )
     telemetry: Any = Field(
         default=None,
         description="The run's figures (wall_s, cpu_s, rss_bytes, provider_calls, provider_s);"
@@ -308,6 +319,11 @@ class FailAnswer(_Answer):
 
 class HeartbeatAnswer(_Answer):
     lease_expires_at: float | None
+
+
+class UploadAnswer(_Answer):
+    blob_ref: str
+    bytes: int
 
 
 class Pending(_Answer):

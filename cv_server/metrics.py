@@ -134,6 +134,9 @@ class Metrics:
         self.queue_poisoned = counter(
             "cv_queue_poisoned_total", "Requests parked as poison (dequeue budget spent)."
         )
+        self.queue_cancelled = counter(
+            "cv_queue_cancelled_total", "Requests cancelled (at once, or when their holder let go)."
+        )
         self.queue_replayed = counter(
             "cv_queue_replayed_total", "Poison requests put back in the queue by an operator."
         )

@@ -121,7 +121,7 @@ def watch_stores(app: web.Application, stores: Stores) -> None:
     metrics = app[METRICS]
     stores.oplog.observe_commits(metrics.record_group_commit)
     stores.queue.add_observer(lambda event: _on_transition(metrics, event))
-    statuses = ("pending", "in_progress", "done", "poison")
+    statuses = ("pending", "in_progress", "done", "poison", "cancelled")
 
     async def read_queue_counts() -> None:
         metrics.set_queue_counts(await stores.queue.status_counts(), statuses)
@@ -138,6 +138,13 @@ def _on_transition(metrics: Metrics, event: RequestEvent) -> None:
     if event.lapsed:
         metrics.queue_lease_lapses.inc()
         log_transition("lease_lapsed", event)
+    if event.status == "cancelled":  # by the cancel itself, or when its holder let go
+        metrics.queue_cancelled.inc()
+        log_transition("cancelled", event)
+        return
+    if kind == "cancelled":  # asked for while a worker holds it: it stops at its next beat
+        log_transition("cancel_requested", event)
+        return
     if kind == "enqueued":
         metrics.queue_enqueued.inc()
     elif kind == "claimed":

@@ -74,7 +74,7 @@ Answer = type[BaseModel] | tuple[type[BaseModel], ...] | Media | None
 class Doc:
     summary: str
     answers: Mapping[int, Answer]
-    body: type[BaseModel] | None = None
+    body: type[BaseModel] | Media | None = None
     body_required: bool = True
     description: str = ""
     problems: Mapping[int, Sequence[str]] = field(default_factory=dict)
@@ -175,6 +175,7 @@ def _problem_response(status: int, codes: Sequence[str]) -> dict[str, Any]:
 _STATUS_TEXT: Final = {
     101: "Switching Protocols: the websocket session",
     200: "OK",
+    201: "Created",
     202: "Accepted",
     204: "No content",
 }
@@ -183,7 +184,7 @@ _STATUS_TEXT: Final = {
 def _collect_models(ops: list[tuple[str, str, Doc]]) -> list[type[BaseModel]]:
     models: dict[str, type[BaseModel]] = {"ProblemDetails": ProblemDetails}
     for _, _, doc in ops:
-        if doc.body is not None:
+        if doc.body is not None and not isinstance(doc.body, Media):
             models[doc.body.__name__] = doc.body
         for answer in doc.answers.values():
             for model in _models_of(answer):
@@ -250,7 +251,13 @@ def _operation(path: str, method: str, doc: Doc, handler: Any) -> dict[str, Any]
         )
     if params:
         operation["parameters"] = params
-    if doc.body is not None:
+    if isinstance(doc.body, Media):
+        operation["requestBody"] = {
+            "required": doc.body_required,
+            "description": doc.body.description,
+            "content": {doc.body.media_type: {"schema": dict(doc.body.schema)}},
+        }
+    elif doc.body is not None:
         operation["requestBody"] = {
             "required": doc.body_required,
             "content": {"application/json": {"schema": _ref(doc.body)}},
