@@ -94,6 +94,11 @@ class Metrics:
         self.ws_too_slow = counter(
             "cv_ws_closed_too_slow_total", "Websockets closed (4008) for falling too far behind."
         )
+        self.rate_limited = counter(
+            "cv_rate_limited_total",
+            "Requests refused 429 rate_limited, by route class.",
+            labelnames=("route_class",),
+        )
         self.subscriptions_refused = counter(
             "cv_subscriptions_refused_total",
             "Subscribes refused because the socket already held its cap of subscriptions.",
@@ -231,6 +236,9 @@ class Metrics:
 
     def count_too_slow(self) -> None:
         self.ws_too_slow.inc()
+
+    def count_rate_limited(self, route_class: str) -> None:
+        self.rate_limited.labels(route_class).inc()
 
     def count_subscription_refused(self) -> None:
         self.subscriptions_refused.inc()
