@@ -34,6 +34,7 @@ from cv_server.keys import (
     STORES,
     TOKEN_SECRET,
 )
+from cv_server.openapi import Doc, Param, documented
 from cv_server.oplog import LogEntry, Outcome
 from cv_server.problems import Problem
 from cv_server.security import (
@@ -285,6 +286,24 @@ class _Session:
 
 
 @routes.get("/v1/workspaces/{ws}/socket")
+@documented(
+    Doc(
+        "The websocket: subscribe to sub-docs (catch-up, then live ops) and apply ops",
+        {101: None},
+        description=(
+            "A websocket upgrade. The token may come as `?token=` (browsers cannot set headers);"
+            " a refused token or workspace closes the socket with 4001 / 4003 after the upgrade."
+        ),
+        params=(
+            Param(
+                "token", {"type": "string"}, "The bearer token, for clients that cannot set headers"
+            ),
+            Param("batch", {"type": "string", "enum": ["1"]}, "Frames batched in JSON arrays"),
+        ),
+        problems={400: ("bad_request",), 503: ("unavailable",)},
+        tag="op-log",
+    )
+)
 async def socket(request: web.Request) -> web.WebSocketResponse:
     app = request.app
     config = app[CONFIG]
@@ -318,7 +337,11 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
     batch_bytes = config.max_ws_frame_bytes if request.query.get("batch") == "1" else 0
     metrics = app[METRICS]
     conn = Connection(
-        ws, config.subscriber_queue_limit, batch_bytes, on_too_slow=metrics.count_too_slow
+        ws,
+        config.subscriber_queue_limit,
+        batch_bytes,
+        on_too_slow=metrics.count_too_slow,
+        on_written=metrics.record_written,
     )
     token = bearer_token(request, allow_query=True, allow_subprotocol=True)
     assert token is not None  # `authenticate` took it

@@ -219,6 +219,10 @@ class SQLiteOpLogStore(OpLogStore):
 
     # -- OpLogStore ------------------------------------------------------------------------------
 
+    def observe_commits(self, observer: Callable[[float, int], None] | None) -> None:
+        """Observed on the database's writer thread (its group commit is this store's)."""
+        self.db.on_group_commit = observer
+
     async def append(
         self,
         workspace_id: str,
@@ -368,6 +372,7 @@ class SQLiteOpLogStore(OpLogStore):
             self._cache(tx, key, doc)
         else:
             self._docs.move_to_end(key)
+        tx.count_ops(len(ops))
         op_ids = op_ids_to_look_up(ops)
         recorded = _look_up(tx, workspace_id, sub_doc, op_ids) if op_ids else {}
         plan = plan_commit(doc.state, doc.clock, ops, recorded, atomic=atomic)

@@ -6,7 +6,7 @@ Every backend passes the same contract suite (`tests/contract/oplog_contract.py`
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -144,6 +144,12 @@ class OpLogStore(abc.ABC):
         import asyncio  # here, not at the top: the pure commit pipeline imports this module
 
         return asyncio.ensure_future(self.append(workspace_id, sub_doc, ops, atomic=atomic))
+
+    def observe_commits(self, observer: Callable[[float, int], None] | None) -> None:
+        """Call `observer(seconds, ops)` after each group commit this process makes: its
+        duration and the ops it held (for `cv_commit_seconds` / `cv_commit_batch_ops`). It may
+        run on another thread (SQLite's writer): quick and thread-safe. Default: not observed."""
+        del observer
 
     @abc.abstractmethod
     async def read_since(
