@@ -16,6 +16,7 @@ from typing import Final
 
 from aiohttp import web
 
+from cv_server.openapi import Doc, Media, documented
 from cv_server.problems import Problem
 
 __all__ = ["ASSETS", "CONTENT_SECURITY_POLICY", "routes"]
@@ -56,11 +57,28 @@ def _serve(name: str) -> web.Response:
 
 
 @routes.get("/dashboard")
+@documented(
+    Doc(
+        "The operator dashboard (the page; its data calls carry the token)",
+        {200: Media("text/html")},
+        auth=False,
+        tag="operations",
+    )
+)
 async def dashboard(request: web.Request) -> web.Response:
     return _serve("index.html")
 
 
 @routes.get("/dashboard/{name}")
+@documented(
+    Doc(
+        "A file of the dashboard page (script, style)",
+        {200: Media("text/plain")},
+        problems={404: ("not_found",)},
+        auth=False,
+        tag="operations",
+    )
+)
 async def dashboard_asset(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     if name not in ASSETS:

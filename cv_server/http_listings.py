@@ -21,8 +21,10 @@ import orjson
 from aiohttp import web
 
 from cv_mutations import is_valid_sub_doc
+from cv_server.api_models import DocList, LockList
 from cv_server.inputs import check_ids
 from cv_server.keys import CONFIG, STORES
+from cv_server.openapi import Doc, Param, documented
 from cv_server.problems import Problem
 from cv_server.security import authorize
 
@@ -58,6 +60,22 @@ def _workspace(request: web.Request) -> str:
 
 
 @routes.get("/v1/workspaces/{ws}/docs")
+@documented(
+    Doc(
+        "Operators: a workspace's written sub-docs at their head clocks (paged)",
+        {200: DocList},
+        params=(
+            Param("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
+            Param("after", {"type": "string"}, "The next_after of the previous page"),
+        ),
+        problems={
+            401: ("unauthorized",),
+            403: ("forbidden_workspace",),
+            422: ("invalid_field", "invalid_id"),
+        },
+        tag="operators",
+    )
+)
 async def list_docs(request: web.Request) -> web.Response:
     workspace_id = _workspace(request)
     limit = _limit(request)
@@ -95,6 +113,22 @@ def _lock_cursor(raw: str | None) -> tuple[str, str] | None:
 
 
 @routes.get("/v1/workspaces/{ws}/locks")
+@documented(
+    Doc(
+        "Operators: a workspace's live compute locks, holder and time left (paged)",
+        {200: LockList},
+        params=(
+            Param("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
+            Param("after", {"type": "string"}, "The next_after of the previous page"),
+        ),
+        problems={
+            401: ("unauthorized",),
+            403: ("forbidden_workspace",),
+            422: ("invalid_field", "invalid_id"),
+        },
+        tag="operators",
+    )
+)
 async def list_locks(request: web.Request) -> web.Response:
     workspace_id = _workspace(request)
     limit = _limit(request)
