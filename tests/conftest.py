@@ -8,7 +8,7 @@ import os
 # Imported now, not first by Hypothesis's pytest plugin at the terminal summary: that late
 # import compiles modules, and on CPython 3.11 `ast.parse` there fails with "AST constructor
 # recursion depth mismatch" after a test has cancelled a task inside asyncpg (the interpreter's
-# C recursion counter is left off by ~50; seen with tests/pg/test_oplog_failures_audit.py run
+# C recursion counter is left off by ~50; seen with tests/pg/test_oplog_failures.py run
 # alone). The full suite imports it early anyway; this makes a partial run behave the same.
 import hypothesis  # noqa: F401
 import pytest

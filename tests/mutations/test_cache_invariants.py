@@ -1,4 +1,4 @@
-"""Audit properties: what the server's cache relies on and the other mutation tests leave open.
+"""Properties the server's cache relies on.
 
 - a state shares no mutable value with the ops applied to it, nor with the JSON it was loaded from;
 - state equality is byte equality (`True`, `1` and `1.0` are different JSON);

@@ -1,4 +1,4 @@
-"""Audit of the cross-instance broadcast on PostgreSQL: several instances on one schema, ops
+"""The cross-instance broadcast on PostgreSQL: several instances on one schema, ops
 committed on one, subscribers on another that learns of them only through LISTEN/NOTIFY (and
 catches up from the log when that feed was interrupted).
 
