@@ -1,4 +1,4 @@
-"""The server's problem codes map back to the SDK's typed errors (DESIGN §5, STYLE habit 8)."""
+"""The server's problem codes map back to the SDK's typed errors."""
 
 from __future__ import annotations
 

@@ -145,7 +145,7 @@ async def serve(aiohttp_server: ServerFactory, fake: Misbehaving) -> str:
 def http_client(
     url: str, sleep: Callable[[float], Awaitable[None]] | None = None, **config: Any
 ) -> WorkspaceClient:
-    """HTTP only, DESIGN §10's cap (300 s) and attempts (5), a jitter of exactly `JITTER`."""
+    """HTTP only, the default cap (300 s) and attempts (5), a jitter of exactly `JITTER`."""
     options: dict[str, Any] = {
         "ops_over_websocket": False,
         "retry_cap_seconds": 300.0,
@@ -249,7 +249,7 @@ WAITS = [
     (("2",), 2.0),
     (("0",), 0.0),
     (("Wed, 21 Oct 2015 07:28:00 GMT",), 0.0),
-    (("100000",), 300.0),  # DESIGN §10's cap, never past it
+    (("100000",), 300.0),  # the default cap, never past it
     (("Fri, 31 Dec 9999 23:59:59 GMT",), 300.0),
     (("-5",), JITTER),
     (("nan",), JITTER),
@@ -389,7 +389,7 @@ async def test_a_read_whose_json_lacks_its_fields_fails_typed(
             await client.get_state(WS, SUB)
         with pytest.raises(ProtocolError):
             await client.read_ops(WS, SUB)
-    assert fake.reads == 10  # 5 attempts each (DESIGN §10)
+    assert fake.reads == 10  # 5 attempts each
 
 
 async def test_a_read_that_never_gets_an_answer_fails_typed_after_the_last_attempt(
@@ -402,7 +402,7 @@ async def test_a_read_that_never_gets_an_answer_fails_typed_after_the_last_attem
             await client.get_state(WS, SUB)
         with pytest.raises(ServerError):
             await client.read_ops(WS, SUB)
-    assert fake.reads == 10  # 5 attempts each (DESIGN §10)
+    assert fake.reads == 10  # 5 attempts each
     assert sleep.delays == [JITTER] * 8
 
 

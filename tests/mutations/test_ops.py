@@ -1,4 +1,4 @@
-"""parse_op and the op models: stable error codes, id rules, the envelope (DESIGN §3, §11)."""
+"""parse_op and the op models: stable error codes, id rules, the envelope."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every bad input gets its stable code, and the log is left exactly as it was (DESIGN §11)."""
+"""Every bad input gets its stable code, and the log is left exactly as it was."""
 
 from __future__ import annotations
 

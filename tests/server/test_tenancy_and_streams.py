@@ -334,7 +334,7 @@ async def test_a_key_whose_first_request_died_with_its_server_is_free_after_a_re
     aiohttp_client: ClientFactory,
     make_server_config: Callable[..., ServerConfig],
 ) -> None:
-    """Seed 004 §1: a crashed request must not leave `in_progress` behind (24 h of 409)."""
+    """A crashed request must not leave `in_progress` behind (24 h of 409)."""
     raw = b'{"stage": "scrape", "input": {"url": "x"}}'
     path = "/v1/workspaces/ws1/requests"
     first = await aiohttp_client(create_app(make_server_config()))
