@@ -78,7 +78,7 @@ async def test_a_token_with_non_ascii_bytes_is_unauthorized_not_a_server_error(
 async def test_a_header_token_with_bytes_that_are_not_utf8_is_unauthorized(
     server: TestClient[Any, Any],
 ) -> None:
-    # aiohttp decodes such header bytes with surrogateescape; signing them used to raise.
+    # aiohttp decodes such header bytes with surrogateescape; signing them must not raise.
     host, port = server.server.host, server.server.port
     reader, writer = await asyncio.open_connection(host, port)
     try:
