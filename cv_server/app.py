@@ -13,7 +13,14 @@ from typing import Final
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from cv_server import http_docs, http_locks, http_queue, http_socket
+from cv_server import (
+    http_docs,
+    http_locks,
+    http_queue,
+    http_queue_operators,
+    http_results,
+    http_socket,
+)
 from cv_server.backends import Stores, open_stores
 from cv_server.config import ServerConfig
 from cv_server.hub import Connection, Hub
@@ -211,5 +218,7 @@ def create_app(config: ServerConfig) -> web.Application:
     app.add_routes(http_docs.routes)
     app.add_routes(http_socket.routes)
     app.add_routes(http_queue.routes)
+    app.add_routes(http_results.routes)
+    app.add_routes(http_queue_operators.routes)
     app.add_routes(http_locks.routes)
     return app

@@ -340,9 +340,9 @@ async def wait_request(
     A dropped stream reconnects (the result lives on the row, so nothing is lost); a server
     deadline shorter than `timeout` is simply waited out again. `event: cancelled` ends the wait
     at once with the `cancelled` outcome. Events this SDK does not know are skipped; a stream
-    that ends without a final event or the server's deadline (`error` `wait_timeout`) is followed by
-    one read of the row — a finished row answers the wait, a live one waits again after a
-    backoff, never in a tight loop. Past `timeout`, the answer is a `RequestOutcome` with
+    that ends without a final event or the server's deadline (`error` `wait_timeout`) is
+    followed by one read of the row — a finished row answers the wait, a live one waits again
+    after a backoff, never in a tight loop. Past `timeout`, the answer is a `RequestOutcome` with
     status `timeout` — never an exception that would lose the request id.
     """
     if timeout <= 0:
@@ -361,9 +361,7 @@ async def wait_request(
     while True:
         remaining = deadline - loop.time()
         saw_event = False
-        deadline_ended = (
-            False  # the server's own deadline ended the stream (`error` `wait_timeout`)
-        )
+        deadline_ended = False  # the server's own deadline ended it (`error` `wait_timeout`)
         finished: QueuedRequest | None = None
         try:
             # The stream's own HTTP timeout only catches a dead peer, 10 s past the deadline: on
@@ -384,7 +382,8 @@ async def wait_request(
                     if event == "queued":
                         last = QueuedRequest.from_json(data)
                     elif event == "error" and isinstance(data, dict):
-                        if data.get("code") != "wait_timeout":
+                        # `TIMEOUT`: what older servers sent for the same deadline.
+                        if data.get("code") not in ("wait_timeout", "TIMEOUT"):
                             raise error_from_problem(None, data)
                         deadline_ended = True
                     # Any other event is one this SDK does not know: skipped.

@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
-import math
 import os
 import secrets
 import socket
@@ -58,6 +56,7 @@ from cv_workspace_client._stage_outcome import (
 )
 from cv_workspace_client._worker_io import Completer, Heartbeat
 from cv_workspace_client._worker_parts import RunMeter, SingleFlight, TtlCache, request_key
+from cv_workspace_client._worker_report import Reporter
 from cv_workspace_client.errors import (
     AuthError,
     ForbiddenError,
@@ -181,6 +180,12 @@ class Worker:
         self._cache: TtlCache[str] = TtlCache(self.config.cache_entries, self.config.clock)
         self._flight: SingleFlight[str] = SingleFlight()
         self._completer = Completer(client)
+        self._report = Reporter(
+            client,
+            self._completer,
+            self.stats,
+            batch_result_max_bytes=self.config.batch_result_max_bytes,
+        )
         self._stopping = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -379,7 +384,7 @@ class Worker:
         if stage is None:
             slot.release()
             # A class shared with stages this worker lacks: let a worker that has it retry.
-            await self._report_failure(
+            await self._report.failure(
                 claimed, {"code": "unknown_stage", "message": f"no stage {row.stage!r} here"}
             )
             return
@@ -398,13 +403,13 @@ class Worker:
         except asyncio.CancelledError:
             if lease.lost:  # cancelled by the heartbeat, not by the drain deadline
                 current.uncancel()
-                self._lease_lost(row, "its heartbeat was refused")
+                self._report.lease_lost(row, "its heartbeat was refused")
                 return
             if not lease.cancelled:
                 raise
             current.uncancel()  # by the heartbeat, which heard the request was cancelled
         except LeaseLostError:
-            self._lease_lost(row, "the stage stopped on a lost lease")
+            self._report.lease_lost(row, "the stage stopped on a lost lease")
             return
         except RequestCancelledError:  # `ensure_lease` / `apply_op` after the heartbeat heard
             pass
@@ -416,16 +421,16 @@ class Worker:
             beat.stop()
             slot.release()  # the stage is over; its report may overlap the next claim
         if lease.lost:  # the handler swallowed the cancellation: still report nothing
-            self._lease_lost(row, "its heartbeat was refused")
+            self._report.lease_lost(row, "its heartbeat was refused")
             return
         if lease.cancelled:  # whatever the handler did once told to stop: it was cancelled
-            await self._report_cancelled(claimed)
+            await self._report.cancelled(claimed)
             return
         if failure is not None:
             answer = answer_payload(failure, ctx.refused_write(failure))
             if answer is None:
                 logger.warning("stage %s failed on %s: %r", row.stage, row.request_id, failure)
-                await self._report_failure(claimed, error_payload(failure))
+                await self._report.failure(claimed, error_payload(failure))
                 return
             # A final refusal: the same run would meet it again (seed 004 §7), so it is the
             # request's answer, not a failure to retry toward poison.
@@ -435,7 +440,7 @@ class Worker:
             self.stats.shared_runs += 1
         telemetry = meter.finish(**({"shared": True} if shared else {}))
         try:
-            reported = await self._report_success(claimed, kind, value, cache, telemetry)
+            reported = await self._report.success(claimed, kind, value, cache, telemetry)
             if reported is None:
                 # It reported a failure instead (a result with no JSON form): nothing completed,
                 # and nothing to cache — a cached non-answer would replay the same failure on
@@ -443,13 +448,13 @@ class Worker:
                 return
             kind = reported
         except LeaseLostError:
-            self._lease_lost(row, "its completion was refused")
+            self._report.lease_lost(row, "its completion was refused")
             return
         except InvalidRequestError as exc:
             # A final 4xx to the completion itself: sending it again cannot succeed, and
             # leaving it unacknowledged would park the request in progress for a whole lease
             # per attempt, then re-run it to poison. The refusal is the answer: complete with it.
-            await self._report_refused_completion(claimed, exc)
+            await self._report.refused_completion(claimed, exc)
             return
         except WorkspaceError as exc:
             # Not acknowledged: the lease lapses and the row re-drives; the stage's writes
@@ -511,142 +516,6 @@ class Worker:
             return "result", await run_handler(), cache, False
         value, shared = await self._flight.run(key, run_handler)
         return "result", value, cache, shared
-
-    async def _report_success(
-        self,
-        claimed: api.Claim,
-        kind: Literal["result", "error"],
-        value: Any,
-        cache: Literal["hit", "miss"] | None,
-        telemetry: dict[str, Any] | None,
-    ) -> Literal["result", "error"] | None:
-        """Complete the request with `value`; return what it completed with ("error" for a
-        result past the server's `max_result_bytes`, completed with `result_too_large`), or
-        None if it reported a failure instead (the value has no JSON form). Raises what the
-        completion raises."""
-        row = claimed.request
-        item: dict[str, Any] = {"request_id": row.request_id}
-        item["claim_token"] = claimed.claim_token
-        if kind == "error":
-            item["error"] = value
-        else:
-            item["result"] = value
-        if cache is not None:
-            item["cache"] = cache
-        if telemetry is not None:
-            item["telemetry"] = telemetry
-        text = ""
-        try:
-            if not isinstance(value, int | float | bool) and value is not None:
-                text = json.dumps(value, separators=(",", ":"), allow_nan=False)
-            elif isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"{value} is not JSON")
-        except (TypeError, ValueError) as exc:
-            await self._report_failure(
-                claimed, {"code": "invalid_result", "message": f"not JSON: {exc}"}
-            )
-            return None
-        # ASCII (json.dumps escapes the rest): its length is its size in bytes.
-        size = len(text)
-        if kind == "result" and size > self.config.batch_result_max_bytes:
-            # seed 003: a big payload goes to the blob store, the completion names it. Uploaded
-            # as its own body (up to the server's max_result_bytes), never inside a completion,
-            # whose body the server bounds far lower.
-            del item["result"]
-            try:
-                item["blob_ref"] = await api.upload_result(
-                    self.client,
-                    row.workspace_id,
-                    row.request_id,
-                    claimed.claim_token,
-                    text.encode("ascii"),
-                )
-            except InvalidRequestError as exc:
-                if exc.code != "result_too_large":
-                    raise
-                # An answer, not a failure: the same run makes the same result again.
-                kind = "error"
-                item["error"] = {
-                    "code": "result_too_large",
-                    "message": exc.message,
-                    "details": {"bytes": size},
-                }
-        elif size > self.config.batch_result_max_bytes:  # a large error payload: alone
-            await api.complete(
-                self.client,
-                row.workspace_id,
-                row.request_id,
-                claimed.claim_token,
-                error=item.get("error"),
-                cache=cache,
-                telemetry=telemetry,
-            )
-            return kind
-        await self._completer.complete(row.workspace_id, item)
-        return kind
-
-    async def _report_refused_completion(self, claimed: api.Claim, exc: WorkspaceError) -> None:
-        """The server refused the completion for good (a final 4xx): complete the request with
-        that refusal as its error payload — once, never retried toward poison. If even that is
-        refused, report a failure (its backoff and cutoff then apply)."""
-        row = claimed.request
-        error = {
-            "code": "result_refused",
-            "message": f"the server refused the completion: {exc.code}: {exc.message}"[:2000],
-            "details": {"code": exc.code},
-        }
-        item = {"request_id": row.request_id, "claim_token": claimed.claim_token, "error": error}
-        try:
-            await self._completer.complete(row.workspace_id, item)
-        except LeaseLostError:
-            self._lease_lost(row, "its completion was refused")
-            return
-        except InvalidRequestError:
-            await self._report_failure(claimed, error)
-            return
-        except WorkspaceError as unanswered:
-            logger.warning("could not complete %s: %s", row.request_id, unanswered)
-            return
-        self.stats.expected_errors += 1
-
-    async def _report_failure(self, claimed: api.Claim, error: dict[str, Any]) -> None:
-        row = claimed.request
-        try:
-            status, _ = await api.fail(
-                self.client, row.workspace_id, row.request_id, claimed.claim_token, error
-            )
-        except LeaseLostError:
-            self._lease_lost(row, "its failure report was refused")
-            return
-        except WorkspaceError as exc:
-            # The lease lapses and the row re-drives: the failure is retried all the same.
-            logger.warning("could not report the failure of %s: %s", row.request_id, exc)
-            return
-        self.stats.failed += 1
-        logger.info("request %s failed, now %s", row.request_id, status)
-
-    async def _report_cancelled(self, claimed: api.Claim) -> None:
-        """Tell the server the stage stopped on a cancel: the holder's `fail`, which finishes a
-        request whose cancel was requested as `cancelled` (never retried). Unreported (a lost
-        answer, a server away), the lease lapses and the next claim parks it as cancelled."""
-        row = claimed.request
-        error = {"code": "cancelled", "message": "the stage stopped: the request was cancelled"}
-        try:
-            status, _ = await api.fail(
-                self.client, row.workspace_id, row.request_id, claimed.claim_token, error
-            )
-        except LeaseLostError:
-            self._lease_lost(row, "its cancellation report was refused")
-            return
-        except WorkspaceError as exc:
-            logger.warning("could not report the cancellation of %s: %s", row.request_id, exc)
-            return
-        self.stats.cancelled += 1
-        logger.info("request %s cancelled, now %s", row.request_id, status)
-
-    def _lease_lost(self, row: api.QueuedRequest, why: str) -> None:
-        self.stats.leases_lost += 1
-        logger.warning("request %s: lease lost (%s); completing nothing", row.request_id, why)
 
 
 class _Slot:

@@ -320,7 +320,7 @@ def test_sigterm_under_mixed_load_drains_cleanly_and_a_restart_resumes_exactly(
     assert set(drained.poll_statuses) <= {200, 204, 503}, drained.poll_statuses
     # The request stream is told that its wait ended (the work goes on), not cut.
     assert b"event: error\n" in drained.sse, drained.sse
-    assert b'"TIMEOUT"' in drained.sse, drained.sse
+    assert b'"wait_timeout"' in drained.sse, drained.sse
 
     srv.start()  # the same file, the same database
     headers = {"Authorization": f"Bearer {token}"}
