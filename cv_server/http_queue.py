@@ -1,6 +1,6 @@
-"""HTTP routes of the work queue (layer 1, DESIGN §5, §7; seed 003): enqueue, read and stream a
-request, and the worker verbs (claim / heartbeat / complete / fail). The upload and download of
-large results are in `http_results`, the operators' verbs (list, replay, cancel) in
+"""HTTP routes of the work queue (layer 1, docs/protocol.md, docs/queue.md): enqueue, read and
+stream a request, and the worker verbs (claim / heartbeat / complete / fail). The upload and
+download of large results are in `http_results`, the operators' verbs (list, replay, cancel) in
 `http_queue_operators`; both use this module's request helpers (`row_of`, `row_json`, ...).
 
 A completion may name an uploaded result (`blob_ref`) instead of carrying it: it is checked to
@@ -178,13 +178,13 @@ def _new_request(
     rerun = body.get("rerun", False)
     if not isinstance(deterministic, bool) or not isinstance(rerun, bool):
         raise Problem(422, "invalid_field", "deterministic and rerun must be booleans")
-    # seed 000: where the stage declares it, re-enqueueing must not fork the work.
+    # Where the stage declares it, re-enqueueing must not fork the work.
     request_id = (
         deterministic_request_id(workspace_id, job_id, branch_path, stage)
         if deterministic
         else random_request_id(secrets.token_hex(20))
     )
-    # DESIGN §10: the poison cutoff is the server's `max_dequeues` (`--set max_dequeues=N`),
+    # The poison cutoff is the server's `max_dequeues` (`--set max_dequeues=N`),
     # not `NewRequest`'s default, which is frozen to `ServerConfig()`'s value at import.
     if "max_dequeues" in body:
         max_dequeues = body["max_dequeues"]
@@ -234,9 +234,9 @@ async def enqueue(request: web.Request) -> web.Response:
     # store can encode (the enqueue answered 500, and clients retry a 500).
     if not 0 < len(key) <= 255 or not key.isprintable():
         raise Problem(422, "invalid_field", "Idempotency-Key must be 1..255 printable chars")
-    # seed 004: fingerprint of the raw bytes as received, scoped to the workspace.
+    # Fingerprint of the raw bytes as received, scoped to the workspace.
     fingerprint = request_fingerprint("POST", request.path_qs, raw)
-    # The key's 24 h retention (DESIGN §10) is judged on this server's clock: a skew of
+    # The key's 24 h retention (docs/configuration.md) is judged on this server's clock: a skew of
     # minutes moves a key's expiry by minutes out of a day, and whether its owner is alive is
     # decided by a lock, not by time (pg/idempotency.py). Not worth a round trip per enqueue.
     begun = await stores.idempotency.begin(workspace_id, key, fingerprint, time.time())
@@ -337,7 +337,7 @@ async def stream_request(request: web.Request) -> web.StreamResponse:
         await response.write(_sse("cancelled", row.to_json()))
     elif row.is_finished:
         await response.write(_sse("done", row.to_json()))
-    else:  # seed 003: the deadline only ends the wait; the work goes on, the row keeps its result
+    else:  # The deadline only ends the wait; the work goes on, the row keeps its result
         await response.write(
             _sse(
                 "error",
@@ -461,7 +461,7 @@ async def complete_batch(request: web.Request) -> web.Response:
 async def wait_for_work(request: web.Request) -> web.Response:
     """Long poll for idle workers: 200 as soon as work of `worker_classes` (repeatable query
     parameter) becomes pending in a workspace the token grants, 204 after `timeout` seconds
-    (at most the 2 s ceiling of the idle poll, seed 003)."""
+    (at most the 2 s ceiling of the idle poll, docs/queue.md)."""
     claims = authenticate(request)
     classes = frozenset(request.query.getall("worker_classes", []))
     if not classes:
@@ -523,7 +523,7 @@ async def complete(request: web.Request) -> web.Response:
     stores, config = request.app[STORES], request.app[CONFIG]
     blob_ref = await _uploaded(request, row.workspace_id, body)
     encoded = json.dumps(result, separators=(",", ":")).encode()
-    if blob_ref is None and len(encoded) > config.blob_threshold_bytes:  # seed 003: claim check
+    if blob_ref is None and len(encoded) > config.blob_threshold_bytes:  # Claim check
         # Answer a retried or refused completion before storing its payload: a holder retrying
         # after a lost answer stored every attempt's copy, and a holder whose lease was lost
         # stored one the row would never name; each stayed for the whole blob retention (24 h).

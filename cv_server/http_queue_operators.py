@@ -1,5 +1,5 @@
-"""HTTP routes of the queue's operators (DESIGN §7): list requests by status and workspace, put a
-poison request back by hand, cancel a request (see docs/queue.md)."""
+"""HTTP routes of the queue's operators: list requests by status and workspace, put a poison
+request back by hand, cancel a request (see docs/queue.md)."""
 
 from __future__ import annotations
 

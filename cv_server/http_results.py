@@ -1,4 +1,4 @@
-"""HTTP routes of results too large for a request row (seed 003's claim check): the claim
+"""HTTP routes of results too large for a request row (the claim check of docs/queue.md): the claim
 holder uploads one (`POST .../requests/{id}/result`), the requester downloads it
 (`GET .../blobs/{ref}`), byte for byte.
 

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.acceptance
 
 WS = "acc"
 DOC = "tree"
-#: The default drain deadline; the process must be gone within it (plus start-up noise).
+#: the drain deadline; the process must be gone within it (plus start-up noise).
 DRAIN_SECONDS = 25.0
 #: Acknowledgements to collect before the signal, so the drain happens under load.
 LOADED_AFTER = 150
@@ -60,7 +60,7 @@ class Sent:
 
 
 def _increment(op_id: str) -> dict[str, Any]:
-    # Not idempotent: a double apply shows in the counter.
+    # Not idempotent (docs/ops.md): a double apply shows in the counter.
     return {"type": "node.increment", "node_id": "c", "field": "n", "by": 1, "op_id": op_id}
 
 

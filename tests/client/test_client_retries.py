@@ -30,7 +30,7 @@ ServerFactory = Callable[..., Awaitable[TestServer]]
 
 
 def problem(status: int, code: str, **extra: Any) -> web.Response:
-    body = {"type": f"https://cv-workspace.dev/problems/{code}", "title": code, "status": status}
+    body = {"type": f"docs/problems.md#{code}", "title": code, "status": status}
     body.update({"detail": code, "code": code, **extra})
     headers = {"Retry-After": str(extra.pop("retry_after"))} if "retry_after" in extra else {}
     return web.Response(

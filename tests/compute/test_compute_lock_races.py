@@ -1,7 +1,8 @@
-"""The compute lock (layer 2) never pays an expensive call twice, nor leaves a waiter without its
-value, under races: a holder whose write failed but is still on its way, provider errors, key
-strings at their edges, two instances on one PostgreSQL database, a result cache that evicted its
-entry. Builds on `helpers.py` and on what `test_compute_lock_concurrency.py` already covers."""
+"""The compute lock (layer 2, docs/stages.md) never pays an expensive call twice, nor leaves a
+waiter without its value, under races: a holder whose write failed but is still on its way,
+provider errors, key strings at their edges, two instances on one PostgreSQL database, a result
+cache that evicted its entry. Builds on `helpers.py` and on what
+`test_compute_lock_concurrency.py` already covers."""
 
 from __future__ import annotations
 
@@ -82,9 +83,9 @@ async def test_a_holder_whose_write_gave_up_keeps_the_key_until_the_write_lands(
     aiohttp_server: ServerFactory, tmp_path: Path, open_client: OpenClient
 ) -> None:
     # The holder paid; its write got no answer after the client's last retry: `apply_op` raises
-    # `StillPendingError`, and the op waits in the outbox to be replayed (it is not lost).
-    # Had the key been released with the compute's error, a waiter would take it over,
-    # double-check before the replay lands, pay for the same call again and write the cell a
+    # `StillPendingError`, and the op waits in the outbox to be replayed (it is not lost,
+    # docs/client.md). Had the key been released with the compute's error, a waiter would take it
+    # over, double-check before the replay lands, pay for the same call again and write the cell a
     # second time once the replay comes in.
     faults, log = Faults(), RequestLog()
     url = await serve(aiohttp_server, tmp_path / "cv.db", log.middleware, faults.middleware)

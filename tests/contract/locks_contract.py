@@ -1,4 +1,4 @@
-"""The compute-lock contract, written once and run against every backend.
+"""The compute-lock contract (docs/stages.md), written once and run against every backend.
 
 A backend's test class subclasses `LocksContract` and overrides the `store` fixture.
 Time is passed explicitly, so expiry is tested without waiting on any clock.

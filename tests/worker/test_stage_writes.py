@@ -356,9 +356,8 @@ async def test_a_spawned_write_still_pending_fails_the_run_instead_of_completing
 ) -> None:
     # The handler spawns a write and returns without awaiting it; the write's retries run out
     # (StillPendingError: it waits in the outbox, not committed). Completing the request then
-    # would acknowledge work whose write never landed (a request is never acknowledged
-    # before the work's writes committed). The run must fail instead; its re-drive writes under
-    # the same op_id.
+    # would acknowledge work whose write never landed (docs/stages.md: never ack before the work's
+    # writes committed). The run must fail instead; its re-drive writes under the same op_id.
     refused: list[str] = []
 
     @web.middleware
