@@ -78,8 +78,8 @@ async def test_connect_after_the_token_was_refused_raises_it_instead_of_waiting_
     ) as client:
         with pytest.raises(ForbiddenError):
             await asyncio.wait_for(anext(aiter(client.subscribe(WS, "tree"))), TIMEOUT)
-        # The socket gave up for good; `connect` used to wait for an open that never comes
-        # (forever without a timeout).
+        # The socket gave up for good; `connect` raises rather than wait for an open that never
+        # comes.
         with pytest.raises(ForbiddenError):
             await client.connect(WS, timeout=TIMEOUT)
 
@@ -128,7 +128,7 @@ async def test_closing_the_client_ends_a_subscription_that_still_had_to_catch_up
         # The second subscription of a sub-doc catches up from the log, a page at a time.
         assert (await anext(second)).clock == 1
         await client.close()
-        # It used to raise the client's RuntimeError (its session gone) instead of ending.
+        # The subscription ends; it does not raise the client's RuntimeError (its session gone).
         leftover = await asyncio.wait_for(drain(second), TIMEOUT)
         assert leftover == list(range(2, 2 + len(leftover)))
         buffered = await asyncio.wait_for(drain(first), TIMEOUT)

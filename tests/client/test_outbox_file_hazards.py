@@ -313,7 +313,7 @@ import asyncio, os, sys
 from cv_workspace_client._outbox import OutboxWrite
 from cv_workspace_client._outbox_sqlite import SQLiteOutbox
 from cv_workspace_client.errors import OutboxError
-from tests.client.test_outbox_durability_audit import increment
+from tests.client.test_outbox_file_hazards import increment
 
 async def main():
     try:
@@ -464,7 +464,7 @@ from cv_workspace_client import StillPendingError, WorkspaceClient
 from cv_workspace_client._outbox_sqlite import SQLiteOutbox
 from cv_workspace_client.errors import OutboxError
 from tests.client.helpers import WS, fast_config, token_for
-from tests.client.test_outbox_durability_audit import silent_server
+from tests.client.test_outbox_file_hazards import silent_server
 
 async def main(directory):
     url, stop = await silent_server()

@@ -1,8 +1,8 @@
-"""Audit of the queue's lease lifecycle through real HTTP and a real worker, on both backends where
-the store decides: a holder whose lapsed lease was re-claimed can change nothing, a retried
-completion is answered and never completes twice, a long poll hands new work to exactly one of
-many idle claimers, a large claim scope is served, hostile timeouts are refused, and a worker's
-drain ends within its deadline even when its last completion hangs."""
+"""The queue's lease lifecycle through real HTTP and a real worker, on both backends where the store
+decides: a holder whose lapsed lease was re-claimed can change nothing, a retried completion is
+answered and never completes twice, a long poll hands new work to exactly one of many idle claimers,
+a large claim scope is served, hostile timeouts are refused, and a worker's drain ends within its
+deadline even when its last completion hangs."""
 
 from __future__ import annotations
 

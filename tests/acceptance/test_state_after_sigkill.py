@@ -1,4 +1,4 @@
-"""Acceptance audit: after a real `cv-server` is SIGKILLed mid-load and restarted on the same
+"""After a real `cv-server` is SIGKILLed mid-load and restarted on the same
 SQLite file (or PostgreSQL database, next to a second instance that keeps serving), every
 sub-doc's state is still exactly the fold of its committed log.
 
@@ -36,7 +36,7 @@ from cv_server.cli import _with_schema
 from cv_server.oplog.pipeline import ATOMIC_ABORTED
 from tests.acceptance.procs import ServerProcess, free_port, mint_cli_token
 from tests.pg.helpers import fresh_schema
-from tests.server.test_state_integrity_audit import (
+from tests.server.test_state_is_fold_of_log import (
     fold,
     pg_snapshot_reader,
     sqlite_snapshot_reader,

@@ -1,6 +1,6 @@
-"""An audit of the queue's operator verbs, result blobs, idempotency keys, the result stream and
-`fail` through a real server on loopback, on both backends (SQLite and PostgreSQL): bad input
-on these routes is refused with a stable 4xx and leaves nothing behind."""
+"""The queue's operator verbs, result blobs, idempotency keys, the result stream and `fail` through
+a real server on loopback, on both backends (SQLite and PostgreSQL): bad input on these routes is
+refused with a stable 4xx and leaves nothing behind."""
 
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ docs/configuration.md), with no websocket open: what an app sees from `apply_op`
 problem+json, a final 4xx, a recorded rejection, or when the app itself gives up waiting mid-retry.
 
 Against the real server on loopback (through `FaultProxy` where the network must fail) or, where a
-misbehaviour must be injected, a small aiohttp server (`Misbehaving`). Tests of the same family
-that are not repeated here: test_client_retries.py (429/503 Retry-After as delta-seconds, 5xx
-jitter, give-up after 5 sends, 413 halving), test_protocol_audit.py (HTML, truncated JSON, wrong
+misbehaviour must be injected, a small aiohttp server (`Misbehaving`). Tests of the same family that
+are not repeated here: test_client_retries.py (429/503 Retry-After as delta-seconds, 5xx jitter,
+give-up after 5 sends, 413 halving), test_protocol_violations.py (HTML, truncated JSON, wrong
 results, 2xx/3xx that are not answers, a cut body, a proxy's 408/413), test_edge_cases.py (an
 `apply_op` cancelled while its request is in flight)."""
 

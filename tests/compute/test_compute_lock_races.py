@@ -1,8 +1,8 @@
-"""Race audit of the compute lock (layer 2, docs/stages.md): how an expensive call could be paid
-twice, or a waiter never get its value — a holder whose write failed but is still on its way,
+"""The compute lock (layer 2, docs/stages.md) never pays an expensive call twice, nor leaves a
+waiter without its value, under races: a holder whose write failed but is still on its way,
 provider errors, key strings at their edges, two instances on one PostgreSQL database, a result
-cache that evicted its entry. Builds on `helpers.py` and on what `test_lock_audit.py` already
-covers."""
+cache that evicted its entry. Builds on `helpers.py` and on what
+`test_compute_lock_concurrency.py` already covers."""
 
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ from .helpers import (
     timed,
 )
 from .test_compute_edges import Faults
-from .test_lock_audit import backend as backend
-from .test_lock_audit import pg_dsn as pg_dsn
+from .test_compute_lock_concurrency import backend as backend
+from .test_compute_lock_concurrency import pg_dsn as pg_dsn
 
 FAST_POLL = LockPolling(initial_seconds=0.02, max_seconds=0.1)
 
@@ -54,7 +54,8 @@ FAST_POLL = LockPolling(initial_seconds=0.02, max_seconds=0.1)
 @pytest.fixture
 def start_any(backend: dict[str, Any], aiohttp_server: ServerFactory) -> StartServer:
     """`await start_any(*middlewares, **config)` → a fresh server on SQLite or PostgreSQL (the
-    `backend` of `test_lock_audit.py`, which stops the servers before dropping its schema)."""
+    `backend` of `test_compute_lock_concurrency.py`, which stops the servers before dropping its
+    schema)."""
 
     async def start(*middlewares: Any, **overrides: Any) -> str:
         app = create_app(ServerConfig(**{"token_secret": SECRET, **backend, **overrides}))

@@ -1,7 +1,7 @@
-"""Audit of the stage worker at the edges earlier audits left open: a claim the server refuses for
-good, a stalled claim when SIGTERM arrives, a `cv-worker` URL that can never work, and a compute
-lock whose holder is cancelled from outside (lease lost, drain deadline) while its write is still
-on its way. Real server on loopback; each test bounded, none sleeps to paper over a race."""
+"""The stage worker at its edges: a claim the server refuses for good, a stalled claim when SIGTERM
+arrives, a `cv-worker` URL that can never work, and a compute lock whose holder is cancelled from
+outside (lease lost, drain deadline) while its write is still on its way. Real server on loopback;
+each test bounded, none sleeps to paper over a race."""
 
 from __future__ import annotations
 

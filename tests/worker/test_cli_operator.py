@@ -413,7 +413,7 @@ async def test_ctrl_c_on_enqueue_wait_still_prints_the_request_id(server: TestSe
 
 
 def __getattr__(name: str) -> Any:
-    """`--stages tests.worker.test_cli_audit:SLOW_STAGES`: stages whose module takes its time to
+    """`--stages tests.worker.test_cli_operator:SLOW_STAGES`: stages whose module takes its time to
     load (a model read from disk, say) — here until stdin closes — so that a signal can arrive
     before the worker is ready."""
     if name == "SLOW_STAGES":
@@ -427,7 +427,9 @@ async def test_ctrl_c_while_the_worker_loads_its_stages_exits_without_a_tracebac
     server: TestServer,
 ) -> None:
     proc = await asyncio.create_subprocess_exec(
-        *_command("worker", *_auth(server), "--stages", "tests.worker.test_cli_audit:SLOW_STAGES"),
+        *_command(
+            "worker", *_auth(server), "--stages", "tests.worker.test_cli_operator:SLOW_STAGES"
+        ),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip

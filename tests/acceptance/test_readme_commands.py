@@ -1,4 +1,4 @@
-"""README commands that must behave as documented on a fresh machine (docs audit)."""
+"""README commands that must behave as documented on a fresh machine."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Audit properties: what the server's cache relies on and the other mutation tests leave open.
+"""Properties the server's cache relies on.
 
 - a state shares no mutable value with the ops applied to it, nor with the JSON it was loaded from;
 - state equality is byte equality (`True`, `1` and `1.0` are different JSON);
@@ -335,7 +335,7 @@ def test_an_integral_float_index_is_an_integer_for_the_schema_and_for_parse_op(
     op_type: str, index: float
 ) -> None:
     # JSON Schema's "integer" is any number with a zero fraction; a client serializing a double
-    # sends 1.0. parse_op used to refuse what the published schema allows.
+    # sends 1.0. parse_op accepts what the published schema allows.
     body = {**GOOD[op_type], "index": index}
     assert UNION.is_valid(body)
     op = parse_op(body)

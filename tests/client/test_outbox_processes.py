@@ -100,7 +100,7 @@ import asyncio, json, sys
 from cv_workspace_client._machine import OutboxRow
 from cv_workspace_client._outbox import OutboxWrite
 from cv_workspace_client._outbox_sqlite import SQLiteOutbox
-from tests.client.test_outbox_audit import increment
+from tests.client.test_outbox_processes import increment
 
 async def main():
     outbox = await SQLiteOutbox.open(sys.argv[1])

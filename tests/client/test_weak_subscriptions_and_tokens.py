@@ -1,6 +1,5 @@
-"""Audit of today's SDK additions, through the real server on loopback: subscriptions held weakly,
-`sync_status` / `watch_sync_status()`, and `set_token()` after a refused token. Each test pins a
-case the first versions got wrong."""
+"""Through the real server on loopback: subscriptions held weakly, `sync_status` /
+`watch_sync_status()`, and `set_token()` after a refused token."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Audit of `cv-worker --token-file`: a worker must outlive a rotation that a secret manager is
-in the middle of when the server refuses the old token."""
+"""`cv-worker --token-file`: a worker must outlive a rotation that a secret manager is in the middle
+of when the server refuses the old token."""
 
 from __future__ import annotations
 

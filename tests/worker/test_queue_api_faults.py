@@ -1,6 +1,6 @@
-"""Audit of the SDK's queue API through a `FaultProxy`: an enqueue whose answer is lost is enqueued
-once whatever the retries, and `wait_request` reports the final outcome exactly, survives a cut
-stream, honours its own deadline on a stalled network and holds no connection once it returned."""
+"""The SDK's queue API through a `FaultProxy`: an enqueue whose answer is lost is enqueued once
+whatever the retries, and `wait_request` reports the final outcome exactly, survives a cut stream,
+honours its own deadline on a stalled network and holds no connection once it returned."""
 
 from __future__ import annotations
 

@@ -11,13 +11,12 @@ import contextlib
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestServer
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+from hypothesis.stateful import precondition, rule
 
 from cv_mutations import NodeIncrement, NodeInsert
 from cv_server import ServerConfig, create_app
@@ -28,6 +27,7 @@ from cv_workspace_client import (
     WorkspaceClient,
 )
 from cv_workspace_client.testing import FaultProxy
+from tests.stateful import AsyncStateMachine
 
 from .helpers import SECRET, WS, collect, fast_config, server_log, token_for
 
@@ -150,12 +150,13 @@ class Tracked:
         self.op_ids.append(committed.op_id)
 
 
-class SubscriptionsAtRandom(RuleBasedStateMachine):
+class SubscriptionsAtRandom(AsyncStateMachine):
     """One reader client behind a FaultProxy, a writer straight to the server."""
+
+    step_timeout = STEP_TIMEOUT
 
     def __init__(self) -> None:
         super().__init__()
-        self.loop = asyncio.new_event_loop()
         self.tmp = tempfile.TemporaryDirectory()
         self.heads = dict.fromkeys(TARGETS, 0)
         self.subs: list[Tracked] = []
@@ -165,9 +166,6 @@ class SubscriptionsAtRandom(RuleBasedStateMachine):
         except BaseException:
             self.teardown()  # Hypothesis tears down only a machine that was made
             raise
-
-    def run(self, coro: Any) -> Any:
-        return self.loop.run_until_complete(asyncio.wait_for(coro, STEP_TIMEOUT))
 
     async def _start(self) -> None:
         config = ServerConfig(db_path=Path(self.tmp.name) / "server.db", token_secret=SECRET)
@@ -311,9 +309,11 @@ class SubscriptionsAtRandom(RuleBasedStateMachine):
             try:
                 self.loop.run_until_complete(self._stop())
             finally:
-                self.loop.run_until_complete(_end_leftovers())
-                self.loop.close()
-                self.tmp.cleanup()
+                try:
+                    self.loop.run_until_complete(_end_leftovers())
+                finally:
+                    self.close_loop()
+                    self.tmp.cleanup()
 
     async def _drain_and_check(self) -> None:
         logs = {t: await server_log(self.url, t[1], workspace=t[0]) for t in TARGETS}

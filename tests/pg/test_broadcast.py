@@ -1,4 +1,4 @@
-"""Audit of the cross-instance broadcast on PostgreSQL: several instances on one schema, ops
+"""The cross-instance broadcast on PostgreSQL: several instances on one schema, ops
 committed on one, subscribers on another that learns of them only through LISTEN/NOTIFY (and
 catches up from the log when that feed was interrupted).
 
@@ -405,8 +405,7 @@ async def test_ops_reach_a_subscriber_whose_instances_listen_connection_stopped_
     relay.freeze(await listener_port(admin, reader))
     committed.add("ws1", "tree", await post_ops(writer, "ws1", "tree", [increment(), increment()]))
     # Nothing else will ever be committed: the reader must find out by itself that its LISTEN
-    # connection is gone, replace it and catch up. It used to wait forever, connected to
-    # nothing, with no error and no reconnect.
+    # connection is gone, replace it and catch up, never wait connected to nothing.
     await feed.receive_until(committed.heads("ws1"), within=TIMEOUT)
     committed.check(feed)
     await feed.ws.close()
@@ -560,8 +559,7 @@ async def test_a_head_announced_beyond_the_log_during_a_read_costs_one_more_read
 ) -> None:
     """A head no read can reach: sent by hand, or heard from a primary whose last commits a
     promoted replica never received. The subscriber reads the log once more and goes live on
-    what the log holds; it used to re-read in a tight loop, never synced, hammering the database
-    until that clock was reached (if ever)."""
+    what the log holds, never re-reading in a tight loop until that clock is reached."""
     writer = await aiohttp_client(create_app(make_config()))
     reader = await aiohttp_client(create_app(make_config()))
     committed = Committed()

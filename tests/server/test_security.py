@@ -1,6 +1,6 @@
-"""Security audit: tokens, tenancy and what the server logs, through a real server on loopback
-(SQLite, and PostgreSQL where the store decides): what a token may touch, when it stops working,
-and that no valid token or secret reaches the logs, the metrics or an error body."""
+"""Tokens, tenancy and what the server logs, through a real server on loopback (SQLite, and
+PostgreSQL where the store decides): what a token may touch, when it stops working, and that no
+valid token or secret reaches the logs, the metrics or an error body."""
 
 from __future__ import annotations
 

@@ -178,8 +178,8 @@ async def test_a_job_raising_stop_iteration_does_not_strand_the_rest_of_its_grou
     db: SQLiteDatabase,
 ) -> None:
     # `next()` on an empty cursor inside a job is an easy way to get here. asyncio refuses
-    # StopIteration in `Future.set_exception` (TypeError on Python 3.11): that used to escape from
-    # the one callback settling the whole group, so every later job of the group hung forever.
+    # StopIteration in `Future.set_exception` (TypeError on Python 3.11); that must not escape
+    # from the one callback settling the whole group: every later job of the group is answered.
     await create_markers(db)
 
     def first_row(tx: Transaction) -> Any:
@@ -218,9 +218,9 @@ async def test_a_trigger_rolling_back_the_whole_transaction_fails_only_its_own_a
     db: SQLiteDatabase, path: Path
 ) -> None:
     # RAISE(ROLLBACK) (like SQLITE_FULL or an I/O error) ends the whole transaction, not just the
-    # statement: the job's savepoint is gone with the earlier jobs' writes. The writer used to die
-    # on `ROLLBACK TO job` ("no such savepoint"), leaving every future of the group, and every later
-    # write, unresolved forever.
+    # statement: the job's savepoint is gone with the earlier jobs' writes. The writer must not die
+    # on `ROLLBACK TO job` ("no such savepoint"): every future of the group, and every later
+    # write, is resolved.
     store = SQLiteOpLogStore(db, snapshot_every=2)
     await wait(store.append(WS, "a", [increment()]))
     poison = new_op_id()

@@ -1,6 +1,6 @@
-"""Audit of the compute lock (layer 2) under real concurrency: racing tasks and processes against a
-real server on loopback, on SQLite and on PostgreSQL; clocks that disagree; hostile lock requests;
-the worker's TTL cache. The number that must stay at one: provider calls per cell."""
+"""The compute lock (layer 2) under real concurrency: racing tasks and processes against a real
+server on loopback, on SQLite and on PostgreSQL; clocks that disagree; hostile lock requests; the
+worker's TTL cache. The number that must stay at one: provider calls per cell."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Audit of this session's client behaviour: `WorkspaceClient.pending_ops` reading a restored
-backlog while the client works, `LiveDoc`'s open and its orphan ops, `discard_pending`
-retrying a deletion that failed, and `ops_over_websocket=False`."""
+"""`WorkspaceClient.pending_ops` reading a restored backlog while the client works, `LiveDoc`'s open
+and its orphan ops, `discard_pending` retrying a deletion that failed, and
+`ops_over_websocket=False`."""
 
 from __future__ import annotations
 

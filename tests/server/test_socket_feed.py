@@ -1,7 +1,6 @@
-"""Audit of the live feed's server side (docs/concepts.md, docs/protocol.md): what the earlier
-socket tests did not cover — many sub-docs catching up on one socket, re-subscribing mid catch-up,
-applies and subscribes mixed in one batched message, random interleavings checked against the
-log."""
+"""The live feed's server side (docs/concepts.md, docs/protocol.md): many sub-docs catching up on
+one socket, re-subscribing mid catch-up, applies and subscribes mixed in one batched message, random
+interleavings checked against the log."""
 
 from __future__ import annotations
 

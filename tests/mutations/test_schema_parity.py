@@ -1,4 +1,4 @@
-"""Audit: the exported JSON Schemas (schemas/) against parse_op and the reducers.
+"""The exported JSON Schemas (schemas/) accept what parse_op and the reducers accept.
 
 Apps in other languages validate ops with schemas/ before sending; the server parses with
 parse_op. What one side accepts the other must accept, the schema must compile in the common

@@ -1,4 +1,4 @@
-"""Audit of `LiveDoc` / `OptimisticDoc`: the view is the confirmed state plus the unanswered
+"""`LiveDoc` / `OptimisticDoc`: the view is the confirmed state plus the unanswered
 ops, and ends as the server's state, when op_ids repeat, the view re-reads the server, and an
 op shares its op_id with another writer's."""
 

@@ -1,10 +1,10 @@
-"""Audit of `token_provider` and `discard_pending()`, through the real server on loopback. Each
-test pins a case the first versions got wrong: a provider cancelled under itself wedged its lane;
-a start cancelled while the provider was out left the outbox locked; a provider answering bytes
-at start set off a hot websocket reconnect loop; a provider answer that came after `set_token`
-replaced the app's token; `close()` during a refresh raised `CancelledError` into app calls; a
-discard whose delete failed was reported done (and the ops applied by the next client); callers
-of discarded ops hung (or heard "still pending") when the discard was cancelled or failed."""
+"""`token_provider` and `discard_pending()`, through the real server on loopback: a provider
+cancelled under itself leaves its lane free; a start cancelled while the provider is out leaves the
+outbox unlocked; a provider answering bytes at start does not spin the websocket reconnect; a
+provider answer arriving after `set_token` never replaces the app's token; `close()` during a
+refresh raises no `CancelledError` into app calls; a discard whose delete failed is not reported
+done (nor its ops applied by the next client); callers of discarded ops are answered when the
+discard is cancelled or fails."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Audit: a sub-doc's state as the server serves it is always a pure fold of its committed log.
+"""A sub-doc's state as the server serves it is always a pure fold of its committed log.
 
 Random op programs run against the real server (SQLite, or PostgreSQL with two instances each
 with its own cache), with everything that could let a cached state drift from the log: reducer

@@ -1,4 +1,4 @@
-"""Audit of the outbox machine and its two transports: what the other client tests leave out.
+"""The outbox machine and its two transports against the answers a server may give.
 
 - The Hypothesis model of `test_machine_stateful` extended with the answers it never gives: a
   whole-request 4xx naming one op (`op_index`), `too_many_ops` after the server's limit shrank,

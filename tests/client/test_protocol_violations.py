@@ -658,7 +658,7 @@ async def test_an_error_frame_without_req_gets_the_batches_in_flight_resent_at_o
     aiohttp_server: ServerFactory,
 ) -> None:
     """The server could not read a message (its `error` names no request): the applies in it
-    were lost. They used to wait out the whole ack deadline (300 s by default) first."""
+    were lost, and are resent at once, not after the whole ack deadline (300 s by default)."""
 
     async def script(peer: Peer) -> None:
         await peer.frame_of("apply")
