@@ -49,6 +49,7 @@ from typing import IO, Final
 import psutil  # type: ignore[import-untyped]  # no types-psutil in the dev extras
 
 from bench._procs import MachineLoad, ServerProcess, fsync_probe_ms
+from bench._progress import runs
 from cv_workspace_client._queue_api import QueueClient
 
 REPO: Final = Path(__file__).resolve().parents[1]
@@ -309,25 +310,33 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         results: list[Result] = []
-        for workers in worker_counts:
-            for concurrency in concurrencies:
-                ours, cpu = run_ours(directory, jobs, workers, concurrency, args.profile)
-                results.append(ours)
-                print(_row(ours), flush=True)
-                print(f"      {cpu}", flush=True)
-                if dbos_python is not None:
-                    system_db = f"sqlite:///{directory / f'dbos-{workers}x{concurrency}.sqlite'}"
-                    dbos, report = run_dbos(
-                        dbos_python, system_db, jobs, workers, concurrency, args.dbos_poll
-                    )
-                    results.append(dbos)
-                    print(_row(dbos), flush=True)
-                    print(f"      dbos, poll {args.dbos_poll} s: {report}", flush=True)
-            if python is not None:
-                theirs, settings = run_huey(python, directory, jobs, workers)
-                results.append(theirs)
-                print(_row(theirs), flush=True)
-                print(f"      huey storage: {settings}", flush=True)
+        total = len(worker_counts) * (
+            len(concurrencies) * (1 + (dbos_python is not None)) + (python is not None)
+        )
+        with runs(total, "bench.queue") as bar:
+            for workers in worker_counts:
+                for concurrency in concurrencies:
+                    ours, cpu = run_ours(directory, jobs, workers, concurrency, args.profile)
+                    results.append(ours)
+                    bar.update()
+                    print(_row(ours), flush=True)
+                    print(f"      {cpu}", flush=True)
+                    if dbos_python is not None:
+                        name = f"dbos-{workers}x{concurrency}.sqlite"
+                        dbos, report = run_dbos(
+                            dbos_python, f"sqlite:///{directory / name}", jobs, workers,
+                            concurrency, args.dbos_poll,
+                        )  # fmt: skip
+                        results.append(dbos)
+                        bar.update()
+                        print(_row(dbos), flush=True)
+                        print(f"      dbos, poll {args.dbos_poll} s: {report}", flush=True)
+                if python is not None:
+                    theirs, settings = run_huey(python, directory, jobs, workers)
+                    results.append(theirs)
+                    bar.update()
+                    print(_row(theirs), flush=True)
+                    print(f"      huey storage: {settings}", flush=True)
         if dbos_python is not None:
             print("drain rate, cv-workspace / DBOS (same processes and concurrency):")
             for r in results:

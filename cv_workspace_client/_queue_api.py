@@ -1,4 +1,4 @@
-"""The requester's side of the work queue (DESIGN §5, §7; seed 003): enqueue a stage, read a
+"""The requester's side of the work queue (docs/protocol.md, docs/queue.md): enqueue a stage, read a
 request (and the blob of a large result), list requests for operators, replay a poison one, and
 wait for an outcome over the SSE stream — and `QueueMethods`, the enqueue / wait / inspect verbs
 `WorkspaceClient` mixes in.
@@ -93,7 +93,7 @@ async def enqueue(
             replayed = answer_headers.get("Idempotency-Replayed") == "true"
             break
         except WorkspaceError as exc:
-            # seed 004: 409 while the first request with the key is still running — try later.
+            # 409 while the first request with the key is still running — try later.
             in_progress = exc.code == "idempotency_key_in_progress"
             if attempt == attempts or not (is_retryable(exc) or in_progress):
                 raise
@@ -213,7 +213,7 @@ async def iter_requests(
 
 
 async def replay(host: QueueHost, workspace_id: str, request_id: str) -> QueuedRequest:
-    """`POST .../replay`: a poison request back to pending, by hand (seed 004: never automatic).
+    """`POST .../replay`: a poison request back to pending, by hand (never automatic).
     Raises `InvalidRequestError` (`invalid_transition`) if it is not poison."""
     path = ws_path(workspace_id, "requests", request_id, "replay")
     _, answer, _ = await call(host, "POST", path, body={})

@@ -1,5 +1,5 @@
-"""How the worker reports a run to the queue (seed 003; seed 004 §7): complete it with its result
-(uploading a big one to the blob store first) or with an error payload, fail it, or report it
+"""How the worker reports a run to the queue (docs/queue.md; docs/stages.md): complete it with its
+result (uploading a big one to the blob store first) or with an error payload, fail it, or report it
 cancelled — each fenced by the claim token, so a report refused with `lease_lost` changes
 nothing. `Worker` decides which; `_stage_outcome` says what is an answer.
 """
@@ -75,7 +75,7 @@ class Reporter:
         # ASCII (json.dumps escapes the rest): its length is its size in bytes.
         size = len(text)
         if kind == "result" and size > self._batch_result_max_bytes:
-            # seed 003: a big payload goes to the blob store, the completion names it. Uploaded
+            # A big payload goes to the blob store, the completion names it. Uploaded
             # as its own body (up to the server's max_result_bytes), never inside a completion,
             # whose body the server bounds far lower.
             del item["result"]

@@ -1,4 +1,4 @@
-"""What a stage handler sees (DESIGN §7, §12): the claimed request, a context to write through, and
+"""What a stage handler sees (docs/stages.md): the claimed request, a context to write through, and
 the two exceptions that steer the worker.
 
 ```python
@@ -11,7 +11,7 @@ async def evaluate(ctx: StageContext) -> dict[str, Any]:
 STAGES = {"evaluate": Stage(evaluate, ttl=None)}
 ```
 
-A stage is at-least-once (seed 004 §7): it may run again after a crash, a lapsed lease or an
+A stage is at-least-once (docs/stages.md): it may run again after a crash, a lapsed lease or an
 unexpected error. Its writes stay exactly-once because `apply_op` derives each op_id from
 `(request_id, run, key)`: the re-driven attempt writes the same op_ids and the server dedupes them.
 """
@@ -22,6 +22,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -53,6 +54,8 @@ __all__ = [
     "op_id_for",
 ]
 
+_log = logging.getLogger("cv_workspace_client.stage")
+
 T = TypeVar("T")
 
 #: Bytes of sha256 kept in a derived op_id: 24 bytes = 32 base64url chars, inside the op_id
@@ -66,7 +69,7 @@ class ExpectedError(WorkspaceError):
     """Raise in a handler for an answer that is an error (bad input, forbidden, not found).
 
     The request completes with the payload `{"code", "message", "details"}` and is never retried
-    (seed 003: an expected error is an answer, not a failure, and never a path to poison).
+    (an expected error is an answer, not a failure, and never a path to poison).
     """
 
     def __init__(self, code: str, message: str = "", details: Any = None) -> None:
@@ -144,8 +147,8 @@ class Stage:
     """A handler and how the worker runs it.
 
     `ttl`: seconds an identical request (same workspace, stage, job, branch and input) is answered
-    from this worker's cache with `cache: "hit"` (seed 003: only for stages whose answers may be
-    a little stale; None = always fresh). `worker_class`: the queue class the worker claims for
+    from this worker's cache with `cache: "hit"` (docs/queue.md: only for stages whose answers may
+    be a little stale; None = always fresh). `worker_class`: the queue class the worker claims for
     it; defaults to the stage name.
     """
 
@@ -271,7 +274,21 @@ class StageContext:
         self._writes += 1
         self._settled.clear()
         try:
-            return await self.client.apply_op(self.workspace_id, sub_doc, derived)
+            commit = await self.client.apply_op(self.workspace_id, sub_doc, derived)
+            _log.info(
+                "wrote %s to %s at clock %s",
+                derived.op_id,
+                sub_doc,
+                commit.clock,
+                extra={
+                    "event": "stage_write",
+                    "op_id": derived.op_id,
+                    "sub_doc": sub_doc,
+                    "clock": commit.clock,
+                    "duplicate": commit.duplicate,
+                },
+            )
+            return commit
         except BaseException as exc:
             if isinstance(exc, _FINAL_ANSWERS):
                 write = {"key": key, "sub_doc": sub_doc, "type": op.type, "op_id": derived.op_id}
@@ -299,8 +316,8 @@ class StageContext:
 
     async def writes_settled(self) -> None:
         """Return once no `apply_op` of this context is in flight, and every one of them got the
-        server's answer. The worker awaits it before completing (seed 004: never ack before the
-        work's writes committed), so a write the handler spawned but did not await lands first.
+        server's answer. The worker awaits it before completing (docs/stages.md: never ack before
+        the work's writes committed), so a write the handler spawned but did not await lands first.
 
         Raises the first write's error that was not a final answer (`StillPendingError` once its
         retries ran out, say), even if the handler caught it or never looked: the write waits in
@@ -326,7 +343,7 @@ class StageContext:
         wait: float | None = None,
     ) -> ComputeResult[T]:
         """Run an expensive call at most once per `(workspace, job_id, task)` under the compute
-        lock (DESIGN §8); see `cv_workspace_client.compute.compute_once`."""
+        lock (docs/stages.md); see `cv_workspace_client.compute.compute_once`."""
         from cv_workspace_client.compute import compute_once  # imported late: optional layer
 
         return await compute_once(

@@ -1,5 +1,5 @@
-"""The worker runner (DESIGN §7, §12; seed 003; seed 004 §7, §9): claim stage requests, run their
-handlers, report the outcome — at least once, never acknowledged before the work.
+"""The worker runner (docs/stages.md, docs/queue.md, docs/operating.md): claim stage requests, run
+their handlers, report the outcome — at least once, never acknowledged before the work.
 
 ```python
 async with WorkspaceClient(url, token=token, outbox="worker.outbox.db") as client:
@@ -63,7 +63,8 @@ from cv_workspace_client.errors import (
     InvalidRequestError,
     WorkspaceError,
 )
-from cv_workspace_client.providers import Provider
+from cv_workspace_client.logs import log_context
+from cv_workspace_client.providers import MeteredProvider, Provider
 from cv_workspace_client.stage import (
     ExpectedError,
     Handler,
@@ -85,18 +86,18 @@ logger = logging.getLogger("cv_workspace_client.worker")
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
-    """The worker's constants (DESIGN §10); tests shrink them."""
+    """The worker's constants (docs/configuration.md); tests shrink them."""
 
-    #: Idle poll: first wait, doubling up to the ceiling (seed 003: 100 ms → 2 s).
+    #: Idle poll: first wait, doubling up to the ceiling (100 ms → 2 s).
     idle_initial_seconds: float = 0.1
     idle_max_seconds: float = 2.0
-    #: Lease renewal while a stage runs (seed 003: 60 s under a 120 s lease).
+    #: Lease renewal while a stage runs (60 s under a 120 s lease).
     heartbeat_seconds: float = 60.0
-    #: How long `stop()` lets in-flight stages finish (seed 004: 25 s, under Kubernetes' 30 s).
+    #: How long `stop()` lets in-flight stages finish (25 s, under Kubernetes' 30 s).
     drain_seconds: float = 25.0
     #: Stages run at once by this worker.
     concurrency: int = 1
-    #: TTL-cache cap (seed 003: 500 entries, oldest first).
+    #: TTL-cache cap (500 entries, oldest first).
     cache_entries: int = 500
     #: A result larger than this (JSON bytes) is uploaded to the blob store first and completed
     #: by its reference (= the server's `blob_threshold_bytes`); smaller ones travel inline, in
@@ -246,7 +247,7 @@ class Worker:
                 return exc
             except WorkspaceError as exc:
                 if not exc.retryable:
-                    # DESIGN §6: a 4xx answer is final. A claim's body never changes (the same
+                    # A 4xx answer is final. A claim's body never changes (the same
                     # classes, worker id and limit), so the refusal (a class name or worker id
                     # over the server's limits, say) would repeat forever: the worker logged a
                     # warning every 2 s, ran nothing — not even its valid stages — and looked
@@ -288,7 +289,7 @@ class Worker:
 
         A claim whose answer never comes (a stalled server or link) otherwise held `stop()` for
         the client's whole request timeout (5 min by default), far past the drain deadline
-        (seed 004 §9: 25 s, under the orchestrator's grace period). Its answer is still awaited
+        (25 s, under the orchestrator's grace period). Its answer is still awaited
         until the deadline — it may lease rows to us, which we then run — and abandoned past
         it: rows it leased are then leased to nobody and re-drive after their lease, exactly
         like a claim whose answer was lost (never a row run twice, nor acknowledged unrun).
@@ -350,7 +351,7 @@ class Worker:
         return bool(outcome and outcome[0])
 
     async def _drain(self) -> None:
-        """seed 004 §9: finish in-flight work within the deadline; past it cancel (the rows
+        """Finish in-flight work within the deadline; past it cancel (the rows
         re-drive after their lease — nothing is acknowledged that did not happen)."""
         loop = asyncio.get_running_loop()
         # From `stop()` on (a claim in flight may have used part of it), or from now.
@@ -379,6 +380,29 @@ class Worker:
     # -- one request -------------------------------------------------------------------------------
 
     async def _execute(self, claimed: api.Claim, slot: _Slot) -> None:
+        """One run, every log line of it (and every HTTP request it makes) carrying the queue
+        request id: a run can be followed from the server's claim to the ops it wrote."""
+        row = claimed.request
+        with log_context(queue_request_id=row.request_id, stage=row.stage):
+            logger.info(
+                "run of %s started",
+                row.request_id,
+                extra={"event": "run_started", "worker": self.worker_id, "run": row.run},
+            )
+            started = time.perf_counter()
+            try:
+                await self._execute_run(claimed, slot)
+            finally:
+                logger.info(
+                    "run of %s ended",
+                    row.request_id,
+                    extra={
+                        "event": "run_ended",
+                        "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+                    },
+                )
+
+    async def _execute_run(self, claimed: api.Claim, slot: _Slot) -> None:
         row = claimed.request
         stage = self.stages.get(row.stage)
         if stage is None:
@@ -390,8 +414,9 @@ class Worker:
             return
         request = StageRequest.from_row(row.raw)
         lease = LeaseState()
+        provider = None if self.provider is None else MeteredProvider(self.provider)
         ctx = StageContext(
-            request, self.client, provider=self.provider, worker_id=self.worker_id, lease=lease
+            request, self.client, provider=provider, worker_id=self.worker_id, lease=lease
         )
         meter = RunMeter(request).start()
         current = asyncio.current_task()
@@ -432,13 +457,16 @@ class Worker:
                 logger.warning("stage %s failed on %s: %r", row.stage, row.request_id, failure)
                 await self._report.failure(claimed, error_payload(failure))
                 return
-            # A final refusal: the same run would meet it again (seed 004 §7), so it is the
+            # A final refusal: the same run would meet it again (docs/stages.md), so it is the
             # request's answer, not a failure to retry toward poison.
             logger.info("stage %s on %s answered %s", row.stage, row.request_id, answer["code"])
             kind, value, cache, shared = "error", answer, None, False
         if shared:
             self.stats.shared_runs += 1
-        telemetry = meter.finish(**({"shared": True} if shared else {}))
+        extra: dict[str, Any] = {"shared": True} if shared else {}
+        if provider is not None:
+            extra.update(provider_calls=provider.calls, provider_s=round(provider.seconds, 6))
+        telemetry = meter.finish(**extra)
         try:
             reported = await self._report.success(claimed, kind, value, cache, telemetry)
             if reported is None:
@@ -461,20 +489,26 @@ class Worker:
             # dedupe under their derived op_ids, so the re-run is harmless.
             logger.warning("could not complete %s: %s", row.request_id, exc)
             return
+        logger.info(
+            "request %s done (%s)",
+            row.request_id,
+            "expected error" if kind == "error" else "result",
+            extra={"event": "run_done", "cache": cache},
+        )
         if kind == "error":
             self.stats.expected_errors += 1
             return
         self.stats.completed += 1
         if stage.ttl is not None and cache != "hit":
             key = request_key(request)
-            if key is not None:  # seed 003: run, complete, then store under the TTL
+            if key is not None:  # Run, complete, then store under the TTL
                 self._cache.put(key, value, stage.ttl)
 
     def _heartbeat_every(self, row: api.QueuedRequest) -> float:
         """Seconds between heartbeats: the configured interval, but at most half the lease the
         server granted this claim. The lease is the server's setting (`lease_seconds`, which an
         operator may shrink with `--set`); a worker beating every 60 s under a 30 s lease would
-        lose every long stage to a second worker while it still runs (seed 003: 60 s under 120 s).
+        lose every long stage to a second worker while it still runs (60 s under 120 s).
         """
         every = self.config.heartbeat_seconds
         if row.lease_expires_at is not None and row.claimed_at is not None:

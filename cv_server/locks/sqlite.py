@@ -1,4 +1,4 @@
-"""Compute locks on the shared embedded SQLite database (DESIGN §8, §9).
+"""Compute locks on the shared embedded SQLite database (docs/stages.md, docs/postgres.md).
 
 Atomicity comes from the database's single writer thread: each `acquire` is one write job (its
 own SAVEPOINT inside a group commit), so the delete-dead / sweep / insert-or-ignore sequence of one
@@ -85,7 +85,7 @@ class SQLiteComputeLockStore(ComputeLockStore):
         expires_at = now + ttl
 
         def job(tx: Transaction) -> AcquireOutcome:
-            # seed 000: expired locks are cleaned on the next acquisition, so a crashed holder
+            # Expired locks are cleaned on the next acquisition, so a crashed holder
             # blocks the key for one TTL at most.
             tx.execute(f"DELETE FROM {TABLE} WHERE {_KEY} AND expires_at <= ?", (*key, now))
             self._sweep(tx, now)
@@ -128,6 +128,30 @@ class SQLiteComputeLockStore(ComputeLockStore):
             if row is None:
                 return None
             return LockInfo(workspace_id, job_id, task, row[0], row[1], row[2], row[3])
+
+        return await self._db.read(read)
+
+    async def list_live(
+        self,
+        workspace_id: str,
+        now: float,
+        *,
+        after: tuple[str, str] | None = None,
+        limit: int,
+    ) -> list[LockInfo]:
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0: {limit!r}")
+        job_after, task_after = after if after is not None else ("", "")
+
+        def read(conn: sqlite3.Connection) -> list[LockInfo]:
+            # A range of the primary key (workspace_id, job_id, task); '' sorts first.
+            rows = conn.execute(
+                "SELECT job_id, task, holder, token, acquired_at, expires_at "
+                f"FROM {TABLE} WHERE workspace_id = ? AND (job_id, task) > (?, ?) "
+                "AND expires_at > ? ORDER BY job_id, task LIMIT ?",
+                (workspace_id, job_after, task_after, now, limit),
+            ).fetchall()
+            return [LockInfo(workspace_id, *row) for row in rows]
 
         return await self._db.read(read)
 

@@ -1,4 +1,4 @@
-"""The op-log: dedupe, commit, read back (DESIGN §3, §4)."""
+"""The op-log: dedupe, commit, read back (docs/concepts.md)."""
 
 from cv_server.oplog.store import (
     Committed,
@@ -7,6 +7,15 @@ from cv_server.oplog.store import (
     OpLogStore,
     Outcome,
     Rejected,
+    SubDocHead,
 )
 
-__all__ = ["Committed", "IncomingOp", "LogEntry", "OpLogStore", "Outcome", "Rejected"]
+__all__ = [
+    "Committed",
+    "IncomingOp",
+    "LogEntry",
+    "OpLogStore",
+    "Outcome",
+    "Rejected",
+    "SubDocHead",
+]

@@ -30,7 +30,7 @@ ServerFactory = Callable[..., Awaitable[TestServer]]
 
 
 def problem(status: int, code: str, **extra: Any) -> web.Response:
-    body = {"type": f"https://cv-workspace.dev/problems/{code}", "title": code, "status": status}
+    body = {"type": f"docs/problems.md#{code}", "title": code, "status": status}
     body.update({"detail": code, "code": code, **extra})
     headers = {"Retry-After": str(extra.pop("retry_after"))} if "retry_after" in extra else {}
     return web.Response(
@@ -90,7 +90,7 @@ async def scripted(aiohttp_server: ServerFactory) -> tuple[ScriptedServer, str]:
 
 
 def client_for(url: str, sleep: RecordingSleep, **config: Any) -> WorkspaceClient:
-    """DESIGN §10's retry policy (base 1 s, cap 300 s, 5 attempts) with a recording sleep."""
+    """The default retry policy (base 1 s, cap 300 s, 5 attempts) with a recording sleep."""
     options: dict[str, Any] = {"retry_base_seconds": 1.0, "retry_cap_seconds": 300.0}
     options.update(config)
     return WorkspaceClient(
@@ -280,8 +280,8 @@ def _page(status: int) -> web.Response:
 async def test_a_bare_4xx_from_something_in_between_keeps_the_op_and_retries_it(
     scripted: tuple[ScriptedServer, str], status: int
 ) -> None:
-    """A proxy's own page (no problem document: the server never saw the request) used to fail
-    the op for good: it left the outbox unapplied, and a replayed one without a word."""
+    """A proxy's own page (no problem document: the server never saw the request) does not fail
+    the op for good: the op stays in the outbox and is sent again."""
     fake, url = scripted
     fake.script.extend(_page(status) for _ in range(2))
     sleep = RecordingSleep()

@@ -1,4 +1,4 @@
-"""The server's problem codes map back to the SDK's typed errors (DESIGN §5, STYLE habit 8)."""
+"""Problem codes (docs/problems.md) map back to the SDK's typed errors (STYLE habit 8)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from cv_workspace_client.errors import (
     WorkspaceError,
     error_from_problem,
 )
+
+# Pure: no file, socket or database (the `unit` cost mark; see tests/conftest.py).
+pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize(
