@@ -21,7 +21,9 @@ from typing import Any
 
 import aiohttp
 
+from cv_workspace_client._answers import answer_error
 from cv_workspace_client._auth import TokenRefresher, bearer_of, with_token
+from cv_workspace_client._http import exchange
 from cv_workspace_client._queue_http import QueueHost, call, config_of, retried, ws_path
 from cv_workspace_client._retry import backoff_for, is_retryable, retrying
 from cv_workspace_client.config import ClientConfig
@@ -118,24 +120,12 @@ async def get_blob(host: QueueHost, workspace_id: str, ref: str) -> bytes:
     """The bytes of a large result (`blob_ref` on the row)."""
 
     async def once(auth: dict[str, str]) -> bytes:
-        try:
-            async with host.session.get(
-                host.url + ws_path(workspace_id, "blobs", ref), headers=auth
-            ) as response:
-                raw = await response.read()
-                if response.status == 200:
-                    return raw
-                try:
-                    problem = json.loads(raw) if raw else None
-                except (ValueError, RecursionError):
-                    problem = None
-                raise error_from_problem(
-                    response.status, problem if isinstance(problem, dict) else None
-                )
-        except WorkspaceError:
-            raise
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise ConnectionFailedError("connection_failed", str(exc)) from exc
+        status, raw, headers = await exchange(
+            host.session, "GET", host.url + ws_path(workspace_id, "blobs", ref), headers=auth
+        )
+        if status == 200:
+            return raw
+        raise answer_error(status, raw, headers)
 
     async for attempt in retrying(config_of(host)):
         with attempt:
@@ -235,13 +225,7 @@ async def stream_events(
             ) as response:
                 if response.status != 200:
                     raw = await response.read()
-                    try:
-                        problem = json.loads(raw) if raw else None
-                    except (ValueError, RecursionError):
-                        problem = None
-                    error = error_from_problem(
-                        response.status, problem if isinstance(problem, dict) else None
-                    )
+                    error = answer_error(response.status, raw, response.headers)
                     # As `with_token`, by hand: an async generator cannot be re-run by it.
                     refresher = host.token_refresher
                     if (

@@ -18,10 +18,11 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from cv_workspace_client._reconnect import ReconnectPolicy
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import WorkspaceError
 
-__all__ = ["backoff_for", "is_retryable", "retrying"]
+__all__ = ["backoff_for", "is_retryable", "reconnect_policy_for", "retrying"]
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -43,6 +44,18 @@ def backoff_for(config: ClientConfig) -> Callable[[int], float]:
         return float(wait(state))
 
     return backoff
+
+
+def reconnect_policy_for(config: ClientConfig) -> ReconnectPolicy:
+    """The websocket's reconnect policy: `config.reconnect_policy` if set, otherwise the retry
+    backoff until a connection delivers data, and the dropped-listener schedule after one."""
+    if config.reconnect_policy is not None:
+        return config.reconnect_policy
+    return ReconnectPolicy(
+        backoff_for(config),
+        after_drop=config.reconnect_after_drop_seconds,
+        cap=config.retry_cap_seconds,
+    )
 
 
 def retrying(config: ClientConfig, *, forever: bool = False) -> AsyncRetrying:

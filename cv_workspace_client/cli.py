@@ -43,9 +43,10 @@ from cv_workspace_client._queue_api import QueueClient
 from cv_workspace_client._retry import backoff_for
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import WorkspaceError
-from cv_workspace_client.providers import CountingFakeProvider, OpenAICompatibleProvider, Provider
+from cv_workspace_client.providers import OpenAICompatibleProvider, Provider
 from cv_workspace_client.queue_models import RequestOutcome
 from cv_workspace_client.stage import Handler, Stage
+from cv_workspace_client.testing import CountingFakeProvider
 from cv_workspace_client.worker import Worker, WorkerConfig
 
 __all__ = ["load_stages", "worker_main", "workspace_main"]

@@ -37,7 +37,7 @@ from cv_workspace_client._outbox_sqlite import SQLiteOutbox
 from cv_workspace_client._pump import OpLike, OpPump
 from cv_workspace_client._queue_api import QueueMethods
 from cv_workspace_client._reads import ReadMethods, check_ids
-from cv_workspace_client._retry import backoff_for
+from cv_workspace_client._retry import backoff_for, reconnect_policy_for
 from cv_workspace_client._socket import WorkspaceSocket
 from cv_workspace_client._status import SyncSignals
 from cv_workspace_client.config import ClientConfig
@@ -108,6 +108,7 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         self.outbox_path = outbox
         self.config = config or ClientConfig()
         self.backoff = backoff_for(self.config)
+        self.reconnect = reconnect_policy_for(self.config)
         self._now = now
         self._mint = new_op_id
         self._machine = OutboxMachine(

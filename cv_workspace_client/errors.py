@@ -19,8 +19,10 @@ __all__ = [
     "AuthError",
     "ClientClosedError",
     "ConnectionFailedError",
+    "ExpectedError",
     "ForbiddenError",
     "InvalidRequestError",
+    "LeaseLostError",
     "NotFoundError",
     "OpDiscardedError",
     "OpRejectedError",
@@ -224,6 +226,34 @@ class OutboxError(WorkspaceError):
 # -- mapping ---------------------------------------------------------------------------------------
 
 
+class ExpectedError(WorkspaceError):
+    """Raise in a handler for an answer that is an error (bad input, forbidden, not found).
+
+    The request completes with the payload `{"code", "message", "details"}` and is never retried
+    (seed 003: an expected error is an answer, not a failure, and never a path to poison).
+    """
+
+    def __init__(self, code: str, message: str = "", details: Any = None) -> None:
+        super().__init__(code, message)
+        self.details = details
+
+    def payload(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "details": self.details}
+
+
+class LeaseLostError(WorkspaceError):
+    """The worker no longer holds the request (code `lease_lost`): another worker re-drove it.
+
+    Raised by `StageContext.ensure_lease` / `apply_op` once a heartbeat found the claim token gone,
+    and by the queue routes when a fenced call (heartbeat, complete, fail) is refused. The stage
+    must stop writing; the worker completes nothing (River #1302: a rescuer overwrote a job that
+    had just completed).
+    """
+
+    def __init__(self, message: str = "the claim token no longer holds the request") -> None:
+        super().__init__("lease_lost", message)
+
+
 def retry_delay(value: object) -> float | None:
     """A server's Retry-After as a delay the client can wait: a number of seconds >= 0, or None
     (no usable value: the caller falls back on its jitter).
@@ -273,6 +303,8 @@ def error_from_problem(
         return RateLimitedError(code, message, retry_after=retry_after)
     if code in ("internal", "unavailable") or (status is not None and status >= 500):
         return ServerError(code, message, status=status, retry_after=retry_after)
+    if code == "lease_lost":
+        return LeaseLostError(message) if message else LeaseLostError()
     final = _FINAL_BY_CODE.get(code)
     if final is NotFoundError:
         return NotFoundError(code, message, status=status)
