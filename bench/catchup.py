@@ -10,7 +10,9 @@ bounded by `--timeout` (a run that hits it is reported at the bound, marked `>`)
     .venv/bin/python -m bench.catchup [--runs 10] [--write 20] [--rate 20] [--cut 0.15]
 
 Reported: the catch-up seconds of every run, and p50 / p99 / max by nearest rank (with ten runs,
-p99 is the slowest run), plus the subscriber's websocket connects per run.
+p99 is the slowest run), plus the subscriber's websocket connects per run and the longest wait
+its websocket slept before a reconnect, and the longest of its other retry waits (catch-up
+reads through the same lossy link).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from bench._procs import percentiles
 from cv_mutations import NodeInsert
 from cv_server import ServerConfig, create_app
 from cv_server.auth import mint_token
-from cv_workspace_client import WorkspaceClient
+from cv_workspace_client import ClientConfig, WorkspaceClient
 from cv_workspace_client.testing import FaultProxy
 
 SECRET = b"bench-catchup-secret-0123456789abcdef"
@@ -36,8 +38,25 @@ WS = "ws1"
 SUB_DOC = "tree"
 
 
+class Waits:
+    """The subscriber's `sleep`: sleeps, and keeps the longest wait of its websocket's run loop
+    (its task is named `cv-socket-*`) apart from the longest of every other retry."""
+
+    def __init__(self) -> None:
+        self.socket = 0.0
+        self.other = 0.0
+
+    async def __call__(self, delay: float) -> None:
+        task = asyncio.current_task()
+        if task is not None and task.get_name().startswith("cv-socket-"):
+            self.socket = max(self.socket, delay)
+        else:
+            self.other = max(self.other, delay)
+        await asyncio.sleep(delay)
+
+
 async def _one_run(
-    seed: int, *, write_s: float, rate: float, cut: float, bound: float
+    seed: int, *, write_s: float, rate: float, cut: float, bound: float, waits: Waits
 ) -> tuple[float, bool, int]:
     """(catch-up seconds, whether it finished within `bound`, subscriber connects)."""
     with tempfile.TemporaryDirectory(prefix="bench-catchup-") as tmp:
@@ -55,7 +74,9 @@ async def _one_run(
             async with FaultProxy(server_url, seed=seed) as proxy:
                 proxy.cut_chunks(cut)
                 async with (
-                    WorkspaceClient(proxy.url, token=token) as reader,
+                    WorkspaceClient(
+                        proxy.url, token=token, config=ClientConfig(sleep=waits)
+                    ) as reader,
                     WorkspaceClient(server_url, token=token) as writer,
                 ):
 
@@ -99,12 +120,17 @@ async def _one_run(
 async def _main(args: argparse.Namespace) -> None:
     samples: list[float] = []
     for run in range(args.runs):
+        waits = Waits()
         seconds, finished, connects = await _one_run(
-            run, write_s=args.write, rate=args.rate, cut=args.cut, bound=args.timeout
+            run, write_s=args.write, rate=args.rate, cut=args.cut, bound=args.timeout, waits=waits
         )
         samples.append(seconds)
         mark = "" if finished else ">"
-        print(f"run {run}: caught up in {mark}{seconds:.2f} s ({connects} websocket connects)")
+        print(
+            f"run {run}: caught up in {mark}{seconds:.2f} s ({connects} websocket connects, "
+            f"longest reconnect wait {waits.socket:.2f} s, longest other retry wait "
+            f"{waits.other:.2f} s)"
+        )
     stats = percentiles(samples)
     print(
         f"catch-up after writes stop, {args.runs} runs, cut {args.cut:.0%} of server chunks: "

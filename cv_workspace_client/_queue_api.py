@@ -11,6 +11,7 @@ claim are in `_queue_holder`.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import json
@@ -349,23 +350,26 @@ async def wait_request(
             await config.sleep(min(backoff(failures), remaining))
 
 
-# -- the mixin -------------------------------------------------------------------------------------
+# -- the verbs, for every client that talks to the queue -----------------------------------------
 
 
-class QueueMethods:
-    """Queue verbs for a host with `url`, `session` and `auth_headers()` (and optionally a
-    `ClientConfig` as `config`, for the retry policy). `WorkspaceClient` mixes it in."""
+class QueueMethods(abc.ABC):
+    """The queue's verbs over the module's functions, for a client with a `url`, a `session`
+    and `auth_headers()` (and optionally a `ClientConfig` as `config`, for the retry policy):
+    the base of `WorkspaceClient` and of `QueueClient`, which provide those two."""
 
     url: str
     #: Fresh tokens on a refusal (`WorkspaceClient(token_provider=...)`); None: none.
     token_refresher: TokenRefresher | None = None
 
     @property
+    @abc.abstractmethod
     def session(self) -> aiohttp.ClientSession:
-        raise NotImplementedError
+        """The open HTTP session the verbs send with."""
 
+    @abc.abstractmethod
     def auth_headers(self) -> dict[str, str]:
-        raise NotImplementedError
+        """The `Authorization` header of the token in use (empty without one)."""
 
     async def enqueue(
         self,
