@@ -26,7 +26,7 @@ import orjson
 from cv_workspace_client._auth import TokenRefresher, bearer_of
 from cv_workspace_client._liveness import Liveness, Verdict
 from cv_workspace_client._machine import Send
-from cv_workspace_client._reconnect import ReconnectPolicy
+from cv_workspace_client._reconnect import ReconnectPolicy, Streak
 from cv_workspace_client._socket_io import ping, release, utf8_len, write_frames
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
@@ -302,11 +302,11 @@ class WorkspaceSocket:
     async def _run(self) -> None:
         """Connect, serve, and connect again as `owner.reconnect` says (`_reconnect.py`)."""
         policy = self.owner.reconnect
-        delays = policy.delays(dropped=False)
+        streak = Streak()
         wait = False  # the first connect, and one with a fresh token, go at once
         while not self._closed:
             if wait:
-                await self.owner.config.sleep(next(delays))
+                await self.owner.config.sleep(policy.delay(streak))
                 if self._closed:
                     return
             wait = True
@@ -323,8 +323,11 @@ class WorkspaceSocket:
                     if await self._final(error_from_problem(exc.status, None)):
                         return
                     wait = False  # a token replaced or refreshed meanwhile: the new one, at once
+                    continue
+                streak = policy.refused(streak)
                 continue
             except (TimeoutError, aiohttp.ClientError, OSError):
+                streak = policy.refused(streak)
                 continue
             heard = await self._serve(ws)
             refusal, self._refusal = self._refusal, None
@@ -333,10 +336,12 @@ class WorkspaceSocket:
                     return
                 wait = False  # with the fresh token, at once
                 continue
-            if policy.resets(
-                delivered=heard, close_code=ws.close_code, broke_protocol=self._broken is not None
-            ):
-                delays = policy.delays(dropped=True)
+            streak = policy.ended(
+                streak,
+                delivered=heard,
+                close_code=ws.close_code,
+                broke_protocol=self._broken is not None,
+            )
 
     async def _serve(self, ws: aiohttp.ClientWebSocketResponse) -> bool:
         frames: asyncio.Queue[str] = asyncio.Queue()
