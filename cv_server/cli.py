@@ -1,9 +1,7 @@
-"""`cv-server`: serve the op-log, set up its database, mint tokens, rotate their secret
-(DESIGN §12).
+"""`cv-server`: serve the op-log, set up its database, mint tokens, rotate their secret.
 
-Errors are one line on stderr: exit 2 for arguments the parser refuses, 1 for a setting or a
-database that cannot work. 130 when interrupted (Ctrl-C) before serving; 141 when the reader of
-`token`'s stdout left before the token was written (`... | head -c 0`), quietly.
+Every flag has an environment variable (named in its help); a flag given wins over it. Errors are
+one line on stderr. Reference: docs/configuration.md, docs/operating.md.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ from cv_server.meta import (
     sqlite_token_secret,
 )
 
-__all__ = ["main"]
+__all__ = ["EXIT_CODES", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +43,28 @@ DEFAULT_DB = Path("data/cv.db")
 
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 EXIT_READER_GONE = 128 + signal.SIGPIPE
+
+#: The exit statuses, as `--help` prints them (tests/server/test_cli_help.py).
+EXIT_CODES = """exit status:
+  0    success (serve: stopped by SIGTERM/SIGINT after draining)
+  1    a setting, a database or a port that cannot work (one line on stderr says which)
+  2    bad usage: an argument the parser refuses, or the `server` extra is not installed
+  130  interrupted (Ctrl-C) before serving
+  141  the reader of stdout left before the output was written (`... | head -c 0`)"""
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cv-workspace")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    """The value of environment variable `name`, or `default` when unset or empty."""
+    return os.environ.get(name) or default
 
 
 def _startup_errors() -> tuple[type[BaseException], ...]:
@@ -86,14 +106,23 @@ _STARTUP_ERRORS = _startup_errors()
 
 
 def _add_backend_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--db", type=Path, default=None, help=f"SQLite file (default {DEFAULT_DB})")
+    db = _env("CV_DB")
     parser.add_argument(
-        "--database-url", default=None, help="PostgreSQL DSN; wins over --db (scale-out backend)"
+        "--db",
+        type=Path,
+        default=Path(db) if db else None,
+        help=f"the SQLite file, the embedded default backend (default {DEFAULT_DB}; $CV_DB)",
+    )
+    parser.add_argument(
+        "--database-url",
+        default=_env("CV_DATABASE_URL"),
+        help="PostgreSQL DSN, the scale-out backend; wins over --db (docs/postgres.md;"
+        " $CV_DATABASE_URL)",
     )
     parser.add_argument(
         "--schema",
-        default=None,
-        help="with --database-url: the (existing) schema to keep the tables in",
+        default=_env("CV_SCHEMA"),
+        help="with --database-url: the (existing) schema to keep the tables in ($CV_SCHEMA)",
     )
 
 
@@ -127,8 +156,9 @@ _OFF = frozenset({"off", "none"})
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """`NAME=VALUE` pairs for the numeric ServerConfig settings (DESIGN §10 constants and
-    limits): every constant is configurable without code, and tests shrink leases this way."""
+    """`NAME=VALUE` pairs for the numeric ServerConfig settings (its constants and limits, listed
+    in docs/configuration.md): every constant is configurable without code, and tests shrink
+    leases this way."""
     overrides: dict[str, Any] = {}
     for item in items:
         name, sep, raw = item.partition("=")
@@ -182,36 +212,71 @@ def _reader_gone() -> int:
     return EXIT_READER_GONE
 
 
+#: Every command's help ends with the exit statuses, laid out as written.
+_HELP_LAYOUT: dict[str, Any] = {
+    "epilog": EXIT_CODES,
+    "formatter_class": argparse.RawDescriptionHelpFormatter,
+}
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cv-server", description=__doc__)
+    parser = argparse.ArgumentParser(prog="cv-server", description=__doc__, **_HELP_LAYOUT)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the server")
+    serve = commands.add_parser("serve", help="run the server", **_HELP_LAYOUT)
     _add_backend_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=_port, default=8080, help="0 picks a free port")
-    serve.add_argument("--log-level", type=_log_level, default="INFO")
+    serve.add_argument(
+        "--host",
+        default=_env("CV_HOST", "127.0.0.1"),
+        help="address to listen on (default 127.0.0.1, loopback only; $CV_HOST)",
+    )
+    serve.add_argument(
+        "--port",
+        type=_port,
+        default=_env("CV_PORT", "8080"),
+        help="TCP port; 0 picks a free one (default 8080; $CV_PORT)",
+    )
+    serve.add_argument(
+        "--log-level",
+        type=_log_level,
+        default=_env("CV_LOG_LEVEL", "INFO"),
+        help="DEBUG, INFO, WARNING or ERROR (default INFO; $CV_LOG_LEVEL)",
+    )
     serve.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="override a ServerConfig setting, e.g. --set lease_seconds=5 (repeatable)",
+        help="override a ServerConfig setting, e.g. --set lease_seconds=5 (repeatable; every"
+        " setting is in docs/configuration.md)",
     )
 
     init = commands.add_parser(
-        "init", help="create the database (tables, token secret) unless it exists; idempotent"
+        "init",
+        help="create the database (tables, token secret) unless it exists; idempotent",
+        **_HELP_LAYOUT,
     )
     _add_backend_args(init)
 
-    token = commands.add_parser("token", help="mint a bearer token (printed alone on stdout)")
+    token = commands.add_parser(
+        "token", help="mint a bearer token (printed alone on stdout)", **_HELP_LAYOUT
+    )
     _add_backend_args(token)
-    token.add_argument("--workspace", action="append", required=True, help="repeatable; * = all")
-    token.add_argument("--ttl", type=float, default=None, help="seconds until it expires")
+    token.add_argument(
+        "--workspace",
+        action="append",
+        required=True,
+        help="a workspace the token grants (repeatable; * grants every workspace)",
+    )
+    token.add_argument(
+        "--ttl", type=float, default=None, help="seconds until it expires (default: never)"
+    )
 
     rotate = commands.add_parser(
         "rotate-secret",
         help="replace the token secret: every token minted before is refused from then on",
+        **_HELP_LAYOUT,
     )
     _add_backend_args(rotate)
     return parser
@@ -235,7 +300,8 @@ async def _serve(config: ServerConfig, host: str, port: int) -> None:
 
 async def _serve_app(config: ServerConfig, host: str, port: int) -> None:
     app = create_app(config)
-    # The drain deadline of seed 004 bounds how long in-flight requests may take to finish.
+    # The drain deadline (`drain_seconds`, docs/configuration.md) bounds how long in-flight
+    # requests may take to finish.
     # aiohttp spends `shutdown_timeout` twice on a handler that is still running: once waiting
     # for it, then again after failing its body reads, before it cancels it. A handler that
     # reads no body (an SSE request stream waiting for its outcome) thus held SIGTERM for twice

@@ -290,7 +290,8 @@ def _sse(event: str, data: Any) -> bytes:
 
 @routes.get("/v1/workspaces/{ws}/requests/{id}/stream")
 async def stream_request(request: web.Request) -> web.StreamResponse:
-    """SSE: `queued` (if not finished), then `done` (the row) or `error` TIMEOUT at the deadline.
+    """SSE: `queued` (if not finished), then `done` (the row) or `error` `wait_timeout` at the
+    deadline.
 
     The result lives on the row, so a dropped stream simply reconnects (or polls) without loss.
     """
@@ -318,7 +319,10 @@ async def stream_request(request: web.Request) -> web.StreamResponse:
         await response.write(_sse("done", row.to_json()))
     else:  # seed 003: the deadline only ends the wait; the work goes on, the row keeps its result
         await response.write(
-            _sse("error", {"code": "TIMEOUT", "request_id": row.request_id, "status": row.status})
+            _sse(
+                "error",
+                {"code": "wait_timeout", "request_id": row.request_id, "status": row.status},
+            )
         )
     await response.write_eof()
     return response

@@ -81,6 +81,10 @@ class _Session:
                 raise Problem(400, "malformed_json", "a frame must be a JSON object")
             req = frame.get("req")
             kind = frame.get("type")
+            if kind not in ("subscribe", "unsubscribe", "apply"):
+                # Before its other members: a frame of a type the server does not know is
+                # refused for that (tests/server/test_socket.py).
+                raise Problem(400, "unknown_message_type", f"unknown frame type {kind!r}")
             sub_doc = frame.get("sub_doc")
             if not isinstance(sub_doc, str) or not is_valid_sub_doc(sub_doc):
                 raise Problem(422, "invalid_id", "sub_doc must match [a-z0-9_.-]{1,64}")

@@ -109,10 +109,13 @@ def parse_apply_body(body: object, max_ops: int) -> tuple[list[IncomingOp], bool
     """`{"ops": [...], "atomic"?: bool}` → (ops, atomic)."""
     if not isinstance(body, dict):
         raise Problem(400, "malformed_json", 'body must be an object {"ops": [...]}')
+    # One vocabulary on every route (docs/problems.md): a body that is not JSON, or not an
+    # object, is `malformed_json`; a member that is unknown or of the wrong type is
+    # `invalid_field` (tests/server/test_bad_input.py).
     unknown = set(body) - {"ops", "atomic"}
     if unknown:
-        raise Problem(400, "malformed_json", f"unknown members: {sorted(unknown)}")
+        raise Problem(422, "invalid_field", f"unknown members: {sorted(unknown)}")
     atomic = body.get("atomic", False)
     if not isinstance(atomic, bool):
-        raise Problem(400, "malformed_json", '"atomic" must be a boolean')
+        raise Problem(422, "invalid_field", '"atomic" must be a boolean')
     return parse_ops(body.get("ops"), max_ops), atomic

@@ -26,7 +26,8 @@ from cv_workspace_client._answers import answer_error
 from cv_workspace_client._auth import TokenRefresher, bearer_of, with_token
 from cv_workspace_client._http import exchange
 from cv_workspace_client._queue_http import QueueHost, call, config_of, retried, ws_path
-from cv_workspace_client._retry import backoff_for, is_retryable, retrying
+from cv_workspace_client._retry import backoff_for, is_retryable, log_retry, retrying
+from cv_workspace_client._url import check_server_url
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
     AuthError,
@@ -98,7 +99,9 @@ async def enqueue(
             in_progress = exc.code == "idempotency_key_in_progress"
             if attempt == attempts or not (is_retryable(exc) or in_progress):
                 raise
-            await config.sleep(backoff_for(config)(attempt))
+            delay = backoff_for(config)(attempt)
+            log_retry(exc, attempt, attempts, delay)
+            await config.sleep(delay)
     try:
         return EnqueuedRequest(
             request_id=str(answer["request_id"]),
@@ -330,7 +333,7 @@ async def wait_request(
                     elif (
                         event == "error"
                         and isinstance(data, dict)
-                        and data.get("code") != "TIMEOUT"
+                        and data.get("code") != "wait_timeout"
                     ):
                         raise error_from_problem(None, data)
             # Ended without `done`: the server's deadline, or a dropped stream.
@@ -468,7 +471,7 @@ class QueueClient(QueueMethods):
         config: ClientConfig | None = None,
         session: aiohttp.ClientSession | None = None,
     ) -> None:
-        self.url = url.rstrip("/")
+        self.url = check_server_url(url)
         self.token = token
         self.config = config or ClientConfig()
         #: A session passed in stays the caller's to close.

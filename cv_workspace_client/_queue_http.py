@@ -28,7 +28,7 @@ import aiohttp
 from cv_workspace_client._answers import ANY_SUCCESS, parse_retry_after, read_answer
 from cv_workspace_client._auth import TokenRefresher, with_token
 from cv_workspace_client._http import exchange
-from cv_workspace_client._retry import backoff_for, is_retryable, retrying
+from cv_workspace_client._retry import backoff_for, is_retryable, log_retry, retrying
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import WorkspaceError, error_from_problem
 
@@ -122,6 +122,7 @@ async def retried(host: QueueHost, method: str, path: str, **kwargs: Any) -> Any
     delay = backoff_for(config)(1)
     if first_error.retry_after is not None:
         delay = min(max(first_error.retry_after, 0.0), config.retry_cap_seconds)
+    log_retry(first_error, 1, config.retry_attempts, delay)
     await config.sleep(delay)
     retry_config = dataclasses.replace(config, retry_attempts=config.retry_attempts - 1)
     async for attempt in retrying(retry_config):

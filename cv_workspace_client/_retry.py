@@ -7,6 +7,7 @@ Retry-After that came with a 429 or a 5xx wins over the jitter). A 4xx is an ans
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from tenacity import (
@@ -22,7 +23,18 @@ from cv_workspace_client._reconnect import ReconnectPolicy
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import WorkspaceError
 
-__all__ = ["backoff_for", "is_retryable", "reconnect_policy_for", "retrying"]
+__all__ = ["backoff_for", "is_retryable", "log_retry", "reconnect_policy_for", "retrying"]
+
+#: Every retry is said here at WARNING: a call that waits out a server that is down is never
+#: silent (`cv-workspace` prints these lines on stderr).
+retry_log = logging.getLogger("cv_workspace_client.retry")
+
+
+def log_retry(exc: BaseException, failures: int, attempts: int | None, delay: float) -> None:
+    """Say that a call failed for the `failures`-th time with a retryable `exc` and is tried
+    again in `delay` seconds (`attempts` in all; None: until it succeeds)."""
+    of = f" of {attempts}" if attempts is not None else ""
+    retry_log.warning("%s; try %d%s in %.1f s", " ".join(str(exc).split()), failures + 1, of, delay)
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -67,8 +79,12 @@ def retrying(config: ClientConfig, *, forever: bool = False) -> AsyncRetrying:
     def wait(state: RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome is not None else None
         if isinstance(exc, WorkspaceError) and exc.retry_after is not None:
-            return min(max(exc.retry_after, 0.0), config.retry_cap_seconds)
-        return backoff(state.attempt_number)
+            delay = min(max(exc.retry_after, 0.0), config.retry_cap_seconds)
+        else:
+            delay = backoff(state.attempt_number)
+        if exc is not None:
+            log_retry(exc, state.attempt_number, None if forever else config.retry_attempts, delay)
+        return delay
 
     return AsyncRetrying(
         stop=stop_never if forever else stop_after_attempt(config.retry_attempts),

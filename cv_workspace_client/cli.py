@@ -1,21 +1,19 @@
-"""Two commands (DESIGN §12): `cv-worker` runs stage handlers; `cv-workspace` submits and inspects
-work from a shell or an agent, with no browser present.
+"""Two commands: `cv-worker` runs stage handlers; `cv-workspace` submits and inspects work from a
+shell or an agent, with no browser present.
 
-    cv-worker --url URL --token TOKEN --stages pkg.module:STAGES [--concurrency N]
+    cv-worker --url URL --token-file PATH --stages pkg.module:STAGES [--concurrency N]
               [--worker-class C] [--provider fake | --provider openai --provider-url U --model M]
               [--outbox PATH]
     cv-workspace enqueue --workspace W --stage S [--job-id J] [--input JSON] [--wait]
-    cv-workspace requests list|show|wait|replay|rerun ...
+    cv-workspace requests list|show|wait|replay|rerun --workspace W ...
 
-`--url` / `--token` default to the environment's `CV_URL` / `CV_TOKEN`; `--token-file` (or
-`CV_TOKEN_FILE`) reads the token from a file instead, which `cv-worker` reads again whenever the
-server refuses the token it holds (a file a secret manager rotates). A path in the URL is
-kept as a prefix of every route (a server behind a reverse proxy at `https://gateway/cv`). Answers
-are JSON on stdout; errors (bad usage included) are JSON on stderr. Exit codes: 0 success; 1
-refused by the server, or a waited request ended with an error payload or in poison; 2 bad usage;
-3 the wait timed out (the request goes on — its id is in the answer); 130 / 143 interrupted by
-SIGINT / SIGTERM (likewise: `enqueue --wait` still prints the request's id, with status
-`interrupted`); 141 the reader of stdout left early (`... | head -1`), quietly, as `cat` does.
+Every flag has an environment variable (named in its help: `CV_URL`, `CV_TOKEN_FILE`,
+`CV_WORKSPACE`, ...). `--token-file` reads the token from a file, which `cv-worker` reads again
+whenever the server refuses the token it holds (a file a secret manager rotates); `--token` also
+works but shows in `ps`. A path in the URL is kept as a prefix of every route (a server behind a
+reverse proxy at `https://gateway/cv`). Answers are JSON on stdout; an error is one line on
+stderr (`--json`: a JSON object `{"error": {"code", "message"}}` instead). The exit statuses are
+`EXIT_CODES`, printed by `--help`. Reference: docs/stages.md, docs/queue.md.
 
 Also runnable as `python -m cv_workspace_client.cli worker|workspace ARGS`.
 """
@@ -36,20 +34,20 @@ import threading
 import traceback
 from collections.abc import Coroutine, Mapping
 from typing import Any, NoReturn
-from urllib.parse import urlsplit
 
 from cv_workspace_client._auth import TokenProvider
 from cv_workspace_client._queue_api import QueueClient
 from cv_workspace_client._retry import backoff_for
+from cv_workspace_client._url import check_server_url
 from cv_workspace_client.config import ClientConfig
-from cv_workspace_client.errors import WorkspaceError
+from cv_workspace_client.errors import ForbiddenError, WorkspaceError
 from cv_workspace_client.providers import OpenAICompatibleProvider, Provider
-from cv_workspace_client.queue_models import RequestOutcome
+from cv_workspace_client.queue_models import QueuedRequest, RequestOutcome
 from cv_workspace_client.stage import Handler, Stage
 from cv_workspace_client.testing import CountingFakeProvider
 from cv_workspace_client.worker import Worker, WorkerConfig
 
-__all__ = ["load_stages", "worker_main", "workspace_main"]
+__all__ = ["EXIT_CODES", "load_stages", "worker_main", "workspace_main"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -61,6 +59,33 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT
 EXIT_TERMINATED = 128 + signal.SIGTERM
 EXIT_READER_GONE = 128 + signal.SIGPIPE
 
+#: The exit statuses, as `--help` prints them (tests/worker/test_cli_help.py).
+EXIT_CODES = """exit status:
+  0    success (cv-worker: drained after SIGTERM/SIGINT)
+  1    refused by the server, a waited request ended with an error payload, in poison or
+       cancelled, or (cv-worker) the drain deadline cancelled stages
+  2    bad usage: a flag, a URL, a token or a --stages module that cannot work
+  3    the wait timed out: the request goes on, its id is in the answer
+  130  interrupted by SIGINT (enqueue --wait still prints the request id, status interrupted)
+  141  the reader of stdout left early (`... | head -1`)
+  143  terminated by SIGTERM (as 130)"""
+
+#: Every command's help ends with the exit statuses, laid out as written.
+_HELP_LAYOUT: dict[str, Any] = {
+    "epilog": EXIT_CODES,
+    "formatter_class": argparse.RawDescriptionHelpFormatter,
+}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cv-workspace")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
 #: Environment variable holding the provider's API key (never a command-line argument: it would
 #: show in `ps`).
 PROVIDER_KEY_ENV = "CV_PROVIDER_API_KEY"
@@ -71,52 +96,57 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's own refusals (a missing --stage, `--limit abc`) as the documented JSON error
-    on stderr: they were a plain-text usage line, which a caller parsing stderr as JSON (an
-    agent) could not read. Exit 2 as before. Subparsers inherit the class."""
+    """argparse's own refusals (a missing --stage, `--limit abc`) in the commands' one error
+    style: one line on stderr, or the JSON object with `--json` (an agent parsing stderr reads
+    every error the same way). Exit 2. Subparsers inherit the class."""
 
     def error(self, message: str) -> NoReturn:
         _print_error(UsageError(f"{self.prog}: {message}"))
         raise SystemExit(EXIT_USAGE)
 
 
+class _ErrorStyle:
+    """How the running command prints errors: its name, and whether as JSON (`--json`). Set
+    from the arguments before they are parsed, so that argparse's own refusals follow it."""
+
+    prog = "cv-workspace"
+    json = False
+
+    @classmethod
+    def set(cls, prog: str, argv: list[str] | None) -> None:
+        cls.prog = prog
+        cls.json = "--json" in (sys.argv[1:] if argv is None else argv)
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=os.environ.get("CV_URL"), help="server URL ($CV_URL)")
-    parser.add_argument("--token", default=os.environ.get("CV_TOKEN"), help="token ($CV_TOKEN)")
+    parser.add_argument(
+        "--url", default=os.environ.get("CV_URL"), help="the server's http(s) URL ($CV_URL)"
+    )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("CV_TOKEN"),
+        help="bearer token; prefer --token-file: a flag shows in `ps` ($CV_TOKEN)",
+    )
     parser.add_argument(
         "--token-file",
         default=os.environ.get("CV_TOKEN_FILE"),
         help="file holding the token, read again whenever the server refuses it: a token a "
         "secret manager rotates in place ($CV_TOKEN_FILE)",
     )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print errors as a JSON object on stderr instead of one line of text",
+    )
 
 
 def _need_url(args: argparse.Namespace) -> str:
     if not args.url:
         raise UsageError("--url (or $CV_URL) is required")
-    # A URL that is not http(s) with a host and a port within 0..65535 fails every call before
-    # a byte is sent, as a connection error: `cv-worker` retried such claims forever (exit only
-    # by signal) instead of naming the bad argument. A query or a fragment sent every call to
-    # `/` (the SDK appends the route to the URL: a 404), and credentials in it were a traceback
-    # from aiohttp (which refuses them beside the bearer token). A path stays allowed: it is a
-    # reverse proxy's prefix, kept in front of every route.
     try:
-        parts = urlsplit(str(args.url))
-        host = parts.hostname
-        parts.port  # noqa: B018  (raises ValueError when out of range or not a number)
-    except ValueError:  # an unbalanced IPv6 bracket, a bad port
-        host = None
-    if not host or parts.scheme not in ("http", "https"):
-        shown = args.url if "@" not in str(args.url) else "(a URL with credentials)"
-        raise UsageError(
-            f"--url must be an http:// or https:// URL with a host and a port within "
-            f"0..65535, not {shown!r}"
-        )
-    if parts.username is not None or parts.password is not None:
-        raise UsageError("--url must not carry credentials: the token is the credential")
-    if parts.query or parts.fragment or str(args.url).endswith(("?", "#")):
-        # Not quoted back: a query may hold a token (`?token=`, the browser's way).
-        raise UsageError("--url must not have a query or a fragment")
+        check_server_url(str(args.url))
+    except ValueError as exc:
+        raise UsageError(f"--url: {exc}") from None
     return str(args.url)
 
 
@@ -159,7 +189,7 @@ def _token_file_provider(path: str, config: ClientConfig | None = None) -> Token
     may hold a fresh one by now (a Kubernetes projected token, a Vault agent's sink).
 
     A file caught mid-rotation (a writer that truncates, then writes; one that removes, then
-    creates) is read again with the client's retry policy (`config`: DESIGN §10, full jitter,
+    creates) is read again with the client's retry policy (`config`: full jitter,
     `retry_attempts` reads). Read once, its empty content failed the refresh, the refused
     claim stood, and the worker stopped with exit 1 on a rotation that was going well."""
     policy = config or ClientConfig()
@@ -258,10 +288,41 @@ async def _interruptible(main: Coroutine[Any, Any, int]) -> int:
         loop.remove_signal_handler(signal.SIGTERM)
 
 
+class _WarningLine(logging.Formatter):
+    """A warning (a retry, say) in the commands' style: `cv-workspace: ...`, or `--json`'s
+    `{"warning": ...}`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = " ".join(record.getMessage().split())
+        if _ErrorStyle.json:
+            return json.dumps({"warning": message})
+        return f"{_ErrorStyle.prog}: {message}"
+
+
+def _warnings_to_stderr() -> logging.Handler:
+    """`cv-workspace` says every retry on stderr as it happens: a call waiting out a server
+    that does not answer is never silent (tests/worker/test_cli_startup.py). The caller
+    removes the handler when the command ends."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_WarningLine())
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("cv_workspace_client").addHandler(handler)
+    return handler
+
+
 def _print_error(exc: BaseException) -> None:
+    """One error, in the commands' one style: `prog: message (code)` on one line, or with
+    `--json` the object `{"error": {"code", "message"}}`."""
     code = exc.code if isinstance(exc, WorkspaceError) else "usage"
     message = exc.message if isinstance(exc, WorkspaceError) else str(exc)
-    print(json.dumps({"error": {"code": code, "message": message}}), file=sys.stderr, flush=True)
+    if _ErrorStyle.json:
+        line = json.dumps({"error": {"code": code, "message": message}})
+    else:
+        text = " ".join(message.split())  # one line, whatever the server's message held
+        line = text if code == "usage" else f"{text} ({code})"
+        if not line.startswith(("cv-worker", "cv-workspace")):
+            line = f"{_ErrorStyle.prog}: {line}"
+    print(line, file=sys.stderr, flush=True)
 
 
 # -- cv-worker -------------------------------------------------------------------------------------
@@ -331,24 +392,78 @@ def load_stages(spec: str) -> dict[str, Handler | Stage]:
 
 
 def _worker_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="cv-worker", description="Run stage handlers.")
+    parser = _Parser(
+        prog="cv-worker",
+        description="Run stage handlers: claim requests, run them, complete them (docs/stages.md).",
+        **_HELP_LAYOUT,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     _common(parser)
+    env = os.environ.get
     parser.add_argument(
         "--stages",
-        required=True,
-        help="pkg.module:STAGES (a dict); the module is looked for in the current directory first",
+        default=env("CV_STAGES"),
+        help="pkg.module:STAGES, a dict of stage name -> handler; the module is looked for in"
+        " the current directory first ($CV_STAGES; required)",
     )
-    parser.add_argument("--worker-class", default=None, help="claim this class for every stage")
-    parser.add_argument("--worker-id", default=None, help="shown as claimed_by on its rows")
-    parser.add_argument("--concurrency", type=int, default=1, help="stages run at once")
-    parser.add_argument("--provider", choices=["openai", "fake"], default=None)
-    parser.add_argument("--provider-url", default=None, help="OpenAI-compatible base URL")
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--outbox", default=None, help="SQLite file for the durable op outbox")
+    parser.add_argument(
+        "--worker-class",
+        default=env("CV_WORKER_CLASS"),
+        help="claim this worker class for every stage ($CV_WORKER_CLASS)",
+    )
+    parser.add_argument(
+        "--worker-id",
+        default=env("CV_WORKER_ID"),
+        help="shown as claimed_by on the rows it holds (default: host and pid; $CV_WORKER_ID)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=env("CV_CONCURRENCY", "1"),
+        help="stages run at once (default 1; $CV_CONCURRENCY)",
+    )
+    parser.add_argument(
+        "--provider",
+        choices=["openai", "fake"],
+        default=env("CV_PROVIDER"),
+        help="the provider handed to stages: an OpenAI-compatible API, or the counting fake"
+        " for tests ($CV_PROVIDER); the API key is read from $" + PROVIDER_KEY_ENV,
+    )
+    parser.add_argument(
+        "--provider-url",
+        default=env("CV_PROVIDER_URL"),
+        help="with --provider openai: the API's base URL ($CV_PROVIDER_URL)",
+    )
+    parser.add_argument(
+        "--model",
+        default=env("CV_MODEL"),
+        help="with --provider openai: the model name sent with every call ($CV_MODEL)",
+    )
+    parser.add_argument(
+        "--outbox",
+        default=env("CV_OUTBOX"),
+        help="SQLite file for the durable op outbox: stage writes survive a worker's restart"
+        " ($CV_OUTBOX; default: in memory)",
+    )
     defaults = WorkerConfig()
-    parser.add_argument("--heartbeat-seconds", type=float, default=defaults.heartbeat_seconds)
-    parser.add_argument("--drain-seconds", type=float, default=defaults.drain_seconds)
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--heartbeat-seconds",
+        type=float,
+        default=defaults.heartbeat_seconds,
+        help=f"how often a running stage renews its lease (default {defaults.heartbeat_seconds:g})",
+    )
+    parser.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=defaults.drain_seconds,
+        help="on SIGTERM, how long running stages may take to finish before they are cancelled"
+        f" (default {defaults.drain_seconds:g})",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=env("CV_LOG_LEVEL", "INFO"),
+        help="DEBUG, INFO, WARNING or ERROR (default INFO; $CV_LOG_LEVEL)",
+    )
     return parser
 
 
@@ -362,6 +477,43 @@ def _provider(args: argparse.Namespace) -> Provider | None:
     return OpenAICompatibleProvider(
         args.provider_url, os.environ.get(PROVIDER_KEY_ENV), model=args.model
     )
+
+
+async def _wait_for_server(url: str, config: WorkerConfig) -> None:
+    """Return once the server at `url` answers `GET /readyz` with 200; until then, say on
+    stderr why not, once per reason, and try again on the worker's idle schedule (100 ms
+    doubling to 2 s). `ready` means a reachable server, never merely a started process
+    (tests/worker/test_cli_startup.py). A URL that answers as something other than a
+    cv-server is a usage error, at once."""
+    import aiohttp
+
+    delay = config.idle_initial_seconds
+    said = ""
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while True:
+            try:
+                async with session.get(url + "/readyz", allow_redirects=False) as response:
+                    if response.status == 200:
+                        return
+                    if response.status in (404, 405) or response.status < 500:
+                        raise UsageError(
+                            f"cv-worker: {url} is not a cv-server (GET /readyz answered"
+                            f" {response.status}): is --url right?"
+                        )
+                    why = f"it answers {response.status} to GET /readyz (starting or stopping)"
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                why = f"cannot reach it ({type(exc).__name__}: {exc})"
+            if why != said:
+                logging.getLogger("cv_workspace_client.worker").warning(
+                    "waiting for the server at %s: %s; retrying (is the server up, is --url"
+                    " right?)",
+                    url,
+                    why,
+                )
+                said = why
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, config.idle_max_seconds)
 
 
 async def _run_worker(args: argparse.Namespace, stages: dict[str, Handler | Stage]) -> int:
@@ -386,9 +538,12 @@ async def _run_worker(args: argparse.Namespace, stages: dict[str, Handler | Stag
                 provider=provider,
                 config=config,
             )
+            # Before any claim, so before the drain's handlers: a signal while waiting ends the
+            # process with nothing claimed.
+            await _wait_for_server(client.url, config)
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, worker.stop)  # seed 004 §9: drain, then exit 0
+                loop.add_signal_handler(sig, worker.stop)  # drain, then exit 0 (docs/stages.md)
             _announce(f"cv-worker {worker.worker_id} ready")
             stats = await worker.run()
             logging.getLogger("cv_workspace_client.worker").info("drained: %s", stats)
@@ -402,8 +557,11 @@ def worker_main(argv: list[str] | None = None) -> int:
     """`cv-worker`: run until SIGTERM/SIGINT, drain, exit 0 (1 if the drain deadline cancelled
     stages, or the server refused the token; 130 if interrupted before it was ready, while
     its stages were still loading, say)."""
+    _ErrorStyle.set("cv-worker", argv)
     try:
         args = _worker_parser().parse_args(argv)
+        if not args.stages:
+            raise UsageError("cv-worker: --stages (or $CV_STAGES) is required")
         # Validated here, not left to `logging`/`WorkerConfig`: their ValueError would escape
         # as a traceback with exit 1 instead of a usage error (exit 2).
         try:
@@ -433,35 +591,84 @@ def worker_main(argv: list[str] | None = None) -> int:
 # -- cv-workspace ----------------------------------------------------------------------------------
 
 
+def _add_workspace_arg(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    """`--workspace W` on every command that touches a workspace ($CV_WORKSPACE)."""
+    workspace = os.environ.get("CV_WORKSPACE")
+    parser.add_argument(
+        "--workspace",
+        default=workspace,
+        required=required and not workspace,
+        help="the workspace ($CV_WORKSPACE)"
+        + ("" if required else "; without it, every workspace a `*` token grants"),
+    )
+
+
 def _add_enqueue_args(parser: argparse.ArgumentParser, *, rerun_flag: bool) -> None:
-    parser.add_argument("--workspace", required=True)
-    parser.add_argument("--stage", required=True)
-    parser.add_argument("--job-id", default=None)
-    parser.add_argument("--branch-path", default=None)
-    parser.add_argument("--input", default=None, help="JSON")
-    parser.add_argument("--idempotency-key", default=None)
-    parser.add_argument("--worker-class", default=None)
-    parser.add_argument("--max-dequeues", type=int, default=None)
+    _add_workspace_arg(parser)
+    parser.add_argument("--stage", required=True, help="the stage to run, e.g. evaluate")
+    parser.add_argument(
+        "--job-id", default=None, help="the job the stage works on (part of the request id)"
+    )
+    parser.add_argument(
+        "--branch-path", default=None, help="the branch of the job (part of the request id)"
+    )
+    parser.add_argument("--input", default=None, help="the stage's input, as JSON")
+    parser.add_argument(
+        "--idempotency-key",
+        default=None,
+        help="the same key sent again returns the first answer, never a second request",
+    )
+    parser.add_argument(
+        "--worker-class", default=None, help="only workers of this class may claim it"
+    )
+    parser.add_argument(
+        "--max-dequeues",
+        type=int,
+        default=None,
+        help="claims before the request is parked as poison (default: the server's)",
+    )
     if rerun_flag:
         parser.add_argument("--rerun", action="store_true", help="re-run a finished request")
     parser.add_argument("--wait", action="store_true", help="wait for the result")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="with --wait: seconds to wait; the request goes on after (default 60)",
+    )
+
+
+def _request_args(parser: argparse.ArgumentParser) -> None:
+    _common(parser)
+    _add_workspace_arg(parser)
+    parser.add_argument("request_id", help="the request's id, as enqueue printed it")
 
 
 def _workspace_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="cv-workspace", description="Submit and inspect work.")
+    parser = _Parser(
+        prog="cv-workspace",
+        description="Submit and inspect stage work (docs/queue.md).",
+        **_HELP_LAYOUT,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
-    enqueue = commands.add_parser("enqueue", help="queue a stage request")
+    enqueue = commands.add_parser("enqueue", help="queue a stage request", **_HELP_LAYOUT)
     _common(enqueue)
     _add_enqueue_args(enqueue, rerun_flag=True)
 
-    requests = commands.add_parser("requests", help="inspect and steer requests")
+    requests = commands.add_parser("requests", help="inspect and steer requests", **_HELP_LAYOUT)
     verbs = requests.add_subparsers(dest="verb", required=True)
-    listing = verbs.add_parser("list", help="requests by status, oldest first")
+    listing = verbs.add_parser("list", help="requests by status, oldest first", **_HELP_LAYOUT)
     _common(listing)
-    listing.add_argument("--status", choices=["pending", "in_progress", "done", "poison"])
-    listing.add_argument("--workspace", default=None)
-    listing.add_argument("--limit", type=int, default=100)
+    listing.add_argument(
+        "--status",
+        choices=["pending", "in_progress", "done", "poison"],
+        help="only requests in this status",
+    )
+    _add_workspace_arg(listing, required=False)
+    listing.add_argument(
+        "--limit", type=int, default=100, help="requests per page (default 100, at most 1000)"
+    )
     listing.add_argument(
         "--all", action="store_true", help="every matching request, fetched --limit at a time"
     )
@@ -469,16 +676,18 @@ def _workspace_parser() -> argparse.ArgumentParser:
         ("show", "one request"),
         ("replay", "put a poison request back in the queue, by hand"),
     ):
-        sub = verbs.add_parser(verb, help=text)
-        _common(sub)
-        sub.add_argument("workspace")
-        sub.add_argument("request_id")
-    wait = verbs.add_parser("wait", help="wait for a request's result")
-    _common(wait)
-    wait.add_argument("workspace")
-    wait.add_argument("request_id")
-    wait.add_argument("--timeout", type=float, default=60.0)
-    rerun = verbs.add_parser("rerun", help="run a finished request again (enqueue --rerun)")
+        _request_args(verbs.add_parser(verb, help=text, **_HELP_LAYOUT))
+    wait = verbs.add_parser("wait", help="wait for a request's result", **_HELP_LAYOUT)
+    _request_args(wait)
+    wait.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait; the request goes on after (default 60)",
+    )
+    rerun = verbs.add_parser(
+        "rerun", help="run a finished request again (enqueue --rerun)", **_HELP_LAYOUT
+    )
     _common(rerun)
     _add_enqueue_args(rerun, rerun_flag=False)
     return parser
@@ -519,6 +728,19 @@ async def _enqueue(client: QueueClient, args: argparse.Namespace, *, rerun: bool
     return _outcome_exit(outcome)
 
 
+async def _list(client: QueueClient, args: argparse.Namespace) -> list[QueuedRequest]:
+    if args.all:
+        return [
+            row
+            async for row in client.iter_requests(
+                status=args.status, workspace_id=args.workspace, page=args.limit
+            )
+        ]
+    return await client.list_requests(
+        status=args.status, workspace_id=args.workspace, limit=args.limit
+    )
+
+
 async def _workspace(args: argparse.Namespace) -> int:
     url, token = _need_url(args), _need_token(args)
     if getattr(args, "verb", None) == "list":
@@ -529,17 +751,15 @@ async def _workspace(args: argparse.Namespace) -> int:
         if args.verb == "rerun":
             return await _enqueue(client, args, rerun=True)
         if args.verb == "list":
-            if args.all:
-                rows = [
-                    row
-                    async for row in client.iter_requests(
-                        status=args.status, workspace_id=args.workspace, page=args.limit
-                    )
-                ]
-            else:
-                rows = await client.list_requests(
-                    status=args.status, workspace_id=args.workspace, limit=args.limit
-                )
+            try:
+                rows = await _list(client, args)
+            except ForbiddenError:
+                if args.workspace is not None:
+                    raise
+                raise UsageError(
+                    "cv-workspace requests list: --workspace W (or $CV_WORKSPACE) is required:"
+                    " the token does not grant every workspace"
+                ) from None
             _print({"requests": [row.raw for row in rows]})
         elif args.verb == "show":
             _print((await client.get_request(args.workspace, args.request_id)).raw)
@@ -557,6 +777,8 @@ async def _workspace(args: argparse.Namespace) -> int:
 
 def workspace_main(argv: list[str] | None = None) -> int:
     """`cv-workspace`: see the module docstring."""
+    _ErrorStyle.set("cv-workspace", argv)
+    warnings = _warnings_to_stderr()
     try:
         args = _workspace_parser().parse_args(argv)
         return asyncio.run(_interruptible(_workspace(args)))
@@ -572,6 +794,8 @@ def workspace_main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except asyncio.CancelledError:  # by SIGTERM (`_interruptible`)
         return EXIT_TERMINATED
+    finally:
+        logging.getLogger("cv_workspace_client").removeHandler(warnings)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 import weakref
@@ -42,6 +43,7 @@ from cv_workspace_client._reads import Reads, check_ids
 from cv_workspace_client._retry import backoff_for, reconnect_policy_for
 from cv_workspace_client._socket import WorkspaceSocket
 from cv_workspace_client._status import SyncSignals
+from cv_workspace_client._url import check_server_url
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
     ClientClosedError,
@@ -54,6 +56,8 @@ from cv_workspace_client.models import Commit, Committed, SyncStatus
 from cv_workspace_client.stream import Subscription
 
 __all__ = ["WorkspaceClient"]
+
+log = logging.getLogger(__name__)
 
 
 class _Undiscarded(NamedTuple):
@@ -105,7 +109,7 @@ class WorkspaceClient(QueueMethods):
         now: Callable[[], float] = time.time,
         new_op_id: Callable[[], str] = new_op_id,
     ) -> None:
-        self.url = url.rstrip("/")
+        self.url = check_server_url(url)
         self.token = token
         self.outbox_path = outbox
         self.config = config or ClientConfig()
@@ -231,6 +235,13 @@ class WorkspaceClient(QueueMethods):
         self._ops.cancel_scheduled()
         outbox = self._outbox
         assert outbox is not None
+        if not outbox.durable and self._machine.pending_count:
+            dropped = self._machine.pending_count
+            log.warning(
+                "close() drops %d op(s) the server never answered: outbox=None keeps pending ops"
+                " in memory only (give the client a file outbox to keep them across a close)",
+                dropped,
+            )
         if not abort:
             self._ops.pump()  # hand the last decided writes to the outbox
             for _, deletes, ranges, _ in self._undiscarded:

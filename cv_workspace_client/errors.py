@@ -159,8 +159,10 @@ class OpRejectedError(WorkspaceError):
 class StillPendingError(WorkspaceError):
     """No answer after the last attempt (or the client closed first). The op is **not lost**.
 
-    It stays in the durable outbox under the same `op_id` and is replayed, in order, on the next
-    connect or by the next client opened on the same outbox. Do not re-submit it with a new
+    It stays in the outbox under the same `op_id` and is replayed, in order, on the next connect
+    or (a durable outbox) by the next client opened on the same outbox. An in-memory outbox
+    (`outbox=None`) keeps it only while the client is open: `close()` then drops it, with a
+    warning that counts what it dropped. Do not re-submit it with a new
     op_id: that is how one intent gets applied twice. `last_error` is why the last attempt failed.
     """
 
@@ -168,8 +170,9 @@ class StillPendingError(WorkspaceError):
         reason = f" (last error: {last_error})" if last_error is not None else ""
         super().__init__(
             "still_pending",
-            f"op {op_id} got no answer{reason}; it stays in the outbox and will be replayed on "
-            "the next connect with the same op_id - do not re-submit it under a new one",
+            f"op {op_id} got no answer{reason}; it stays in the outbox and will be replayed on"
+            " the next connect with the same op_id - do not re-submit it under a new one (an"
+            " in-memory outbox, outbox=None, loses it if the client closes first)",
         )
         self.op_id = op_id
         self.last_error = last_error

@@ -179,8 +179,8 @@ async def test_four_workers_one_killed_one_drained_finish_every_request_exactly_
                 fail_outcome = await qc.wait_request(WS, poisoned.request_id, timeout=60)
                 expected_outcome = await qc.wait_request(WS, expected.request_id, timeout=60)
                 code, later = await _cli(
-                    server.url, token, "requests", "wait", WS, timed_out["request_id"],
-                    "--timeout", "60",
+                    server.url, token, "requests", "wait", "--workspace", WS,
+                    timed_out["request_id"], "--timeout", "60",
                 )  # fmt: skip
                 _, state = await client.get_state(WS, COUNTER_DOC)
                 for worker in steady:

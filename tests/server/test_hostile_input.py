@@ -249,7 +249,7 @@ async def test_thousands_of_subscriptions_on_one_socket_are_served_and_all_relea
         ({"type": "apply", "sub_doc": "tree", "req": 1, "ops": {"a": 1}}, "malformed_json"),
         ({"type": "apply", "sub_doc": "tree", "req": 1, "ops": [5]}, "invalid_field"),
         ({"type": "apply", "sub_doc": "tree", "req": 1, "ops": [[]]}, "invalid_field"),
-        ({"type": "apply", "sub_doc": "tree", "req": 1, "ops": [], "atomic": 1}, "malformed_json"),
+        ({"type": "apply", "sub_doc": "tree", "req": 1, "ops": [], "atomic": 1}, "invalid_field"),
         (
             {"type": "apply", "sub_doc": "tree", "req": 1, "ops": [{**insert("x"), "index": -1}]},
             "invalid_field",

@@ -87,7 +87,7 @@ async def test_a_waiter_past_its_deadline_gets_timeout_and_fetches_the_result_la
     events = await _events(client, request_id, wait=0.2)
     assert events[-1] == (
         "error",
-        {"code": "TIMEOUT", "request_id": request_id, "status": "pending"},
+        {"code": "wait_timeout", "request_id": request_id, "status": "pending"},
     )
     row = await _claim(client)
     await client.post(

@@ -26,7 +26,7 @@ FAST = WorkerConfig(idle_initial_seconds=0.01, idle_max_seconds=0.05)
 async def _cli(
     capsys: pytest.CaptureFixture[str], server: TestServer, *args: str
 ) -> tuple[int, Any]:
-    argv = [*args, "--url", url_of(server), "--token", token_for(WS)]
+    argv = [*args, "--json", "--url", url_of(server), "--token", token_for(WS)]
     code = await asyncio.to_thread(workspace_main, argv)
     out, err = capsys.readouterr()
     return code, json.loads(out) if out.strip() else json.loads(err)
@@ -63,11 +63,11 @@ async def test_a_wait_that_times_out_exits_3_with_the_id_and_a_later_wait_gets_t
     request_id = answer["request_id"]
     async with running(Worker(client, {"triple": _triple}, config=FAST)):
         code, later = await _cli(
-            capsys, server, "requests", "wait", WS, request_id, "--timeout", "30"
+            capsys, server, "requests", "wait", "--workspace", WS, request_id, "--timeout", "30"
         )
     assert code == 0
     assert later["result"] == 6
-    code, shown = await _cli(capsys, server, "requests", "show", WS, request_id)
+    code, shown = await _cli(capsys, server, "requests", "show", "--workspace", WS, request_id)
     assert code == 0
     assert shown["status"] == "done"
     assert "claim_token" not in shown
@@ -99,7 +99,9 @@ async def test_operators_list_replay_and_rerun_from_the_shell(
             code, listed = await _cli(capsys, server, "requests", "list", "--status", "poison",
                                       "--workspace", WS)  # fmt: skip
             assert [row["request_id"] for row in listed["requests"]] == [request_id]
-            code, replayed = await _cli(capsys, server, "requests", "replay", WS, request_id)
+            code, replayed = await _cli(
+                capsys, server, "requests", "replay", "--workspace", WS, request_id
+            )
             assert code == 0
             assert replayed["status"] == "pending"
             assert (await api.wait_request(client, WS, request_id, timeout=30)).result == 2
@@ -120,7 +122,7 @@ async def test_bad_usage_and_refusals_exit_with_their_codes(
     )
     assert code == 2
     assert error["error"]["code"] == "usage"
-    code, error = await _cli(capsys, server, "requests", "show", "other-ws", "d_x")
+    code, error = await _cli(capsys, server, "requests", "show", "--workspace", "other-ws", "d_x")
     assert code == 1
     assert error["error"]["code"] == "forbidden_workspace"
 

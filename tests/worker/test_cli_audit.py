@@ -49,7 +49,7 @@ EXIT_READER_GONE = 128 + signal.SIGPIPE
 
 
 def _command(program: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "cv_workspace_client.cli", program, *args]
+    return [sys.executable, "-m", "cv_workspace_client.cli", program, *args, "--json"]
 
 
 def _auth(server: TestServer) -> tuple[str, ...]:
@@ -136,9 +136,9 @@ async def test_every_command_that_answers_on_stdout_exits_quietly_when_its_reade
              "--wait", "--timeout", "30"],
             ["requests", "list", "--workspace", WS],
             ["requests", "list", "--workspace", WS, "--all", "--limit", "1"],
-            ["requests", "show", WS, done.request_id],
-            ["requests", "wait", WS, done.request_id, "--timeout", "30"],
-            ["requests", "replay", WS, poison.request_id],
+            ["requests", "show", "--workspace", WS, done.request_id],
+            ["requests", "wait", "--workspace", WS, done.request_id, "--timeout", "30"],
+            ["requests", "replay", "--workspace", WS, poison.request_id],
             ["requests", "rerun", "--workspace", WS, "--stage", "double", "--job-id", "J1",
              "--input", "5"],
         ]  # fmt: skip
@@ -215,7 +215,7 @@ async def test_a_bad_number_or_input_is_a_usage_error_and_sends_nothing(
     RecursionError traceback; `--limit 0 --all` printed no request at all, as if there were
     none; zero or negative counts were sent to be refused."""
     where = ["--workspace", WS] if argv[0] == "enqueue" or argv[1] == "list" else []
-    code = await asyncio.to_thread(workspace_main, [*argv, *where, *_auth(server)])
+    code = await asyncio.to_thread(workspace_main, [*argv, *where, *_auth(server), "--json"])
     out, err = capsys.readouterr()
     assert out == ""
     error = json.loads(err)["error"]
@@ -242,7 +242,7 @@ def test_argparse_refusals_are_json_on_stderr_too(
     """The module promises JSON errors on stderr; argparse's own refusals were its plain-text
     usage lines, which a caller parsing stderr as JSON (an agent) could not read."""
     with pytest.raises(SystemExit) as exited:
-        workspace_main(argv)
+        workspace_main([*argv, "--json"])
     out, err = capsys.readouterr()
     assert exited.value.code == EXIT_USAGE
     assert out == ""
@@ -253,7 +253,7 @@ def test_argparse_refusals_are_json_on_stderr_too(
 
 def test_cv_worker_argparse_refusals_are_json_too(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
-        worker_main(["--concurrency", "many"])
+        worker_main(["--concurrency", "many", "--json"])
     assert exited.value.code == EXIT_USAGE
     error = json.loads(capsys.readouterr().err)["error"]
     assert error["code"] == "usage"
@@ -297,6 +297,7 @@ async def test_a_missing_or_malformed_token_or_url_is_a_usage_error_that_never_e
         "--job-id",
         "J1",
         *connection(url_of(server)),
+        "--json",
     ]
     code = await asyncio.to_thread(workspace_main, argv)
     out, err = capsys.readouterr()
@@ -338,8 +339,8 @@ async def test_a_url_with_a_path_is_kept_as_a_prefix_for_a_reverse_proxy(
     """Not a usage error: the SDK joins every route to the URL (websockets included), so a
     server behind `https://gateway/cv/` is reached as `--url https://gateway/cv`. A server that
     has no such prefix says so in its answer."""
-    argv = ["requests", "show", WS, "d_x", "--url", url_of(server) + "/cv", "--token",
-            token_for(WS)]  # fmt: skip
+    argv = ["requests", "show", "--workspace", WS, "d_x", "--url", url_of(server) + "/cv",
+            "--token", token_for(WS), "--json"]  # fmt: skip
     code = await asyncio.to_thread(workspace_main, argv)
     error = json.loads(capsys.readouterr().err)["error"]
     assert code == 1
@@ -371,8 +372,8 @@ async def test_a_signal_mid_wait_exits_at_once_without_a_traceback(
     async with api.QueueClient(url_of(server), token_for(WS)) as qc:
         answer = await qc.enqueue(WS, stage="nobody-serves-this", job_id="J1")
         proc = await asyncio.create_subprocess_exec(
-            *_command("workspace", "requests", "wait", WS, answer.request_id, "--timeout", "120",
-                      *_auth(server)),
+            *_command("workspace", "requests", "wait", "--workspace", WS, answer.request_id,
+                      "--timeout", "120", *_auth(server)),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         try:

@@ -36,7 +36,7 @@ KEY = "sk-cli-SECRET-abcdef"
 async def _cli(
     capsys: pytest.CaptureFixture[str], server: TestServer, *args: str
 ) -> tuple[int, Any, str]:
-    argv = [*args, "--url", url_of(server), "--token", token_for(WS)]
+    argv = [*args, "--json", "--url", url_of(server), "--token", token_for(WS)]
     code = await asyncio.to_thread(workspace_main, argv)
     out, err = capsys.readouterr()
     return code, json.loads(out) if out.strip() else json.loads(err), err
@@ -44,7 +44,7 @@ async def _cli(
 
 async def _worker_process(*args: str) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "cv_workspace_client.cli", "worker", *args,
+        sys.executable, "-m", "cv_workspace_client.cli", "worker", *args, "--json",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
@@ -101,7 +101,7 @@ async def test_a_wait_timeout_that_is_not_a_duration_is_a_usage_error_and_enqueu
     assert code == EXIT_OK
     assert listed["requests"] == []
     code, answer, _ = await _cli(
-        capsys, server, "requests", "wait", WS, "d_x", "--timeout", seconds
+        capsys, server, "requests", "wait", "--workspace", WS, "d_x", "--timeout", seconds
     )
     assert code == EXIT_USAGE
 

@@ -41,7 +41,7 @@ async def _worker(cwd: Path, url: str, stages: str, **env: str) -> asyncio.subpr
     assert CV_WORKER.exists(), f"the console script is not installed: {CV_WORKER}"
     return await asyncio.create_subprocess_exec(
         str(CV_WORKER), "--url", url, "--token", token_for(WS), "--stages", stages,
-        "--worker-id", "cwd-worker", "--log-level", "WARNING",
+        "--worker-id", "cwd-worker", "--log-level", "WARNING", "--json",
         cwd=cwd, env=_environment(**env),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip

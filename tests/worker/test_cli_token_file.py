@@ -26,7 +26,7 @@ BOUND = 60.0
 
 
 async def _workspace(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
-    code = await asyncio.to_thread(workspace_main, list(argv))
+    code = await asyncio.to_thread(workspace_main, [*argv, "--json"])
     out, err = capsys.readouterr()
     return code, json.loads(out if out.strip() else err)
 

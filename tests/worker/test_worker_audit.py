@@ -64,7 +64,7 @@ async def _worker_process(*args: str, within: float = 20.0) -> tuple[int | None,
     """Run `cv-worker ARGS`; (exit code, stderr). Exit code None: still running after `within`
     seconds (it was killed)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "cv_workspace_client.cli", "worker", *args,
+        sys.executable, "-m", "cv_workspace_client.cli", "worker", *args, "--json",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
