@@ -233,7 +233,7 @@ class ExpectedError(WorkspaceError):
     """Raise in a handler for an answer that is an error (bad input, forbidden, not found).
 
     The request completes with the payload `{"code", "message", "details"}` and is never retried
-    (seed 003: an expected error is an answer, not a failure, and never a path to poison).
+    (an expected error is an answer, not a failure, and never a path to poison).
     """
 
     def __init__(self, code: str, message: str = "", details: Any = None) -> None:

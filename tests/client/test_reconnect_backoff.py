@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from cv_mutations import NodeInsert
-from cv_workspace_client import ClientConfig, StillPendingError, WorkspaceClient
+from cv_workspace_client import ClientConfig, ReconnectPolicy, StillPendingError, WorkspaceClient
 from cv_workspace_client.testing import FaultProxy
 
 from .helpers import WS, RecordingSleep, fast_config, server_log, token_for
@@ -113,6 +113,39 @@ async def test_a_connection_that_delivered_data_is_followed_on_the_dropped_liste
     assert failures == []
     assert len(waits) == FLAPS
     assert all(0.0 < wait <= step for wait in waits), waits
+
+
+class AnswersOnceServer(FlappingServer):
+    """Answers its first connection's subscribe, then drops it; drops the next ones at once,
+    before any frame (the upgrade accepted: the server is up), until `FLAPS`; then behaves."""
+
+    async def socket(self, request: web.Request) -> web.WebSocketResponse:
+        self.answer = self.connections == 0
+        return await super().socket(request)
+
+
+async def test_connections_cut_before_a_frame_after_a_drop_keep_the_wait_at_the_last_step(
+    aiohttp_server: Any,
+) -> None:
+    # The server accepts every upgrade and the link cuts each connection before its first
+    # frame: after the drop, the waits walk the schedule and stay at its last step. Doubling
+    # there left a subscriber on a lossy link many seconds behind a server that was up.
+    steps = (0.01, 0.025)
+    rules = ReconnectPolicy(
+        backoff=lambda failures: 0.0, after_drop=steps, cap=10.0, uniform=lambda low, high: high
+    )
+    server = AnswersOnceServer(answer=True)
+    sleep = RecordingSleep()
+    running = await aiohttp_server(server.app())
+    url = str(running.make_url("")).rstrip("/")
+    settings = fast_config(reconnect_policy=rules, sleep=sleep, retry_cap_seconds=10.0)
+    async with WorkspaceClient(url, token=token_for(WS), config=settings) as client:
+        sub = client.subscribe(WS, "tree")
+        sub._register()
+        await asyncio.wait_for(server.calm.wait(), TIMEOUT)
+        await sub.aclose()
+    assert server.connections == FLAPS + 1
+    assert sleep.delays == [steps[0]] + [steps[1]] * (FLAPS - 1)
 
 
 class SocketWaits:
