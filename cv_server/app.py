@@ -91,6 +91,10 @@ async def problems_middleware(request: web.Request, handler: Handler) -> web.Str
         return problem_response(Problem(exc.status, code, exc.text or exc.reason))
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
+        if request.writer.output_size:
+            # A response (a websocket's 101) has gone out: an HTTP answer written now would land
+            # inside the upgraded stream. aiohttp closes the connection instead.
+            raise
         return problem_response(Problem(500, "internal", "unexpected server error"))
 
 
@@ -186,7 +190,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 def create_app(config: ServerConfig) -> web.Application:
     """Build the application. Stores open in `cleanup_ctx`, i.e. when the app starts."""
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[problems_middleware])
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=[problems_middleware],
+        # Bodies are decoded by `bodies.read_body`, which answers a bad or unknown coding with
+        # its own code and holds the limit on the decoded size (docs/limits.md).
+        handler_args={"auto_decompress": False},
+    )
     server_log = logging.getLogger("aiohttp.server")
     if _MALFORMED_REQUEST_LOG not in server_log.filters:
         server_log.addFilter(_MALFORMED_REQUEST_LOG)

@@ -34,6 +34,7 @@ from cv_server.meta import (
     rotate_sqlite_token_secret,
     sqlite_token_secret,
 )
+from cv_server.serving import ServerRunner
 
 __all__ = ["EXIT_CODES", "main"]
 
@@ -309,7 +310,7 @@ async def _serve_app(config: ServerConfig, host: str, port: int) -> None:
     # keeps the total within the deadline; a commit in flight is shielded and still awaited.
     # aiohttp reads a timeout of 0 as "none": `drain_seconds=0` (drain nothing) held SIGTERM
     # forever behind a request whose body never came. The smallest float is its "zero".
-    runner = web.AppRunner(
+    runner = ServerRunner(
         app, shutdown_timeout=config.drain_seconds / 2 or math.ulp(0.0), access_log=None
     )
     try:

@@ -26,6 +26,10 @@ class ServerConfig:
     max_body_bytes: int = 1024 * 1024
     max_ops_per_request: int = 1000
     max_ws_frame_bytes: int = 1024 * 1024
+    #: Subscriptions one socket may hold at once; a subscribe past it is refused with an
+    #: `error` frame `too_many_subscriptions` naming its sub-doc. An app follows a handful of
+    #: sub-docs per socket; each subscription holds server memory and a task.
+    max_subscriptions_per_socket: int = 1000
     #: Live ops a subscriber may have queued before it is closed (4008) to resume by catch-up.
     subscriber_queue_limit: int = 10_000
     #: The server pings a websocket peer after this long without hearing from it and closes the

@@ -7,6 +7,7 @@ import asyncio
 import orjson
 from aiohttp import web
 
+from cv_server.bodies import read_body
 from cv_server.inputs import MAX_CLOCK, check_ids, decode_json, parse_apply_body
 from cv_server.keys import CONFIG, HUB, METRICS, STORES
 from cv_server.oplog import IncomingOp, LogEntry, Outcome
@@ -50,7 +51,8 @@ async def post_ops(request: web.Request) -> web.Response:
     check_ids(workspace_id, sub_doc)
     authorize(request, workspace_id)
     config = request.app[CONFIG]
-    ops, atomic = parse_apply_body(decode_json(await request.read()), config.max_ops_per_request)
+    body = decode_json(await read_body(request))
+    ops, atomic = parse_apply_body(body, config.max_ops_per_request)
     outcomes = await asyncio.shield(
         commit_and_publish(request.app, workspace_id, sub_doc, ops, atomic)
     )

@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
+from cv_server.bodies import read_body
 from cv_server.inputs import check_ids, decode_json
 from cv_server.keys import CONFIG, STORES
 from cv_server.locks.store import Acquired
@@ -33,7 +34,7 @@ async def _body(request: web.Request) -> tuple[str, dict[str, Any]]:
     workspace_id = request.match_info["ws"]
     check_ids(workspace_id)
     authorize(request, workspace_id)
-    body = decode_json(await request.read())
+    body = decode_json(await read_body(request))
     if not isinstance(body, dict):
         raise Problem(400, "malformed_json", "body must be a JSON object")
     # PostgreSQL text cannot hold NUL: the store raised, a 500 where SQLite answered (§11).

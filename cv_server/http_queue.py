@@ -21,6 +21,7 @@ import orjson
 from aiohttp import web
 
 from cv_mutations import is_valid_workspace_id
+from cv_server.bodies import read_body
 from cv_server.inputs import check_ids, decode_json
 from cv_server.keys import CONFIG, STORES, WAITERS, WORK_SIGNALS
 from cv_server.problems import Problem
@@ -65,7 +66,7 @@ def _queue_problem(exc: QueueError) -> Problem:
 
 
 async def _json_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
-    raw = await request.read()
+    raw = await read_body(request)
     body = decode_json(raw) if raw else {}
     if not isinstance(body, dict):
         raise Problem(400, "malformed_json", "body must be a JSON object")

@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
+from typing import Any, Final
 
+import orjson
 from aiohttp import WSMsgType, web
 
 from cv_mutations import is_valid_sub_doc, is_valid_workspace_id
@@ -27,6 +28,7 @@ from cv_server.keys import CONFIG, CONNECTIONS, HUB, METRICS, STATE, STORES, TOK
 from cv_server.oplog import LogEntry, Outcome
 from cv_server.problems import Problem
 from cv_server.security import authenticate, bearer_token, seconds_left, signed_with
+from cv_server.socket_close import LingeringWebSocketResponse
 
 __all__ = ["CLOSE_FORBIDDEN", "CLOSE_UNAUTHORIZED", "routes"]
 
@@ -35,6 +37,38 @@ routes = web.RouteTableDef()
 
 CLOSE_UNAUTHORIZED = 4001
 CLOSE_FORBIDDEN = 4003
+
+#: The `req` of a frame is echoed in its answer, verbatim, whatever its JSON type; what orjson
+#: cannot write inside an answer frame (an integer past 64 bits, a value nested past 254 levels)
+#: is refused before any work, with an `invalid_field` error that carries no `req`.
+_REQ_PROBLEM: Final = (
+    "req cannot be echoed in an answer: integers must fit in 64 bits and values be nested "
+    "at most 254 levels"
+)
+
+
+def _check_req(req: Any) -> None:
+    """Refuse a `req` no answer could carry. Checked before anything else of the frame: an
+    apply whose `req` could not be encoded committed its ops, then its ack failed to encode
+    and the client never learnt they were applied (tests/server/test_socket_frames.py)."""
+    if (
+        req is None
+        or isinstance(req, bool | float)
+        or (isinstance(req, int) and -(2**63) <= req < 2**64)
+    ):
+        return  # the common cases, without an encoding (a string may hold a lone surrogate)
+    try:
+        orjson.dumps({"req": req})  # the answer frame's own level included
+    except orjson.JSONEncodeError:
+        raise Problem(400, "invalid_field", _REQ_PROBLEM) from None
+
+
+def _describe(kind: Any) -> str:
+    """A frame's `type` for an error message: never the repr of a value nested 1,000 deep
+    (a RecursionError) or a megabyte long."""
+    if isinstance(kind, str):
+        return repr(kind[:64])
+    return f"of JSON type {type(kind).__name__}"
 
 
 class _Session:
@@ -79,12 +113,13 @@ class _Session:
         try:
             if not isinstance(frame, dict):
                 raise Problem(400, "malformed_json", "a frame must be a JSON object")
+            _check_req(frame.get("req"))
             req = frame.get("req")
             kind = frame.get("type")
             if kind not in ("subscribe", "unsubscribe", "apply"):
                 # Before its other members: a frame of a type the server does not know is
                 # refused for that (tests/server/test_socket.py).
-                raise Problem(400, "unknown_message_type", f"unknown frame type {kind!r}")
+                raise Problem(400, "unknown_message_type", f"unknown frame type {_describe(kind)}")
             sub_doc = frame.get("sub_doc")
             if not isinstance(sub_doc, str) or not is_valid_sub_doc(sub_doc):
                 raise Problem(422, "invalid_id", "sub_doc must match [a-z0-9_.-]{1,64}")
@@ -107,11 +142,25 @@ class _Session:
                 ops, atomic = parse_apply_body(body, self.config.max_ops_per_request)
                 self.apply(sub_doc, req, ops, atomic)
             else:
-                raise Problem(400, "unknown_message_type", f"unknown frame type {kind!r}")
+                raise Problem(400, "unknown_message_type", f"unknown frame type {_describe(kind)}")
         except Problem as problem:
             self.error(problem.code, problem.detail, req, **problem.extra)
 
     def subscribe(self, sub_doc: str, since: int) -> None:
+        cap = self.config.max_subscriptions_per_socket
+        if sub_doc not in self.conn.subscriptions and len(self.conn.subscriptions) >= cap:
+            # Each subscription holds a hub entry, a task and a queue: 50,000 on one socket
+            # were all served (+200 MB). Refused alone, naming its sub-doc and `since`, so the
+            # client fails that subscription and keeps the others (docs/limits.md).
+            self.app[METRICS].count_subscription_refused()
+            raise Problem(  # the status is unused: a websocket error frame carries none
+                409,
+                "too_many_subscriptions",
+                f"this socket has {cap} subscriptions, the most the server allows; "
+                "unsubscribe one first",
+                sub_doc=sub_doc,
+                since=since,
+            )
         old = self.conn.subscriptions.pop(sub_doc, None)
         if old is not None:
             old.stop()
@@ -213,7 +262,7 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
     app = request.app
     config = app[CONFIG]
     workspace_id = request.match_info["ws"]
-    ws = web.WebSocketResponse(
+    ws = LingeringWebSocketResponse(
         max_msg_size=config.max_ws_frame_bytes,
         autoping=True,
         heartbeat=config.socket_heartbeat_seconds,
@@ -265,14 +314,28 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
     unwatch = app[TOKEN_SECRET].watch(on_new_secret)
     on_new_secret(app[TOKEN_SECRET].value)  # one rotated during the handshake's awaits
     try:
-        async for msg in ws:
-            if msg.type == WSMsgType.TEXT:
-                session.handle(msg.data)
-            elif msg.type == WSMsgType.BINARY:
-                session.error("malformed_json", "frames must be JSON text")
-            if conn.closing:
-                break
-            await session.room()  # paced by the commits: see `_Session._in_flight`
+        try:
+            async for msg in ws:
+                if msg.type == WSMsgType.TEXT:
+                    try:
+                        session.handle(msg.data)
+                    except Exception:
+                        # One message the server failed on must not end the socket and every
+                        # subscription on it; and never an HTTP answer on the upgraded stream.
+                        log.exception("a websocket message failed on %s", workspace_id)
+                        session.error("internal", "the server could not handle this message")
+                elif msg.type == WSMsgType.BINARY:
+                    session.error("malformed_json", "frames must be JSON text")
+                if conn.closing:
+                    break
+                await session.room()  # paced by the commits: see `_Session._in_flight`
+        except Exception:
+            # Never out to the middleware: its HTTP answer would land inside the upgraded
+            # stream. The socket ends as a websocket does on a server error.
+            log.exception("the socket of %s failed", workspace_id)
+            closing = conn.close(1011, b"server error; reconnect")
+            if closing is not None:
+                await closing
     finally:
         unwatch()
         if expiry is not None:
@@ -284,4 +347,6 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
             await session.wait_applies()
         finally:  # even if that wait is cancelled: else the subscriptions stay in the hub
             await conn.aclose()
+            # After a refused frame: until the peer has stopped sending (see socket_close).
+            await ws.lingered()
     return ws

@@ -15,6 +15,7 @@ class Metrics:
         self.ops_duplicate = 0
         self.ops_rejected = 0
         self.ws_too_slow = 0
+        self.subscriptions_refused = 0
         self.gauges: dict[str, Callable[[], float]] = {}
 
     def record_outcomes(self, outcomes: Iterable[Outcome]) -> None:
@@ -29,6 +30,9 @@ class Metrics:
     def count_too_slow(self) -> None:
         self.ws_too_slow += 1
 
+    def count_subscription_refused(self) -> None:
+        self.subscriptions_refused += 1
+
     def render(self) -> str:
         lines = [
             "# TYPE cv_ops_committed_total counter",
@@ -39,6 +43,8 @@ class Metrics:
             f"cv_ops_rejected_total {self.ops_rejected}",
             "# TYPE cv_ws_closed_too_slow_total counter",
             f"cv_ws_closed_too_slow_total {self.ws_too_slow}",
+            "# TYPE cv_subscriptions_refused_total counter",
+            f"cv_subscriptions_refused_total {self.subscriptions_refused}",
         ]
         for name, read in sorted(self.gauges.items()):
             lines += [f"# TYPE {name} gauge", f"{name} {read()}"]

@@ -4,6 +4,7 @@ never half-applied, never disturbs other subscriptions or clients, and the log s
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -11,10 +12,11 @@ from aiohttp import ClientWebSocketResponse, WSMsgType
 from aiohttp.test_utils import TestClient
 
 from cv_mutations import fingerprint, new_op_id, parse_op
+from cv_server import ServerConfig, create_app
 from cv_server.http_docs import commit_and_publish
 from cv_server.keys import HUB
 from cv_server.oplog import IncomingOp
-from tests.server.conftest import auth
+from tests.server.conftest import ClientFactory, auth
 from tests.server.helpers import counter, get_ops, increment, insert, post_ops
 
 SOCKET = "/v1/workspaces/ws1/socket"
@@ -203,10 +205,11 @@ async def test_subscribing_twice_to_one_sub_doc_delivers_each_clock_once(
 
 
 async def test_thousands_of_subscriptions_on_one_socket_are_served_and_all_released(
-    client: TestClient[Any, Any],
+    aiohttp_client: ClientFactory, make_config: Callable[..., ServerConfig]
 ) -> None:
-    hub = client.app[HUB]
     count = 2000
+    client = await aiohttp_client(create_app(make_config(max_subscriptions_per_socket=count)))
+    hub = client.app[HUB]
     names = [f"doc-{i}" for i in range(count)]
     ws = await _connect(client)
     await ws.send_json([{"type": "subscribe", "sub_doc": name, "since": 0} for name in names])
