@@ -1,7 +1,8 @@
 """The HTTP transport of the work-queue routes: one request to a queue route with the host's
 token, its answer read by the SDK's one interpreter (`_answers.read_answer`: JSON decoded, or
-the problem+json turned back into the typed error, `LeaseLostError` when a fenced verb is
-refused), and the SDK's retry rule around it.
+the problem+json turned back into the typed error: `LeaseLostError` when a fenced verb is
+refused, `RequestCancelledError` when a heartbeat finds its request cancelled), and the SDK's
+retry rule around it.
 
 The requester's verbs (`_queue_api`) and the claim holder's (`_queue_holder`) both go through
 here. Each needs only a *host* (`QueueHost`): an object with `url`, `session` (an aiohttp
@@ -57,7 +58,8 @@ def ws_path(workspace_id: str, *rest: str) -> str:
 def queue_error(
     status: int, problem: Mapping[str, Any] | None, retry_after: str | None
 ) -> WorkspaceError:
-    """The typed error of a queue route's problem (`lease_lost` → `LeaseLostError`)."""
+    """The typed error of a queue route's problem (`lease_lost` → `LeaseLostError`,
+    `cancelled` → `RequestCancelledError`)."""
     return error_from_problem(status, problem, retry_after=parse_retry_after(retry_after))
 
 
@@ -69,13 +71,15 @@ async def call(
     body: Any = None,
     params: Sequence[tuple[str, str]] | None = None,
     headers: Mapping[str, str] | None = None,
+    raw: bytes | None = None,
 ) -> tuple[int, Any, Mapping[str, str]]:
     """One request. 2xx → (status, decoded JSON or None, headers); otherwise the typed error.
-    Refused for its token, it goes once more with a fresh one if the host gets one."""
+    `body` goes as JSON; `raw`, bytes of JSON already encoded, goes as it is. Refused for its
+    token, it goes once more with a fresh one if the host gets one."""
     return await with_token(
         host,
         lambda auth: _call_once(
-            host, method, path, auth, body=body, params=params, headers=headers
+            host, method, path, auth, body=body, params=params, headers=headers, raw=raw
         ),
     )
 
@@ -89,8 +93,9 @@ async def _call_once(
     body: Any,
     params: Sequence[tuple[str, str]] | None,
     headers: Mapping[str, str] | None,
+    raw: bytes | None = None,
 ) -> tuple[int, Any, Mapping[str, str]]:
-    data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
+    data = raw if body is None else json.dumps(body, separators=(",", ":")).encode()
     status, raw, answer_headers = await exchange(
         host.session,
         method,

@@ -2,8 +2,8 @@
 
 Every error the client raises is a `WorkspaceError` with a stable string `code` (the server's own
 code when the server answered, DESIGN §5). Whether an error is worth retrying is a property of its
-class (`retryable`): only connection errors, timeouts, 5xx and 429 are (seed 004); a 4xx answer is
-final and is never retried.
+class (`retryable`): only connection errors, timeouts (a 408 included), 5xx and 429 are (seed 004);
+any other 4xx answer is final and is never retried.
 
 Pure: no I/O, so the sans-I/O core may import it.
 """
@@ -29,6 +29,7 @@ __all__ = [
     "OutboxError",
     "ProtocolError",
     "RateLimitedError",
+    "RequestCancelledError",
     "ServerError",
     "StillPendingError",
     "WorkspaceError",
@@ -257,6 +258,18 @@ class LeaseLostError(WorkspaceError):
         super().__init__("lease_lost", message)
 
 
+class RequestCancelledError(WorkspaceError):
+    """Someone cancelled the request this worker runs (code `cancelled`; see docs/queue.md).
+
+    The server refuses the holder's heartbeat with it; from then on `StageContext.ensure_lease` /
+    `apply_op` raise it, the worker cancels the handler and reports back, and the request ends
+    `cancelled`. Writes the stage committed before stay committed.
+    """
+
+    def __init__(self, message: str = "the request was cancelled") -> None:
+        super().__init__("cancelled", message)
+
+
 def retry_delay(value: object) -> float | None:
     """A server's Retry-After as a delay the client can wait: a number of seconds >= 0, or None
     (no usable value: the caller falls back on its jitter).
@@ -304,10 +317,16 @@ def error_from_problem(
         retry_after = retry_delay(body.get("retry_after"))
     if code == "rate_limited" or status == 429:
         return RateLimitedError(code, message, retry_after=retry_after)
+    if status == 408:
+        # The server (or a proxy) gave up waiting for the request before reading it: nothing
+        # was processed, like a timeout on the way (seed 004: timeouts are retried).
+        return ConnectionFailedError(code, message)
     if code in ("internal", "unavailable") or (status is not None and status >= 500):
         return ServerError(code, message, status=status, retry_after=retry_after)
     if code == "lease_lost":
         return LeaseLostError(message) if message else LeaseLostError()
+    if code == "cancelled":
+        return RequestCancelledError(message) if message else RequestCancelledError()
     final = _FINAL_BY_CODE.get(code)
     if final is NotFoundError:
         return NotFoundError(code, message, status=status)

@@ -45,6 +45,7 @@ from cv_workspace_client import (
     OpRejectedError,
     ProtocolError,
     RateLimitedError,
+    RequestCancelledError,
     ServerError,
     StillPendingError,
     WorkspaceClient,
@@ -434,6 +435,9 @@ EXPECTED: dict[str, type[WorkspaceError]] = {
     "lease_lost": LeaseLostError,
     "invalid_transition": InvalidRequestError,
     "request_id_conflict": InvalidRequestError,
+    "cancelled": RequestCancelledError,
+    "not_cancellable": InvalidRequestError,
+    "result_too_large": InvalidRequestError,
     "internal": ServerError,
     "unavailable": ServerError,
 }
