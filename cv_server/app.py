@@ -8,20 +8,31 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Final
+from typing import Any, Final
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from cv_server import http_docs, http_locks, http_queue, http_socket
+from cv_server import (
+    http_docs,
+    http_locks,
+    http_queue,
+    http_queue_operators,
+    http_results,
+    http_socket,
+    observe,
+)
+from cv_server.api_models import Health, Ready
 from cv_server.backends import Stores, open_stores
 from cv_server.config import ServerConfig
+from cv_server.http_ratelimit import RateLimits, rate_limit_middleware
 from cv_server.hub import Connection, Hub
 from cv_server.keys import (
     CONFIG,
     CONNECTIONS,
     HUB,
     METRICS,
+    RATE_LIMITS,
     STATE,
     STORES,
     TOKEN_SECRET,
@@ -29,7 +40,8 @@ from cv_server.keys import (
     WORK_SIGNALS,
     ServerState,
 )
-from cv_server.metrics import Metrics
+from cv_server.metrics import CONTENT_TYPE, Metrics
+from cv_server.openapi import Doc, Media, build_document, documented, render_docs_page
 from cv_server.problems import Problem, problem_response
 from cv_server.security import TokenSecret
 from cv_server.waiters import Waiters, WorkSignals
@@ -75,27 +87,31 @@ async def problems_middleware(request: web.Request, handler: Handler) -> web.Str
     try:
         return await handler(request)
     except Problem as problem:
-        return problem_response(problem)
+        return _problem(request, problem)
     except web.HTTPRequestEntityTooLarge as exc:
-        return problem_response(Problem(413, "body_too_large", exc.text or ""))
+        return _problem(request, Problem(413, "body_too_large", exc.text or ""))
     except web.HTTPNotFound:
-        return problem_response(Problem(404, "not_found", f"no route for {request.path}"))
+        return _problem(request, Problem(404, "not_found", f"no route for {request.path}"))
     except web.HTTPMethodNotAllowed:
-        return problem_response(Problem(405, "method_not_allowed", request.method))
+        return _problem(request, Problem(405, "method_not_allowed", request.method))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         # aiohttp's own refusals (a plain GET on the socket route: "No WebSocket UPGRADE hdr")
-        # went out as text/plain with no `code`; every error is problem+json (DESIGN §5).
+        # went out as text/plain with no `code`; every error is problem+json (docs/protocol.md).
         code = "bad_request" if exc.status < 500 else "internal"
-        return problem_response(Problem(exc.status, code, exc.text or exc.reason))
+        return _problem(request, Problem(exc.status, code, exc.text or exc.reason))
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         if request.writer.output_size:
             # A response (a websocket's 101) has gone out: an HTTP answer written now would land
             # inside the upgraded stream. aiohttp closes the connection instead.
             raise
-        return problem_response(Problem(500, "internal", "unexpected server error"))
+        return _problem(request, Problem(500, "internal", "unexpected server error"))
+
+
+def _problem(request: web.Request, problem: Problem) -> web.Response:
+    return problem_response(problem, request.app[CONFIG].problem_type_base)
 
 
 async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -111,19 +127,33 @@ async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
     # given in the config is not the database's, so a rotation there does not replace it.
     if stores.follow_secret is not None and app[CONFIG].token_secret is None:
         await stores.follow_secret(token_secret.replace)
-    app[METRICS].gauges["cv_ws_connections"] = lambda: len(app[CONNECTIONS])
-    app[METRICS].gauges["cv_subscriptions"] = lambda: hub.subscriber_count
+    metrics = app[METRICS]
+    metrics.gauge(
+        "cv_ws_connections", "Open websockets (this process).", lambda: len(app[CONNECTIONS])
+    )
+    metrics.gauge(
+        "cv_subscriptions",
+        "Live sub-doc subscriptions (this process).",
+        lambda: hub.subscriber_count,
+    )
+    observe.watch_stores(app, stores)
     config = app[CONFIG]
     waiters = Waiters(stores.queue, sweep_seconds=config.sweep_seconds)
     waiters.start()
     app[WAITERS] = waiters
     signals = WorkSignals(stores.queue)
     app[WORK_SIGNALS] = signals
-    app[METRICS].gauges["cv_request_waiters"] = lambda: waiters.count
+    metrics.gauge(
+        "cv_request_waiters",
+        "Clients waiting on a request's outcome (streams, this process).",
+        lambda: waiters.count,
+    )
     reaper = asyncio.create_task(_reap_forever(stores, config.reap_seconds))
     app[STATE].ready = True
+    log.info("stores open, serving", extra={"step": "ready"})
     yield
     app[STATE].ready = False
+    log.info("stopping: closing request waiters and stores", extra={"step": "close_stores"})
     reaper.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await reaper
@@ -131,10 +161,11 @@ async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
     signals.close()
     # In-flight commits finished before cleanup (the runner waited for handlers); now flush.
     await stores.close()
+    log.info("stores closed", extra={"step": "stores_closed"})
 
 
 async def _reap_forever(stores: Stores, every: float) -> None:
-    """Delete expired idempotency keys and blobs (seed 004: on a schedule, not by index alone)."""
+    """Delete expired idempotency keys and blobs (on a schedule, not by index alone)."""
     while True:
         await asyncio.sleep(every)
         try:
@@ -149,6 +180,11 @@ async def _on_shutdown(app: web.Application) -> None:
     """Stop accepting work and close every socket with 1001 (going away)."""
     app[STATE].shutting_down = True
     app[STATE].ready = False
+    log.info(
+        "shutting down: closing %d websockets",
+        len(app[CONNECTIONS]),
+        extra={"step": "close_sockets"},
+    )
     app[WAITERS].release_all()  # request streams end now, not at their deadline
     app[WORK_SIGNALS].release_all()  # and idle workers' long polls, not at their 2 s ceiling
     connections = app[CONNECTIONS]
@@ -162,11 +198,21 @@ routes = web.RouteTableDef()
 
 
 @routes.get("/healthz")
+@documented(Doc("Liveness: the process serves", {200: Health}, auth=False, tag="operations"))
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
 @routes.get("/readyz")
+@documented(
+    Doc(
+        "Readiness: stores open and the database reachable (route traffic here)",
+        {200: Ready},
+        problems={503: ("unavailable",)},
+        auth=False,
+        tag="operations",
+    )
+)
 async def readyz(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if not state.ready or state.shutting_down:
@@ -174,7 +220,7 @@ async def readyz(request: web.Request) -> web.Response:
     # A load balancer routes by this answer. While the database is unreachable every route
     # answers 5xx, so the instance is not ready (it used to say "ready" regardless); /healthz
     # stays 200, since a restart would not bring the database back. One cheap read; no timeout
-    # of our own (DESIGN §10 gives none): the prober's own timeout bounds a hung one, and on
+    # of our own (none is configured): the prober's own timeout bounds a hung one, and on
     # PostgreSQL the statement_timeout guard does.
     try:
         await request.app[STORES].oplog.head("readyz", "readyz")
@@ -184,15 +230,58 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 @routes.get("/metrics")
+@documented(
+    Doc(
+        "Prometheus metrics (text exposition format 0.0.4; docs/observability.md)",
+        {200: Media("text/plain")},
+        auth=False,
+        tag="operations",
+    )
+)
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(text=request.app[METRICS].render(), content_type="text/plain")
+    body = await request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def _document(app: web.Application) -> dict[str, Any]:
+    """Built once per app, on first use: the routes do not change once it serves."""
+    document = app[STATE].openapi
+    if document is None:
+        document = app[STATE].openapi = build_document(app)
+    return document
+
+
+@routes.get("/openapi.json")
+@documented(
+    Doc(
+        "This document: OpenAPI 3.1 of every route",
+        {200: Media("application/json", {"type": "object"})},
+        auth=False,
+        tag="operations",
+    )
+)
+async def openapi_document(request: web.Request) -> web.Response:
+    return web.json_response(_document(request.app))
+
+
+@routes.get("/docs")
+@documented(
+    Doc(
+        "This document for people: plain HTML, no script, works offline",
+        {200: Media("text/html")},
+        auth=False,
+        tag="operations",
+    )
+)
+async def docs_page(request: web.Request) -> web.Response:
+    return web.Response(text=render_docs_page(_document(request.app)), content_type="text/html")
 
 
 def create_app(config: ServerConfig) -> web.Application:
     """Build the application. Stores open in `cleanup_ctx`, i.e. when the app starts."""
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[problems_middleware],
+        middlewares=[observe.observe_middleware, problems_middleware, rate_limit_middleware],
         # Bodies are decoded by `bodies.read_body`, which answers a bad or unknown coding with
         # its own code and holds the limit on the decoded size (docs/limits.md).
         handler_args={"auto_decompress": False},
@@ -203,13 +292,17 @@ def create_app(config: ServerConfig) -> web.Application:
     app[CONFIG] = config
     app[STATE] = ServerState()
     app[METRICS] = Metrics()
+    app[RATE_LIMITS] = RateLimits(config)
     connections: set[Connection] = set()
     app[CONNECTIONS] = connections
     app.cleanup_ctx.append(_stores_ctx)
     app.on_shutdown.append(_on_shutdown)
+    app.on_response_prepare.append(observe.echo_request_id)
     app.add_routes(routes)
     app.add_routes(http_docs.routes)
     app.add_routes(http_socket.routes)
     app.add_routes(http_queue.routes)
+    app.add_routes(http_results.routes)
+    app.add_routes(http_queue_operators.routes)
     app.add_routes(http_locks.routes)
     return app

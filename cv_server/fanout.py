@@ -1,4 +1,4 @@
-"""Gap-free, duplicate-free delivery to one subscriber (DESIGN §5). Pure: no I/O, no asyncio.
+"""Gap-free, duplicate-free delivery to one subscriber (docs/protocol.md). Pure: no I/O, no asyncio.
 
 A subscription is registered *before* its catch-up read, so every op committed after the read
 began arrives live; live ops that arrive during catch-up wait in `pending`. Delivery is keyed on
@@ -23,6 +23,9 @@ class Frame:
 
     clock: int
     text: str
+    #: `time.perf_counter()` at the commit, on a frame published live (None: read from the log):
+    #: what `cv_broadcast_lag_seconds` measures from.
+    stamp: float | None = None
 
 
 class Cursor:

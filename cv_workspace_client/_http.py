@@ -1,7 +1,7 @@
-"""The HTTP half of the transport: one aiohttp session; `exchange` sends one request and hands
-back its status, body and headers (a connection error as `ConnectionFailedError`), and
-`_answers.read_answer` reads every answer the same way. No retry logic here: the machine (ops)
-and tenacity (reads, queue verbs) decide about retries."""
+"""The HTTP half of the transport (docs/protocol.md): one aiohttp session; `exchange` sends one
+request and hands back its status, body and headers (a connection error as
+`ConnectionFailedError`), and `_answers.read_answer` reads every answer the same way. No retry
+logic here: the machine (ops) and tenacity (reads, queue verbs) decide about retries."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from cv_mutations import SubDocState, parse_op
 from cv_workspace_client._answers import not_an_answer, parse_retry_after, read_answer
 from cv_workspace_client._auth import TokenRefresher, with_token
 from cv_workspace_client.errors import ConnectionFailedError, ProtocolError
+from cv_workspace_client.logs import context_fields
 from cv_workspace_client.models import Committed
 
 __all__ = [
@@ -149,6 +150,11 @@ class HttpApi:
         data: bytes | None,
         params: dict[str, str] | None,
     ) -> Any:
+        # Inside a worker's stage run: the server's log lines of this request carry its queue
+        # request id, as the worker's do (docs/observability.md, following a stage run).
+        run = context_fields().get("queue_request_id")
+        if run is not None:
+            headers["X-Request-ID"] = run
         status, raw, answer_headers = await exchange(
             self.session, method, self.base_url + path, headers=headers, data=data, params=params
         )

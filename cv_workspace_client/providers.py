@@ -1,10 +1,11 @@
-"""Providers: the expensive third-party call a stage makes under a compute lock (DESIGN §2, §8).
+"""Providers: the expensive third-party call a stage makes under a compute lock (docs/concepts.md,
+docs/stages.md).
 
 `Provider` is the seam a stage handler sees. One implementation ships here:
 
 - `OpenAICompatibleProvider`: HTTP JSON against an OpenAI-compatible `chat/completions` endpoint,
   retrying only what a retry can fix (429, 5xx, connection errors, timeouts) with full jitter
-  (DESIGN §10 client retry, seed 004); any other 4xx is the caller's bug and raises at once.
+  (the client's retry policy, docs/client.md); any other 4xx is the caller's bug and raises at once.
 
 Its test fake, `cv_workspace_client.testing.CountingFakeProvider`, gives deterministic answers
 (`fake_answer`) and exact call counts, for tests and benchmarks (the number the whole project
@@ -20,6 +21,7 @@ import asyncio
 import email.utils
 import hashlib
 import json
+import logging
 import math
 import random
 import time
@@ -36,6 +38,7 @@ from cv_workspace_client.errors import WorkspaceError
 
 __all__ = [
     "DEFAULT_PROVIDER_TIMEOUT_SECONDS",
+    "MeteredProvider",
     "OpenAICompatibleProvider",
     "Provider",
     "ProviderError",
@@ -51,8 +54,10 @@ __all__ = [
     "retry_delay",
 ]
 
-#: One compute-lock TTL (DESIGN §10, seed 000): a call that outlives the lock it runs under can be
-#: duplicated by whoever takes the expired lock over.
+_log = logging.getLogger("cv_workspace_client.providers")
+
+#: One compute-lock TTL (docs/configuration.md, docs/stages.md): a call that outlives the lock it
+#: runs under can be duplicated by whoever takes the expired lock over.
 DEFAULT_PROVIDER_TIMEOUT_SECONDS = 60.0
 
 #: How much of an error body is kept in an exception message.
@@ -79,6 +84,42 @@ class Provider(Protocol):
     ) -> ProviderResult:
         """Answer `prompt`; `params` pass through to the provider (temperature, max_tokens…)."""
         ...
+
+
+class MeteredProvider:
+    """`provider`, counted and timed: the worker wraps its provider in one per run, reports
+    `calls` and `seconds` with the run's telemetry (`cv_provider_calls_total{stage}` and
+    `cv_provider_seconds` on the server) and logs each call (never its prompt or answer)."""
+
+    def __init__(self, provider: Provider) -> None:
+        self.provider = provider
+        self.calls = 0
+        self.seconds = 0.0
+
+    async def complete(
+        self, prompt: str, *, model: str | None = None, **params: Any
+    ) -> ProviderResult:
+        self.calls += 1
+        started = time.perf_counter()
+        outcome = "error"
+        try:
+            result = await self.provider.complete(prompt, model=model, **params)
+            outcome = "ok"
+            return result
+        finally:
+            took = time.perf_counter() - started
+            self.seconds += took
+            _log.info(
+                "provider call %s in %.1f ms",
+                outcome,
+                took * 1000,
+                extra={
+                    "event": "provider_call",
+                    "outcome": outcome,
+                    "duration_ms": round(took * 1000, 3),
+                    "model": model,
+                },
+            )
 
 
 # -- errors ---------------------------------------------------------------------------------------
@@ -146,7 +187,7 @@ _CLIENT_DEFAULTS = ClientConfig()
 
 @dataclass(frozen=True, slots=True)
 class ProviderRetry:
-    """DESIGN §10 client retry (seed 004): full jitter, base 1 s, cap 300 s, 5 attempts; the
+    """The client's retry policy (docs/client.md): full jitter, base 1 s, cap 300 s, 5 attempts; the
     defaults are `ClientConfig`'s, so the two cannot drift."""
 
     base_seconds: float = _CLIENT_DEFAULTS.retry_base_seconds
@@ -238,8 +279,8 @@ class OpenAICompatibleProvider:
         max_response_bytes: int | None = None,
     ) -> None:
         # `max_response_bytes`: the largest body (answer or error page, counted decompressed)
-        # read from the provider; None reads it whole. No default cap: DESIGN §10 gives no such
-        # limit, so a deployment facing an untrusted endpoint sets one.
+        # read from the provider; None reads it whole. No default cap: no documented
+        # limit applies, so a deployment facing an untrusted endpoint sets one.
         if max_response_bytes is not None and max_response_bytes < 1:
             raise ValueError(f"max_response_bytes must be >= 1: {max_response_bytes!r}")
         self.url = base_url.rstrip("/") + "/chat/completions"

@@ -1,4 +1,4 @@
-"""What a stage handler sees (DESIGN §7, §12): the claimed request, a context to write through, and
+"""What a stage handler sees (docs/stages.md): the claimed request, a context to write through, and
 the two exceptions that steer the worker.
 
 ```python
@@ -11,7 +11,7 @@ async def evaluate(ctx: StageContext) -> dict[str, Any]:
 STAGES = {"evaluate": Stage(evaluate, ttl=None)}
 ```
 
-A stage is at-least-once (seed 004 §7): it may run again after a crash, a lapsed lease or an
+A stage is at-least-once (docs/stages.md): it may run again after a crash, a lapsed lease or an
 unexpected error. Its writes stay exactly-once because `apply_op` derives each op_id from
 `(request_id, run, key)`: the re-driven attempt writes the same op_ids and the server dedupes them.
 """
@@ -22,6 +22,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -52,6 +53,8 @@ __all__ = [
     "StageRequest",
     "op_id_for",
 ]
+
+_log = logging.getLogger("cv_workspace_client.stage")
 
 T = TypeVar("T")
 
@@ -104,8 +107,8 @@ class Stage:
     """A handler and how the worker runs it.
 
     `ttl`: seconds an identical request (same workspace, stage, job, branch and input) is answered
-    from this worker's cache with `cache: "hit"` (seed 003: only for stages whose answers may be
-    a little stale; None = always fresh). `worker_class`: the queue class the worker claims for
+    from this worker's cache with `cache: "hit"` (docs/queue.md: only for stages whose answers may
+    be a little stale; None = always fresh). `worker_class`: the queue class the worker claims for
     it; defaults to the stage name.
     """
 
@@ -231,7 +234,21 @@ class StageContext:
         self._writes += 1
         self._settled.clear()
         try:
-            return await self.client.apply_op(self.workspace_id, sub_doc, derived)
+            commit = await self.client.apply_op(self.workspace_id, sub_doc, derived)
+            _log.info(
+                "wrote %s to %s at clock %s",
+                derived.op_id,
+                sub_doc,
+                commit.clock,
+                extra={
+                    "event": "stage_write",
+                    "op_id": derived.op_id,
+                    "sub_doc": sub_doc,
+                    "clock": commit.clock,
+                    "duplicate": commit.duplicate,
+                },
+            )
+            return commit
         except BaseException as exc:
             if isinstance(exc, _FINAL_ANSWERS):
                 write = {"key": key, "sub_doc": sub_doc, "type": op.type, "op_id": derived.op_id}
@@ -259,8 +276,8 @@ class StageContext:
 
     async def writes_settled(self) -> None:
         """Return once no `apply_op` of this context is in flight, and every one of them got the
-        server's answer. The worker awaits it before completing (seed 004: never ack before the
-        work's writes committed), so a write the handler spawned but did not await lands first.
+        server's answer. The worker awaits it before completing (docs/stages.md: never ack before
+        the work's writes committed), so a write the handler spawned but did not await lands first.
 
         Raises the first write's error that was not a final answer (`StillPendingError` once its
         retries ran out, say), even if the handler caught it or never looked: the write waits in

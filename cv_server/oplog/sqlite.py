@@ -1,4 +1,4 @@
-"""The op-log on the embedded SQLite engine (DESIGN §3, §4, §9).
+"""The op-log on the embedded SQLite engine (docs/concepts.md, docs/postgres.md).
 
 Tables (composed into the server's schema by `create_schema`):
 
@@ -201,6 +201,10 @@ class SQLiteOpLogStore(OpLogStore):
 
     # -- OpLogStore ------------------------------------------------------------------------------
 
+    def observe_commits(self, observer: Callable[[float, int], None] | None) -> None:
+        """Observed on the database's writer thread (its group commit is this store's)."""
+        self.db.on_group_commit = observer
+
     async def append(
         self,
         workspace_id: str,
@@ -334,6 +338,7 @@ class SQLiteOpLogStore(OpLogStore):
             self._cache(tx, key, doc)
         else:
             self._docs.move_to_end(key)
+        tx.count_ops(len(ops))
         op_ids = op_ids_to_look_up(ops)
         recorded = _look_up(tx, workspace_id, sub_doc, op_ids) if op_ids else {}
         plan = plan_commit(doc.state, doc.clock, ops, recorded, atomic=atomic)

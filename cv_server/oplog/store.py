@@ -6,7 +6,7 @@ Every backend passes the same contract suite (`tests/contract/oplog_contract.py`
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -83,7 +83,7 @@ class LogEntry:
 class OpLogStore(abc.ABC):
     """The op-log of every sub-doc of every workspace.
 
-    Rules every implementation keeps (DESIGN §4):
+    Rules every implementation keeps (docs/concepts.md):
     - dedupe on `(workspace_id, sub_doc, op_id)`: same fingerprint → the stored outcome with
       `duplicate=True`; different fingerprint → `Rejected(code="op_id_reuse")`, nothing applied;
     - clocks per sub-doc start at 0 and grow by 1 per committed op, with no gap;
@@ -123,6 +123,12 @@ class OpLogStore(abc.ABC):
         import asyncio  # here, not at the top: the pure commit pipeline imports this module
 
         return asyncio.ensure_future(self.append(workspace_id, sub_doc, ops, atomic=atomic))
+
+    def observe_commits(self, observer: Callable[[float, int], None] | None) -> None:
+        """Call `observer(seconds, ops)` after each group commit this process makes: its
+        duration and the ops it held (for `cv_commit_seconds` / `cv_commit_batch_ops`). It may
+        run on another thread (SQLite's writer): quick and thread-safe. Default: not observed."""
+        del observer
 
     @abc.abstractmethod
     async def read_since(

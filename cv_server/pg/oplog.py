@@ -1,4 +1,5 @@
-"""The op-log on PostgreSQL, shared by several server instances (DESIGN §4, §9; issue 7).
+"""The op-log on PostgreSQL, shared by several server instances (docs/concepts.md, docs/postgres.md;
+issue 7).
 
 Same pure pipeline as SQLite (`cv_server.oplog.pipeline`); what changes is who else may write:
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -76,7 +78,8 @@ AppendResult = tuple[list[Outcome], list[LogEntry]]
 
 
 def oplog_payload(workspace_id: str, sub_doc: str, clock: int) -> str:
-    """`workspace_id/sub_doc/clock`: ids cannot contain `/` (DESIGN §3), and it stays tiny."""
+    """`workspace_id/sub_doc/clock`: ids cannot contain `/` (docs/concepts.md), and it stays
+    tiny."""
     return f"{workspace_id}/{sub_doc}/{clock}"
 
 
@@ -162,6 +165,7 @@ class PostgresOpLogStore(OpLogStore):
         #: Lanes' groups committed, the appends they carried, and the transactions that carried
         #: them (several groups share one when their lanes were ready in the same tick).
         self.groups_committed = 0
+        self._on_commit: Callable[[float, int], None] | None = None
         self.appends_committed = 0
         self.transactions_committed = 0
 
@@ -203,7 +207,7 @@ class PostgresOpLogStore(OpLogStore):
         atomic: bool = False,
     ) -> AppendResult:
         # A caller cancelled here does not cancel the commit: its op may still be applied, and
-        # a retry under the same op_id then gets `duplicate: true` (seed 000).
+        # a retry under the same op_id then gets `duplicate: true` (docs/concepts.md).
         return await self.append_nowait(workspace_id, sub_doc, ops, atomic=atomic)
 
     #: A sub-doc's lane commits its appends in the order they were queued (one drainer, FIFO).
@@ -430,9 +434,13 @@ class PostgresOpLogStore(OpLogStore):
 
     # -- one transaction -------------------------------------------------------------------------
 
+    def observe_commits(self, observer: Callable[[float, int], None] | None) -> None:
+        self._on_commit = observer
+
     async def _commit_groups(self, members: list[_Member]) -> list[list[AppendResult]]:
         """Commit the groups of one or several lanes (their locks held) in one transaction: per
         lane, the results of its appends in order."""
+        began = time.perf_counter()
         try:
             async with self.pool.acquire() as conn, conn.transaction():
                 heads = await sql.lock_heads(conn, [member.key for member in members])
@@ -491,6 +499,12 @@ class PostgresOpLogStore(OpLogStore):
         self.groups_committed += len(members)
         self.transactions_committed += 1
         self.appends_committed += sum(len(member.group) for member in members)
+        if self._on_commit is not None:
+            ops = sum(len(pending.ops) for member in members for pending in member.group)
+            try:
+                self._on_commit(time.perf_counter() - began, ops)
+            except Exception:  # a metric must never fail the commit it measures
+                logger.exception("commit observer failed")
         return [[(plan.outcomes, plan.entries) for plan in plans] for plans in all_plans]
 
     async def _caught_up(

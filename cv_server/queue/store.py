@@ -1,4 +1,4 @@
-"""The work-queue storage seam (layer 1, DESIGN §7): domain verbs every backend implements.
+"""The work-queue storage seam (layer 1, docs/queue.md): domain verbs every backend implements.
 
 Every backend passes the same contract suite (`tests/contract/queue_contract.py`). The rules live
 in `cv_server.queue.model` (pure); a backend reads the row, applies the rule and writes the result
@@ -46,7 +46,7 @@ QueueListener = Callable[[RequestEvent], None]
 class QueueStore(abc.ABC):
     """The durable queue of stage-level work of every workspace.
 
-    Rules every implementation keeps (DESIGN §7, seed 003):
+    Rules every implementation keeps (docs/queue.md):
     - one `request_id` names one row: an identical live request coalesces, a finished one answers
       a plain re-enqueue (`rerun=True` re-opens it on purpose);
     - `claim` / `claim_many` hand each claimable row to exactly one caller, even under concurrent
@@ -64,6 +64,7 @@ class QueueStore(abc.ABC):
 
     def __init__(self) -> None:
         self._listeners: builtins.list[QueueListener] = []
+        self._observers: builtins.list[QueueListener] = []
 
     # -- notifications ----------------------------------------------------------------------------
 
@@ -72,7 +73,7 @@ class QueueStore(abc.ABC):
 
         A listener must be quick and must not raise (an error is logged and swallowed: a waiter's
         bug must never break the queue). Waiters use it to wake on `done`/`poison`, workers to
-        wake on `pending`; both keep a periodic sweep (DESIGN §7) for a missed announcement.
+        wake on `pending`; both keep a periodic sweep (docs/queue.md) for a missed announcement.
         On PostgreSQL the announcement also arrives from other instances (NOTIFY on commit).
         """
         self._listeners.append(listener)
@@ -82,6 +83,29 @@ class QueueStore(abc.ABC):
                 self._listeners.remove(listener)
 
         return remove
+
+    def add_observer(self, observer: QueueListener) -> Callable[[], None]:
+        """Call `observer(event)` after each status change *this process* committed (never one
+        heard from another instance), with `event.kind` and `event.row` set: for this process's
+        metrics and logs, which must count each transition once in the deployment. Same rules
+        as listeners: quick, and an error is logged and swallowed. Returns the unsubscriber."""
+        self._observers.append(observer)
+
+        def remove() -> None:
+            if observer in self._observers:
+                self._observers.remove(observer)
+
+        return remove
+
+    def _committed(self, events: Sequence[RequestEvent]) -> None:
+        """Backends call this after the commit (of this process) that made `events` true."""
+        self._announce(events)
+        for event in events:
+            for observer in tuple(self._observers):
+                try:
+                    observer(event)
+                except Exception:
+                    logger.exception("queue observer failed on %s", event)
 
     def _announce(self, events: Iterable[RequestEvent]) -> None:
         """Backends call this after the commit that made `events` true."""
@@ -116,7 +140,7 @@ class QueueStore(abc.ABC):
 
         With `idempotency`, the key it names (owned by the caller through
         `IdempotencyStore.begin`) is completed with `idempotency.respond(answer)` in the same
-        transaction as the enqueue (seed 004: the stored response and its effect commit together).
+        transaction as the enqueue (the stored response and its effect commit together).
         Raises `RequestIdConflict` if the id names a request of another workspace.
         """
 
@@ -146,6 +170,11 @@ class QueueStore(abc.ABC):
         order, which nothing changes, not by its current `created_at` (a rerun moves it), so a
         row that matches the filter throughout is listed exactly once, whatever changes meanwhile.
         """
+
+    @abc.abstractmethod
+    async def status_counts(self) -> dict[RequestStatus, int]:
+        """How many requests are in each status (of every workspace; a status without any is
+        absent). For the `cv_queue_requests` gauges, read at each scrape: one grouped count."""
 
     # -- workers ----------------------------------------------------------------------------------
 
@@ -212,7 +241,7 @@ class QueueStore(abc.ABC):
     ) -> ProcessRequest:
         """Mark the request done with `result` (or the expected error `error`); return the row.
 
-        Call only after the stage's writes committed (seed 004: never ack before the work).
+        Call only after the stage's writes committed (never ack before the work).
         Raises `LeaseLost` / `RequestNotFound` like `heartbeat`; a retry by the same holder after
         success returns the finished row unchanged.
         """

@@ -26,7 +26,7 @@ from cv_workspace_client import _queue_api as api
 from cv_workspace_client.client import WorkspaceClient
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.models import Committed
-from cv_workspace_client.queue_models import EnqueuedRequest
+from cv_workspace_client.queue_models import EnqueuedRequest, RequestOutcome
 from cv_workspace_client.stages.jobs import JOBS
 from cv_workspace_client.testing import FaultProxy
 
@@ -79,7 +79,7 @@ async def enqueue_evaluations(
 
 def enqueue_summary(enqueued: Sequence[EnqueuedRequest]) -> str:
     """`N enqueues, M requests (K coalesced)`: K counts the enqueues absorbed into a request
-    another enqueue had made (README, DESIGN §7)."""
+    another enqueue had made (README, docs/queue.md)."""
     ids = {e.request_id for e in enqueued}
     coalesced = sum(e.coalesced for e in enqueued)
     return f"{len(enqueued)} enqueues, {len(ids)} requests ({coalesced} coalesced)"
@@ -91,12 +91,33 @@ async def _get_json(session: aiohttp.ClientSession, url: str, **kw: Any) -> Any:
         return await response.json()
 
 
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        del n
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _bar(total: int, desc: str) -> Any:
+    """A progress bar on stderr when tqdm is installed (the dev extra: `scripts/demo`) and stderr
+    is a terminal; nothing otherwise. tqdm is not an SDK dependency."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, file=sys.stderr, disable=not sys.stderr.isatty())
+
+
 async def run(
     url: str, token: str, provider_url: str, workspace: str, cut: float, seed: int
 ) -> int:
     jobs = [f"job-{i + 1}" for i in range(len(TITLES))]
     cells = len(jobs) * len(COLUMNS)
-    # Retries a little faster than DESIGN §10's 1 s base, so the demo does not idle on the cuts.
+    # Retries a little faster than the default 1 s base, so the demo does not idle on the cuts.
     config = ClientConfig(retry_base_seconds=0.1, retry_cap_seconds=2.0, retry_attempts=8)
     async with FaultProxy(url, seed=seed) as proxy, aiohttp.ClientSession() as direct:
         proxy.cut_chunks(cut)  # a steady share of the server's answers never arrives
@@ -135,9 +156,14 @@ async def run(
             enqueued = await enqueue_evaluations(agents, workspace, jobs, stage_input)
             ids = sorted({e.request_id for e in enqueued})
             print(f"2 agents enqueued evaluate for {len(jobs)} jobs: {enqueue_summary(enqueued)}")
-            outcomes = await asyncio.gather(
-                *(api.wait_request(agents[1], workspace, rid, timeout=120) for rid in ids)
-            )
+            with _bar(len(ids), "requests done") as bar:
+
+                async def waited(rid: str) -> RequestOutcome:
+                    outcome = await api.wait_request(agents[1], workspace, rid, timeout=120)
+                    bar.update()
+                    return outcome
+
+                outcomes = await asyncio.gather(*(waited(rid) for rid in ids))
             for outcome in outcomes:
                 result = outcome.result or {}
                 print(

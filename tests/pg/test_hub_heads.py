@@ -62,7 +62,7 @@ class Socket:
         self.synced = asyncio.Event()
         self.changed = asyncio.Event()
 
-    def send(self, text: str) -> bool:
+    def send(self, text: str, stamp: float | None = None) -> bool:
         self.clocks.append(int(text.split('"clock":')[1].split(",")[0]))
         self.changed.set()
         return True
