@@ -29,12 +29,12 @@ from cv_server.app import create_app
 from cv_server.auth import check_grant, mint_token
 from cv_server.backends import DatabaseUnusable, hold_serving_lock, open_sqlite_database
 from cv_server.config import ServerConfig
-from cv_server.meta import (
+from cv_server.serving import ServerRunner
+from cv_server.sqlite.meta import (
     read_sqlite_token_secret,
     rotate_sqlite_token_secret,
     sqlite_token_secret,
 )
-from cv_server.serving import ServerRunner
 
 __all__ = ["EXIT_CODES", "main"]
 

@@ -56,8 +56,8 @@ from cv_server.queue.model import (
     RequestEvent,
     RequestStatus,
 )
-from cv_server.queue.sqlite import new_claim_token
 from cv_server.queue.store import QueueStore, claim_scope
+from cv_server.sqlite.queue import new_claim_token
 
 __all__ = [
     "BROADCAST_STATUSES",

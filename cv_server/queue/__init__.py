@@ -1,8 +1,8 @@
 """The durable work queue (layer 1, DESIGN §7): stage requests, leased claims, poison, plus the
 idempotency keys of non-deterministic enqueues (seed 004 §1) and the result blob store (seed 003).
 
-Backend-neutral names live here; the SQLite implementations are in `cv_server.queue.sqlite`,
-`cv_server.queue.idempotency_sqlite` and `cv_server.queue.blobs_sqlite`.
+Backend-neutral names live here; the SQLite implementations are in `cv_server.sqlite.queue`,
+`cv_server.sqlite.idempotency` and `cv_server.sqlite.blobs`.
 """
 
 from cv_server.queue.blobs import BlobStore, new_blob_ref

@@ -17,14 +17,14 @@ import pytest
 import cv_server
 from cv_mutations import fingerprint, new_op_id, parse_op
 from cv_server.oplog import Committed, IncomingOp, OpLogStore
-from cv_server.oplog.sqlite import (
+from cv_server.sqlite.engine import SQLiteDatabase, Transaction
+from cv_server.sqlite.oplog import (
     OPS_TABLE,
     SNAPSHOTS_TABLE,
     OpLogCorrupted,
     SQLiteOpLogStore,
     create_schema,
 )
-from cv_server.sqlite_db import SQLiteDatabase, Transaction
 from tests.contract.oplog_contract import (
     DOC,
     WS,

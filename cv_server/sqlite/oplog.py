@@ -47,7 +47,7 @@ from cv_server.oplog.pipeline import (
     plan_commit,
 )
 from cv_server.oplog.store import IncomingOp, LogEntry, OpLogStore, Outcome
-from cv_server.sqlite_db import SQLiteDatabase, Transaction
+from cv_server.sqlite.engine import SQLiteDatabase, Transaction
 
 __all__ = ["OpLogCorrupted", "SQLiteOpLogStore", "create_schema"]
 

@@ -30,7 +30,6 @@ import sqlite_utils
 from cv_server.queue import model
 from cv_server.queue.errors import QueueError, RequestNotFound
 from cv_server.queue.idempotency import KeyCompletion
-from cv_server.queue.idempotency_sqlite import complete_key
 from cv_server.queue.model import (
     Completion,
     Enqueued,
@@ -40,7 +39,8 @@ from cv_server.queue.model import (
     RequestStatus,
 )
 from cv_server.queue.store import QueueStore, claim_scope
-from cv_server.sqlite_db import SQLiteDatabase, Transaction
+from cv_server.sqlite.engine import SQLiteDatabase, Transaction
+from cv_server.sqlite.idempotency import complete_key
 
 __all__ = ["CLAIM_PROBES", "TABLE", "SQLiteQueueStore", "create_schema", "new_claim_token"]
 

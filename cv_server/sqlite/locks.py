@@ -21,7 +21,7 @@ from cv_server.locks.store import (
     LockInfo,
     check_ttl,
 )
-from cv_server.sqlite_db import SQLiteDatabase, Transaction
+from cv_server.sqlite.engine import SQLiteDatabase, Transaction
 
 __all__ = ["SQLiteComputeLockStore", "create_schema"]
 
