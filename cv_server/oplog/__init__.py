@@ -4,9 +4,18 @@ from cv_server.oplog.store import (
     Committed,
     IncomingOp,
     LogEntry,
+    OpLogCorrupted,
     OpLogStore,
     Outcome,
     Rejected,
 )
 
-__all__ = ["Committed", "IncomingOp", "LogEntry", "OpLogStore", "Outcome", "Rejected"]
+__all__ = [
+    "Committed",
+    "IncomingOp",
+    "LogEntry",
+    "OpLogCorrupted",
+    "OpLogStore",
+    "Outcome",
+    "Rejected",
+]

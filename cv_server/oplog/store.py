@@ -15,7 +15,15 @@ from cv_mutations import Op, SubDocState
 if TYPE_CHECKING:
     import asyncio
 
-__all__ = ["Committed", "IncomingOp", "LogEntry", "OpLogStore", "Outcome", "Rejected"]
+__all__ = [
+    "Committed",
+    "IncomingOp",
+    "LogEntry",
+    "OpLogCorrupted",
+    "OpLogStore",
+    "Outcome",
+    "Rejected",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +74,14 @@ class Rejected:
 
 
 Outcome = Committed | Rejected
+
+
+class OpLogCorrupted(RuntimeError):
+    """The stored log cannot be rebuilt into a state (a gap, an op its own history rejects, or a
+    snapshot ahead of the log). Every backend raises this one class; the server answers it as
+    an internal error and never serves the half-built state."""
+
+    code = "internal"
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,8 +47,9 @@ from cv_server.oplog.pipeline import (
     copy_state,
     op_ids_to_look_up,
     plan_commit,
+    snapshot_due,
 )
-from cv_server.oplog.store import IncomingOp, LogEntry, OpLogStore, Outcome
+from cv_server.oplog.store import IncomingOp, LogEntry, OpLogCorrupted, OpLogStore, Outcome
 from cv_server.pg import oplog_sql as sql
 from cv_server.pg.migrations import migrate
 from cv_server.pg.notifier import check_payload
@@ -63,7 +64,6 @@ __all__ = [
     "parse_oplog_payload",
 ]
 
-OpLogCorrupted = sql.OpLogCorrupted
 
 logger = logging.getLogger(__name__)
 
@@ -476,7 +476,7 @@ class PostgresOpLogStore(OpLogStore):
                     await sql.write_batches(conn, writes, self.channel)
                 for member, doc, plans in zip(members, docs, all_plans, strict=True):
                     head, clock = heads[member.key], plans[-1].clock
-                    if clock // self.snapshot_every > head // self.snapshot_every:
+                    if snapshot_due(head, clock, self.snapshot_every):
                         await sql.write_snapshot(
                             conn, *member.key, sql.CachedSubDoc(clock, doc.state)
                         )

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import json
-import secrets
 import sqlite3
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -41,8 +40,9 @@ from cv_server.queue.model import (
 from cv_server.queue.store import QueueStore, claim_scope
 from cv_server.sqlite.engine import SQLiteDatabase, Transaction
 from cv_server.sqlite.idempotency import complete_key
+from cv_server.tokens import new_claim_token
 
-__all__ = ["CLAIM_PROBES", "TABLE", "SQLiteQueueStore", "create_schema", "new_claim_token"]
+__all__ = ["CLAIM_PROBES", "TABLE", "SQLiteQueueStore", "create_schema"]
 
 TABLE: Final = "workspace_process_requests"
 
@@ -157,11 +157,6 @@ def create_schema(db: sqlite_utils.Database) -> None:
     # Operators list by status (poison above all), oldest first.
     db.table(TABLE).create_index(["status", "created_at"], if_not_exists=True)
     db.table(TABLE).create_index(["workspace_id", "status", "created_at"], if_not_exists=True)
-
-
-def new_claim_token() -> str:
-    """An unguessable token: only the claimer can present it to heartbeat, complete or fail."""
-    return secrets.token_urlsafe(16)
 
 
 def _dumps(value: Any) -> str | None:
@@ -456,28 +451,14 @@ class SQLiteQueueStore(QueueStore):
         def job(
             tx: Transaction,
         ) -> tuple[builtins.list[ProcessRequest | QueueError], list[RequestEvent]]:
-            outcomes: builtins.list[ProcessRequest | QueueError] = []
-            events: builtins.list[RequestEvent] = []
-            for item in batch:
-                try:
-                    row = _select(tx, item.request_id)
-                    done, changed = model.complete(
-                        row,
-                        item.claim_token,
-                        item.result,
-                        now,
-                        error=item.error,
-                        blob_ref=item.blob_ref,
-                        cache=item.cache,
-                        telemetry=item.telemetry,
-                    )
-                except QueueError as refused:  # nothing was written for this one
-                    outcomes.append(refused)
-                    continue
-                if changed:
-                    _update(tx, row, done)
-                    events.append(RequestEvent.of(done))
-                outcomes.append(done)
+            stored: dict[str, ProcessRequest] = {}
+            for request_id in {item.request_id for item in batch}:
+                found = tx.execute(f"{_SELECT} WHERE request_id = ?", (request_id,)).fetchone()
+                if found is not None:
+                    stored[request_id] = _row(found)
+            outcomes, changed, events = model.complete_batch(stored, batch, now)
+            for request_id, done in changed.items():
+                _update(tx, stored[request_id], done)
             return outcomes, events
 
         return await self._write(job)

@@ -257,6 +257,20 @@ async def test_a_snapshot_is_written_every_snapshot_every_ops(db: SQLiteDatabase
     await store.close()
 
 
+async def test_a_snapshot_is_written_by_the_commit_that_crosses_a_multiple(
+    db: SQLiteDatabase,
+) -> None:
+    # The rule PostgreSQL follows too: a commit whose clocks pass a multiple of snapshot_every
+    # writes one, however far the previous snapshot lies behind.
+    store = SQLiteOpLogStore(db, snapshot_every=5)
+    seen = []
+    for size in (1, 3, 2, 1, 3, 1):  # clocks 1, 4, 6, 7, 10, 11
+        await wait(store.append(WS, DOC, [increment() for _ in range(size)]))
+        seen.append(await read_snapshot_clock(db))
+    assert seen == [None, None, 6, 6, 10, 10]
+    await store.close()
+
+
 async def test_a_restart_replays_only_the_log_after_the_snapshot(tmp_path: Path) -> None:
     path = tmp_path / "oplog.db"
     store = await SQLiteOpLogStore.open(path, snapshot_every=5)
