@@ -35,7 +35,7 @@ from cv_server.queue import (
     Owned,
     ProcessRequest,
     QueueError,
-    Replay,
+    StoredAnswer,
     StoredResponse,
     deterministic_request_id,
     random_request_id,
@@ -231,7 +231,7 @@ async def enqueue(request: web.Request) -> web.Response:
     # minutes moves a key's expiry by minutes out of a day, and whether its owner is alive is
     # decided by a lock, not by time (pg/idempotency.py). Not worth a round trip per enqueue.
     begun = await stores.idempotency.begin(workspace_id, key, fingerprint, time.time())
-    if isinstance(begun, Replay):
+    if isinstance(begun, StoredAnswer):
         return web.json_response(
             begun.body, status=begun.status_code, headers={"Idempotency-Replayed": "true"}
         )
@@ -571,8 +571,8 @@ async def list_requests(request: web.Request) -> web.Response:
         limit=limit,
         after=_list_cursor(request.query.get("after")),
     )
-    # A full page may have more behind it: `?after=<next_after>` asks for the next one (there
-    # was no next page: poison requests past the first 1000 could not be found to replay).
+    # A full page may have more behind it: `?after=<next_after>` asks for the next one, so every
+    # poison request can be listed and replayed by hand.
     last = rows[-1] if rows and len(rows) == limit else None
     next_after = None if last is None else f"{last.created_at!r},{last.request_id}"
     return web.json_response(

@@ -1,4 +1,4 @@
-"""Helpers for apps to write their own replay tests: a network that fails on demand, and a way to
+"""Helpers for apps to write their own resend tests: a network that fails on demand, and a way to
 crash a client and start a new one on the same outbox.
 
 `FaultProxy` is a loopback TCP proxy you put between `WorkspaceClient` and the server. It knows
@@ -18,7 +18,7 @@ async with FaultProxy(server_url) as proxy:
         assert proxy.stats.cuts == 1
 
         client = await restart_client(client)                   # crash + new client, same outbox
-        await client.wait_synced(timeout=10)                    # what was pending is replayed
+        await client.wait_synced(timeout=10)                    # what was pending is resent
         await client.close()
 ```
 
@@ -382,7 +382,7 @@ async def restart_client(client: WorkspaceClient, **overrides: Any) -> Workspace
     minter (`overrides` replace constructor arguments). Returns the new client, started: close
     it, or `async with` it.
 
-    The new client replays what the old one left in the outbox before anything else.
+    The new client resends what the old one left in the outbox before anything else.
     """
     if client.outbox_path is None and "outbox" not in overrides:
         raise ValueError(

@@ -133,7 +133,7 @@ def op_ids_to_look_up(ops: Iterable[IncomingOp]) -> list[str]:
     return list(distinct)
 
 
-def _replay(outcome: Outcome) -> Outcome:
+def _as_duplicate(outcome: Outcome) -> Outcome:
     if type(outcome) is Committed:
         return Committed(outcome.op_id, outcome.clock, True)
     assert isinstance(outcome, Rejected)
@@ -190,7 +190,7 @@ def plan_commit(
             if seen[0] != fingerprint:
                 outcome = _reuse(op_id)
             else:
-                outcome = _replay(seen[1])
+                outcome = _as_duplicate(seen[1])
                 if seen[2] and type(outcome) is Committed:
                     applied_here.append(index)
         elif failed:
@@ -262,7 +262,7 @@ def rebuild_from_log(
             apply_op(state, parse_op(json.loads(text)))
         except OpRejected as exc:
             raise OpLogCorrupted(
-                f"{key}: logged op at clock {entry_clock} replays as {exc}"
+                f"{key}: logged op at clock {entry_clock} is refused on rebuild: {exc}"
             ) from exc
         clock = entry_clock
     return clock

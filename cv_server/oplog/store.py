@@ -45,7 +45,8 @@ class IncomingOp:
 
 @dataclass(frozen=True, slots=True)
 class Committed:
-    """The op is in the log at `clock`. `duplicate` is true when this answer is a replay."""
+    """The op is in the log at `clock`. `duplicate` is true when this is the stored answer of an
+    earlier send of the same op."""
 
     op_id: str | None
     clock: int
@@ -57,7 +58,7 @@ class Committed:
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    """The op was not applied. Reducer rejections are recorded and replayed verbatim on retry
+    """The op was not applied. Reducer rejections are recorded and answered verbatim again on retry
     (`duplicate: true`); `op_id_reuse` and `atomic_aborted` are answers, never recorded."""
 
     op_id: str | None

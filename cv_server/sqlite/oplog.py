@@ -9,7 +9,9 @@ Tables (composed into the server's schema by `create_schema`):
 - `workspace_sub_doc_op_rejections`: the recorded reducer rejection of an op_id, so a retry gets
   the same answer even after the state changed.
 - `workspace_sub_doc_snapshots`: the latest state snapshot of a sub-doc and its clock. A cache of
-  the log that bounds restart replay to `snapshot_every` ops; the head clock is the log's max.
+  the log that bounds the rebuild after a restart to about `snapshot_every` ops (a snapshot is
+  written by each commit that reaches or passes a multiple of it); the head clock is the log's
+  max.
 
 The state of each sub-doc touched since start-up is cached (clock, state) and lives on the
 writer thread: it is read and changed only inside `SQLiteDatabase.write` jobs, which run one at a
