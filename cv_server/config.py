@@ -62,6 +62,12 @@ class ServerConfig:
     reap_seconds: float = 3600.0
     #: A result whose JSON is larger than this goes to the blob store; the row keeps a reference.
     blob_threshold_bytes: int = 64 * 1024
+    #: The largest result a stage may complete with (its JSON, uploaded to the blob store, see
+    #: docs/queue.md); a larger one completes the request at once with a `result_too_large`
+    #: error payload. Not a seed constant: 32 MiB bounds what one upload (and one download)
+    #: holds in server memory, the blob store taking and giving whole byte strings, while
+    #: leaving room for the reports and PDFs stages produce; `--set` raises it.
+    max_result_bytes: int = 32 * 1024 * 1024
     idempotency_retention_seconds: float = 24 * 3600.0
 
     # -- compute lock (DESIGN §10, seed 000) --

@@ -1,5 +1,11 @@
 """HTTP routes of the work queue (layer 1, DESIGN §5, §7; seed 003): enqueue, poll, SSE stream,
-blobs, the worker verbs (claim / heartbeat / complete / fail) and the operator verbs.
+blobs, the worker verbs (claim / heartbeat / result upload / complete / fail) and the operator
+verbs (list, replay, cancel).
+
+A result too large for a completion's body is uploaded first, as the raw bytes of its JSON, by
+the claim holder (`POST .../requests/{id}/result`, fenced by its claim token, up to
+`ServerConfig.max_result_bytes`), and the completion names the stored blob (`blob_ref`): the
+claim check of seed 003. Every other body keeps the server's `max_body_bytes` limit.
 
 The queue verbs are given `now=None`: the store takes the time from its own clock
 (`QueueStore.clock`), which on PostgreSQL is the database's, shared by every instance. This
@@ -11,11 +17,12 @@ only their differences (the lease granted = `lease_expires_at - claimed_at`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import secrets
 import time
-from typing import Any
+from typing import Any, Final
 
 import orjson
 from aiohttp import web
@@ -26,6 +33,7 @@ from cv_server.inputs import check_ids, decode_json
 from cv_server.keys import CONFIG, STORES, WAITERS, WORK_SIGNALS
 from cv_server.problems import Problem
 from cv_server.queue import (
+    STATUSES,
     Completion,
     Enqueued,
     InProgress,
@@ -41,7 +49,7 @@ from cv_server.queue import (
     random_request_id,
     request_fingerprint,
 )
-from cv_server.queue.model import fence
+from cv_server.queue.model import fence, input_differs
 from cv_server.security import authenticate, authorize
 
 __all__ = ["routes"]
@@ -54,6 +62,8 @@ _ERROR_STATUS = {
     "invalid_transition": 409,
     "request_id_conflict": 409,
     "idempotency_key_lost": 409,
+    "cancelled": 409,
+    "not_cancellable": 409,
 }
 
 
@@ -133,12 +143,15 @@ def _stream_url(row: ProcessRequest) -> str:
     return f"/v1/workspaces/{row.workspace_id}/requests/{row.request_id}/stream"
 
 
-def _enqueue_answer(enqueued: Enqueued) -> dict[str, Any]:
+def _enqueue_answer(enqueued: Enqueued, req: NewRequest) -> dict[str, Any]:
+    """`input_differs`: the enqueue coalesced into a request whose stored input differs from
+    the one sent, which was therefore not used (see docs/queue.md); coalescing goes on."""
     row = enqueued.row
     return {
         "request_id": row.request_id,
         "status": row.status,
         "coalesced": enqueued.coalesced,
+        "input_differs": input_differs(enqueued, req),
         "stream_url": _stream_url(row),
     }
 
@@ -219,7 +232,7 @@ async def enqueue(request: web.Request) -> web.Response:
             enqueued = await stores.queue.enqueue(req, now=None, rerun=rerun)
         except QueueError as exc:
             raise _queue_problem(exc) from None
-        return web.json_response(_enqueue_answer(enqueued), status=202)
+        return web.json_response(_enqueue_answer(enqueued, req), status=202)
 
     # Printable text only: a header that is not UTF-8 reaches us with lone surrogates, which no
     # store can encode (the enqueue answered 500, and clients retry a 500).
@@ -246,7 +259,7 @@ async def enqueue(request: web.Request) -> web.Response:
         raise Problem(422, "idempotency_key_reuse", "the key was used for a different request")
     assert isinstance(begun, Owned)
     completion = KeyCompletion[Enqueued](
-        workspace_id, key, fingerprint, lambda e: StoredResponse(202, _enqueue_answer(e))
+        workspace_id, key, fingerprint, lambda e: StoredResponse(202, _enqueue_answer(e, req))
     )
     try:
         try:
@@ -263,7 +276,7 @@ async def enqueue(request: web.Request) -> web.Response:
         # a held connection and its advisory lock, and a retry that finds the lock free while
         # the key is still in progress takes it over as the key of a dead owner.
         await begun.release()
-    return web.json_response(_enqueue_answer(enqueued), status=202)
+    return web.json_response(_enqueue_answer(enqueued, req), status=202)
 
 
 async def _row(request: web.Request) -> ProcessRequest:
@@ -280,9 +293,15 @@ async def _row(request: web.Request) -> ProcessRequest:
     return row
 
 
+async def _row_json(request: web.Request, row: ProcessRequest) -> dict[str, Any]:
+    """The row as a requester sees it, with how long it has waited unclaimed, judged on the
+    store's clock (the one its times are on)."""
+    return row.to_json(now=await request.app[STORES].queue.clock())
+
+
 @routes.get("/v1/workspaces/{ws}/requests/{id}")
 async def get_request(request: web.Request) -> web.Response:
-    return web.json_response((await _row(request)).to_json())
+    return web.json_response(await _row_json(request, await _row(request)))
 
 
 def _sse(event: str, data: Any) -> bytes:
@@ -291,8 +310,8 @@ def _sse(event: str, data: Any) -> bytes:
 
 @routes.get("/v1/workspaces/{ws}/requests/{id}/stream")
 async def stream_request(request: web.Request) -> web.StreamResponse:
-    """SSE: `queued` (if not finished), then `done` (the row) or `error` `wait_timeout` at the
-    deadline.
+    """SSE: `queued` (if not finished), then the row once it finished — `done` (done or poison,
+    as ever) or `cancelled` — or `error` `wait_timeout` at the deadline.
 
     The result lives on the row, so a dropped stream simply reconnects (or polls) without loss.
     """
@@ -309,14 +328,16 @@ async def stream_request(request: web.Request) -> web.StreamResponse:
         return transport is None or transport.is_closing()
 
     if not row.is_finished:
-        await response.write(_sse("queued", row.to_json()))
+        await response.write(_sse("queued", await _row_json(request, row)))
         latest = await request.app[WAITERS].wait(
             row.workspace_id, row.request_id, timeout, abandoned=hung_up
         )
         if hung_up():  # nobody left to tell (and a write would raise); the row keeps the outcome
             return response
         row = latest or row
-    if row.is_finished:
+    if row.status == "cancelled":
+        await response.write(_sse("cancelled", row.to_json()))
+    elif row.is_finished:
         await response.write(_sse("done", row.to_json()))
     else:  # seed 003: the deadline only ends the wait; the work goes on, the row keeps its result
         await response.write(
@@ -391,8 +412,9 @@ async def claim(request: web.Request) -> web.Response:
 @routes.post("/v1/queue/complete")
 async def complete_batch(request: web.Request) -> web.Response:
     """Complete many requests in one transaction: `{"completions": [{"request_id",
-    "claim_token", "result"?, "error"?, "cache"?, "telemetry"?}]}` → one outcome per item, in
-    order (`{"request_id", "status"}` or `{"request_id", "error": {"code", "message"}}`)."""
+    "claim_token", "result"? | "blob_ref"?, "error"?, "cache"?, "telemetry"?}]}` → one outcome
+    per item, in order (`{"request_id", "status"}` or `{"request_id", "error": {"code",
+    "message"}}`). A `blob_ref` names an uploaded result (`POST .../result`)."""
     claims = authenticate(request)
     _, body = await _json_body(request)
     items = body.get("completions")
@@ -409,6 +431,9 @@ async def complete_batch(request: web.Request) -> web.Response:
             raise Problem(422, "invalid_field", "each completion needs request_id (no NUL)")
         result = _payload(item, "result")
         encoded = json.dumps(result, separators=(",", ":")).encode()
+        blob_ref = item.get("blob_ref")
+        if blob_ref is not None and not isinstance(blob_ref, str):
+            raise Problem(422, "invalid_field", "blob_ref must be the reference of an upload")
         try:
             completions.append(
                 Completion(
@@ -416,6 +441,7 @@ async def complete_batch(request: web.Request) -> web.Response:
                     claim_token=_claim_token(item),
                     result=result,
                     error=_payload(item, "error"),
+                    blob_ref=blob_ref,
                     cache=item.get("cache"),
                     telemetry=_payload(item, "telemetry"),
                 )
@@ -430,6 +456,10 @@ async def complete_batch(request: web.Request) -> web.Response:
             raise Problem(
                 403, "forbidden_workspace", f"the token does not grant {row.workspace_id!r}"
             )
+    workspaces = {row.request_id: row.workspace_id for row in rows}
+    for completion, item in zip(completions, items, strict=True):
+        if completion.blob_ref is not None and completion.request_id in workspaces:
+            await _uploaded(request, workspaces[completion.request_id], item)
     outcomes = await stores.queue.complete_many(completions, now=None)
     answers: list[dict[str, Any]] = []
     for completion, outcome in zip(completions, outcomes, strict=True):
@@ -481,6 +511,78 @@ async def heartbeat(request: web.Request) -> web.Response:
     return web.json_response({"lease_expires_at": row.lease_expires_at})
 
 
+#: The header that carries the claim token of a result upload (its body is the result itself).
+CLAIM_TOKEN_HEADER: Final = "Claim-Token"
+#: Bytes read from an upload at a time.
+_UPLOAD_CHUNK: Final = 256 * 1024
+
+
+def _too_large(limit: int) -> Problem:
+    return Problem(
+        413,
+        "result_too_large",
+        f"the result is larger than this server's max_result_bytes ({limit} bytes): complete "
+        "the request with an error payload instead (see docs/queue.md)",
+        max_result_bytes=limit,
+    )
+
+
+async def _read_result(request: web.Request, limit: int) -> bytes:
+    """The upload's body, refused with 413 `result_too_large` as soon as it passes `limit`
+    bytes (by its Content-Length before anything is read, else while it arrives)."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise _too_large(limit)
+    received = bytearray()
+    async for chunk in request.content.iter_chunked(_UPLOAD_CHUNK):
+        received += chunk
+        if len(received) > limit:
+            raise _too_large(limit)
+    return bytes(received)
+
+
+@routes.post("/v1/workspaces/{ws}/requests/{id}/result")
+async def upload_result(request: web.Request) -> web.Response:
+    """Store a large result in the blob store for the claim holder to complete with: the body
+    is the result's JSON, sent as is and served back byte for byte by `GET .../blobs/{ref}`;
+    the claim token travels in the `Claim-Token` header. Answers 201 `{"blob_ref", "bytes"}`;
+    409 `lease_lost` (nothing stored) unless the token holds the request; 413
+    `result_too_large` past `max_result_bytes`; 400 `malformed_json` if the body is not JSON."""
+    row = await _row(request)
+    token = request.headers.get(CLAIM_TOKEN_HEADER, "")
+    if not token or not token.isprintable() or len(token) > 256:
+        raise Problem(422, "invalid_field", f"the {CLAIM_TOKEN_HEADER} header is required")
+    try:  # before reading: a holder whose lease is gone must not make the server store a copy
+        fence(row, token)
+    except QueueError as exc:
+        raise _queue_problem(exc) from None
+    stores, config = request.app[STORES], request.app[CONFIG]
+    data = await _read_result(request, config.max_result_bytes)
+    try:  # several MB: parsed off the event loop
+        await asyncio.to_thread(orjson.loads, data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise Problem(400, "malformed_json", f"the result is not JSON: {exc}") from None
+    blob_ref = await stores.blobs.put(row.workspace_id, data, time.time())
+    return web.json_response({"blob_ref": blob_ref, "bytes": len(data)}, status=201)
+
+
+async def _uploaded(request: web.Request, workspace_id: str, item: dict[str, Any]) -> str | None:
+    """The `blob_ref` a completion names (an uploaded result), checked to be a blob of the
+    request's workspace; None when it names none. A completion naming a blob carries no
+    inline result."""
+    blob_ref = item.get("blob_ref")
+    if blob_ref is None:
+        return None
+    if not isinstance(blob_ref, str) or not 0 < len(blob_ref) <= 256 or not _storable(blob_ref):
+        raise Problem(422, "invalid_field", "blob_ref must be the reference of an upload")
+    if item.get("result") is not None:
+        raise Problem(422, "invalid_field", "a completion names a blob_ref or a result, not both")
+    size = await request.app[STORES].blobs.size(workspace_id, blob_ref, time.time())
+    if size is None:
+        raise Problem(422, "invalid_field", f"blob_ref {blob_ref!r} names no blob (or it expired)")
+    return blob_ref
+
+
 @routes.post("/v1/workspaces/{ws}/requests/{id}/complete")
 async def complete(request: web.Request) -> web.Response:
     row = await _row(request)
@@ -492,9 +594,9 @@ async def complete(request: web.Request) -> web.Response:
     if cache not in (None, "hit", "miss"):
         raise Problem(422, "invalid_field", 'cache must be "hit", "miss" or absent')
     stores, config = request.app[STORES], request.app[CONFIG]
-    blob_ref = None
+    blob_ref = await _uploaded(request, row.workspace_id, body)
     encoded = json.dumps(result, separators=(",", ":")).encode()
-    if len(encoded) > config.blob_threshold_bytes:  # seed 003: claim check for big payloads
+    if blob_ref is None and len(encoded) > config.blob_threshold_bytes:  # seed 003: claim check
         # Answer a retried or refused completion before storing its payload: a holder retrying
         # after a lost answer stored every attempt's copy, and a holder whose lease was lost
         # stored one the row would never name; each stayed for the whole blob retention (24 h).
@@ -549,8 +651,8 @@ async def fail(request: web.Request) -> web.Response:
 async def list_requests(request: web.Request) -> web.Response:
     claims = authenticate(request)
     status = request.query.get("status")
-    if status not in (None, "pending", "in_progress", "done", "poison"):
-        raise Problem(422, "invalid_field", "status must be pending|in_progress|done|poison")
+    if status is not None and status not in STATUSES:
+        raise Problem(422, "invalid_field", f"status must be one of {'|'.join(STATUSES)}")
     workspace_id = request.query.get("workspace")
     if workspace_id is None and "*" not in claims.workspaces:
         raise Problem(403, "forbidden_workspace", "name a workspace (?workspace=) you may touch")
@@ -565,18 +667,20 @@ async def list_requests(request: web.Request) -> web.Response:
         raise Problem(400, "invalid_field", "limit must be an integer") from None
     if limit < 0:  # the stores refuse it (SQLite: ValueError; PostgreSQL: LIMIT -1): was a 500
         raise Problem(422, "invalid_field", "limit must be an integer in 0..1000")
-    rows = await request.app[STORES].queue.list(
-        status=status,  # type: ignore[arg-type]
+    queue = request.app[STORES].queue
+    rows = await queue.list(
+        status=status,
         workspace_id=workspace_id,
         limit=limit,
         after=_list_cursor(request.query.get("after")),
     )
+    now = await queue.clock()
     # A full page may have more behind it: `?after=<next_after>` asks for the next one, so every
     # poison request can be listed and replayed by hand.
     last = rows[-1] if rows and len(rows) == limit else None
     next_after = None if last is None else f"{last.created_at!r},{last.request_id}"
     return web.json_response(
-        {"requests": [row.to_json() for row in rows], "next_after": next_after}
+        {"requests": [row.to_json(now=now) for row in rows], "next_after": next_after}
     )
 
 
@@ -603,3 +707,17 @@ async def replay(request: web.Request) -> web.Response:
     except QueueError as exc:
         raise _queue_problem(exc) from None
     return web.json_response(after.to_json())
+
+
+@routes.post("/v1/workspaces/{ws}/requests/{id}/cancel")
+async def cancel(request: web.Request) -> web.Response:
+    """Cancel a request: a pending one is `cancelled` at once; one in progress answers with
+    `cancel_requested: true` and becomes `cancelled` once its holder stops (it hears of it at
+    its next heartbeat) or its lease lapses. Cancelling twice is answered with the row as it
+    stands; a done or poison request answers 409 `not_cancellable`. See docs/queue.md."""
+    row = await _row(request)
+    try:
+        after = await request.app[STORES].queue.cancel(row.request_id, now=None)
+    except QueueError as exc:
+        raise _queue_problem(exc) from None
+    return web.json_response(await _row_json(request, after))

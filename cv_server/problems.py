@@ -45,6 +45,9 @@ CODES: Final[Mapping[str, str]] = {
     "lease_lost": "The claim token no longer holds the request",
     "invalid_transition": "The request is not in a state that allows this",
     "request_id_conflict": "The request id is taken by a different request",
+    "cancelled": "The request was cancelled: stop working on it",
+    "not_cancellable": "The request already finished: there is nothing to cancel",
+    "result_too_large": "The result is larger than the server's max_result_bytes",
     "internal": "Internal server error",
     "unavailable": "The server is not ready or is shutting down",
 }

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 
-from cv_server.queue import ProcessRequest, QueueStore, RequestEvent
+from cv_server.queue import FINISHED_STATUSES, ProcessRequest, QueueStore, RequestEvent
 
 __all__ = ["Waiters", "WorkSignals"]
 
@@ -54,7 +54,7 @@ class Waiters:
         return sum(len(events) for events in self._events.values())
 
     def _on_event(self, event: RequestEvent) -> None:
-        if event.status in ("done", "poison"):
+        if event.status in FINISHED_STATUSES:
             for waiter in self._events.get(event.request_id, ()):
                 waiter.set()
 

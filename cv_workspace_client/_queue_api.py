@@ -49,6 +49,7 @@ __all__ = [
     "QueueMethods",
     "QueuedRequest",
     "RequestOutcome",
+    "cancel",
     "enqueue",
     "get_blob",
     "get_request",
@@ -106,6 +107,8 @@ async def enqueue(
             coalesced=bool(answer["coalesced"]),
             stream_url=str(answer["stream_url"]),
             replayed=replayed,
+            # A server that predates the member coalesced without saying: False, as then.
+            input_differs=bool(answer.get("input_differs", False)),
         )
     except (KeyError, TypeError) as exc:
         raise ProtocolError("bad_answer", f"enqueue answer: {exc!r}") from None
@@ -217,10 +220,21 @@ async def replay(host: QueueHost, workspace_id: str, request_id: str) -> QueuedR
     return QueuedRequest.from_json(answer)
 
 
+async def cancel(host: QueueHost, workspace_id: str, request_id: str) -> QueuedRequest:
+    """`POST .../cancel`: a pending request is `cancelled` at once; one in progress comes back
+    with `cancel_requested` and turns `cancelled` once its worker stops (at its next
+    heartbeat). Retried like a read: cancelling twice changes nothing more. Raises
+    `InvalidRequestError` (`not_cancellable`) if the request is done or poison."""
+    path = ws_path(workspace_id, "requests", request_id, "cancel")
+    answer = await retried(host, "POST", path, body={})
+    return QueuedRequest.from_json(answer)
+
+
 async def stream_events(
     host: QueueHost, workspace_id: str, request_id: str, patience: float
 ) -> AsyncGenerator[tuple[str, Any], None]:
-    """The SSE stream of one request: `(event, data)` pairs — `queued`, then `done` or `error`.
+    """The SSE stream of one request: `(event, data)` pairs — `queued`, then `done`,
+    `cancelled` or `error` (and whatever events a newer server adds: the caller skips them).
 
     Ends when the server ends the stream (or the connection drops: the caller reconnects).
     """
@@ -286,7 +300,20 @@ async def _events(response: aiohttp.ClientResponse) -> AsyncGenerator[tuple[str,
             data_lines.append(line[5:].lstrip(" "))
 
 
+#: A finished row's status → the outcome a wait answers with.
+_OUTCOMES: Mapping[str, OutcomeStatus] = {
+    "done": "done",
+    "poison": "poison",
+    "cancelled": "cancelled",
+}
+
+
 async def _outcome(host: QueueHost, row: QueuedRequest) -> RequestOutcome:
+    """The outcome of a finished row. A status this SDK does not know is a `ProtocolError`, not
+    a guess: mapping it to poison (as every status but done once was) misreports the request."""
+    status = _OUTCOMES.get(row.status)
+    if status is None:
+        raise ProtocolError("bad_answer", f"{row.request_id}: unknown status {row.status!r}")
     result = row.result
     if row.status == "done" and row.blob_ref is not None:
         blob = await get_blob(host, row.workspace_id, row.blob_ref)
@@ -294,8 +321,12 @@ async def _outcome(host: QueueHost, row: QueuedRequest) -> RequestOutcome:
             result = json.loads(blob)
         except (ValueError, RecursionError) as exc:
             raise ProtocolError("bad_answer", f"blob is not JSON: {exc}") from None
-    status: OutcomeStatus = "done" if row.status == "done" else "poison"
     return RequestOutcome(row.request_id, status, row, result, row.error)
+
+
+def _settled(row: QueuedRequest) -> bool:
+    """Neither pending nor in progress: finished, under a status known or not."""
+    return row.status not in ("pending", "in_progress")
 
 
 async def wait_request(
@@ -307,14 +338,18 @@ async def wait_request(
     """Wait up to `timeout` seconds for the request to finish, over the SSE stream.
 
     A dropped stream reconnects (the result lives on the row, so nothing is lost); a server
-    deadline shorter than `timeout` is simply waited out again. Past `timeout`, the answer is a
-    `RequestOutcome` with status `timeout` — never an exception that would lose the request id.
+    deadline shorter than `timeout` is simply waited out again. `event: cancelled` ends the wait
+    at once with the `cancelled` outcome. Events this SDK does not know are skipped; a stream
+    that ends without a final event or the server's deadline (`error` `wait_timeout`) is followed by
+    one read of the row — a finished row answers the wait, a live one waits again after a
+    backoff, never in a tight loop. Past `timeout`, the answer is a `RequestOutcome` with
+    status `timeout` — never an exception that would lose the request id.
     """
     if timeout <= 0:
         # No wait at all: one look at the row (a stream bounded by a deadline already past
         # could not even deliver the `done` of a request that finished long ago).
         row = await get_request(host, workspace_id, request_id)
-        if row.is_finished:
+        if _settled(row):
             return await _outcome(host, row)
         return RequestOutcome(request_id, "timeout", row)
     loop = asyncio.get_running_loop()
@@ -326,6 +361,9 @@ async def wait_request(
     while True:
         remaining = deadline - loop.time()
         saw_event = False
+        deadline_ended = (
+            False  # the server's own deadline ended the stream (`error` `wait_timeout`)
+        )
         finished: QueuedRequest | None = None
         try:
             # The stream's own HTTP timeout only catches a dead peer, 10 s past the deadline: on
@@ -340,19 +378,31 @@ async def wait_request(
             ):
                 async for event, data in events:
                     saw_event = True
-                    if event == "done":
+                    if event in ("done", "cancelled"):
                         finished = QueuedRequest.from_json(data)
                         break
                     if event == "queued":
                         last = QueuedRequest.from_json(data)
-                    elif (
-                        event == "error"
-                        and isinstance(data, dict)
-                        and data.get("code") != "wait_timeout"
-                    ):
-                        raise error_from_problem(None, data)
-            # Ended without `done`: the server's deadline, or a dropped stream.
-            failures = 0 if saw_event else failures + 1
+                    elif event == "error" and isinstance(data, dict):
+                        if data.get("code") != "wait_timeout":
+                            raise error_from_problem(None, data)
+                        deadline_ended = True
+                    # Any other event is one this SDK does not know: skipped.
+                if finished is None and saw_event and not deadline_ended:
+                    # Events, but neither an outcome nor the server's deadline (a newer server's
+                    # final event): the row says how it stands. Reconnecting at once instead
+                    # would repeat the same stream in a tight loop until `timeout`.
+                    row = await get_request(host, workspace_id, request_id)
+                    if _settled(row):
+                        finished = row
+                    else:
+                        last = row
+                        failures += 1
+            # Ended without an outcome: the server's deadline, or a dropped stream.
+            if finished is None and not saw_event:
+                failures += 1
+            elif deadline_ended:
+                failures = 0
         except TimeoutError:  # our bound, mid-stream (`stream_events` wraps its own timeouts)
             return RequestOutcome(request_id, "timeout", last)
         except WorkspaceError as exc:
@@ -404,7 +454,9 @@ class QueueMethods:
 
         With a `job_id`, the id is deterministic by default (hash of workspace, job, branch and
         stage): enqueueing it again coalesces into the live request, or returns the finished
-        one — pass `rerun=True` to run a finished one again on purpose. Without, each enqueue is
+        one — pass `rerun=True` to run a finished one again on purpose. `input_differs` on the
+        answer says the request it coalesced into holds another input than `input`, which was
+        not used. Without a `job_id`, each enqueue is
         a new request. Each call carries an `Idempotency-Key` (minted, or yours), so a retry
         after a lost answer can neither fork the work nor be mistaken for another's enqueue.
         """
@@ -467,6 +519,12 @@ class QueueMethods:
     async def replay_request(self, workspace_id: str, request_id: str) -> QueuedRequest:
         """Put a poison request back in the queue by hand."""
         return await replay(self, workspace_id, request_id)
+
+    async def cancel_request(self, workspace_id: str, request_id: str) -> QueuedRequest:
+        """Cancel a request: `cancelled` at once if pending; if a worker runs it, the row comes
+        back with `cancel_requested` and turns `cancelled` once the worker stops (see
+        `cancel`). Raises `InvalidRequestError` (`not_cancellable`) if it is done or poison."""
+        return await cancel(self, workspace_id, request_id)
 
 
 class QueueClient(QueueMethods):

@@ -1,7 +1,8 @@
 """The claim holder's side of the work queue (DESIGN §5, §7; seed 003): claim work (or
 long-poll until there is some), keep the lease alive, and finish the request — `complete`,
-`complete_many` or `fail`, each fenced by the claim token, so a holder whose lease was reclaimed
-is told `LeaseLostError` and changes nothing. `Worker` and its completer and heartbeat
+`complete_many` or `fail` (a large result uploaded first, `upload_result`), each fenced by the
+claim token, so a holder whose lease was reclaimed is told `LeaseLostError` and changes
+nothing. `Worker` and its completer and heartbeat
 (`_worker_io`) drive these; the requester's verbs are in `_queue_api`.
 
 Retries (the rule is in `_queue_http`): the fenced verbs are safe to repeat — a retried
@@ -29,8 +30,12 @@ __all__ = [
     "complete_many",
     "fail",
     "heartbeat",
+    "upload_result",
     "wait_for_work",
 ]
+
+#: The header a result upload carries its claim token in (its body is the result itself).
+CLAIM_TOKEN_HEADER = "Claim-Token"
 
 
 async def claim(
@@ -63,10 +68,29 @@ async def wait_for_work(
 
 
 async def heartbeat(host: QueueHost, workspace_id: str, request_id: str, claim_token: str) -> float:
-    """Extend the lease; return its new expiry. Raises `LeaseLostError` when the token is gone."""
+    """Extend the lease; return its new expiry. Raises `LeaseLostError` when the token is gone,
+    `RequestCancelledError` when someone cancelled the request (stop, then `fail`)."""
     path = ws_path(workspace_id, "requests", request_id, "heartbeat")
     answer = await retried(host, "POST", path, body={"claim_token": claim_token})
     return float(answer["lease_expires_at"])
+
+
+async def upload_result(
+    host: QueueHost, workspace_id: str, request_id: str, claim_token: str, encoded: bytes
+) -> str:
+    """`POST .../requests/{id}/result`: store a result too large for a completion's body (the
+    bytes of its JSON, served back byte for byte) and return its `blob_ref`, to complete with.
+    Fenced by `claim_token` (`LeaseLostError`); past the server's `max_result_bytes` it raises
+    `InvalidRequestError` `result_too_large`. A retry after a lost answer stores a second copy
+    nobody names, which the blob retention reaps."""
+    path = ws_path(workspace_id, "requests", request_id, "result")
+    answer = await retried(
+        host, "POST", path, raw=encoded, headers={CLAIM_TOKEN_HEADER: claim_token}
+    )
+    try:
+        return str(answer["blob_ref"])
+    except (KeyError, TypeError) as exc:
+        raise ProtocolError("bad_answer", f"upload answer: {exc!r}") from None
 
 
 async def complete(
@@ -77,13 +101,20 @@ async def complete(
     *,
     result: Any = None,
     error: Any = None,
+    blob_ref: str | None = None,
     cache: str | None = None,
     telemetry: Any = None,
 ) -> str:
-    """Mark the request done (fenced by `claim_token`). Call only after the stage's writes
-    committed (seed 004: never ack before the work). Raises `LeaseLostError` if refused."""
+    """Mark the request done (fenced by `claim_token`) with `result`, or with the uploaded
+    result `blob_ref` names (`upload_result`). Call only after the stage's writes committed
+    (seed 004: never ack before the work). Raises `LeaseLostError` if refused."""
     body: dict[str, Any] = {"claim_token": claim_token, "result": result}
-    for name, value in (("error", error), ("cache", cache), ("telemetry", telemetry)):
+    for name, value in (
+        ("error", error),
+        ("blob_ref", blob_ref),
+        ("cache", cache),
+        ("telemetry", telemetry),
+    ):
         if value is not None:
             body[name] = value
     path = ws_path(workspace_id, "requests", request_id, "complete")
@@ -95,8 +126,9 @@ async def complete_many(
     host: QueueHost, completions: Sequence[Mapping[str, Any]]
 ) -> list[CompletionOutcome]:
     """`POST /v1/queue/complete`: many completions in one commit, one outcome each, in order.
-    Each item is `{"request_id", "claim_token", "result"?, "error"?, "cache"?, "telemetry"?}`;
-    results must be small (large ones go through `complete`, which stores them as blobs)."""
+    Each item is `{"request_id", "claim_token", "result"? | "blob_ref"?, "error"?, "cache"?,
+    "telemetry"?}`; results must be small (large ones are uploaded first, `upload_result`, and
+    completed by their `blob_ref`)."""
     body = {"completions": [dict(c) for c in completions]}
     answer = await retried(host, "POST", "/v1/queue/complete", body=body)
     outcomes: list[CompletionOutcome] = []

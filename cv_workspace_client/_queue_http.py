@@ -1,6 +1,7 @@
 """The HTTP transport of the work-queue routes (DESIGN §5, §7): one request to a queue route
 with the host's token, its JSON answer decoded or its problem+json turned back into the SDK's
-typed error (`LeaseLostError` when a fenced verb is refused), and the SDK's retry rule around it.
+typed error (`LeaseLostError` when a fenced verb is refused, `RequestCancelledError` when a
+heartbeat finds its request cancelled), and the SDK's retry rule around it.
 
 The requester's verbs (`_queue_api`) and the claim holder's (`_queue_holder`) both go through
 here. Each needs only a *host* (`QueueHost`): an object with `url`, `session` (an aiohttp
@@ -34,7 +35,7 @@ from cv_workspace_client.errors import (
     WorkspaceError,
     error_from_problem,
 )
-from cv_workspace_client.stage import LeaseLostError
+from cv_workspace_client.stage import LeaseLostError, RequestCancelledError
 
 __all__ = ["QueueHost", "call", "config_of", "queue_error", "retried", "ws_path"]
 
@@ -61,6 +62,8 @@ def ws_path(workspace_id: str, *rest: str) -> str:
 def queue_error(status: int, problem: Mapping[str, Any] | None, retry_after: str | None) -> Any:
     if problem is not None and problem.get("code") == "lease_lost":
         return LeaseLostError(str(problem.get("detail") or "the claim token no longer holds it"))
+    if problem is not None and problem.get("code") == "cancelled":
+        return RequestCancelledError(str(problem.get("detail") or "the request was cancelled"))
     return error_from_problem(status, problem, retry_after=parse_retry_after(retry_after))
 
 
@@ -72,13 +75,15 @@ async def call(
     body: Any = None,
     params: Sequence[tuple[str, str]] | None = None,
     headers: Mapping[str, str] | None = None,
+    raw: bytes | None = None,
 ) -> tuple[int, Any, Mapping[str, str]]:
     """One request. 2xx → (status, decoded JSON or None, headers); otherwise the typed error.
-    Refused for its token, it goes once more with a fresh one if the host gets one."""
+    `body` goes as JSON; `raw`, bytes of JSON already encoded, goes as it is. Refused for its
+    token, it goes once more with a fresh one if the host gets one."""
     return await with_token(
         host,
         lambda auth: _call_once(
-            host, method, path, auth, body=body, params=params, headers=headers
+            host, method, path, auth, body=body, params=params, headers=headers, raw=raw
         ),
     )
 
@@ -92,11 +97,13 @@ async def _call_once(
     body: Any,
     params: Sequence[tuple[str, str]] | None,
     headers: Mapping[str, str] | None,
+    raw: bytes | None = None,
 ) -> tuple[int, Any, Mapping[str, str]]:
     all_headers = {**auth, **(headers or {})}
-    data = None
+    data = raw
     if body is not None:
         data = json.dumps(body, separators=(",", ":")).encode()
+    if data is not None:
         all_headers["Content-Type"] = "application/json"
     try:
         async with host.session.request(

@@ -10,7 +10,7 @@ from typing import Any
 
 from cv_workspace_client import _queue_holder as api
 from cv_workspace_client.errors import InvalidRequestError, WorkspaceError
-from cv_workspace_client.stage import LeaseLostError, LeaseState
+from cv_workspace_client.stage import LeaseLostError, LeaseState, RequestCancelledError
 
 __all__ = ["Completer", "Heartbeat"]
 
@@ -20,7 +20,9 @@ logger = logging.getLogger("cv_workspace_client.worker")
 class Heartbeat:
     """Renews a running stage's lease every `heartbeat_seconds` (a timer, not a task per stage:
     most stages end before the first beat). A beat answered `lease_lost` marks the lease and
-    cancels the stage (River #1302: it must stop writing and complete nothing)."""
+    cancels the stage (River #1302: it must stop writing and complete nothing); one answered
+    `cancelled` (someone cancelled the request) marks it cancelled and cancels the stage too,
+    which the worker then reports back."""
 
     def __init__(
         self,
@@ -73,6 +75,11 @@ class Heartbeat:
             except LeaseLostError:
                 if not self._stopped:
                     self._lease.lost = True
+                    self._stage_task.cancel()
+                return
+            except RequestCancelledError:
+                if not self._stopped:
+                    self._lease.cancelled = True
                     self._stage_task.cancel()
                 return
             except WorkspaceError as exc:
@@ -154,6 +161,7 @@ class Completer:
                 item["claim_token"],
                 result=item.get("result"),
                 error=item.get("error"),
+                blob_ref=item.get("blob_ref"),
                 cache=item.get("cache"),
                 telemetry=item.get("telemetry"),
             )

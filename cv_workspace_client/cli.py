@@ -5,7 +5,8 @@ shell or an agent, with no browser present.
               [--worker-class C] [--provider fake | --provider openai --provider-url U --model M]
               [--outbox PATH]
     cv-workspace enqueue --workspace W --stage S [--job-id J] [--input JSON] [--wait]
-    cv-workspace requests list|show|wait|replay|rerun --workspace W ...
+    cv-workspace requests list|show|wait|replay|rerun|cancel --workspace W ...
+    cv-workspace mcp [--transport stdio | --transport http --host H --port P] [--outbox PATH]
 
 Every flag has an environment variable (named in its help: `CV_URL`, `CV_TOKEN_FILE`,
 `CV_WORKSPACE`, ...). `--token-file` reads the token from a file, which `cv-worker` reads again
@@ -42,7 +43,12 @@ from cv_workspace_client._url import check_server_url
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import ForbiddenError, WorkspaceError
 from cv_workspace_client.providers import CountingFakeProvider, OpenAICompatibleProvider, Provider
-from cv_workspace_client.queue_models import QueuedRequest, RequestOutcome
+from cv_workspace_client.queue_models import (
+    STATUSES,
+    EnqueuedRequest,
+    QueuedRequest,
+    RequestOutcome,
+)
 from cv_workspace_client.stage import Handler, Stage
 from cv_workspace_client.worker import Worker, WorkerConfig
 
@@ -661,7 +667,7 @@ def _workspace_parser() -> argparse.ArgumentParser:
     _common(listing)
     listing.add_argument(
         "--status",
-        choices=["pending", "in_progress", "done", "poison"],
+        choices=list(STATUSES),
         help="only requests in this status",
     )
     _add_workspace_arg(listing, required=False)
@@ -674,6 +680,11 @@ def _workspace_parser() -> argparse.ArgumentParser:
     for verb, text in (
         ("show", "one request"),
         ("replay", "put a poison request back in the queue, by hand"),
+        (
+            "cancel",
+            "cancel a request: a pending one at once, one in progress once its worker stops "
+            "(the answer then says cancel_requested); a done or poison one cannot be",
+        ),
     ):
         _request_args(verbs.add_parser(verb, help=text, **_HELP_LAYOUT))
     wait = verbs.add_parser("wait", help="wait for a request's result", **_HELP_LAYOUT)
@@ -689,6 +700,42 @@ def _workspace_parser() -> argparse.ArgumentParser:
     )
     _common(rerun)
     _add_enqueue_args(rerun, rerun_flag=False)
+
+    env = os.environ.get
+    mcp = commands.add_parser(
+        "mcp",
+        help="serve the workspace tools to agents over MCP (needs the `mcp` extra)",
+        description="Serve MCP tools (get_state, apply_ops, enqueue, wait_request, ...) and "
+        "sub-doc resources over one SDK client: over stdio (how an agent host starts a tool "
+        "server) or streamable HTTP (docs/mcp.md).",
+        **_HELP_LAYOUT,
+    )
+    _common(mcp)
+    mcp.add_argument(
+        "--transport",
+        choices=["stdio", "http"],
+        default=env("CV_MCP_TRANSPORT", "stdio"),
+        help="stdio (default: the agent host starts this command) or http, streamable HTTP at "
+        "http://HOST:PORT/mcp ($CV_MCP_TRANSPORT)",
+    )
+    mcp.add_argument(
+        "--host",
+        default=env("CV_HOST", "127.0.0.1"),
+        help="with --transport http: the address to bind (default 127.0.0.1: whoever reaches "
+        "it acts with this command's token; $CV_HOST)",
+    )
+    mcp.add_argument(
+        "--port",
+        type=int,
+        default=env("CV_PORT", "8000"),
+        help="with --transport http: the port (default 8000; 0: a free one; $CV_PORT)",
+    )
+    mcp.add_argument(
+        "--outbox",
+        default=env("CV_OUTBOX"),
+        help="SQLite file for the durable op outbox: ops not yet answered survive a restart of "
+        "this command, one per file ($CV_OUTBOX; default: in memory)",
+    )
     return parser
 
 
@@ -714,6 +761,8 @@ async def _enqueue(client: QueueClient, args: argparse.Namespace, *, rerun: bool
         worker_class=args.worker_class,
         max_dequeues=args.max_dequeues,
     )
+    if answer.input_differs:
+        _warn_input_differs(answer, rerun=rerun)
     if not args.wait:
         _print(answer.to_json())
         return EXIT_OK
@@ -725,6 +774,65 @@ async def _enqueue(client: QueueClient, args: argparse.Namespace, *, rerun: bool
         raise
     _print({"enqueued": answer.to_json(), **outcome.to_json()})
     return _outcome_exit(outcome)
+
+
+def _warn_input_differs(answer: EnqueuedRequest, *, rerun: bool) -> None:
+    """The enqueue coalesced into a request whose input is not `--input`: say so on stderr
+    (the answer on stdout stays the answer), and how to run it on this input."""
+    if answer.status in ("pending", "in_progress"):
+        how = "it is still running: once it finished, enqueue again with --rerun to run yours"
+    else:
+        how = "enqueue again with --rerun to run it on yours"
+    message = (
+        f"request {answer.request_id} already exists with another input, which it keeps: "
+        f"your --input was not used; {how}"
+    )
+    if rerun:
+        message = (
+            f"request {answer.request_id} is still running with another input, which it "
+            "keeps: your --input was not used; --rerun again once it finished"
+        )
+    print(
+        json.dumps({"warning": {"code": "input_differs", "message": message}}),
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+async def _mcp(args: argparse.Namespace) -> int:
+    """`cv-workspace mcp`: one `WorkspaceClient` for the process lifetime, its tools served
+    until the agent host closes stdin (stdio) or the process is signalled (HTTP). Nothing but
+    the protocol goes to stdout on stdio; the HTTP transport prints its URL there."""
+    try:
+        from cv_workspace_client import mcp_server
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] not in ("mcp", "mcp_types", "uvicorn"):
+            raise
+        raise UsageError(
+            "cv-workspace mcp needs the mcp extra: pip install 'cv-workspace[mcp]'"
+        ) from None
+    from cv_workspace_client.client import WorkspaceClient
+
+    url, token = _need_url(args), _need_token(args)
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be within 0..65535, not {args.port}")
+    refresh = _token_file_provider(args.token_file) if args.token_file else None
+    async with WorkspaceClient(
+        url, token=token, token_provider=refresh, outbox=args.outbox
+    ) as client:
+        if args.transport == "stdio":
+            await mcp_server.serve_stdio(client)
+        else:
+            try:
+                await mcp_server.serve_http(
+                    client,
+                    args.host,
+                    args.port,
+                    ready=lambda where: _announce(f"cv-workspace mcp listening on {where}"),
+                )
+            except mcp_server.ListenFailed as exc:  # exit 1, as a port `cv-server` cannot use
+                raise WorkspaceError("listen_failed", str(exc)) from None
+    return EXIT_OK
 
 
 async def _list(client: QueueClient, args: argparse.Namespace) -> list[QueuedRequest]:
@@ -741,6 +849,8 @@ async def _list(client: QueueClient, args: argparse.Namespace) -> list[QueuedReq
 
 
 async def _workspace(args: argparse.Namespace) -> int:
+    if args.command == "mcp":
+        return await _mcp(args)
     url, token = _need_url(args), _need_token(args)
     if getattr(args, "verb", None) == "list":
         _need_count("--limit", args.limit)
@@ -764,6 +874,8 @@ async def _workspace(args: argparse.Namespace) -> int:
             _print((await client.get_request(args.workspace, args.request_id)).raw)
         elif args.verb == "replay":
             _print((await client.replay_request(args.workspace, args.request_id)).raw)
+        elif args.verb == "cancel":
+            _print((await client.cancel_request(args.workspace, args.request_id)).raw)
         elif args.verb == "wait":
             _need_seconds("--timeout", args.timeout)
             outcome = await client.wait_request(

@@ -2,8 +2,8 @@
 
 Every error the client raises is a `WorkspaceError` with a stable string `code` (the server's own
 code when the server answered, DESIGN §5). Whether an error is worth retrying is a property of its
-class (`retryable`): only connection errors, timeouts, 5xx and 429 are (seed 004); a 4xx answer is
-final and is never retried.
+class (`retryable`): only connection errors, timeouts (a 408 included), 5xx and 429 are (seed 004);
+any other 4xx answer is final and is never retried.
 
 Pure: no I/O, so the sans-I/O core may import it.
 """
@@ -274,6 +274,10 @@ def error_from_problem(
         retry_after = retry_delay(body.get("retry_after"))
     if code == "rate_limited" or status == 429:
         return RateLimitedError(code, message, retry_after=retry_after)
+    if status == 408:
+        # The server (or a proxy) gave up waiting for the request before reading it: nothing
+        # was processed, like a timeout on the way (seed 004: timeouts are retried).
+        return ConnectionFailedError(code, message)
     if code in ("internal", "unavailable") or (status is not None and status >= 500):
         return ServerError(code, message, status=status, retry_after=retry_after)
     final = _FINAL_BY_CODE.get(code)

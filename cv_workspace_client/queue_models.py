@@ -10,6 +10,8 @@ from typing import Any, Literal
 from cv_workspace_client.errors import ProtocolError, WorkspaceError
 
 __all__ = [
+    "FINISHED_STATUSES",
+    "STATUSES",
     "Claim",
     "CompletionOutcome",
     "EnqueuedRequest",
@@ -19,14 +21,24 @@ __all__ = [
     "RequestStatus",
 ]
 
-RequestStatus = Literal["pending", "in_progress", "done", "poison"]
-OutcomeStatus = Literal["done", "poison", "timeout"]
+RequestStatus = Literal["pending", "in_progress", "done", "poison", "cancelled"]
+OutcomeStatus = Literal["done", "poison", "cancelled", "timeout"]
+
+#: Every status a request row may have, in lifecycle order.
+STATUSES: tuple[RequestStatus, ...] = ("pending", "in_progress", "done", "poison", "cancelled")
+#: The statuses of a request that will not run again unless someone asks on purpose.
+FINISHED_STATUSES: frozenset[str] = frozenset({"done", "poison", "cancelled"})
 
 
 @dataclass(frozen=True, slots=True)
 class QueuedRequest:
     """One request row as the server shows it (`GET .../requests/{id}`). `raw` keeps the JSON as
-    received, members this SDK does not know included."""
+    received, members this SDK does not know included.
+
+    `cancel_requested`: someone cancelled it while a worker ran it (it turns `cancelled` once the
+    worker stops). `unclaimed_seconds`: how long it has been claimable without any worker
+    claiming it (None while a worker holds it, once finished, or when the answer did not say) —
+    a figure that keeps growing points at a stage no worker serves."""
 
     request_id: str
     workspace_id: str
@@ -50,11 +62,13 @@ class QueuedRequest:
     claimed_at: float | None = None
     finished_at: float | None = None
     telemetry: Any = None
+    cancel_requested: bool = False
+    unclaimed_seconds: float | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def is_finished(self) -> bool:
-        return self.status in ("done", "poison")
+        return self.status in FINISHED_STATUSES
 
     @classmethod
     def from_json(cls, data: Any) -> QueuedRequest:
@@ -84,29 +98,43 @@ class QueuedRequest:
                 claimed_at=data.get("claimed_at"),
                 finished_at=data.get("finished_at"),
                 telemetry=data.get("telemetry"),
+                cancel_requested=bool(data.get("cancel_requested", False)),
+                unclaimed_seconds=_seconds(data.get("unclaimed_seconds")),
                 raw=data,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError("bad_answer", f"request row: {exc!r}") from None
 
 
+def _seconds(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"unclaimed_seconds must be a number: {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True, slots=True)
 class EnqueuedRequest:
     """The answer to an enqueue: the request's id and status; `coalesced` when an existing row
-    absorbed it (an identical live request, or a finished deterministic one); `replayed` when the
-    server answered from a stored Idempotency-Key response."""
+    absorbed it (an identical live request, or a finished deterministic one); `input_differs`
+    when that row's input is not the one sent — yours was not used: wait for it and enqueue
+    again with `rerun=True` to run it on your input; `replayed` when the server answered from a
+    stored Idempotency-Key response."""
 
     request_id: str
     status: RequestStatus
     coalesced: bool
     stream_url: str
     replayed: bool = False
+    input_differs: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
             "request_id": self.request_id,
             "status": self.status,
             "coalesced": self.coalesced,
+            "input_differs": self.input_differs,
             "stream_url": self.stream_url,
             "replayed": self.replayed,
         }
@@ -114,8 +142,9 @@ class EnqueuedRequest:
 
 @dataclass(frozen=True, slots=True)
 class RequestOutcome:
-    """How a wait ended. `status` is `done`, `poison`, or `timeout` — the deadline passed and the
-    work goes on (seed 003): keep `request_id` and wait again or `get_request` later.
+    """How a wait ended. `status` is `done`, `poison`, `cancelled` (someone cancelled it; writes
+    its stage committed before it stopped stay committed), or `timeout` — the deadline passed
+    and the work goes on: keep `request_id` and wait again or `get_request` later.
 
     `result` is the stage's result (fetched from the blob store when it was large); `error` the
     expected error payload (done) or the last unexpected error (poison). `request` is the row as

@@ -46,6 +46,7 @@ __all__ = [
     "ExpectedError",
     "Handler",
     "LeaseLostError",
+    "RequestCancelledError",
     "Stage",
     "StageContext",
     "StageRequest",
@@ -87,6 +88,18 @@ class LeaseLostError(WorkspaceError):
 
     def __init__(self, message: str = "the claim token no longer holds the request") -> None:
         super().__init__("lease_lost", message)
+
+
+class RequestCancelledError(WorkspaceError):
+    """Someone cancelled the request this worker runs (code `cancelled`; see docs/queue.md).
+
+    The server refuses the holder's heartbeat with it; from then on `StageContext.ensure_lease` /
+    `apply_op` raise it, the worker cancels the handler and reports back, and the request ends
+    `cancelled`. Writes the stage committed before stay committed.
+    """
+
+    def __init__(self, message: str = "the request was cancelled") -> None:
+        super().__init__("cancelled", message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,12 +175,14 @@ _FINAL_ANSWERS = (OpRejectedError, InvalidRequestError, AuthError, ForbiddenErro
 
 
 class LeaseState:
-    """Whether the worker still holds the request; the worker's heartbeat flips it, once."""
+    """Whether the worker still holds the request (`lost`), and whether someone cancelled it
+    (`cancelled`); the worker's heartbeat flips one of them, once."""
 
-    __slots__ = ("lost",)
+    __slots__ = ("cancelled", "lost")
 
     def __init__(self) -> None:
         self.lost = False
+        self.cancelled = False
 
 
 class StageContext:
@@ -197,6 +212,9 @@ class StageContext:
         #: The first write of this run that ended without the server's final answer (its retries
         #: ran out, the client closed, the outbox failed): it may still commit later, or never.
         self._unsettled: BaseException | None = None
+        #: The writes the server refused for good, by the refusal raised to the handler: the
+        #: worker names the op when such a refusal ends the run (`refused_write`).
+        self._refused: list[tuple[BaseException, dict[str, Any]]] = []
 
     @property
     def input(self) -> Any:
@@ -226,18 +244,27 @@ class StageContext:
         """The deterministic op_id of this run's write named `key` (see `op_id_for`)."""
         return op_id_for(self.request.request_id, self.request.run, key)
 
+    @property
+    def cancelled(self) -> bool:
+        """True once the worker's heartbeat learned that someone cancelled the request."""
+        return self._lease.cancelled
+
     def ensure_lease(self) -> None:
-        """Raise `LeaseLostError` once the worker's heartbeat found its claim gone. Call it
-        before any side effect that `apply_op` does not cover."""
+        """Raise `LeaseLostError` once the worker's heartbeat found its claim gone, or
+        `RequestCancelledError` once it learned the request was cancelled. Call it before any
+        side effect that `apply_op` does not cover."""
         if self._lease.lost:
             raise LeaseLostError()
+        if self._lease.cancelled:
+            raise RequestCancelledError()
 
     async def apply_op(self, sub_doc: str, op: Op, *, key: str) -> Commit:
         """Write `op` to `sub_doc` of this request's workspace under the op_id derived from
         `key`; return once the server committed it (a re-driven run gets `duplicate=True`).
 
         Use one distinct `key` per write of the stage. Raises `LeaseLostError` if the lease is
-        gone, and whatever `WorkspaceClient.apply_op` raises.
+        gone, `RequestCancelledError` if the request was cancelled, and whatever
+        `WorkspaceClient.apply_op` raises.
         """
         self.ensure_lease()
         derived = op.model_copy(update={"op_id": self.op_id_for(key)})
@@ -246,13 +273,29 @@ class StageContext:
         try:
             return await self.client.apply_op(self.workspace_id, sub_doc, derived)
         except BaseException as exc:
-            if self._unsettled is None and not isinstance(exc, _FINAL_ANSWERS):
+            if isinstance(exc, _FINAL_ANSWERS):
+                write = {"key": key, "sub_doc": sub_doc, "type": op.type, "op_id": derived.op_id}
+                self._refused.append((exc, write))
+            elif self._unsettled is None:
                 self._unsettled = exc
             raise
         finally:
             self._writes -= 1
             if self._writes == 0:
                 self._settled.set()
+
+    def refused_write(self, exc: BaseException) -> dict[str, Any] | None:
+        """The write of this run (`key`, `sub_doc`, op `type`, `op_id`) whose final refusal is
+        `exc` — or the exception `exc` was raised from — or None if it is no such refusal."""
+        seen: set[int] = set()
+        current: BaseException | None = exc
+        while current is not None and id(current) not in seen:
+            seen.add(id(current))
+            for refusal, write in self._refused:
+                if refusal is current:
+                    return write
+            current = current.__cause__ or current.__context__
+        return None
 
     async def writes_settled(self) -> None:
         """Return once no `apply_op` of this context is in flight, and every one of them got the

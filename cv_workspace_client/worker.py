@@ -16,11 +16,17 @@ The loop, in order of the rules it keeps:
   100 ms doubling to 2 s, woken early by the server's `/v1/queue/pending` push.
 - **Run** each under a heartbeat (every 60 s). A heartbeat answered `lease_lost` marks the
   context (`ensure_lease()` / `apply_op` raise `LeaseLostError`), cancels the handler and
-  completes nothing: another worker re-drove the request (River #1302).
+  completes nothing: another worker re-drove the request (River #1302). A heartbeat answered
+  `cancelled` (someone cancelled the request) cancels the handler likewise and reports back,
+  which ends the request `cancelled`.
 - **Report**: success → `complete` with the result, only once the handler returned and its
-  writes committed; `ExpectedError` → `complete` with the error payload (never retried); any
-  other exception → `fail` (the server applies the backoff, then poison at `max_dequeues`).
-  Completions made together travel together (one call, one commit).
+  writes committed (a result too large for a completion's body is uploaded to the blob store
+  first, and completed by its reference; one past the server's `max_result_bytes` completes
+  with a `result_too_large` error payload); `ExpectedError`, or a downstream's final refusal
+  (one of the stage's own writes refused for good, a provider's 4xx: `_stage_outcome`) →
+  `complete` with the error payload, after one attempt; any other exception → `fail` (the
+  server applies the backoff, then poison at `max_dequeues`). Completions made together travel
+  together (one call, one commit).
 - **Share**: a stage with a `ttl` answers an identical request from the cache (`cache: "hit"`);
   identical requests running at once inside this worker share one run (single-flight).
 - **Drain** on `stop()` (SIGTERM): stop claiming, let in-flight stages finish within 25 s and
@@ -44,6 +50,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from cv_workspace_client import _queue_holder as api
+from cv_workspace_client._stage_outcome import (
+    answer_payload,
+    error_payload,
+    expected_payload,
+    is_final_answer,
+)
 from cv_workspace_client._worker_io import Completer, Heartbeat
 from cv_workspace_client._worker_parts import RunMeter, SingleFlight, TtlCache, request_key
 from cv_workspace_client.errors import (
@@ -58,6 +70,7 @@ from cv_workspace_client.stage import (
     Handler,
     LeaseLostError,
     LeaseState,
+    RequestCancelledError,
     Stage,
     StageContext,
     StageRequest,
@@ -86,8 +99,9 @@ class WorkerConfig:
     concurrency: int = 1
     #: TTL-cache cap (seed 003: 500 entries, oldest first).
     cache_entries: int = 500
-    #: A result larger than this (JSON bytes) completes alone, through the route that moves it
-    #: to the blob store (= the server's `blob_threshold_bytes`); smaller ones complete in batches.
+    #: A result larger than this (JSON bytes) is uploaded to the blob store first and completed
+    #: by its reference (= the server's `blob_threshold_bytes`); smaller ones travel inline, in
+    #: batches.
     batch_result_max_bytes: int = 64 * 1024
     #: Monotonic clock of the TTL cache (injectable).
     clock: Callable[[], float] = field(default=time.monotonic)
@@ -107,11 +121,14 @@ class WorkerStats:
 
     claimed: int = 0
     completed: int = 0
+    #: Completed with an error payload: an `ExpectedError`, or a downstream's final refusal.
     expected_errors: int = 0
     failed: int = 0
     cache_hits: int = 0
     shared_runs: int = 0
     leases_lost: int = 0
+    #: Stages stopped because someone cancelled their request (reported back: `cancelled`).
+    cancelled: int = 0
     #: Stages still running at the drain deadline, cancelled without a report (they re-drive).
     cancelled_at_drain: int = 0
 
@@ -383,42 +400,56 @@ class Worker:
                 current.uncancel()
                 self._lease_lost(row, "its heartbeat was refused")
                 return
-            raise
+            if not lease.cancelled:
+                raise
+            current.uncancel()  # by the heartbeat, which heard the request was cancelled
         except LeaseLostError:
             self._lease_lost(row, "the stage stopped on a lost lease")
             return
+        except RequestCancelledError:  # `ensure_lease` / `apply_op` after the heartbeat heard
+            pass
         except ExpectedError as exc:
-            kind, value, cache, shared = "error", _expected_payload(exc), None, False
+            kind, value, cache, shared = "error", expected_payload(exc), None, False
         except Exception as exc:
             failure = exc
         finally:
             beat.stop()
             slot.release()  # the stage is over; its report may overlap the next claim
-        if failure is not None:
-            logger.warning("stage %s failed on %s: %r", row.stage, row.request_id, failure)
-            await self._report_failure(claimed, _error_payload(failure))
-            return
         if lease.lost:  # the handler swallowed the cancellation: still report nothing
             self._lease_lost(row, "its heartbeat was refused")
             return
+        if lease.cancelled:  # whatever the handler did once told to stop: it was cancelled
+            await self._report_cancelled(claimed)
+            return
+        if failure is not None:
+            answer = answer_payload(failure, ctx.refused_write(failure))
+            if answer is None:
+                logger.warning("stage %s failed on %s: %r", row.stage, row.request_id, failure)
+                await self._report_failure(claimed, error_payload(failure))
+                return
+            # A final refusal: the same run would meet it again (seed 004 §7), so it is the
+            # request's answer, not a failure to retry toward poison.
+            logger.info("stage %s on %s answered %s", row.stage, row.request_id, answer["code"])
+            kind, value, cache, shared = "error", answer, None, False
         if shared:
             self.stats.shared_runs += 1
         telemetry = meter.finish(**({"shared": True} if shared else {}))
         try:
-            if not await self._report_success(claimed, kind, value, cache, telemetry):
+            reported = await self._report_success(claimed, kind, value, cache, telemetry)
+            if reported is None:
                 # It reported a failure instead (a result with no JSON form): nothing completed,
                 # and nothing to cache — a cached non-answer would replay the same failure on
                 # every retry without running the handler again.
                 return
+            kind = reported
         except LeaseLostError:
             self._lease_lost(row, "its completion was refused")
             return
         except InvalidRequestError as exc:
-            # A final 4xx (a result over the server's body limit, say): sending it again cannot
-            # succeed, and leaving it unacknowledged would park the request in progress for a
-            # whole lease per attempt. Fail it now: backoff, then poison with a clear code.
-            message = f"the server refused the completion: {exc.code}: {exc.message}"
-            await self._report_failure(claimed, {"code": "result_refused", "message": message})
+            # A final 4xx to the completion itself: sending it again cannot succeed, and
+            # leaving it unacknowledged would park the request in progress for a whole lease
+            # per attempt, then re-run it to poison. The refusal is the answer: complete with it.
+            await self._report_refused_completion(claimed, exc)
             return
         except WorkspaceError as exc:
             # Not acknowledged: the lease lapses and the row re-drives; the stage's writes
@@ -469,6 +500,10 @@ class Worker:
                 # its write committed, and nothing would ever re-drive it.
                 await ctx.writes_settled()
                 raise
+            except Exception as exc:
+                if is_final_answer(exc):  # completes the request too: the same rule
+                    await ctx.writes_settled()
+                raise
             await ctx.writes_settled()
             return value
 
@@ -484,10 +519,13 @@ class Worker:
         value: Any,
         cache: Literal["hit", "miss"] | None,
         telemetry: dict[str, Any] | None,
-    ) -> bool:
-        """Complete the request with `value`; False if it reported a failure instead (the value
-        has no JSON form). Raises what the completion raises."""
-        item: dict[str, Any] = {"request_id": claimed.request.request_id}
+    ) -> Literal["result", "error"] | None:
+        """Complete the request with `value`; return what it completed with ("error" for a
+        result past the server's `max_result_bytes`, completed with `result_too_large`), or
+        None if it reported a failure instead (the value has no JSON form). Raises what the
+        completion raises."""
+        row = claimed.request
+        item: dict[str, Any] = {"request_id": row.request_id}
         item["claim_token"] = claimed.claim_token
         if kind == "error":
             item["error"] = value
@@ -497,32 +535,79 @@ class Worker:
             item["cache"] = cache
         if telemetry is not None:
             item["telemetry"] = telemetry
-        size = 0
+        text = ""
         try:
             if not isinstance(value, int | float | bool) and value is not None:
-                size = len(json.dumps(value, separators=(",", ":"), allow_nan=False))
+                text = json.dumps(value, separators=(",", ":"), allow_nan=False)
             elif isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{value} is not JSON")
         except (TypeError, ValueError) as exc:
             await self._report_failure(
                 claimed, {"code": "invalid_result", "message": f"not JSON: {exc}"}
             )
-            return False
-        if size > self.config.batch_result_max_bytes:
-            row = claimed.request
+            return None
+        # ASCII (json.dumps escapes the rest): its length is its size in bytes.
+        size = len(text)
+        if kind == "result" and size > self.config.batch_result_max_bytes:
+            # seed 003: a big payload goes to the blob store, the completion names it. Uploaded
+            # as its own body (up to the server's max_result_bytes), never inside a completion,
+            # whose body the server bounds far lower.
+            del item["result"]
+            try:
+                item["blob_ref"] = await api.upload_result(
+                    self.client,
+                    row.workspace_id,
+                    row.request_id,
+                    claimed.claim_token,
+                    text.encode("ascii"),
+                )
+            except InvalidRequestError as exc:
+                if exc.code != "result_too_large":
+                    raise
+                # An answer, not a failure: the same run makes the same result again.
+                kind = "error"
+                item["error"] = {
+                    "code": "result_too_large",
+                    "message": exc.message,
+                    "details": {"bytes": size},
+                }
+        elif size > self.config.batch_result_max_bytes:  # a large error payload: alone
             await api.complete(
                 self.client,
                 row.workspace_id,
                 row.request_id,
                 claimed.claim_token,
-                result=item.get("result"),
                 error=item.get("error"),
                 cache=cache,
                 telemetry=telemetry,
             )
-        else:
-            await self._completer.complete(claimed.request.workspace_id, item)
-        return True
+            return kind
+        await self._completer.complete(row.workspace_id, item)
+        return kind
+
+    async def _report_refused_completion(self, claimed: api.Claim, exc: WorkspaceError) -> None:
+        """The server refused the completion for good (a final 4xx): complete the request with
+        that refusal as its error payload — once, never retried toward poison. If even that is
+        refused, report a failure (its backoff and cutoff then apply)."""
+        row = claimed.request
+        error = {
+            "code": "result_refused",
+            "message": f"the server refused the completion: {exc.code}: {exc.message}"[:2000],
+            "details": {"code": exc.code},
+        }
+        item = {"request_id": row.request_id, "claim_token": claimed.claim_token, "error": error}
+        try:
+            await self._completer.complete(row.workspace_id, item)
+        except LeaseLostError:
+            self._lease_lost(row, "its completion was refused")
+            return
+        except InvalidRequestError:
+            await self._report_failure(claimed, error)
+            return
+        except WorkspaceError as unanswered:
+            logger.warning("could not complete %s: %s", row.request_id, unanswered)
+            return
+        self.stats.expected_errors += 1
 
     async def _report_failure(self, claimed: api.Claim, error: dict[str, Any]) -> None:
         row = claimed.request
@@ -540,33 +625,28 @@ class Worker:
         self.stats.failed += 1
         logger.info("request %s failed, now %s", row.request_id, status)
 
+    async def _report_cancelled(self, claimed: api.Claim) -> None:
+        """Tell the server the stage stopped on a cancel: the holder's `fail`, which finishes a
+        request whose cancel was requested as `cancelled` (never retried). Unreported (a lost
+        answer, a server away), the lease lapses and the next claim parks it as cancelled."""
+        row = claimed.request
+        error = {"code": "cancelled", "message": "the stage stopped: the request was cancelled"}
+        try:
+            status, _ = await api.fail(
+                self.client, row.workspace_id, row.request_id, claimed.claim_token, error
+            )
+        except LeaseLostError:
+            self._lease_lost(row, "its cancellation report was refused")
+            return
+        except WorkspaceError as exc:
+            logger.warning("could not report the cancellation of %s: %s", row.request_id, exc)
+            return
+        self.stats.cancelled += 1
+        logger.info("request %s cancelled, now %s", row.request_id, status)
+
     def _lease_lost(self, row: api.QueuedRequest, why: str) -> None:
         self.stats.leases_lost += 1
         logger.warning("request %s: lease lost (%s); completing nothing", row.request_id, why)
-
-
-def _expected_payload(exc: ExpectedError) -> dict[str, Any]:
-    """The error payload of an expected error, in a form JSON can carry.
-
-    seed 003: an expected error is an answer, never retried. Details with no JSON form (a set,
-    NaN, an object) would otherwise fail the completion as `invalid_result` and turn the answer
-    into retries ending in poison; they travel as their `repr` instead.
-    """
-    payload = exc.payload()
-    try:
-        json.dumps(payload, allow_nan=False)
-    except (TypeError, ValueError):
-        payload = {
-            "code": str(exc.code),
-            "message": str(exc.message),
-            "details": repr(exc.details)[:2000],
-        }
-    return payload
-
-
-def _error_payload(exc: BaseException) -> dict[str, Any]:
-    code = exc.code if isinstance(exc, WorkspaceError) else type(exc).__name__
-    return {"code": code, "message": str(exc)[:2000]}
 
 
 class _Slot:

@@ -26,6 +26,9 @@ _PUT: Final = (
 _GET: Final = (
     f"SELECT data FROM {TABLE} WHERE workspace_id = $1 AND blob_ref = $2 AND expires_at > $3"
 )
+_SIZE: Final = (
+    f"SELECT size FROM {TABLE} WHERE workspace_id = $1 AND blob_ref = $2 AND expires_at > $3"
+)
 _SWEEP: Final = f"""
 DELETE FROM {TABLE} b USING (
     SELECT workspace_id, blob_ref FROM {TABLE} WHERE expires_at <= $1 LIMIT $2
@@ -71,6 +74,11 @@ class PostgresBlobStore(BlobStore):
         async with self._pool.acquire() as conn:
             data = await conn.fetchval(_GET, workspace_id, blob_ref, now)
         return None if data is None else bytes(data)
+
+    async def size(self, workspace_id: str, blob_ref: str, now: float) -> int | None:
+        async with self._pool.acquire() as conn:
+            size = await conn.fetchval(_SIZE, workspace_id, blob_ref, now)
+        return None if size is None else int(size)
 
     async def sweep(self, now: float, *, limit: int | None = None) -> int:
         check_sweep_limit(limit)

@@ -15,10 +15,10 @@
 - **Not every change crosses instances.** PostgreSQL serialises the commits of all
   transactions that NOTIFY (they queue on one lock held through the WAL flush): 16 concurrent
   committers did 1,902 commits/s without NOTIFY and 494 with it on the test machine. So only
-  what a listener elsewhere acts on is sent — `pending` (wakes idle workers), `done` and
-  `poison` (wake waiters) — while claims (`in_progress`), which no listener acts on, commit
-  without NOTIFY and are announced locally only. A missed notification costs at most a worker
-  poll or a waiter sweep (DESIGN §7); nothing depends on it for correctness.
+  what a listener elsewhere acts on is sent — `pending` (wakes idle workers), `done`,
+  `poison` and `cancelled` (wake waiters) — while claims (`in_progress`), which no listener
+  acts on, commit without NOTIFY and are announced locally only. A missed notification costs
+  at most a worker poll or a waiter sweep (DESIGN §7); nothing depends on it for correctness.
 - **One clock.** Leases, backoffs and availability are judged on the database server's clock
   (`clock`), not on the machine of whichever instance serves the call: one running ahead would
   hand a live request to a second worker, one running behind would hand out backed-off or
@@ -74,7 +74,9 @@ T = TypeVar("T")
 #: The channel queue changes are announced on (payload: `queue_payloads`).
 QUEUE_CHANNEL: Final = "cv_queue"
 #: The statuses other instances hear of (see the module docstring).
-BROADCAST_STATUSES: Final[frozenset[RequestStatus]] = frozenset({"pending", "done", "poison"})
+BROADCAST_STATUSES: Final[frozenset[RequestStatus]] = frozenset(
+    {"pending", "done", "poison", "cancelled"}
+)
 
 Outcomes = builtins.list[ProcessRequest | QueueError]
 
@@ -131,7 +133,8 @@ def parse_queue_payload(payload: str) -> tuple[str, builtins.list[RequestEvent]]
 
 
 class PostgresQueueStore(QueueStore):
-    """`QueueStore` on a PostgreSQL pool whose schema has `006_process_requests` (and, to
+    """`QueueStore` on a PostgreSQL pool whose schema has `006_process_requests` and
+    `007_request_cancel` (and, to
     complete idempotency keys with an enqueue, `004_idempotency_keys`) applied.
 
     Call `await listen(notifier)` to hear what other instances commit; `channel` must be the
@@ -399,6 +402,9 @@ class PostgresQueueStore(QueueStore):
         return await self._transition(
             request_id, now, lambda row, at: model.Transition(model.replay_poison(row, at), True)
         )
+
+    async def cancel(self, request_id: str, now: float | None) -> ProcessRequest:
+        return await self._transition(request_id, now, model.cancel)
 
     async def close(self) -> None:
         """Stop listening; the pool belongs to whoever opened it."""

@@ -68,6 +68,7 @@ _SQL_TYPES: Final = {
     "claimed_at": "float8",
     "finished_at": "float8",
     "telemetry": "text",
+    "cancel_requested": "bool",
 }
 
 #: The database server's clock, in epoch seconds: the time every instance judges leases,
@@ -179,13 +180,14 @@ def claim_sql(restricted: bool) -> str:
     - one pending probe per class (and per allowed workspace), a LATERAL index walk of its
       partial index in claimable-since order that stops after `limit` rows;
     - one probe of lapsed leases (their workers died) that may still run; one of lapsed leases
-      that were dequeued `max_dequeues` times, which are parked as poison (seed 003);
+      that were dequeued `max_dequeues` times, which are parked as poison (seed 003), or whose
+      request was cancelled while they ran, which are parked as cancelled;
     - the oldest `limit` candidates by when they became claimable are claimed, each under its own
       token; `FOR UPDATE SKIP LOCKED` in every probe, so concurrent claimers on any instance
       never wait on each other nor get the same row;
     - a parked row is announced (NOTIFY, fired at commit) to waiters on every instance.
 
-    The claim itself is `model.claim` and the parking `model.poison_exhausted`, spelled in SQL
+    The claim itself is `model.claim` and the parking `model.park_lapsed`, spelled in SQL
     (tests compare the rows with the model's). Classes and workspaces must be distinct
     (`store.claim_scope` makes them so): a pair probed twice would offer its rows twice.
     A NULL `now` is the database's (`DB_NOW`): a lease is judged, and granted, on the clock
@@ -213,12 +215,12 @@ def claim_sql(restricted: bool) -> str:
     ctes = [f"pending AS ({pending})"]
     ctes.append(
         f"lapsed AS (SELECT request_id, lease_expires_at AS since, created_at, seq FROM {TABLE}"
-        f" WHERE {lapsed_where} AND dequeue_count < max_dequeues"
+        f" WHERE {lapsed_where} AND dequeue_count < max_dequeues AND NOT cancel_requested"
         " ORDER BY lease_expires_at, created_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED)"
     )
     ctes.append(
         f"doomed AS (SELECT request_id FROM {TABLE}"
-        f" WHERE {lapsed_where} AND dequeue_count >= max_dequeues"
+        f" WHERE {lapsed_where} AND (dequeue_count >= max_dequeues OR cancel_requested)"
         " LIMIT $2 FOR UPDATE SKIP LOCKED)"
     )
     ctes.append(
@@ -233,16 +235,20 @@ def claim_sql(restricted: bool) -> str:
         f" lease_expires_at = {now} + $4::float8, dequeue_count = t.dequeue_count + 1"
         f" FROM chosen WHERE t.request_id = chosen.request_id RETURNING {returning}, chosen.n)"
     )
+    # `model.park_lapsed`: cancelled if a cancel was asked for, else poison with its error.
     ctes.append(
-        f"parked AS (UPDATE {TABLE} t SET status = 'poison', lease_expires_at = NULL,"
-        f" finished_at = {now}, error = coalesce(t.error, json_build_object("
-        "'code', 'lease_lapsed', 'message',"
-        " 'the lease lapsed on dequeue ' || t.dequeue_count || ' of ' || t.max_dequeues))"
+        f"parked AS (UPDATE {TABLE} t SET"
+        " status = CASE WHEN t.cancel_requested THEN 'cancelled' ELSE 'poison' END,"
+        f" lease_expires_at = NULL, finished_at = {now},"
+        " error = CASE WHEN t.cancel_requested THEN t.error ELSE coalesce(t.error,"
+        " json_build_object('code', 'lease_lapsed', 'message',"
+        " 'the lease lapsed on dequeue ' || t.dequeue_count || ' of ' || t.max_dequeues)) END"
         " FROM doomed WHERE t.request_id = doomed.request_id"
         f" RETURNING {returning}, 0::bigint AS n)"
     )
     announce = (
-        "CASE WHEN r.status = 'poison' THEN pg_notify($8::text, json_build_array($9::text,"
+        "CASE WHEN r.status IN ('poison', 'cancelled') THEN"
+        " pg_notify($8::text, json_build_array($9::text,"
         " json_build_array(json_build_array(r.workspace_id, r.request_id, r.status, r.run,"
         " r.worker_class)))::text) END"
     )

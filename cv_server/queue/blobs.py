@@ -39,6 +39,11 @@ class BlobStore(abc.ABC):
         """The blob's bytes, or None if it is unknown, expired, or of another workspace."""
 
     @abc.abstractmethod
+    async def size(self, workspace_id: str, blob_ref: str, now: float) -> int | None:
+        """The blob's size in bytes without reading it, or None where `get` would find nothing
+        (a completion naming a blob checks it exists this way)."""
+
+    @abc.abstractmethod
     async def sweep(self, now: float, *, limit: int | None = None) -> int:
         """Delete up to `limit` (None: all) expired blobs; return how many were deleted."""
 

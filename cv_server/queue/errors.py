@@ -9,7 +9,9 @@ __all__ = [
     "IdempotencyKeyLost",
     "InvalidTransition",
     "LeaseLost",
+    "NotCancellable",
     "QueueError",
+    "RequestCancelled",
     "RequestIdConflict",
     "RequestNotFound",
 ]
@@ -59,3 +61,17 @@ class IdempotencyKeyLost(QueueError):
     and the client's retry starts afresh."""
 
     code = "idempotency_key_lost"
+
+
+class RequestCancelled(QueueError):
+    """Someone cancelled the request the caller holds: its heartbeat is refused with this. The
+    holder must stop the stage and report back (`fail`), which finishes the row as `cancelled`;
+    writes it already committed stay committed."""
+
+    code = "cancelled"
+
+
+class NotCancellable(QueueError):
+    """The request already finished (done or poison): there is nothing left to cancel."""
+
+    code = "not_cancellable"

@@ -2,13 +2,19 @@
 no clock, no randomness — `now`, tokens and ids are parameters, so every rule is testable alone
 and every backend (SQLite, PostgreSQL) applies the very same rules.
 
-Statuses: `pending → in_progress → done | poison`.
+Statuses: `pending → in_progress → done | poison | cancelled`.
 
     pending ──claim──▶ in_progress ──complete──▶ done   (a result, or an expected error: an answer)
-       ▲                  │  │
-       │◀──fail (backoff)─┘  └──fail / lease lapsed with dequeue_count ≥ max_dequeues──▶ poison
-       │◀──────────────── lease lapsed: claimable again as it stands (that IS the retry) ─┘
-       └──replay_poison (by hand) / rerun (on purpose) ◀── poison / done
+       ▲  │               │  │
+       │  │◀─fail(backoff)┘  └──fail / lease lapsed with dequeue_count ≥ max_dequeues──▶ poison
+       │  │◀─────────────── lease lapsed: claimable again as it stands (that IS the retry) ─┘
+       │  └──cancel──▶ cancelled ◀──holder stops (fail) / lease lapses── in_progress,
+       │                                                                   cancel_requested
+       └──replay_poison (by hand) / rerun (on purpose) ◀── poison / done / cancelled
+
+Cancelling a pending request finishes it at once; cancelling one in progress only marks it
+`cancel_requested` (its holder is running it: the row says so until the holder stops, learning
+of it at its next heartbeat, or its lease lapses). Done and poison rows are not cancellable.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from cv_server.config import ServerConfig
 from cv_server.queue.errors import (
     InvalidTransition,
     LeaseLost,
+    NotCancellable,
     QueueError,
+    RequestCancelled,
     RequestIdConflict,
     RequestNotFound,
 )
@@ -33,6 +41,7 @@ from cv_server.queue.errors import (
 __all__ = [
     "FINISHED_STATUSES",
     "LIVE_STATUSES",
+    "STATUSES",
     "BatchCompletion",
     "CacheOutcome",
     "Completion",
@@ -42,6 +51,7 @@ __all__ = [
     "RequestEvent",
     "RequestStatus",
     "Transition",
+    "cancel",
     "check_cache",
     "check_lease",
     "claim",
@@ -52,21 +62,27 @@ __all__ = [
     "fail",
     "fence",
     "heartbeat",
+    "input_differs",
     "is_claimable",
     "is_exhausted",
+    "is_parked_on_lapse",
     "new_row",
+    "park_lapsed",
     "poison_exhausted",
     "random_request_id",
     "replay_poison",
+    "unclaimed_seconds",
 ]
 
-RequestStatus = Literal["pending", "in_progress", "done", "poison"]
+RequestStatus = Literal["pending", "in_progress", "done", "poison", "cancelled"]
 CacheOutcome = Literal["hit", "miss"]
 
 #: A request that may still run: an identical enqueue coalesces into it.
 LIVE_STATUSES: Final[tuple[RequestStatus, ...]] = ("pending", "in_progress")
 #: A request that will not run again unless someone asks on purpose (rerun, replay).
-FINISHED_STATUSES: Final[tuple[RequestStatus, ...]] = ("done", "poison")
+FINISHED_STATUSES: Final[tuple[RequestStatus, ...]] = ("done", "poison", "cancelled")
+#: Every status, in lifecycle order (what the list route and the CLI accept).
+STATUSES: Final[tuple[RequestStatus, ...]] = (*LIVE_STATUSES, *FINISHED_STATUSES)
 
 #: Prefix and version of the deterministic id recipe; bump the version if the recipe ever changes
 #: (a changed recipe would fork every request enqueued before the upgrade).
@@ -143,7 +159,9 @@ class ProcessRequest:
     write op_ids from `(request_id, run, write key)`, so attempts of one run dedupe their writes,
     while a rerun on purpose writes again. `claim_token` stays on a finished row so that the
     holder's retried `complete`/`fail` is answered, not refused; it is never shown to enqueuers
-    (`to_json()` leaves it out).
+    (`to_json()` leaves it out). `cancel_requested` is set when someone cancels the request
+    while a holder runs it: the holder's next heartbeat is refused (`RequestCancelled`), and the
+    row turns `cancelled` when the holder reports back or its lease lapses.
     """
 
     request_id: str
@@ -169,6 +187,7 @@ class ProcessRequest:
     claimed_at: float | None
     finished_at: float | None
     telemetry: Any
+    cancel_requested: bool = False
 
     @property
     def is_live(self) -> bool:
@@ -178,11 +197,19 @@ class ProcessRequest:
     def is_finished(self) -> bool:
         return self.status in FINISHED_STATUSES
 
-    def to_json(self, *, include_claim_token: bool = False) -> dict[str, Any]:
-        """The row as JSON. The claim token is a capability: only its holder may see it."""
+    def to_json(
+        self, *, include_claim_token: bool = False, now: float | None = None
+    ) -> dict[str, Any]:
+        """The row as JSON. The claim token is a capability: only its holder may see it.
+
+        Given `now` (on the store's clock), the row also says how long it has waited
+        unclaimed (`unclaimed_seconds`, see `unclaimed_seconds`): a request for a stage no
+        worker serves shows a figure that only grows."""
         data = dataclasses.asdict(self)
         if not include_claim_token:
             del data["claim_token"]
+        if now is not None:
+            data["unclaimed_seconds"] = unclaimed_seconds(self, now)
         return data
 
 
@@ -297,6 +324,18 @@ def decide_enqueue(
     return Enqueued(reopened, coalesced=False), True
 
 
+def input_differs(answer: Enqueued, req: NewRequest) -> bool:
+    """True when `answer` coalesced `req` into a row whose stored input is not the one `req`
+    sent: the caller's input was not used (the id leaves the input out, seed 000), which its
+    answer must say. Compared as canonical JSON, type for type (`1`, `1.0` and `true` differ;
+    the order of an object's members does not)."""
+    return answer.coalesced and _canonical(answer.row.input) != _canonical(req.input)
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 # -- claim -----------------------------------------------------------------------------------------
 
 
@@ -308,6 +347,22 @@ def is_claimable(row: ProcessRequest, now: float) -> bool:
     if row.status == "in_progress":
         return row.lease_expires_at is not None and row.lease_expires_at < now
     return False
+
+
+def unclaimed_seconds(row: ProcessRequest, now: float) -> float | None:
+    """Seconds `row` has been claimable without any worker claiming it, at `now`: since it
+    became available (a pending row) or since its lease lapsed (a row whose worker died); 0 for
+    a pending row still in its failure backoff. None for a row a worker holds or that finished.
+    """
+    if row.status == "pending":
+        since = row.available_at
+    elif row.status == "in_progress" and row.lease_expires_at is not None:
+        if row.lease_expires_at >= now:
+            return None  # held, its lease alive
+        since = row.lease_expires_at
+    else:
+        return None
+    return max(0.0, now - since)
 
 
 def is_exhausted(row: ProcessRequest) -> bool:
@@ -324,7 +379,7 @@ def claim(
     `poison_exhausted` instead). The fresh token fences out the previous holder, if any.
     """
     check_lease(lease)
-    if not is_claimable(row, now) or is_exhausted(row):
+    if not is_claimable(row, now) or is_exhausted(row) or row.cancel_requested:
         raise InvalidTransition(f"request {row.request_id!r} is not claimable")
     return dataclasses.replace(
         row,
@@ -335,6 +390,20 @@ def claim(
         lease_expires_at=now + lease,
         dequeue_count=row.dequeue_count + 1,
     )
+
+
+def is_parked_on_lapse(row: ProcessRequest) -> bool:
+    """A claimable row that must not run again: dequeued `max_dequeues` times (to poison), or
+    cancelled while its holder ran it (to cancelled). A claim parks it instead of claiming it."""
+    return is_exhausted(row) or row.cancel_requested
+
+
+def park_lapsed(row: ProcessRequest, now: float) -> ProcessRequest:
+    """Park a lapsed row of `is_parked_on_lapse`: `cancelled` if a cancel was asked for (the
+    holder died before it heard), else `poison` (`poison_exhausted`)."""
+    if row.cancel_requested:
+        return _cancelled(row, now)
+    return poison_exhausted(row, now)
 
 
 def poison_exhausted(row: ProcessRequest, now: float) -> ProcessRequest:
@@ -367,6 +436,10 @@ def heartbeat(row: ProcessRequest, claim_token: str, lease: float, now: float) -
     """Extend the holder's lease to `now + lease`."""
     check_lease(lease)
     fence(row, claim_token)
+    if row.cancel_requested:
+        # Not extended: a holder that dies before it reports back leaves a lapsing lease, and
+        # the next claim then parks the row as cancelled (`park_lapsed`).
+        raise RequestCancelled(f"request {row.request_id!r} was cancelled: stop and report back")
     return dataclasses.replace(row, lease_expires_at=now + lease)
 
 
@@ -415,9 +488,11 @@ def fail(
     retried `fail` finds its own token still on the row and gets the row back unchanged.
     """
     check_lease(backoff, "backoff")
-    if row.status in ("pending", "poison") and row.claim_token == claim_token:
+    if row.status in ("pending", "poison", "cancelled") and row.claim_token == claim_token:
         return Transition(row, changed=False)
     fence(row, claim_token)
+    if row.cancel_requested:  # the holder stopped on a cancel (or failed meanwhile): no retry
+        return Transition(dataclasses.replace(_cancelled(row, now), error=error), changed=True)
     if is_exhausted(row):
         parked = dataclasses.replace(
             row, status="poison", lease_expires_at=None, error=error, finished_at=now
@@ -479,6 +554,33 @@ def complete_batch(
 
 
 # -- operator --------------------------------------------------------------------------------------
+
+
+def cancel(row: ProcessRequest, now: float) -> Transition:
+    """Cancel `row` at `now`.
+
+    - pending (or in progress under a lapsed lease: no live holder) → `cancelled` at once;
+    - in progress under a live lease → `cancel_requested`, the row otherwise unchanged: its
+      holder hears of it at its next heartbeat, stops, and reports back (`fail`), which
+      finishes the row as `cancelled` (`park_lapsed` does it if the holder dies first);
+    - already cancelled, or already `cancel_requested` → unchanged (cancelling twice is safe);
+    - done or poison → `NotCancellable`.
+    """
+    if row.status == "cancelled":
+        return Transition(row, changed=False)
+    if row.status in ("done", "poison"):
+        raise NotCancellable(f"request {row.request_id!r} is {row.status}: nothing to cancel")
+    if row.status == "pending" or is_claimable(row, now):  # nobody holds it
+        return Transition(_cancelled(row, now), changed=True)
+    if row.cancel_requested:
+        return Transition(row, changed=False)
+    return Transition(dataclasses.replace(row, cancel_requested=True), changed=True)
+
+
+def _cancelled(row: ProcessRequest, now: float) -> ProcessRequest:
+    """`row` finished as cancelled. The claim token stays, as on every finished row, so the
+    last holder's retried `fail` is answered rather than refused."""
+    return dataclasses.replace(row, status="cancelled", lease_expires_at=None, finished_at=now)
 
 
 def replay_poison(row: ProcessRequest, now: float) -> ProcessRequest:

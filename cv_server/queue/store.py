@@ -53,9 +53,13 @@ class QueueStore(abc.ABC):
       claimers on several connections or processes; never a row dequeued `max_dequeues` times;
     - `heartbeat`, `complete` and `fail` are fenced by the `claim_token` of the latest claim: any
       other token raises `LeaseLost` and writes nothing;
-    - every committed status change (enqueue, claim, done, back to pending, poison, replay) is
-      announced to listeners after its commit, never before, so a listener that reads the row
-      sees the change. A caller cancelled mid-verb does not stop the write nor its announcement.
+    - `cancel` finishes a pending request at once and marks one in progress `cancel_requested`:
+      its holder's heartbeat is then refused with `RequestCancelled`, its `fail` finishes the
+      row as `cancelled`, and a claim that finds its lease lapsed parks it as `cancelled`;
+    - every committed status change (enqueue, claim, done, back to pending, poison, cancelled,
+      replay) is announced to listeners after its commit, never before, so a listener that
+      reads the row sees the change. A caller cancelled mid-verb does not stop the write nor
+      its announcement.
     """
 
     def __init__(self) -> None:
@@ -190,7 +194,8 @@ class QueueStore(abc.ABC):
         """Extend the lease to `now + lease`; return the row.
 
         Raises `LeaseLost` if `claim_token` no longer holds the request: stop the stage's writes.
-        Raises `RequestNotFound` for an unknown id.
+        Raises `RequestCancelled` (the lease not extended) if someone cancelled it: stop the
+        stage and report back with `fail`. Raises `RequestNotFound` for an unknown id.
         """
 
     async def complete(
@@ -230,7 +235,9 @@ class QueueStore(abc.ABC):
         self, request_id: str, claim_token: str, error: Any, backoff: float, now: float | None
     ) -> ProcessRequest:
         """Record an unexpected error: the row is pending again from `now + backoff`, or poison
-        if it was dequeued `max_dequeues` times. Raises like `heartbeat`."""
+        if it was dequeued `max_dequeues` times — or `cancelled` if a cancel was requested
+        meanwhile (the holder's report after it stopped on `RequestCancelled`). Raises
+        `LeaseLost` / `RequestNotFound` like `heartbeat`."""
 
     # -- operators --------------------------------------------------------------------------------
 
@@ -239,6 +246,14 @@ class QueueStore(abc.ABC):
         """Put a poison request back in the queue by hand, its dequeue count reset.
 
         Raises `RequestNotFound`, or `InvalidTransition` if the request is not poison.
+        """
+
+    @abc.abstractmethod
+    async def cancel(self, request_id: str, now: float | None) -> ProcessRequest:
+        """Cancel the request (`model.cancel`); return the row after it: `cancelled`, or still
+        in progress with `cancel_requested`. Cancelling twice changes nothing more.
+
+        Raises `RequestNotFound`, or `NotCancellable` if the request is done or poison.
         """
 
     @abc.abstractmethod

@@ -85,6 +85,17 @@ class SQLiteBlobStore(BlobStore):
 
         return await self._db.read(read)
 
+    async def size(self, workspace_id: str, blob_ref: str, now: float) -> int | None:
+        def read(conn: sqlite3.Connection) -> int | None:
+            row = conn.execute(
+                f"SELECT size FROM {TABLE} "
+                "WHERE workspace_id = ? AND blob_ref = ? AND expires_at > ?",
+                (workspace_id, blob_ref, now),
+            ).fetchone()
+            return None if row is None else int(row[0])
+
+        return await self._db.read(read)
+
     async def sweep(self, now: float, *, limit: int | None = None) -> int:
         check_sweep_limit(limit)
 

@@ -63,6 +63,9 @@ _LEASE_EXPIRES_AT: Final = _COLUMNS.index("lease_expires_at")
 _CREATED_AT: Final = _COLUMNS.index("created_at")
 _DEQUEUES: Final = _COLUMNS.index("dequeue_count")
 _MAX_DEQUEUES: Final = _COLUMNS.index("max_dequeues")
+_CANCEL_REQUESTED: Final = _COLUMNS.index("cancel_requested")
+#: Stored as 0/1 (SQLite has no boolean type).
+_BOOL_COLUMNS: Final = frozenset({"cancel_requested"})
 #: A probe also selects the rowid, after the columns: the enqueue order that breaks ties.
 _ROWID: Final = len(_COLUMNS)
 #: Page size of `get_many`: far below SQLite's bound on host parameters.
@@ -121,6 +124,7 @@ def create_schema(db: sqlite_utils.Database) -> None:
             "claimed_at": float,
             "finished_at": float,
             "telemetry": str,
+            "cancel_requested": int,
         },
         pk="request_id",
         not_null={
@@ -134,9 +138,14 @@ def create_schema(db: sqlite_utils.Database) -> None:
             "dequeue_count",
             "max_dequeues",
             "created_at",
+            "cancel_requested",
         },
+        defaults={"cancel_requested": 0},
         if_not_exists=True,
     )
+    # A file made before cancelling existed lacks the column: every row of it is uncancelled.
+    if "cancel_requested" not in db.table(TABLE).columns_dict:
+        db.table(TABLE).add_column("cancel_requested", int, not_null_default=0)
     # Partial indexes need a WHERE clause, which sqlite-utils' create_index cannot express.
     # Each holds only the rows of one status, so it stays the size of the live backlog, not of
     # the whole history of done rows.
@@ -164,6 +173,8 @@ def _dumps(value: Any) -> str | None:
 
 
 def _to_db(column: str, value: Any) -> Any:
+    if column in _BOOL_COLUMNS:
+        return int(bool(value))
     return _dumps(value) if column in _JSON_COLUMNS else value
 
 
@@ -172,6 +183,8 @@ def _row(values: Sequence[Any]) -> ProcessRequest:
     for column in _JSON_COLUMNS:
         raw = data[column]
         data[column] = None if raw is None else json.loads(raw)
+    for column in _BOOL_COLUMNS:
+        data[column] = bool(data[column])
     return ProcessRequest(**data)
 
 
@@ -265,7 +278,7 @@ def _now(now: float | None) -> float:
 
 class SQLiteQueueStore(QueueStore):
     """`QueueStore` on a `SQLiteDatabase` whose schema includes `create_schema` (and, to complete
-    idempotency keys with an enqueue, `idempotency_sqlite.create_schema`)."""
+    idempotency keys with an enqueue, `cv_server.sqlite.idempotency.create_schema`)."""
 
     def __init__(
         self, db: SQLiteDatabase, *, new_token: Callable[[], str] = new_claim_token
@@ -407,11 +420,16 @@ class SQLiteQueueStore(QueueStore):
             events: builtins.list[RequestEvent] = []
             while True:
                 found = _claimable_candidates(tx, classes, workspaces, now, limit)
-                exhausted = [_probed(raw) for raw in found if raw[_DEQUEUES] >= raw[_MAX_DEQUEUES]]
-                if exhausted:
-                    # Their last allowed worker died: park them, then look again.
-                    for row in exhausted:
-                        parked = model.poison_exhausted(row, now)
+                doomed = [
+                    _probed(raw)
+                    for raw in found
+                    if raw[_DEQUEUES] >= raw[_MAX_DEQUEUES] or raw[_CANCEL_REQUESTED]
+                ]
+                if doomed:
+                    # Their last allowed worker died, or a cancelled one's holder died before it
+                    # heard: park them (`model.park_lapsed`), then look again.
+                    for row in doomed:
+                        parked = model.park_lapsed(row, now)
                         _update(tx, row, parked)
                         events.append(RequestEvent.of(parked))
                     continue
@@ -488,6 +506,19 @@ class SQLiteQueueStore(QueueStore):
             replayed = model.replay_poison(row, now)
             _update(tx, row, replayed)
             return replayed, [RequestEvent.of(replayed)]
+
+        return await self._write(job)
+
+    async def cancel(self, request_id: str, now: float | None) -> ProcessRequest:
+        now = _now(now)
+
+        def job(tx: Transaction) -> tuple[ProcessRequest, list[RequestEvent]]:
+            row = _select(tx, request_id)
+            after, changed = model.cancel(row, now)
+            if not changed:
+                return after, []
+            _update(tx, row, after)
+            return after, [RequestEvent.of(after)]
 
         return await self._write(job)
 

@@ -45,6 +45,7 @@ from cv_workspace_client import (
     OpRejectedError,
     ProtocolError,
     RateLimitedError,
+    RequestCancelledError,
     ServerError,
     StillPendingError,
     WorkspaceClient,
@@ -434,11 +435,14 @@ EXPECTED: dict[str, type[WorkspaceError]] = {
     "lease_lost": LeaseLostError,
     "invalid_transition": InvalidRequestError,
     "request_id_conflict": InvalidRequestError,
+    "cancelled": RequestCancelledError,
+    "not_cancellable": InvalidRequestError,
+    "result_too_large": InvalidRequestError,
     "internal": ServerError,
     "unavailable": ServerError,
 }
 #: Where a websocket `error` frame (no status) must differ: the queue's codes never travel there.
-EXPECTED_FRAME = {**EXPECTED, "lease_lost": InvalidRequestError}
+EXPECTED_FRAME = {**EXPECTED, "lease_lost": InvalidRequestError, "cancelled": InvalidRequestError}
 
 
 def _string_args(node: ast.Call) -> list[object]:

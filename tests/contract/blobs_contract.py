@@ -32,6 +32,15 @@ class BlobsContract:
         ref = await store.put(WS, data, 1.0)
         assert await store.get(WS, ref, 2.0) == data
 
+    async def test_size_tells_whether_get_would_find_the_blob(self, store: BlobStore) -> None:
+        ref = await store.put(WS, b"x" * 3000, 10.0)
+        assert await store.size(WS, ref, 11.0) == 3000
+        assert await store.size(OTHER_WS, ref, 11.0) is None
+        assert await store.size(WS, "b_unknown", 11.0) is None
+        assert await store.size(WS, ref, 10.0 + RETENTION) is None  # expired, not yet swept
+        empty = await store.put(WS, b"", 10.0)
+        assert await store.size(WS, empty, 11.0) == 0
+
     async def test_an_empty_blob_is_a_blob(self, store: BlobStore) -> None:
         ref = await store.put(WS, b"", 1.0)
         assert await store.get(WS, ref, 2.0) == b""

@@ -26,9 +26,11 @@ from cv_server.queue import (
     KeyCompletion,
     LeaseLost,
     NewRequest,
+    NotCancellable,
     Owned,
     ProcessRequest,
     QueueStore,
+    RequestCancelled,
     RequestEvent,
     RequestIdConflict,
     RequestNotFound,
@@ -558,6 +560,126 @@ class QueueContract:
         assert [r.job_id for r in await store.list(workspace_id=OTHER_WS)] == ["theirs"]
         assert [r.job_id for r in await store.list(limit=2)] == ["job-0", "job-1"]
         assert await store.list(status="done") == []
+
+    # -- cancel -----------------------------------------------------------------------------------
+
+    async def test_a_cancelled_pending_request_finishes_at_once_and_is_never_claimed(
+        self, store: QueueStore
+    ) -> None:
+        heard: list[str] = []
+        store.add_listener(lambda e: heard.append(e.status))
+        row, _ = await store.enqueue(request(), 1.0)
+        cancelled = await store.cancel(row.request_id, 2.0)
+        assert (cancelled.status, cancelled.finished_at, cancelled.cancel_requested) == (
+            "cancelled",
+            2.0,
+            False,
+        )
+        assert await store.get(WS, row.request_id) == cancelled
+        assert await store.claim(STAGE, "w", LEASE, 10_000.0) is None
+        assert heard == ["pending", "cancelled"]
+        assert [r.request_id for r in await store.list(status="cancelled")] == [row.request_id]
+        # Cancelling twice changes nothing; a plain re-enqueue answers the cancelled row and a
+        # rerun re-opens it on purpose as its next run.
+        assert await store.cancel(row.request_id, 3.0) == cancelled
+        again, coalesced = await store.enqueue(request(), 4.0)
+        assert coalesced
+        assert again.status == "cancelled"
+        rerun, coalesced = await store.enqueue(request(), 5.0, rerun=True)
+        assert (rerun.status, rerun.run, rerun.cancel_requested, coalesced) == (
+            "pending",
+            2,
+            False,
+            False,
+        )
+
+    async def test_a_backed_off_pending_request_is_cancelled_at_once(
+        self, store: QueueStore
+    ) -> None:
+        await store.enqueue(request(), 1.0)
+        held = await self.claimed(store, 1.0)
+        await store.fail(held.request_id, held.claim_token or "", {"code": "x"}, BACKOFF, 2.0)
+        cancelled = await store.cancel(held.request_id, 3.0)  # still inside its backoff
+        assert cancelled.status == "cancelled"
+        # The last holder's retried fail is answered with the row, not refused.
+        retried = await store.fail(held.request_id, held.claim_token or "", {"code": "x"}, 0, 4.0)
+        assert retried == cancelled
+
+    async def test_a_cancel_in_progress_is_heard_at_the_holders_next_heartbeat(
+        self, store: QueueStore
+    ) -> None:
+        await store.enqueue(request(), 1.0)
+        held = await self.claimed(store, 1.0)
+        token = held.claim_token or ""
+        asked = await store.cancel(held.request_id, 2.0)
+        assert (asked.status, asked.cancel_requested) == ("in_progress", True)
+        assert asked.lease_expires_at == held.lease_expires_at
+        assert await store.cancel(held.request_id, 2.5) == asked  # asking twice: no change
+        with pytest.raises(LeaseLost):  # fenced like every holder verb
+            await store.heartbeat(held.request_id, "not-the-token", LEASE, 3.0)
+        with pytest.raises(RequestCancelled):
+            await store.heartbeat(held.request_id, token, LEASE, 3.0)
+        unextended = await store.get(WS, held.request_id)
+        assert unextended == asked  # the refused heartbeat extended nothing
+        with pytest.raises(LeaseLost):
+            await store.fail(held.request_id, "not-the-token", {"code": "x"}, BACKOFF, 4.0)
+        stopped = await store.fail(held.request_id, token, {"code": "cancelled"}, BACKOFF, 4.0)
+        assert (stopped.status, stopped.finished_at, stopped.error) == (
+            "cancelled",
+            4.0,
+            {"code": "cancelled"},
+        )
+        assert await store.claim(STAGE, "w", LEASE, 10_000.0) is None
+
+    async def test_a_holder_that_finished_before_hearing_of_the_cancel_completes(
+        self, store: QueueStore
+    ) -> None:
+        await store.enqueue(request(), 1.0)
+        held = await self.claimed(store, 1.0)
+        await store.cancel(held.request_id, 2.0)
+        done = await store.complete(held.request_id, held.claim_token or "", {"ok": 1}, 3.0)
+        assert (done.status, done.result, done.cancel_requested) == ("done", {"ok": 1}, True)
+
+    async def test_a_cancelled_request_whose_holder_died_is_parked_as_cancelled(
+        self, store: QueueStore
+    ) -> None:
+        heard: list[str] = []
+        await store.enqueue(request("dead"), 1.0)
+        held = await self.claimed(store, 1.0)
+        await store.cancel(held.request_id, 2.0)
+        await store.enqueue(request("next"), 3.0)
+        store.add_listener(lambda e: heard.append(e.status))
+        lapsed = (held.lease_expires_at or 0.0) + 1
+        claimed = await self.claimed(store, lapsed)
+        assert claimed.job_id == "next"  # the cancelled one is never handed out again
+        parked = await store.get(WS, held.request_id)
+        assert parked is not None
+        assert (parked.status, parked.finished_at, parked.dequeue_count) == (
+            "cancelled",
+            lapsed,
+            1,
+        )
+        assert "cancelled" in heard
+        # A cancel that finds the lease already lapsed cancels at once.
+        await store.enqueue(request("late"), lapsed)
+        late = await self.claimed(store, lapsed)
+        now = (late.lease_expires_at or 0.0) + 1
+        assert (await store.cancel(late.request_id, now)).status == "cancelled"
+
+    async def test_done_and_poison_requests_are_not_cancellable(self, store: QueueStore) -> None:
+        await store.enqueue(request("done"), 1.0)
+        held = await self.claimed(store, 1.0)
+        done = await store.complete(held.request_id, held.claim_token or "", None, 2.0)
+        await store.enqueue(request("poison", max_dequeues=1), 3.0)
+        doomed = await self.claimed(store, 3.0)
+        poison = await store.fail(doomed.request_id, doomed.claim_token or "", None, 0, 4.0)
+        assert poison.status == "poison"
+        for row in (done, poison):
+            with pytest.raises(NotCancellable):
+                await store.cancel(row.request_id, 5.0)
+            assert await store.get(WS, row.request_id) == row
+        with pytest.raises(RequestNotFound):
+            await store.cancel("d_missing", 5.0)
 
     # -- notifications ----------------------------------------------------------------------------
 

@@ -4,8 +4,9 @@ Hypothesis drives one store and an in-memory oracle built from `cv_server.queue.
 same random program — enqueues (deterministic and random ids, reruns, ids of another workspace),
 claims and batch claims (several worker classes, a class nobody claims, workspace filters),
 heartbeats, completions and failures with the current, a stale or a bogus token, poison replays,
-listings, and time jumping to the exact instant a lease lapses or a backoff ends — and compares
-every field of every row after every step, type for type (JSON `1`, `1.0` and `true` differ).
+cancels, listings, and time jumping to the exact instant a lease lapses or a backoff ends — and
+compares every field of every row after every step, type for type (JSON `1`, `1.0` and `true`
+differ).
 
 The model leaves one thing open that the seed does not: which of several claimable rows a claim
 takes. The oracle uses the stores' documented order — by when the row became claimable
@@ -262,9 +263,9 @@ def queue_machine(open_queue: QueueOpener) -> type[RuleBasedStateMachine]:
                 and (workspaces is None or row.workspace_id in workspaces)
                 and model.is_claimable(row, self.now)
             ]
-            doomed = [row for row in in_scope if model.is_exhausted(row)]
+            doomed = [row for row in in_scope if model.is_parked_on_lapse(row)]
             wanted = sorted(
-                (row for row in in_scope if not model.is_exhausted(row)),
+                (row for row in in_scope if not model.is_parked_on_lapse(row)),
                 key=lambda row: claim_order(row, self.seq[row.request_id]),
             )[:limit]
             if single:
@@ -290,15 +291,15 @@ def queue_machine(open_queue: QueueOpener) -> type[RuleBasedStateMachine]:
                 assert canonical(held) == canonical(after)
                 self.rows[held.request_id] = after
                 self.tokens.setdefault(held.request_id, []).append(token)
-            # A lapsed row out of attempts is never handed out; a store may park it as poison
-            # now or on a later claim (PostgreSQL parks up to `limit` of them at a time).
+            # A lapsed row out of attempts (or cancelled) is never handed out; a store may park
+            # it now or on a later claim (PostgreSQL parks up to `limit` of them at a time).
             if doomed:
                 stored = {
                     row.request_id: row
                     for row in self.run(self.store.get_many([row.request_id for row in doomed]))
                 }
                 for row in doomed:
-                    parked = model.poison_exhausted(row, self.now)
+                    parked = model.park_lapsed(row, self.now)
                     now_stored = canonical(stored[row.request_id])
                     assert now_stored in (canonical(row), canonical(parked)), row.request_id
                     if now_stored == canonical(parked):
@@ -411,6 +412,15 @@ def queue_machine(open_queue: QueueOpener) -> type[RuleBasedStateMachine]:
                 lambda: self.store.replay_poison(request_id, self.now),
             )
 
+        @rule(data=st.data())
+        def cancel(self, data: st.DataObject) -> None:
+            request_id = self.pick_id(data)
+            self.verb(
+                request_id,
+                lambda row: model.cancel(row, self.now).row,
+                lambda: self.store.cancel(request_id, self.now),
+            )
+
         def verb(
             self,
             request_id: str,
@@ -459,7 +469,7 @@ def queue_machine(open_queue: QueueOpener) -> type[RuleBasedStateMachine]:
         # -- operators ----------------------------------------------------------------------------
 
         @rule(
-            status=st.sampled_from([None, "pending", "in_progress", "done", "poison"]),
+            status=st.sampled_from([None, *model.STATUSES]),
             workspace=st.sampled_from([None, *WORKSPACES]),
             limit=st.integers(0, 4),
         )

@@ -4,6 +4,7 @@ channel of the test's own."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import asyncpg  # type: ignore[import-untyped]
@@ -14,7 +15,7 @@ from cv_server.pg import Notifier, create_pool
 from cv_server.pg.idempotency import PostgresIdempotencyStore
 from cv_server.pg.queue import PostgresQueueStore
 from cv_server.queue import IdempotencyStore, QueueStore
-from tests.contract.queue_contract import QueueContract
+from tests.contract.queue_contract import QueueContract, request
 from tests.pg.helpers import settings_for
 
 pytestmark = pytest.mark.postgres
@@ -58,3 +59,16 @@ class TestPostgresQueueStore(QueueContract):
         keys = PostgresIdempotencyStore(pool, retention=CONFIG.idempotency_retention_seconds)
         yield keys
         await keys.close()
+
+    async def test_a_cancel_is_heard_by_waiters_on_another_instance(
+        self, store: QueueStore, peer_store: QueueStore
+    ) -> None:
+        row, _ = await store.enqueue(request(), 1.0)
+        heard = asyncio.Event()
+        peer_store.add_listener(
+            lambda e: (
+                heard.set() if (e.request_id, e.status) == (row.request_id, "cancelled") else None
+            )
+        )
+        await store.cancel(row.request_id, 2.0)
+        await asyncio.wait_for(heard.wait(), timeout=10)

@@ -128,3 +128,19 @@ async def test_every_claim_probe_is_an_index_seek(tmp_path: Path) -> None:
             assert steps[0].startswith(f"SEARCH {TABLE} USING INDEX"), (name, steps)
     finally:
         await db.close()
+
+
+async def test_a_file_made_before_cancelling_existed_gains_the_column(tmp_path: Path) -> None:
+    path = tmp_path / "queue.db"
+    db = await SQLiteDatabase.open(path, schema=schema)
+    row, _ = await SQLiteQueueStore(db).enqueue(request(), 1.0)
+    await db.close()
+    with sqlite3.connect(path) as conn:  # the table as an older release made it
+        conn.execute(f"ALTER TABLE {TABLE} DROP COLUMN cancel_requested")
+    db = await SQLiteDatabase.open(path, schema=schema)
+    try:
+        store = SQLiteQueueStore(db)
+        assert await store.get(WS, row.request_id) == row
+        assert (await store.cancel(row.request_id, 2.0)).status == "cancelled"
+    finally:
+        await db.close()

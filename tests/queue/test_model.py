@@ -240,3 +240,23 @@ def test_a_nonsensical_lease_or_backoff_is_refused(bad: float) -> None:
         model.claim(row, claim_token="t", worker_id="w", lease=bad, now=1.0)
     with pytest.raises(ValueError, match="backoff"):
         model.fail(claimed(row, 1.0), "t1", None, bad, 2.0)
+
+
+# -- how long a request has waited unclaimed -------------------------------------------------------
+
+
+def test_a_row_says_how_long_it_has_been_claimable_without_a_claim() -> None:
+    row = model.new_row(new_request(), 10.0)
+    assert model.unclaimed_seconds(row, 25.0) == 15.0
+    assert row.to_json(now=25.0)["unclaimed_seconds"] == 15.0
+    assert "unclaimed_seconds" not in row.to_json()  # only when the caller knows the time
+    held = claimed(row, 30.0)
+    assert model.unclaimed_seconds(held, 31.0) is None  # a live lease: someone works on it
+    lapsed_at = 30.0 + LEASE
+    assert model.unclaimed_seconds(held, lapsed_at + 4.0) == 4.0  # its worker died
+    backed_off = model.fail(held, "t1", {"code": "x"}, BACKOFF, 40.0).row
+    assert model.unclaimed_seconds(backed_off, 41.0) == 0.0  # waiting out its backoff
+    assert model.unclaimed_seconds(backed_off, 40.0 + BACKOFF + 2.0) == 2.0
+    done = model.complete(claimed(row, 30.0), "t1", None, 50.0).row
+    assert model.unclaimed_seconds(done, 60.0) is None
+    assert model.unclaimed_seconds(model.cancel(row, 60.0).row, 70.0) is None

@@ -122,7 +122,7 @@ async def test_the_same_key_in_other_requests_sub_docs_and_workspaces_never_coll
     assert len(op_ids) == 8
 
 
-async def test_a_key_reused_for_a_different_op_is_refused_and_the_request_ends_poisoned(
+async def test_a_key_reused_for_a_different_op_is_refused_and_completes_with_the_refusal(
     make_server: MakeServer,
 ) -> None:
     server = await make_server(failure_backoff_seconds=0.0)
@@ -146,9 +146,11 @@ async def test_a_key_reused_for_a_different_op_is_refused_and_the_request_ends_p
             )
             outcome = await api.wait_request(client, WS, answer.request_id, timeout=30)
         _, state = await client.get_state(WS, "tree")
-    assert seen == [(1, False, "op_id_reuse"), (2, True, "op_id_reuse")]
-    assert outcome.status == "poison"
+    # A refusal for good is the request's answer (docs/queue.md): one attempt, no retry.
+    assert seen == [(1, False, "op_id_reuse")]
+    assert outcome.status == "done"
     assert outcome.error["code"] == "op_id_reuse"
+    assert outcome.error["details"]["op"]["key"] == "k"
     assert state.nodes["c"].fields == {"n": 1}  # the first write once; the second never
 
 
@@ -321,18 +323,19 @@ async def test_an_expected_error_with_non_json_details_is_still_an_answer_never_
     assert (worker.stats.expected_errors, worker.stats.failed) == (1, 0)
 
 
-async def test_a_result_larger_than_the_server_accepts_fails_at_once_instead_of_waiting_a_lease(
+async def test_a_completion_refused_for_good_completes_with_the_refusal_instead_of_a_lease_wait(
     make_server: MakeServer,
 ) -> None:
-    # The completion is refused for good (413): the request must fail (backoff, then poison) with
-    # a clear code now, not sit unacknowledged in progress until its 120 s lease lapses.
+    # The completion is refused for good (413: an error payload past the body limit; results
+    # go through the upload): the request must complete with a clear code now, once, not sit
+    # unacknowledged in progress until its 120 s lease lapses nor be re-run toward poison.
     server = await make_server(max_body_bytes=128 * 1024, failure_backoff_seconds=0.0)
     calls = 0
 
     async def huge(ctx: StageContext) -> Any:
         nonlocal calls
         calls += 1
-        return "x" * (256 * 1024)
+        raise ExpectedError("bad_input", "too much to say", details="x" * (256 * 1024))
 
     async with open_client(server) as client:
         worker = Worker(client, {"huge": huge}, config=FAST)
@@ -341,10 +344,10 @@ async def test_a_result_larger_than_the_server_accepts_fails_at_once_instead_of_
                 client, WS, {"stage": "huge", "job_id": "J1", "max_dequeues": 2}
             )
             outcome = await api.wait_request(client, WS, answer.request_id, timeout=10)
-    assert outcome.status == "poison"
+    assert outcome.status == "done"
     assert outcome.error["code"] == "result_refused"
     assert "body_too_large" in outcome.error["message"]
-    assert calls == 2
+    assert calls == 1
     assert worker.stats.completed == 0
 
 
