@@ -254,7 +254,9 @@ class PostgresOpLogStore(OpLogStore):
                 # The head, the snapshot and the log read in one snapshot of the database, so
                 # the state must end exactly at the head: a snapshot (or a cache) ahead of the
                 # log is rebuilt or reported as corruption, never served as a state that is
-                # not durable (it used to be returned as is).
+                # not durable (`test_a_snapshot_ahead_of_the_log_is_reported_as_corruption_by_
+                # get_state`, `test_a_cache_ahead_of_a_rewound_log_is_rebuilt_by_get_state_not_
+                # served`).
                 async with conn.transaction(isolation="repeatable_read", readonly=True):
                     head = await sql.read_head(conn, workspace_id, sub_doc)
                     doc = await self._caught_up(conn, key, lane, head)
@@ -344,9 +346,9 @@ class PostgresOpLogStore(OpLogStore):
                 group = []
         except BaseException as exc:
             # Only what `except Exception` lets through gets here (the drainer cancelled,
-            # KeyboardInterrupt): without this, the group in flight and the appends queued
-            # behind it were never answered and their callers hung forever. Answer them with
-            # an ordinary error (not CancelledError: their callers were not cancelled).
+            # KeyboardInterrupt). Every append in flight or queued behind it is answered, with
+            # an ordinary error (not CancelledError: its caller was not cancelled); pinned by
+            # `test_a_cancelled_drainer_fails_its_appends_instead_of_leaving_them_hanging`.
             for pending in group:
                 if not pending.future.done():
                     pending.future.set_exception(

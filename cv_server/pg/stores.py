@@ -152,8 +152,9 @@ async def set_up_deployment(dsn: str) -> SetUp:
 @_refusals_translated
 async def read_token_secret(dsn: str) -> bytes:
     """The token secret of the deployment at `dsn`, for `cv-server token`: read only. Raises
-    `NotSetUp` where there is none: minting one there made tables and a secret in whatever
-    database (or schema) a mistyped DSN named, and a token no instance accepts."""
+    `NotSetUp` where there is none, and creates nothing: a mistyped DSN never gets tables, a
+    secret or a token no instance accepts (pinned by
+    `test_token_reads_a_deployment_and_sets_none_up_where_there_is_none`)."""
     pool = await create_pool(dsn, PostgresSettings(pool_min_size=1, pool_max_size=1))
     try:
         schema = await _current_schema(pool)

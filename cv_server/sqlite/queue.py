@@ -257,8 +257,9 @@ def _update(
     """Write those of `columns` that changed between `before` and `after`.
 
     Compared as stored, not with `==`: Python finds JSON `1`, `1.0` and `true` (or `0.0` and
-    `-0.0`) equal, so a rerun's input or a new error payload that differed from the old one only
-    in its JSON type was answered but never written.
+    `-0.0`) equal, and a value that differs only in its JSON type must still be written (pinned
+    by `test_a_rerun_stores_its_input_type_for_type` and
+    `test_the_last_error_is_stored_type_for_type`).
     """
     changed = [c for c in columns if _to_db(c, getattr(before, c)) != _to_db(c, getattr(after, c))]
     if not changed:
