@@ -278,7 +278,7 @@ class _RawPoster(_Poster):
 
 
 class _SocketPoster(_Poster):
-    """`apply` frames on one workspace websocket, each awaiting its `ack` (DESIGN §5): the
+    """`apply` frames on one workspace websocket, each awaiting its `ack` (docs/protocol.md): the
     same commit pipeline without a new HTTP request per op."""
 
     def __init__(self, session: aiohttp.ClientSession, target: Target) -> None:

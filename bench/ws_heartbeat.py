@@ -26,7 +26,7 @@ from aiohttp import web
 
 from cv_workspace_client._liveness import Liveness
 
-HEARTBEAT = 60.0  # DESIGN §10's heartbeat, the default of both ends
+HEARTBEAT = 60.0  # the default heartbeat of both ends
 
 
 async def _round(mode: str, trips: int) -> float:

@@ -1,6 +1,6 @@
 """cv_mutations: typed workspace ops with an `OpIdEnvelope`, and the pure reducers that apply them.
 
-See DESIGN §3. Everything here is pure: no I/O, no clock, no asyncio.
+See docs/concepts.md. Everything here is pure: no I/O, no clock, no asyncio.
 """
 
 from cv_mutations.envelope import META_MAX_BYTES, OpIdEnvelope

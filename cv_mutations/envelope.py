@@ -1,4 +1,4 @@
-"""`OpIdEnvelope`: the op_id and provenance every op carries (seed 000, layer 3)."""
+"""`OpIdEnvelope`: the op_id and provenance every op carries (docs/concepts.md, layer 3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Op fingerprints (DESIGN §4): what `op_id_reuse` compares."""
+"""Op fingerprints (docs/concepts.md): what `op_id_reuse` compares."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Identifier rules shared by every package (DESIGN §3).
+"""Identifier rules shared by every package (docs/concepts.md).
 
 Kept in one place so the server, the client and the schemas can never disagree on what a valid
 workspace, sub-doc, node or op id is.

@@ -1,4 +1,4 @@
-"""The op models (DESIGN §3): frozen pydantic models in one union discriminated on `type`.
+"""The op models (docs/ops.md): frozen pydantic models in one union discriminated on `type`.
 
 Parsing never applies anything; it only says whether an op is well-formed. Whether it *fits* the
 current state (does the node exist, would the move make a cycle) is the reducers' job.

@@ -1,4 +1,4 @@
-"""Pure reducers: `apply_op(state, op)` (DESIGN §3).
+"""Pure reducers: `apply_op(state, op)` (docs/ops.md).
 
 Every reducer validates fully before it mutates anything, so a rejected op leaves the state
 exactly as it was. Each op costs O(depth + siblings) (a delete also pays for its subtree); nothing
@@ -19,7 +19,8 @@ from cv_mutations.state import ROOT, Node, SubDocState, copy_json
 
 __all__ = ["REJECTION_CODES", "OpRejected", "Undo", "apply_op"]
 
-#: The rejection codes of DESIGN §3. A rejected op consumes no clock and is recorded as-is.
+#: The rejection codes (docs/ops.md#rejection-codes). A rejected op consumes no clock and is
+#: recorded as-is.
 REJECTION_CODES: Final = frozenset(
     {
         "node_exists",

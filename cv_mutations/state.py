@@ -1,4 +1,4 @@
-"""Sub-doc state: an ordered tree under the fixed root `"root"` (DESIGN §3).
+"""Sub-doc state: an ordered tree under the fixed root `"root"` (docs/concepts.md).
 
 The state is mutated in place by the reducers; nothing here copies the tree, because a whole-tree
 copy per op is what makes a growing document slow.

@@ -13,15 +13,24 @@ from typing import Final
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from cv_server import http_docs, http_locks, http_queue, http_socket
+from cv_server import (
+    http_docs,
+    http_locks,
+    http_queue,
+    http_queue_operators,
+    http_results,
+    http_socket,
+)
 from cv_server.backends import Stores, open_stores
 from cv_server.config import ServerConfig
+from cv_server.http_ratelimit import RateLimits, rate_limit_middleware
 from cv_server.hub import Connection, Hub
 from cv_server.keys import (
     CONFIG,
     CONNECTIONS,
     HUB,
     METRICS,
+    RATE_LIMITS,
     STATE,
     STORES,
     TOKEN_SECRET,
@@ -75,27 +84,31 @@ async def problems_middleware(request: web.Request, handler: Handler) -> web.Str
     try:
         return await handler(request)
     except Problem as problem:
-        return problem_response(problem)
+        return _problem(request, problem)
     except web.HTTPRequestEntityTooLarge as exc:
-        return problem_response(Problem(413, "body_too_large", exc.text or ""))
+        return _problem(request, Problem(413, "body_too_large", exc.text or ""))
     except web.HTTPNotFound:
-        return problem_response(Problem(404, "not_found", f"no route for {request.path}"))
+        return _problem(request, Problem(404, "not_found", f"no route for {request.path}"))
     except web.HTTPMethodNotAllowed:
-        return problem_response(Problem(405, "method_not_allowed", request.method))
+        return _problem(request, Problem(405, "method_not_allowed", request.method))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         # aiohttp's own refusals (a plain GET on the socket route: "No WebSocket UPGRADE hdr")
-        # went out as text/plain with no `code`; every error is problem+json (DESIGN §5).
+        # went out as text/plain with no `code`; every error is problem+json (docs/protocol.md).
         code = "bad_request" if exc.status < 500 else "internal"
-        return problem_response(Problem(exc.status, code, exc.text or exc.reason))
+        return _problem(request, Problem(exc.status, code, exc.text or exc.reason))
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         if request.writer.output_size:
             # A response (a websocket's 101) has gone out: an HTTP answer written now would land
             # inside the upgraded stream. aiohttp closes the connection instead.
             raise
-        return problem_response(Problem(500, "internal", "unexpected server error"))
+        return _problem(request, Problem(500, "internal", "unexpected server error"))
+
+
+def _problem(request: web.Request, problem: Problem) -> web.Response:
+    return problem_response(problem, request.app[CONFIG].problem_type_base)
 
 
 async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -134,7 +147,7 @@ async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _reap_forever(stores: Stores, every: float) -> None:
-    """Delete expired idempotency keys and blobs (seed 004: on a schedule, not by index alone)."""
+    """Delete expired idempotency keys and blobs (on a schedule, not by index alone)."""
     while True:
         await asyncio.sleep(every)
         try:
@@ -174,7 +187,7 @@ async def readyz(request: web.Request) -> web.Response:
     # A load balancer routes by this answer. While the database is unreachable every route
     # answers 5xx, so the instance is not ready (it used to say "ready" regardless); /healthz
     # stays 200, since a restart would not bring the database back. One cheap read; no timeout
-    # of our own (DESIGN §10 gives none): the prober's own timeout bounds a hung one, and on
+    # of our own (none is configured): the prober's own timeout bounds a hung one, and on
     # PostgreSQL the statement_timeout guard does.
     try:
         await request.app[STORES].oplog.head("readyz", "readyz")
@@ -192,7 +205,7 @@ def create_app(config: ServerConfig) -> web.Application:
     """Build the application. Stores open in `cleanup_ctx`, i.e. when the app starts."""
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[problems_middleware],
+        middlewares=[problems_middleware, rate_limit_middleware],
         # Bodies are decoded by `bodies.read_body`, which answers a bad or unknown coding with
         # its own code and holds the limit on the decoded size (docs/limits.md).
         handler_args={"auto_decompress": False},
@@ -203,6 +216,7 @@ def create_app(config: ServerConfig) -> web.Application:
     app[CONFIG] = config
     app[STATE] = ServerState()
     app[METRICS] = Metrics()
+    app[RATE_LIMITS] = RateLimits(config)
     connections: set[Connection] = set()
     app[CONNECTIONS] = connections
     app.cleanup_ctx.append(_stores_ctx)
@@ -211,5 +225,7 @@ def create_app(config: ServerConfig) -> web.Application:
     app.add_routes(http_docs.routes)
     app.add_routes(http_socket.routes)
     app.add_routes(http_queue.routes)
+    app.add_routes(http_results.routes)
+    app.add_routes(http_queue_operators.routes)
     app.add_routes(http_locks.routes)
     return app

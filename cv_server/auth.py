@@ -1,4 +1,4 @@
-"""Bearer tokens: HMAC-SHA256 signed, naming the workspaces they may touch (DESIGN §11).
+"""Bearer tokens: HMAC-SHA256 signed, naming the workspaces they may touch (docs/operating.md).
 
 Format: `cvt1.<base64url(JSON payload)>.<base64url(signature)>`, payload
 `{"ws": ["w1", ...], "iat": <epoch s>, "exp"?: <epoch s>}`; `"*"` in `ws` grants every workspace

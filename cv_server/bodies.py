@@ -95,13 +95,17 @@ def decode_body(coding: str, raw: bytes, limit: int) -> bytes:
     return bytes(out)
 
 
-async def read_body(request: web.Request) -> bytes:
+async def read_body(request: web.Request, *, limit: int | None = None) -> bytes:
     """The request's body, decoded. Raises the `Problem` for a coding the server does not
     decode (checked before any byte is read), a body that does not decode, or one too large
-    before or after decoding."""
+    before or after decoding.
+
+    `limit` is a route's own bound on the body, before and after decoding, in place of the
+    server's `max_body_bytes` (the result upload's `max_result_bytes`, docs/queue.md)."""
     coding = _coding(request.headers.get(hdrs.CONTENT_ENCODING))
+    bound = request.app[CONFIG].max_body_bytes if limit is None else limit
     try:
-        raw = await request.read()
+        raw = await request.read() if limit is None else await _read_within(request, limit)
     except web.HTTPRequestEntityTooLarge as exc:
         raise Problem(413, "body_too_large", exc.text or "") from None
     except (RequestPayloadError, HttpProcessingError) as exc:
@@ -110,4 +114,20 @@ async def read_body(request: web.Request) -> bytes:
         raise Problem(400, "malformed_body", f"the body could not be read ({reason})") from None
     if coding is None or not raw:
         return raw
-    return decode_body(coding, raw, request.app[CONFIG].max_body_bytes)
+    return decode_body(coding, raw, bound)
+
+
+async def _read_within(request: web.Request, limit: int) -> bytes:
+    """The raw body, refused with 413 `body_too_large` as soon as it passes `limit` bytes: by
+    its Content-Length before anything is read, else while it arrives. aiohttp's own bound
+    (`client_max_size`, the server's `max_body_bytes`) does not apply to a body read this way."""
+    too_large = Problem(413, "body_too_large", f"the body is larger than {limit} bytes")
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise too_large
+    received = bytearray()
+    async for chunk in request.content.iter_chunked(_STEP):
+        received += chunk
+        if len(received) > limit:
+            raise too_large
+    return bytes(received)

@@ -148,7 +148,7 @@ def _with_schema(database_url: str, schema: str | None) -> str:
 _SETTABLE = {
     f.name: f.type
     for f in dataclasses.fields(ServerConfig)
-    if f.type in ("int", "float", "float | None")
+    if f.type in ("int", "float", "float | None", "str")
     and f.name not in ("db_path", "database_url", "token_secret")
 }
 #: What switches off a setting that may be None (`--set socket_heartbeat_seconds=off`).
@@ -165,6 +165,9 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         kind = _SETTABLE.get(name)
         if not sep or kind is None:
             raise SystemExit(f"cv-server: --set {item!r}: settable: {', '.join(sorted(_SETTABLE))}")
+        if kind == "str":  # text (problem_type_base): taken as given, checked by ServerConfig
+            overrides[name] = raw
+            continue
         if kind == "float | None" and raw.strip().lower() in _OFF:
             overrides[name] = None
             continue

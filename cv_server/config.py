@@ -1,4 +1,4 @@
-"""Server configuration. Every constant comes from DESIGN §10 and can be overridden."""
+"""Server configuration. Every constant is in docs/configuration.md and can be overridden."""
 
 from __future__ import annotations
 
@@ -21,8 +21,12 @@ class ServerConfig:
     #: HMAC secret for bearer tokens; read from (or created in) the database when None. Not in
     #: the repr: whoever holds it mints tokens for every workspace.
     token_secret: bytes | None = field(default=None, repr=False)
+    #: Prefix of every problem document's `type`; the problem's code is appended. The default
+    #: is a reference relative to the repository root, where docs/problems.md has one anchor
+    #: per code; a deployment that publishes the docs points it at them (docs/problems.md).
+    problem_type_base: str = "docs/problems.md#"
 
-    # -- request limits (DESIGN §11) --
+    # -- request limits (docs/limits.md) --
     max_body_bytes: int = 1024 * 1024
     max_ops_per_request: int = 1000
     max_ws_frame_bytes: int = 1024 * 1024
@@ -36,7 +40,7 @@ class ServerConfig:
     #: connection if no pong comes within half of it (aiohttp's heartbeat): a peer gone without
     #: a goodbye (power lost, a NAT that forgot the flow) otherwise keeps its connection, its
     #: subscriptions and their queues until the OS gives up on the TCP connection, hours later.
-    #: DESIGN §10's heartbeat (60 s). None switches it off.
+    #: The default heartbeat (60 s). None switches it off.
     socket_heartbeat_seconds: float | None = 60.0
     #: Page size of catch-up reads.
     catchup_page: int = 1000
@@ -46,7 +50,7 @@ class ServerConfig:
     #: evicted sub-doc is rebuilt from its snapshot plus at most `snapshot_every` log entries).
     subdoc_cache_limit: int = 10_000
 
-    # -- queue (DESIGN §10, seed 003) --
+    # -- queue (docs/configuration.md, docs/queue.md) --
     #: A claim's lease. The heartbeat that renews it is the worker's (`WorkerConfig`, 60 s),
     #: which beats at least twice per lease the server grants (a shorter lease set here is
     #: honoured by every worker without their configs changing).
@@ -58,7 +62,7 @@ class ServerConfig:
     #: also answer a trivial query this often (a silently dead one is replaced).
     sweep_seconds: float = 5.0
     blob_retention_seconds: float = 24 * 3600.0
-    #: Expired blobs and idempotency keys are reaped this often (seed 003: hourly).
+    #: Expired blobs and idempotency keys are reaped this often (hourly).
     reap_seconds: float = 3600.0
     #: A result whose JSON is larger than this goes to the blob store; the row keeps a reference.
     blob_threshold_bytes: int = 64 * 1024
@@ -70,17 +74,39 @@ class ServerConfig:
     max_result_bytes: int = 32 * 1024 * 1024
     idempotency_retention_seconds: float = 24 * 3600.0
 
-    # -- compute lock (DESIGN §10, seed 000) --
+    # -- compute lock (docs/configuration.md, docs/stages.md) --
     compute_lock_ttl_seconds: float = 60.0
 
-    # -- shutdown (seed 004) --
+    # -- shutdown (docs/operating.md) --
     drain_seconds: float = 25.0
+
+    # -- rate limits per token and route class (docs/reliability.md) --
+    # Off by default (None): the right budget depends on the deployment (one worker token may
+    # claim for a whole fleet, one app token carry every user of a tenant), and a default the
+    # server cannot know would refuse legitimate traffic. Requests per second per token; a
+    # refused request is answered 429 `rate_limited` with Retry-After, which the SDK and
+    # workers wait out.
+    rate_limit_ops_per_second: float | None = None
+    rate_limit_reads_per_second: float | None = None
+    rate_limit_enqueue_per_second: float | None = None
+    rate_limit_claim_per_second: float | None = None
+    rate_limit_queue_per_second: float | None = None
+    rate_limit_locks_per_second: float | None = None
+    rate_limit_socket_per_second: float | None = None
+    #: Seconds of its rate a bucket saves up (at least one request): a client idle that long
+    #: may send that much at once, as an outbox replaying its backlog after a reconnect does.
+    #: Ten seconds: long enough for such a replay, short enough that a budget means per second.
+    rate_limit_burst_seconds: float = 10.0
 
     def __post_init__(self) -> None:
         # A setting that cannot work is refused here, at start-up, in one line naming it, rather
         # than served: `compute_lock_ttl_seconds=0` answered 500 to every lock acquisition,
         # `max_dequeues=0` refused every enqueue and `max_ops_per_request=0` every apply as if
         # the client had sent something wrong.
+        if not self.problem_type_base or not self.problem_type_base.isprintable():
+            raise ValueError(
+                f"problem_type_base must be printable, non-empty text: {self.problem_type_base!r}"
+            )
         heartbeat = self.socket_heartbeat_seconds
         if heartbeat is not None and not (math.isfinite(heartbeat) and heartbeat > 0):
             raise ValueError(
@@ -88,6 +114,12 @@ class ServerConfig:
             )
         for setting in fields(self):
             value = getattr(self, setting.name)
+            if setting.name.startswith("rate_limit_") and setting.type == "float | None":
+                if value is not None and not (math.isfinite(value) and value > 0):
+                    raise ValueError(
+                        f"{setting.name} must be a finite number > 0 or None, not {value!r}"
+                    )
+                continue
             if setting.name in _MAY_BE_ZERO:
                 if not (math.isfinite(value) and value >= 0):
                     raise ValueError(f"{setting.name} must be a finite number >= 0, not {value!r}")

@@ -1,4 +1,4 @@
-"""Gap-free, duplicate-free delivery to one subscriber (DESIGN §5). Pure: no I/O, no asyncio.
+"""Gap-free, duplicate-free delivery to one subscriber (docs/protocol.md). Pure: no I/O, no asyncio.
 
 A subscription is registered *before* its catch-up read, so every op committed after the read
 began arrives live; live ops that arrive during catch-up wait in `pending`. Delivery is keyed on

@@ -1,4 +1,4 @@
-"""HTTP routes of the op-log (DESIGN §5): apply ops, read state, read ops since a clock."""
+"""HTTP routes of the op-log (docs/protocol.md): apply ops, read state, read ops since a clock."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ routes = web.RouteTableDef()
 async def commit_and_publish(
     app: web.Application, workspace_id: str, sub_doc: str, ops: list[IncomingOp], atomic: bool
 ) -> list[Outcome]:
-    """Commit, and only once the commit is durable, publish (DESIGN §4 step 4).
+    """Commit, and only once the commit is durable, publish (docs/concepts.md).
 
     Shielded by callers: a client that hangs up mid-request must not cancel the publish of a
     commit that happened anyway.
@@ -40,7 +40,7 @@ def publish(
     entries: list[LogEntry],
 ) -> None:
     """Broadcast what a commit produced and count its outcomes: right after the commit is
-    durable, never before (DESIGN §4 step 4)."""
+    durable, never before (docs/concepts.md)."""
     app[HUB].publish(workspace_id, sub_doc, entries)
     app[METRICS].record_outcomes(outcomes)
 

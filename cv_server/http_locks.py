@@ -1,4 +1,4 @@
-"""HTTP routes of the compute lock (layer 2, DESIGN §8, seed 000), for workers.
+"""HTTP routes of the compute lock (layer 2, docs/stages.md), for workers.
 
 `POST /v1/workspaces/{ws}/locks/acquire` `{"job_id", "task", "holder"?}` →
 `{"acquired": true, "token", "expires_at", "expires_in", "ttl"}` or `{"acquired": false,

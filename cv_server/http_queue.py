@@ -1,11 +1,10 @@
-"""HTTP routes of the work queue (layer 1, DESIGN §5, §7; seed 003): enqueue, poll, SSE stream,
-blobs, the worker verbs (claim / heartbeat / result upload / complete / fail) and the operator
-verbs (list, replay, cancel).
+"""HTTP routes of the work queue (layer 1, docs/protocol.md, docs/queue.md): enqueue, read and
+stream a request, and the worker verbs (claim / heartbeat / complete / fail). The upload and
+download of large results are in `http_results`, the operators' verbs (list, replay, cancel) in
+`http_queue_operators`; both use this module's request helpers (`row_of`, `row_json`, ...).
 
-A result too large for a completion's body is uploaded first, as the raw bytes of its JSON, by
-the claim holder (`POST .../requests/{id}/result`, fenced by its claim token, up to
-`ServerConfig.max_result_bytes`), and the completion names the stored blob (`blob_ref`): the
-claim check of seed 003. Every other body keeps the server's `max_body_bytes` limit.
+A completion may name an uploaded result (`blob_ref`) instead of carrying it: it is checked to
+be a blob of the request's workspace (docs/queue.md).
 
 The queue verbs are given `now=None`: the store takes the time from its own clock
 (`QueueStore.clock`), which on PostgreSQL is the database's, shared by every instance. This
@@ -17,23 +16,20 @@ only their differences (the lease granted = `lease_expires_at - claimed_at`).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import secrets
 import time
-from typing import Any, Final
+from typing import Any
 
 import orjson
 from aiohttp import web
 
-from cv_mutations import is_valid_workspace_id
 from cv_server.bodies import read_body
 from cv_server.inputs import check_ids, decode_json
 from cv_server.keys import CONFIG, STORES, WAITERS, WORK_SIGNALS
 from cv_server.problems import Problem
 from cv_server.queue import (
-    STATUSES,
     Completion,
     Enqueued,
     InProgress,
@@ -71,7 +67,7 @@ _ERROR_STATUS = {
 _MAX_DEQUEUES = 2**31 - 1
 
 
-def _queue_problem(exc: QueueError) -> Problem:
+def queue_problem(exc: QueueError) -> Problem:
     return Problem(_ERROR_STATUS.get(exc.code, 409), exc.code, exc.message)
 
 
@@ -83,7 +79,7 @@ async def _json_body(request: web.Request) -> tuple[bytes, dict[str, Any]]:
     return raw, body
 
 
-def _storable(text: str) -> bool:
+def storable(text: str) -> bool:
     """PostgreSQL text cannot hold NUL: such a string (stage, job_id, a claim token, a request
     id or blob ref in the path) made the store raise, a 500 where SQLite answered 4xx. Refused
     (or not found) the same way on both backends."""
@@ -94,7 +90,7 @@ def _opt_str(body: dict[str, Any], name: str, *, max_len: int = 256) -> str | No
     value = body.get(name)
     if value is None:
         return None
-    if not isinstance(value, str) or not 0 < len(value) <= max_len or not _storable(value):
+    if not isinstance(value, str) or not 0 < len(value) <= max_len or not storable(value):
         raise Problem(
             422, "invalid_field", f"{name} must be a string of 1..{max_len} chars, without NUL"
         )
@@ -182,13 +178,13 @@ def _new_request(
     rerun = body.get("rerun", False)
     if not isinstance(deterministic, bool) or not isinstance(rerun, bool):
         raise Problem(422, "invalid_field", "deterministic and rerun must be booleans")
-    # seed 000: where the stage declares it, re-enqueueing must not fork the work.
+    # Where the stage declares it, re-enqueueing must not fork the work.
     request_id = (
         deterministic_request_id(workspace_id, job_id, branch_path, stage)
         if deterministic
         else random_request_id(secrets.token_hex(20))
     )
-    # DESIGN §10: the poison cutoff is the server's `max_dequeues` (`--set max_dequeues=N`),
+    # The poison cutoff is the server's `max_dequeues` (`--set max_dequeues=N`),
     # not `NewRequest`'s default, which is frozen to `ServerConfig()`'s value at import.
     if "max_dequeues" in body:
         max_dequeues = body["max_dequeues"]
@@ -231,16 +227,16 @@ async def enqueue(request: web.Request) -> web.Response:
         try:
             enqueued = await stores.queue.enqueue(req, now=None, rerun=rerun)
         except QueueError as exc:
-            raise _queue_problem(exc) from None
+            raise queue_problem(exc) from None
         return web.json_response(_enqueue_answer(enqueued, req), status=202)
 
     # Printable text only: a header that is not UTF-8 reaches us with lone surrogates, which no
     # store can encode (the enqueue answered 500, and clients retry a 500).
     if not 0 < len(key) <= 255 or not key.isprintable():
         raise Problem(422, "invalid_field", "Idempotency-Key must be 1..255 printable chars")
-    # seed 004: fingerprint of the raw bytes as received, scoped to the workspace.
+    # Fingerprint of the raw bytes as received, scoped to the workspace.
     fingerprint = request_fingerprint("POST", request.path_qs, raw)
-    # The key's 24 h retention (DESIGN §10) is judged on this server's clock: a skew of
+    # The key's 24 h retention (docs/configuration.md) is judged on this server's clock: a skew of
     # minutes moves a key's expiry by minutes out of a day, and whether its owner is alive is
     # decided by a lock, not by time (pg/idempotency.py). Not worth a round trip per enqueue.
     begun = await stores.idempotency.begin(workspace_id, key, fingerprint, time.time())
@@ -269,7 +265,7 @@ async def enqueue(request: web.Request) -> web.Response:
         except BaseException as exc:
             await stores.idempotency.abandon(workspace_id, key, time.time())
             if isinstance(exc, QueueError):
-                raise _queue_problem(exc) from None
+                raise queue_problem(exc) from None
             raise
     finally:
         # Only after the answer committed (or the key was abandoned): on PostgreSQL ownership is
@@ -279,13 +275,15 @@ async def enqueue(request: web.Request) -> web.Response:
     return web.json_response(_enqueue_answer(enqueued, req), status=202)
 
 
-async def _row(request: web.Request) -> ProcessRequest:
+async def row_of(request: web.Request) -> ProcessRequest:
+    """The request the route's path names (`{ws}`, `{id}`), once the token is checked to grant
+    its workspace; 404 `not_found` if there is none there."""
     workspace_id, request_id = request.match_info["ws"], request.match_info["id"]
     check_ids(workspace_id)
     authorize(request, workspace_id)
     row = (
         await request.app[STORES].queue.get(workspace_id, request_id)
-        if _storable(request_id)
+        if storable(request_id)
         else None
     )
     if row is None:
@@ -293,7 +291,7 @@ async def _row(request: web.Request) -> ProcessRequest:
     return row
 
 
-async def _row_json(request: web.Request, row: ProcessRequest) -> dict[str, Any]:
+async def row_json(request: web.Request, row: ProcessRequest) -> dict[str, Any]:
     """The row as a requester sees it, with how long it has waited unclaimed, judged on the
     store's clock (the one its times are on)."""
     return row.to_json(now=await request.app[STORES].queue.clock())
@@ -301,7 +299,7 @@ async def _row_json(request: web.Request, row: ProcessRequest) -> dict[str, Any]
 
 @routes.get("/v1/workspaces/{ws}/requests/{id}")
 async def get_request(request: web.Request) -> web.Response:
-    return web.json_response(await _row_json(request, await _row(request)))
+    return web.json_response(await row_json(request, await row_of(request)))
 
 
 def _sse(event: str, data: Any) -> bytes:
@@ -310,12 +308,12 @@ def _sse(event: str, data: Any) -> bytes:
 
 @routes.get("/v1/workspaces/{ws}/requests/{id}/stream")
 async def stream_request(request: web.Request) -> web.StreamResponse:
-    """SSE: `queued` (if not finished), then the row once it finished — `done` (done or poison,
-    as ever) or `cancelled` — or `error` `wait_timeout` at the deadline.
+    """SSE: `queued` (if not finished), then the row once it finished — `done` (done or poison)
+    or `cancelled` — or `error` `wait_timeout` at the deadline.
 
     The result lives on the row, so a dropped stream simply reconnects (or polls) without loss.
     """
-    row = await _row(request)
+    row = await row_of(request)
     config = request.app[CONFIG]
     timeout = _patience(request, config.waiter_deadline_seconds)
     response = web.StreamResponse(
@@ -328,7 +326,7 @@ async def stream_request(request: web.Request) -> web.StreamResponse:
         return transport is None or transport.is_closing()
 
     if not row.is_finished:
-        await response.write(_sse("queued", await _row_json(request, row)))
+        await response.write(_sse("queued", await row_json(request, row)))
         latest = await request.app[WAITERS].wait(
             row.workspace_id, row.request_id, timeout, abandoned=hung_up
         )
@@ -339,7 +337,7 @@ async def stream_request(request: web.Request) -> web.StreamResponse:
         await response.write(_sse("cancelled", row.to_json()))
     elif row.is_finished:
         await response.write(_sse("done", row.to_json()))
-    else:  # seed 003: the deadline only ends the wait; the work goes on, the row keeps its result
+    else:  # The deadline only ends the wait; the work goes on, the row keeps its result
         await response.write(
             _sse(
                 "error",
@@ -348,22 +346,6 @@ async def stream_request(request: web.Request) -> web.StreamResponse:
         )
     await response.write_eof()
     return response
-
-
-@routes.get("/v1/workspaces/{ws}/blobs/{ref}")
-async def get_blob(request: web.Request) -> web.Response:
-    workspace_id = request.match_info["ws"]
-    check_ids(workspace_id)
-    authorize(request, workspace_id)
-    ref = request.match_info["ref"]
-    data = (
-        await request.app[STORES].blobs.get(workspace_id, ref, time.time())
-        if _storable(ref)
-        else None
-    )
-    if data is None:
-        raise Problem(404, "not_found", "no such blob (or it expired)")
-    return web.Response(body=data, content_type="application/octet-stream")
 
 
 # -- workers ---------------------------------------------------------------------------------------
@@ -378,7 +360,7 @@ async def claim(request: web.Request) -> web.Response:
     if (
         not isinstance(classes, list)
         or not classes
-        or not all(isinstance(c, str) and 0 < len(c) <= 64 and _storable(c) for c in classes)
+        or not all(isinstance(c, str) and 0 < len(c) <= 64 and storable(c) for c in classes)
     ):
         raise Problem(422, "invalid_field", "worker_classes must be a non-empty list of names")
     workspaces = None if "*" in claims.workspaces else sorted(claims.workspaces)
@@ -426,7 +408,7 @@ async def complete_batch(request: web.Request) -> web.Response:
         if (
             not isinstance(item, dict)
             or not isinstance(item.get("request_id"), str)
-            or not _storable(item["request_id"])
+            or not storable(item["request_id"])
         ):
             raise Problem(422, "invalid_field", "each completion needs request_id (no NUL)")
         result = _payload(item, "result")
@@ -479,7 +461,7 @@ async def complete_batch(request: web.Request) -> web.Response:
 async def wait_for_work(request: web.Request) -> web.Response:
     """Long poll for idle workers: 200 as soon as work of `worker_classes` (repeatable query
     parameter) becomes pending in a workspace the token grants, 204 after `timeout` seconds
-    (at most the 2 s ceiling of the idle poll, seed 003)."""
+    (at most the 2 s ceiling of the idle poll, docs/queue.md)."""
     claims = authenticate(request)
     classes = frozenset(request.query.getall("worker_classes", []))
     if not classes:
@@ -492,14 +474,14 @@ async def wait_for_work(request: web.Request) -> web.Response:
 
 def _claim_token(body: dict[str, Any]) -> str:
     token = body.get("claim_token")
-    if not isinstance(token, str) or not token or not _storable(token):
+    if not isinstance(token, str) or not token or not storable(token):
         raise Problem(422, "invalid_field", "claim_token is required (a string without NUL)")
     return token
 
 
 @routes.post("/v1/workspaces/{ws}/requests/{id}/heartbeat")
 async def heartbeat(request: web.Request) -> web.Response:
-    row = await _row(request)
+    row = await row_of(request)
     _, body = await _json_body(request)
     config = request.app[CONFIG]
     try:
@@ -507,63 +489,8 @@ async def heartbeat(request: web.Request) -> web.Response:
             row.request_id, _claim_token(body), config.lease_seconds, now=None
         )
     except QueueError as exc:
-        raise _queue_problem(exc) from None
+        raise queue_problem(exc) from None
     return web.json_response({"lease_expires_at": row.lease_expires_at})
-
-
-#: The header that carries the claim token of a result upload (its body is the result itself).
-CLAIM_TOKEN_HEADER: Final = "Claim-Token"
-#: Bytes read from an upload at a time.
-_UPLOAD_CHUNK: Final = 256 * 1024
-
-
-def _too_large(limit: int) -> Problem:
-    return Problem(
-        413,
-        "result_too_large",
-        f"the result is larger than this server's max_result_bytes ({limit} bytes): complete "
-        "the request with an error payload instead (see docs/queue.md)",
-        max_result_bytes=limit,
-    )
-
-
-async def _read_result(request: web.Request, limit: int) -> bytes:
-    """The upload's body, refused with 413 `result_too_large` as soon as it passes `limit`
-    bytes (by its Content-Length before anything is read, else while it arrives)."""
-    declared = request.content_length
-    if declared is not None and declared > limit:
-        raise _too_large(limit)
-    received = bytearray()
-    async for chunk in request.content.iter_chunked(_UPLOAD_CHUNK):
-        received += chunk
-        if len(received) > limit:
-            raise _too_large(limit)
-    return bytes(received)
-
-
-@routes.post("/v1/workspaces/{ws}/requests/{id}/result")
-async def upload_result(request: web.Request) -> web.Response:
-    """Store a large result in the blob store for the claim holder to complete with: the body
-    is the result's JSON, sent as is and served back byte for byte by `GET .../blobs/{ref}`;
-    the claim token travels in the `Claim-Token` header. Answers 201 `{"blob_ref", "bytes"}`;
-    409 `lease_lost` (nothing stored) unless the token holds the request; 413
-    `result_too_large` past `max_result_bytes`; 400 `malformed_json` if the body is not JSON."""
-    row = await _row(request)
-    token = request.headers.get(CLAIM_TOKEN_HEADER, "")
-    if not token or not token.isprintable() or len(token) > 256:
-        raise Problem(422, "invalid_field", f"the {CLAIM_TOKEN_HEADER} header is required")
-    try:  # before reading: a holder whose lease is gone must not make the server store a copy
-        fence(row, token)
-    except QueueError as exc:
-        raise _queue_problem(exc) from None
-    stores, config = request.app[STORES], request.app[CONFIG]
-    data = await _read_result(request, config.max_result_bytes)
-    try:  # several MB: parsed off the event loop
-        await asyncio.to_thread(orjson.loads, data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise Problem(400, "malformed_json", f"the result is not JSON: {exc}") from None
-    blob_ref = await stores.blobs.put(row.workspace_id, data, time.time())
-    return web.json_response({"blob_ref": blob_ref, "bytes": len(data)}, status=201)
 
 
 async def _uploaded(request: web.Request, workspace_id: str, item: dict[str, Any]) -> str | None:
@@ -573,7 +500,7 @@ async def _uploaded(request: web.Request, workspace_id: str, item: dict[str, Any
     blob_ref = item.get("blob_ref")
     if blob_ref is None:
         return None
-    if not isinstance(blob_ref, str) or not 0 < len(blob_ref) <= 256 or not _storable(blob_ref):
+    if not isinstance(blob_ref, str) or not 0 < len(blob_ref) <= 256 or not storable(blob_ref):
         raise Problem(422, "invalid_field", "blob_ref must be the reference of an upload")
     if item.get("result") is not None:
         raise Problem(422, "invalid_field", "a completion names a blob_ref or a result, not both")
@@ -585,7 +512,7 @@ async def _uploaded(request: web.Request, workspace_id: str, item: dict[str, Any
 
 @routes.post("/v1/workspaces/{ws}/requests/{id}/complete")
 async def complete(request: web.Request) -> web.Response:
-    row = await _row(request)
+    row = await row_of(request)
     _, body = await _json_body(request)
     token = _claim_token(body)
     result, error = _payload(body, "result"), _payload(body, "error")
@@ -596,7 +523,7 @@ async def complete(request: web.Request) -> web.Response:
     stores, config = request.app[STORES], request.app[CONFIG]
     blob_ref = await _uploaded(request, row.workspace_id, body)
     encoded = json.dumps(result, separators=(",", ":")).encode()
-    if blob_ref is None and len(encoded) > config.blob_threshold_bytes:  # seed 003: claim check
+    if blob_ref is None and len(encoded) > config.blob_threshold_bytes:  # Claim check
         # Answer a retried or refused completion before storing its payload: a holder retrying
         # after a lost answer stored every attempt's copy, and a holder whose lease was lost
         # stored one the row would never name; each stayed for the whole blob retention (24 h).
@@ -606,7 +533,7 @@ async def complete(request: web.Request) -> web.Response:
         try:
             fence(row, token)
         except QueueError as exc:
-            raise _queue_problem(exc) from None
+            raise queue_problem(exc) from None
         blob_ref = await stores.blobs.put(row.workspace_id, encoded, time.time())
         result = None
     try:
@@ -621,13 +548,13 @@ async def complete(request: web.Request) -> web.Response:
             telemetry=telemetry,
         )
     except QueueError as exc:
-        raise _queue_problem(exc) from None
+        raise queue_problem(exc) from None
     return web.json_response({"status": done.status})
 
 
 @routes.post("/v1/workspaces/{ws}/requests/{id}/fail")
 async def fail(request: web.Request) -> web.Response:
-    row = await _row(request)
+    row = await row_of(request)
     _, body = await _json_body(request)
     config = request.app[CONFIG]
     token, error = _claim_token(body), _payload(body, "error")
@@ -640,84 +567,5 @@ async def fail(request: web.Request) -> web.Response:
             now=None,
         )
     except QueueError as exc:
-        raise _queue_problem(exc) from None
+        raise queue_problem(exc) from None
     return web.json_response({"status": after.status, "available_at": after.available_at})
-
-
-# -- operators -------------------------------------------------------------------------------------
-
-
-@routes.get("/v1/queue/requests")
-async def list_requests(request: web.Request) -> web.Response:
-    claims = authenticate(request)
-    status = request.query.get("status")
-    if status is not None and status not in STATUSES:
-        raise Problem(422, "invalid_field", f"status must be one of {'|'.join(STATUSES)}")
-    workspace_id = request.query.get("workspace")
-    if workspace_id is None and "*" not in claims.workspaces:
-        raise Problem(403, "forbidden_workspace", "name a workspace (?workspace=) you may touch")
-    if workspace_id is not None:
-        if not is_valid_workspace_id(workspace_id):
-            raise Problem(422, "invalid_id", "bad workspace id")
-        if not claims.allows(workspace_id):
-            raise Problem(403, "forbidden_workspace", f"the token does not grant {workspace_id!r}")
-    try:
-        limit = min(int(request.query.get("limit", "100")), 1000)
-    except ValueError:
-        raise Problem(400, "invalid_field", "limit must be an integer") from None
-    if limit < 0:  # the stores refuse it (SQLite: ValueError; PostgreSQL: LIMIT -1): was a 500
-        raise Problem(422, "invalid_field", "limit must be an integer in 0..1000")
-    queue = request.app[STORES].queue
-    rows = await queue.list(
-        status=status,
-        workspace_id=workspace_id,
-        limit=limit,
-        after=_list_cursor(request.query.get("after")),
-    )
-    now = await queue.clock()
-    # A full page may have more behind it: `?after=<next_after>` asks for the next one, so every
-    # poison request can be listed and replayed by hand.
-    last = rows[-1] if rows and len(rows) == limit else None
-    next_after = None if last is None else f"{last.created_at!r},{last.request_id}"
-    return web.json_response(
-        {"requests": [row.to_json(now=now) for row in rows], "next_after": next_after}
-    )
-
-
-def _list_cursor(raw: str | None) -> tuple[float, str] | None:
-    """The `?after=` of a listing: the `next_after` of the page before (`created_at,request_id`
-    of its last row), opaque to clients."""
-    if raw is None:
-        return None
-    created, _, request_id = raw.partition(",")
-    try:
-        created_at = float(created)
-    except ValueError:
-        created_at = math.nan
-    if not math.isfinite(created_at) or not 0 < len(request_id) <= 256 or not _storable(request_id):
-        raise Problem(422, "invalid_field", "after must be the next_after of a listing page")
-    return created_at, request_id
-
-
-@routes.post("/v1/workspaces/{ws}/requests/{id}/replay")
-async def replay(request: web.Request) -> web.Response:
-    row = await _row(request)
-    try:
-        after = await request.app[STORES].queue.replay_poison(row.request_id, now=None)
-    except QueueError as exc:
-        raise _queue_problem(exc) from None
-    return web.json_response(after.to_json())
-
-
-@routes.post("/v1/workspaces/{ws}/requests/{id}/cancel")
-async def cancel(request: web.Request) -> web.Response:
-    """Cancel a request: a pending one is `cancelled` at once; one in progress answers with
-    `cancel_requested: true` and becomes `cancelled` once its holder stops (it hears of it at
-    its next heartbeat) or its lease lapses. Cancelling twice is answered with the row as it
-    stands; a done or poison request answers 409 `not_cancellable`. See docs/queue.md."""
-    row = await _row(request)
-    try:
-        after = await request.app[STORES].queue.cancel(row.request_id, now=None)
-    except QueueError as exc:
-        raise _queue_problem(exc) from None
-    return web.json_response(await _row_json(request, after))

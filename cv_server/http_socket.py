@@ -1,4 +1,4 @@
-"""The workspace websocket (DESIGN §5): subscribe / unsubscribe / apply, acks and live ops.
+"""The workspace websocket (docs/protocol.md): subscribe / unsubscribe / apply, acks and live ops.
 
 A message either way is one JSON frame or a JSON array of frames, handled in order as if each had
 come alone. The server sends arrays only to a client that connected with `?batch=1` (frames that
@@ -24,7 +24,16 @@ from cv_mutations import is_valid_sub_doc, is_valid_workspace_id
 from cv_server.http_docs import commit_and_publish, publish
 from cv_server.hub import Connection, Subscription
 from cv_server.inputs import check_since, decode_json, parse_apply_body
-from cv_server.keys import CONFIG, CONNECTIONS, HUB, METRICS, STATE, STORES, TOKEN_SECRET
+from cv_server.keys import (
+    CONFIG,
+    CONNECTIONS,
+    HUB,
+    METRICS,
+    RATE_LIMITS,
+    STATE,
+    STORES,
+    TOKEN_SECRET,
+)
 from cv_server.oplog import LogEntry, Outcome
 from cv_server.problems import Problem
 from cv_server.security import authenticate, bearer_token, seconds_left, signed_with
@@ -74,10 +83,14 @@ def _describe(kind: Any) -> str:
 class _Session:
     """One authenticated socket on one workspace."""
 
-    def __init__(self, app: web.Application, conn: Connection, workspace_id: str) -> None:
+    def __init__(
+        self, app: web.Application, conn: Connection, workspace_id: str, token: str
+    ) -> None:
         self.app = app
         self.conn = conn
         self.workspace_id = workspace_id
+        #: The bearer token of the handshake: its `ops` bucket pays for each apply frame.
+        self.token = token
         self.config = app[CONFIG]
         self._tails: dict[str, asyncio.Future[Any]] = {}
         # Applies read but not answered yet. The socket stops reading while they could fill
@@ -140,6 +153,14 @@ class _Session:
             elif kind == "apply":
                 body = {k: v for k, v in frame.items() if k in ("ops", "atomic")}
                 ops, atomic = parse_apply_body(body, self.config.max_ops_per_request)
+                # An apply frame is an ops request sent another way: the same bucket pays for
+                # it, and a refusal is an error frame naming the req (with `retry_after`) that
+                # the client retries, as it retries a 429.
+                limits = self.app[RATE_LIMITS]
+                wait = limits.take("ops", self.token)
+                if wait > 0:
+                    self.app[METRICS].count_rate_limited("ops")
+                    raise limits.refusal("ops", wait)
                 self.apply(sub_doc, req, ops, atomic)
             else:
                 raise Problem(400, "unknown_message_type", f"unknown frame type {_describe(kind)}")
@@ -290,7 +311,9 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
     conn = Connection(
         ws, config.subscriber_queue_limit, batch_bytes, on_too_slow=metrics.count_too_slow
     )
-    session = _Session(app, conn, workspace_id)
+    token = bearer_token(request, allow_query=True)
+    assert token is not None  # `authenticate` took it
+    session = _Session(app, conn, workspace_id, token)
     app[CONNECTIONS].add(conn)
     expiry = None
     if expires_in is not None:
@@ -301,8 +324,6 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
         expiry = asyncio.get_running_loop().call_later(
             max(0.0, expires_in), conn.close, CLOSE_UNAUTHORIZED, b"token expired"
         )
-    token = bearer_token(request, allow_query=True)
-    assert token is not None  # `authenticate` took it
 
     def on_new_secret(secret: bytes) -> None:
         # The secret was rotated (a leak, say): a socket authorized by a token of the old one

@@ -1,4 +1,4 @@
-"""Broadcast of committed ops to websocket subscribers (DESIGN §5): the asyncio shell around
+"""Broadcast of committed ops to websocket subscribers (docs/protocol.md): the asyncio shell around
 `fanout.Cursor`.
 
 Every connection has one writer task draining a bounded queue of frames, so a slow subscriber only

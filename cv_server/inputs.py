@@ -1,4 +1,4 @@
-"""Validation of what clients send, shared by HTTP and the websocket (DESIGN §11).
+"""Validation of what clients send, shared by HTTP and the websocket (docs/problems.md).
 
 Everything is checked before anything is applied: one bad op refuses the whole request.
 """

@@ -10,6 +10,7 @@ from cv_server.config import ServerConfig
 
 if TYPE_CHECKING:
     from cv_server.backends import Stores
+    from cv_server.http_ratelimit import RateLimits
     from cv_server.hub import Connection, Hub
     from cv_server.metrics import Metrics
     from cv_server.security import TokenSecret
@@ -20,6 +21,7 @@ __all__ = [
     "CONNECTIONS",
     "HUB",
     "METRICS",
+    "RATE_LIMITS",
     "STATE",
     "STORES",
     "TOKEN_SECRET",
@@ -40,6 +42,7 @@ CONFIG = web.AppKey("config", ServerConfig)
 STORES: web.AppKey[Stores] = web.AppKey("stores")
 HUB: web.AppKey[Hub] = web.AppKey("hub")
 METRICS: web.AppKey[Metrics] = web.AppKey("metrics")
+RATE_LIMITS: web.AppKey[RateLimits] = web.AppKey("rate_limits")
 #: The secret tokens are checked with now (replaced on PostgreSQL by `cv-server rotate-secret`).
 TOKEN_SECRET: web.AppKey[TokenSecret] = web.AppKey("token_secret")
 STATE = web.AppKey("state", ServerState)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 from cv_server.oplog import Committed, Outcome
@@ -15,6 +16,8 @@ class Metrics:
         self.ops_duplicate = 0
         self.ops_rejected = 0
         self.ws_too_slow = 0
+        #: Requests refused 429 `rate_limited`, by route class.
+        self.rate_limited: Counter[str] = Counter()
         self.subscriptions_refused = 0
         self.gauges: dict[str, Callable[[], float]] = {}
 
@@ -30,6 +33,9 @@ class Metrics:
     def count_too_slow(self) -> None:
         self.ws_too_slow += 1
 
+    def count_rate_limited(self, route_class: str) -> None:
+        self.rate_limited[route_class] += 1
+
     def count_subscription_refused(self) -> None:
         self.subscriptions_refused += 1
 
@@ -43,6 +49,11 @@ class Metrics:
             f"cv_ops_rejected_total {self.ops_rejected}",
             "# TYPE cv_ws_closed_too_slow_total counter",
             f"cv_ws_closed_too_slow_total {self.ws_too_slow}",
+            "# TYPE cv_rate_limited_total counter",
+            *(
+                f'cv_rate_limited_total{{route_class="{cls}"}} {n}'
+                for cls, n in sorted(self.rate_limited.items())
+            ),
             "# TYPE cv_subscriptions_refused_total counter",
             f"cv_subscriptions_refused_total {self.subscriptions_refused}",
         ]

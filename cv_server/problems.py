@@ -1,4 +1,4 @@
-"""Errors as `application/problem+json` with a stable `code` (DESIGN §5, §11).
+"""Errors as `application/problem+json` with a stable `code` (docs/protocol.md, docs/problems.md).
 
 Handlers raise `Problem`; the middleware in `app.py` turns it (and anything unexpected) into a
 response, so no error can take the server down or leak a stack trace.
@@ -14,7 +14,9 @@ from aiohttp import web
 
 __all__ = ["CODES", "PROBLEM_BASE", "Problem", "problem_response"]
 
-PROBLEM_BASE: Final = "https://cv-workspace.dev/problems/"
+#: The default `type` prefix (`ServerConfig.problem_type_base`): docs/problems.md has an anchor
+#: per code, so `type` resolves against the repository root (tests/test_docs.py pins it).
+PROBLEM_BASE: Final = "docs/problems.md#"
 
 #: Every code the server answers with (problem+json bodies, websocket `error` frames), and its
 #: title. The SDK maps each to a typed exception; tests/client/test_http_path_audit.py holds the
@@ -72,9 +74,9 @@ class Problem(Exception):
         self.detail = detail
         self.extra = extra
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, type_base: str = PROBLEM_BASE) -> dict[str, Any]:
         return {
-            "type": PROBLEM_BASE + self.code,
+            "type": type_base + self.code,
             "title": CODES.get(self.code, self.code),
             "status": self.status,
             "detail": self.detail,
@@ -83,10 +85,11 @@ class Problem(Exception):
         }
 
 
-def problem_response(problem: Problem) -> web.Response:
+def problem_response(problem: Problem, type_base: str = PROBLEM_BASE) -> web.Response:
+    """The problem as an HTTP answer; `type_base` is the server's `problem_type_base`."""
     return web.Response(
         status=problem.status,
-        text=json.dumps(problem.to_json()),
+        text=json.dumps(problem.to_json(type_base)),
         content_type="application/problem+json",
         headers=problem.headers,
     )

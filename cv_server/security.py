@@ -1,4 +1,5 @@
-"""Bearer-token checks for routes and the socket (DESIGN §11), and the secret they check with."""
+"""Bearer-token checks for routes and the socket (docs/operating.md), and the secret they check
+with."""
 
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from cv_server.problems import Problem, problem_response
+from cv_server.keys import CONFIG
+from cv_server.problems import PROBLEM_BASE, Problem, problem_response
 
 __all__ = ["ServerRunner", "parser_problem"]
 
@@ -48,7 +49,8 @@ class _ProblemRequestHandler(RequestHandler):
     ) -> web.StreamResponse:
         # aiohttp's: logs the error, and raises if a response was already started.
         super().handle_error(request, status, exc, message)
-        response = problem_response(parser_problem(status, exc))
+        type_base = getattr(self._manager, "problem_type_base", PROBLEM_BASE)
+        response = problem_response(parser_problem(status, exc), type_base)
         response.force_close()
         return response
 
@@ -56,7 +58,8 @@ class _ProblemRequestHandler(RequestHandler):
 class _ProblemServer(web.Server):
     """aiohttp's low-level server, with `_ProblemRequestHandler` as the connection protocol."""
 
-    def __init__(self, server: web.Server, kwargs: dict[str, Any]) -> None:
+    def __init__(self, server: web.Server, kwargs: dict[str, Any], problem_type_base: str) -> None:
+        self.problem_type_base = problem_type_base  # the app's, for the answers made here
         super().__init__(
             server.request_handler,
             request_factory=server.request_factory,
@@ -77,4 +80,4 @@ class ServerRunner(web.AppRunner):
         # The same arguments aiohttp gave its own server (the app's `handler_args` included).
         kwargs: dict[str, Any] = dict(server._kwargs)
         kwargs["loop"] = server._loop
-        return _ProblemServer(server, kwargs)
+        return _ProblemServer(server, kwargs, self.app[CONFIG].problem_type_base)

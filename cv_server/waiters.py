@@ -1,4 +1,5 @@
-"""Waiting for a request's outcome (seed 003 "reply pump"): push on completion, plus a sweep.
+"""Waiting for a request's outcome (the reply pump of docs/queue.md): push on completion, plus a
+sweep.
 
 A waiter registers *before* its first read of the row (the done-before-listen race), is woken by
 the queue's post-commit announcements, and — because an announcement can be missed (another
@@ -111,7 +112,7 @@ class Waiters:
 
 
 class WorkSignals:
-    """Wakes idle workers early when claimable work appears (seed 003: the worker's idle poll
+    """Wakes idle workers early when claimable work appears (docs/queue.md: the worker's idle poll
     backs off 100 ms → 2 s; a push cuts that wait short). A missed push costs at most one poll."""
 
     def __init__(self, store: QueueStore) -> None:

@@ -1,4 +1,4 @@
-"""cv_workspace_client: the retry-safe SDK apps install (DESIGN §6).
+"""cv_workspace_client: the retry-safe SDK apps install (docs/client.md).
 
 ```python
 from cv_mutations import NodeMove

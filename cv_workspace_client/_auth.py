@@ -9,9 +9,9 @@ websocket refused at its handshake (or closed at its token's expiry, 4001) conne
 The rule that keeps a provider from being asked in a loop (`RefreshPolicy`, pure): a token the
 provider gave that is refused in turn (a workspace the user lost access to: every fresh token is
 refused too), or a provider that fails, counts as a failed refresh. The next refresh waits the
-client's retry delay (full jitter, base 1 s, cap 300 s: DESIGN §10), and after `retry_attempts`
-failed refreshes in a row the provider is not asked again: the refusal stands (ops wait in the
-outbox, `sync_status.refused` names the workspace) until the app calls `set_token()`,
+client's retry delay (full jitter, base 1 s, cap 300 s: docs/configuration.md), and after
+`retry_attempts` failed refreshes in a row the provider is not asked again: the refusal stands (ops
+wait in the outbox, `sync_status.refused` names the workspace) until the app calls `set_token()`,
 `retry_pending()` or `wait_synced()`. A refreshed token that is accepted resets the count, so an
 app whose tokens expire every hour refreshes every hour, for ever.
 """

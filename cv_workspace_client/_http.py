@@ -1,5 +1,6 @@
-"""The HTTP half of the transport (DESIGN §5): one aiohttp session, answers turned into JSON or
-typed errors. No retry logic here: the machine (ops) and tenacity (reads) decide about retries."""
+"""The HTTP half of the transport (docs/protocol.md): one aiohttp session, answers turned into JSON
+or typed errors. No retry logic here: the machine (ops) and tenacity (reads) decide about
+retries."""
 
 from __future__ import annotations
 
@@ -166,8 +167,8 @@ class HttpApi:
                     except (ValueError, RecursionError) as exc:
                         raise ProtocolError("bad_answer", f"invalid JSON: {exc}") from None
                 if response.status < 400:
-                    # Every route answers 200 or a problem (DESIGN §5); `http_204` used to fail
-                    # an op for good.
+                    # Every route answers 200 or a problem (docs/protocol.md); `http_204` used to
+                    # fail an op for good.
                     raise not_an_answer(response.status, response.headers.get("Location"))
                 problem: Any = None
                 try:
@@ -216,7 +217,8 @@ def parse_retry_after(value: str | None) -> float | None:
     past is 0 (now). Anything else is no Retry-After (None: the caller's jitter applies). A
     negative value read as 0 made the client retry at once a server that asked for a pause, and
     a date past what `datetime` holds raised `OverflowError` (bare, from `get_state`).
-    A huge value is kept: the retry policy's cap (DESIGN §10) bounds the wait where it is used."""
+    A huge value is kept: the retry policy's cap (docs/configuration.md) bounds the wait where it is
+    used."""
     if not value:
         return None
     value = value.strip()

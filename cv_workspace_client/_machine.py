@@ -34,7 +34,7 @@ The rules it keeps, each of which a test pins:
 - A large backlog is restored a page per lane at a time (`restore` with the lanes' summaries,
   then `Load` / `loaded`): memory is bounded by lanes x pages, not by the backlog. Restored rows
   still on disk are a barrier: no batch reaches past them into the lane's new ops, so every
-  restored op leaves before any new op of its sub-doc, in seq order (DESIGN §6), as when all
+  restored op leaves before any new op of its sub-doc, in seq order (docs/client.md), as when all
   the rows were loaded at once.
 """
 
@@ -148,7 +148,7 @@ class OutboxMachine:
         new_op_id: the minter for ops submitted without an op_id (`cv_mutations.new_op_id`).
         backoff: delay in seconds before resend number `n + 1`, given `n` failed sends so far
             (full jitter in production: `random(0, min(cap, base * 2 ** (n - 1)))`).
-        max_attempts: sends per lane before giving up (DESIGN §10: 5).
+        max_attempts: sends per lane before giving up (5).
         max_batch_ops / max_batch_bytes: stay under the server's request limits.
         retry_after_cap: the most a server's Retry-After may make a lane wait.
         restore_page: restored rows read per `Load`; default two batches (`2 * max_batch_ops`),

@@ -40,8 +40,8 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class OutboxRow:
     """One op as the outbox stores it. `op_json` is sent verbatim on every attempt, so the server
-    fingerprints the same bytes each time (DESIGN §4). `atomic_group` is the seq of the first op
-    of an atomic `apply_ops` call (its ops always travel together), None otherwise."""
+    fingerprints the same bytes each time (docs/concepts.md). `atomic_group` is the seq of the first
+    op of an atomic `apply_ops` call (its ops always travel together), None otherwise."""
 
     seq: int
     workspace_id: str

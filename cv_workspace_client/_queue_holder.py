@@ -1,4 +1,4 @@
-"""The claim holder's side of the work queue (DESIGN §5, §7; seed 003): claim work (or
+"""The claim holder's side of the work queue (docs/protocol.md, docs/queue.md): claim work (or
 long-poll until there is some), keep the lease alive, and finish the request — `complete`,
 `complete_many` or `fail` (a large result uploaded first, `upload_result`), each fenced by the
 claim token, so a holder whose lease was reclaimed is told `LeaseLostError` and changes
@@ -107,7 +107,7 @@ async def complete(
 ) -> str:
     """Mark the request done (fenced by `claim_token`) with `result`, or with the uploaded
     result `blob_ref` names (`upload_result`). Call only after the stage's writes committed
-    (seed 004: never ack before the work). Raises `LeaseLostError` if refused."""
+    (never ack before the work). Raises `LeaseLostError` if refused."""
     body: dict[str, Any] = {"claim_token": claim_token, "result": result}
     for name, value in (
         ("error", error),

@@ -1,14 +1,14 @@
-"""The HTTP transport of the work-queue routes (DESIGN §5, §7): one request to a queue route
-with the host's token, its JSON answer decoded or its problem+json turned back into the SDK's
-typed error (`LeaseLostError` when a fenced verb is refused, `RequestCancelledError` when a
+"""The HTTP transport of the work-queue routes (docs/protocol.md, docs/queue.md): one request to a
+queue route with the host's token, its JSON answer decoded or its problem+json turned back into the
+SDK's typed error (`LeaseLostError` when a fenced verb is refused, `RequestCancelledError` when a
 heartbeat finds its request cancelled), and the SDK's retry rule around it.
 
 The requester's verbs (`_queue_api`) and the claim holder's (`_queue_holder`) both go through
 here. Each needs only a *host* (`QueueHost`): an object with `url`, `session` (an aiohttp
 session) and `auth_headers()`.
 
-Retries follow the one rule of the SDK (seed 004): only connection errors, timeouts, 5xx and 429
-are retried, and only for calls that are safe to repeat — reads, enqueues that cannot fork
+Retries follow the one rule of the SDK (docs/client.md): only connection errors, timeouts, 5xx and
+429 are retried, and only for calls that are safe to repeat — reads, enqueues that cannot fork
 (deterministic ids or an Idempotency-Key) and the holder's fenced verbs (a retried `complete`
 is answered with the finished row). A claim is not retried: a lost answer leaves a row leased to
 nobody, which the lease re-drives. `retried` applies the rule to one call; `enqueue` runs its own

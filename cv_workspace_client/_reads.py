@@ -1,5 +1,5 @@
 """The SDK's reads, mixed into `WorkspaceClient`: a sub-doc's state and its log, retried like any
-idempotent request (DESIGN §10's policy), and the log reads a subscription catches up with."""
+idempotent request (the default policy), and the log reads a subscription catches up with."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Retry policy wiring: tenacity's full-jitter wait for both the op machine's delay generator and
-the retried reads, and the one "is this retryable?" rule (seed 004).
+the retried reads, and the one "is this retryable?" rule (docs/client.md).
 
 Only errors that may succeed later are retried: connection errors, timeouts, 5xx and 429 (a
 Retry-After that came with a 429 or a 5xx wins over the jitter). A 4xx is an answer, never retried.

@@ -1,5 +1,5 @@
-"""One workspace's websocket (DESIGN §5): pipelined `apply` frames matched to acks by `req`, and the
-live feed of every subscription of the workspace, reconnecting by itself.
+"""One workspace's websocket (docs/protocol.md): pipelined `apply` frames matched to acks by `req`,
+and the live feed of every subscription of the workspace, reconnecting by itself.
 
 A thin shell: what to send and when to retry is the machine's business; what a subscription keeps
 or drops is the tracker's. This module only moves frames and reports what happened:
@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 
 __all__ = ["SocketOwner", "WorkspaceSocket"]
 
-#: Close codes that end the socket for good (DESIGN §5): the token will not get better by retrying.
+#: Close codes that end the socket for good (docs/protocol.md): the token will not get better by
+#: retrying.
 _FINAL_CLOSE = {4001: ("unauthorized", AuthError), 4003: ("forbidden_workspace", ForbiddenError)}
 #: The server refused a frame as too large: the batches in flight get `body_too_large`, which makes
 #: the machine halve a multi-op batch (and fail a lone op) instead of resending it as it was.
@@ -316,7 +317,7 @@ class WorkspaceSocket:
                     autoping=False,
                 )
             except aiohttp.WSServerHandshakeError as exc:
-                # A 4xx refusal of the upgrade is final (DESIGN §6), not only 401/403: a wrong
+                # A 4xx refusal of the upgrade is final (docs/client.md), not only 401/403: a wrong
                 # path or a proxy that refuses upgrades (400, 404) was retried forever, silently;
                 # now the subscriptions raise it and ops go over HTTP. 408 and 429 are retried.
                 if 400 <= exc.status < 500 and exc.status not in (408, 429):

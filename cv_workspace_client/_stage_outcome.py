@@ -1,6 +1,6 @@
-"""What the end of a stage run means to the queue (seed 003; seed 004 §7): an *answer*, which
-completes the request with an error payload after one attempt, or a *failure*, which the server
-retries (backoff, then poison at `max_dequeues`). Pure: no I/O.
+"""What the end of a stage run means to the queue (docs/queue.md; docs/stages.md): an *answer*,
+which completes the request with an error payload after one attempt, or a *failure*, which the
+server retries (backoff, then poison at `max_dequeues`). Pure: no I/O.
 
 An answer is anything the same run would meet again: an `ExpectedError` the handler raised, or
 a final refusal by a downstream — the server refusing one of the stage's own writes
@@ -80,7 +80,7 @@ def answer_payload(
 def expected_payload(exc: ExpectedError) -> dict[str, Any]:
     """The error payload of an expected error, in a form JSON can carry.
 
-    seed 003: an expected error is an answer, never retried. Details with no JSON form (a set,
+    An expected error is an answer, never retried. Details with no JSON form (a set,
     NaN, an object) would otherwise fail the completion as `invalid_result` and turn the answer
     into retries ending in poison; they travel as their `repr` instead.
     """

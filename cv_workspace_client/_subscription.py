@@ -2,7 +2,8 @@
 
 A subscription sees ops from several sources that overlap: the live stream, the server's catch-up
 after a (re)subscribe with `since`, and the client's own HTTP catch-up when it notices a hole.
-Clocks of one sub-doc are gap-free (DESIGN §3), so the last delivered clock is the whole state:
+Clocks of one sub-doc are gap-free (docs/concepts.md), so the last delivered clock is the whole
+state:
 
 - clock <= last: already delivered → drop (a redelivery after reconnect, or a catch-up overlap);
 - clock == last + 1: the next one → deliver and advance;

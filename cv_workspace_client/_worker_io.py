@@ -1,5 +1,5 @@
 """The worker's two I/O helpers: the heartbeat timer of a running stage, and the completer that
-sends completions made together in one call (seed 003; `cv_workspace_client.worker` runs them).
+sends completions made together in one call (docs/queue.md; `cv_workspace_client.worker` runs them).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The worker's pure-ish parts: the TTL cache, single-flight, the request key both use, and the
-per-run telemetry meter (seed 003). No HTTP here; the clock and the probes are parameters.
+per-run telemetry meter (docs/queue.md). No HTTP here; the clock and the probes are parameters.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def request_key(request: StageRequest) -> str | None:
     """The identity of "this stage on this input" for the TTL cache and single-flight: workspace,
     stage, job, branch and the canonical JSON of the input (sorted keys, no spaces).
 
-    The workspace is part of it (seed 003's cache-safety rule: two scopes never share an answer),
+    The workspace is part of it (the cache-safety rule: two scopes never share an answer),
     and so are the job and branch, which the handler sees. None when the input has no canonical
     JSON form (NaN, non-JSON types): such a request is never cached nor shared.
     """
@@ -56,7 +56,7 @@ def request_key(request: StageRequest) -> str | None:
 
 class TtlCache(Generic[K]):
     """Results by key, each fresh for its own TTL; at most `capacity` entries, the oldest evicted
-    first (seed 003: 500 entries, oldest-first). `clock` is monotonic seconds (injectable)."""
+    first (500 entries, oldest-first). `clock` is monotonic seconds (injectable)."""
 
     def __init__(self, capacity: int, clock: Callable[[], float] = time.monotonic) -> None:
         if capacity < 1:
@@ -98,7 +98,7 @@ class _Shared:
 
 
 class SingleFlight(Generic[K]):
-    """Identical concurrent executions share one run (seed 003: one in-flight promise per key
+    """Identical concurrent executions share one run (docs/queue.md: one in-flight promise per key
     inside the worker — it covers the lease-lapse double-claim window).
 
     A follower gets the leader's value or exception. If the leader is cancelled or loses its lease
@@ -157,8 +157,8 @@ def rss_bytes() -> int:
 
 @dataclass
 class RunMeter:
-    """Per-run telemetry (seed 003): wall seconds, process CPU seconds during the run, RSS at the
-    finish, and queue wait (claimed_at - created_at, both server times).
+    """Per-run telemetry (docs/queue.md): wall seconds, process CPU seconds during the run, RSS at
+    the finish, and queue wait (claimed_at - created_at, both server times).
 
     Telemetry must never break the job path: any error while measuring yields None, and the
     completion goes out without it. The probes are parameters so tests can break them.

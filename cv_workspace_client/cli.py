@@ -777,8 +777,9 @@ async def _enqueue(client: QueueClient, args: argparse.Namespace, *, rerun: bool
 
 
 def _warn_input_differs(answer: EnqueuedRequest, *, rerun: bool) -> None:
-    """The enqueue coalesced into a request whose input is not `--input`: say so on stderr
-    (the answer on stdout stays the answer), and how to run it on this input."""
+    """The enqueue coalesced into a request whose input is not `--input`: say so on stderr, in
+    the commands' one style (`--json`: `{"warning": {"code", "message"}}`), and how to run it
+    on this input. The answer on stdout stays the answer."""
     if answer.status in ("pending", "in_progress"):
         how = "it is still running: once it finished, enqueue again with --rerun to run yours"
     else:
@@ -792,11 +793,11 @@ def _warn_input_differs(answer: EnqueuedRequest, *, rerun: bool) -> None:
             f"request {answer.request_id} is still running with another input, which it "
             "keeps: your --input was not used; --rerun again once it finished"
         )
-    print(
-        json.dumps({"warning": {"code": "input_differs", "message": message}}),
-        file=sys.stderr,
-        flush=True,
-    )
+    if _ErrorStyle.json:
+        line = json.dumps({"warning": {"code": "input_differs", "message": message}})
+    else:
+        line = f"{_ErrorStyle.prog}: warning: {message} (input_differs)"
+    print(line, file=sys.stderr, flush=True)
 
 
 async def _mcp(args: argparse.Namespace) -> int:

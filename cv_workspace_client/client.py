@@ -1,4 +1,4 @@
-"""`WorkspaceClient`: the asyncio shell around the outbox machine (DESIGN §6).
+"""`WorkspaceClient`: the asyncio shell around the outbox machine (docs/client.md).
 
 The shell owns the I/O and nothing else: the outbox file, one aiohttp session for HTTP, one
 websocket per workspace in use, timers. Every decision — what to persist, what to send and when,
@@ -71,7 +71,7 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
     """The retry-safe client. Use as `async with WorkspaceClient(url, token=..., outbox=...)`.
 
     Ops (`apply_op`, `apply_ops`), reads (`get_state`, `read_ops`), live ops (`subscribe`), and
-    the work queue's verbs (`enqueue`, `wait_request`, ...: `QueueMethods`, DESIGN §7).
+    the work queue's verbs (`enqueue`, `wait_request`, ...: `QueueMethods`, docs/queue.md).
 
     Args:
         url: the server's base URL (`http://host:port`).

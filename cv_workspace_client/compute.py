@@ -1,4 +1,4 @@
-"""`compute_once`: the compute lock (layer 2, DESIGN §8, seed 000) as one call.
+"""`compute_once`: the compute lock (layer 2, docs/stages.md) as one call.
 
 An expensive third-party call inside a stage (one LLM call per custom column, one maps call per
 commute) must be paid for once, however many workers race for it. The protocol, per call:
@@ -24,7 +24,7 @@ result = await compute_once(
 ```
 
 The lock is workspace-internal: two workspaces never contend for it (the queue, not the lock,
-coordinates across workspaces — seed 000).
+coordinates across workspaces — docs/concepts.md).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ ComputeStatus = Literal["present", "computed", "locked"]
 #: `expires_at - LOCK_MARGIN_FRACTION * lifetime`. The rest of the lifetime is the budget; the
 #: margin (6 s of the 60 s TTL) absorbs the write's last round trip (clock skew between worker and
 #: server does not enter: the lock is timed on the worker's clock from the server's durations).
-#: Derived from the TTL (DESIGN §10), not a constant of its own.
+#: Derived from the TTL (docs/configuration.md), not a constant of its own.
 LOCK_MARGIN_FRACTION = 0.1
 
 
@@ -242,7 +242,7 @@ class LockPolling:
 
     The broadcast of the holder's write is what normally ends a wait. Polling covers the holder
     that released without writing (its call failed) or died (its lock lapses at the TTL): the
-    first poll to get the lock takes the key over. DESIGN §10's worker idle poll — 100 ms doubling
+    first poll to get the lock takes the key over. The default worker idle poll — 100 ms doubling
     to 2 s — since a waiting stage is an idle worker.
     """
 
@@ -309,7 +309,7 @@ async def compute_once(
     asked_at = now()
     lock = await acquire_lock(client, workspace_id, job_id, task, me)
     if not lock.acquired:
-        # Someone else is on it (seed 000: `{locked: true}` → wait for the realtime broadcast).
+        # Someone else is on it (`{locked: true}` → wait for the realtime broadcast).
         if wait is None:
             return ComputeResult("locked")
         assert sub_doc is not None
@@ -375,11 +375,11 @@ async def _holding(
         if lease is not None:
             lease()
         # 4. Compute, bounded by the lock. The server's TTL is 60 s and the provider may retry
-        #    for longer than that (full-jitter retries, DESIGN §10). A holder still computing when
-        #    its lock lapses would race whoever takes the key over: two paid calls, two writes.
-        #    So the compute — call and write — must be done `LOCK_MARGIN_FRACTION` of the lock's
-        #    lifetime before `expires_at`, or it is cancelled and we raise: the stage fails, the
-        #    queue re-drives it, and the next attempt re-checks before paying again.
+        #    for longer than that (full-jitter retries, docs/configuration.md). A holder still
+        #    computing when its lock lapses would race whoever takes the key over: two paid calls,
+        #    two writes. So the compute — call and write — must be done `LOCK_MARGIN_FRACTION` of
+        #    the lock's lifetime before `expires_at`, or it is cancelled and we raise: the stage
+        #    fails, the queue re-drives it, and the next attempt re-checks before paying again.
         #    The lock's span is read on our clock (`LockAnswer.local_span`): the server's
         #    `expires_at` against our clock would be off by however far the two clocks are.
         acquired_at, expires_at = lock.local_span(asked_at)
@@ -395,10 +395,10 @@ async def _holding(
         except Exception as exc:
             # The compute failed, or outran the lock's budget and was cancelled by it. Either
             # way a write of it may be on its way: a cancelled `apply_op` is not unsent, and one
-            # that gave up (`StillPendingError`) waits in the outbox to be resent (DESIGN §6).
-            # Releasing now would let a waiter double-check before that write lands and pay for
-            # the same call again (then the resend writes the cell a second time). So with
-            # anything unanswered on the client the key is handed back only once it landed
+            # that gave up (`StillPendingError`) waits in the outbox to be resent
+            # (docs/client.md). Releasing now would let a waiter double-check before that write
+            # lands and pay for the same call again (then the resend writes the cell a second time).
+            # So with anything unanswered on the client the key is handed back only once it landed
             # (`wait_synced` also re-sends an op that gave up); otherwise it lapses at its TTL.
             # A failure with nothing on its way (the provider's) hands the key back at once: the
             # next racer retries, once.
@@ -418,7 +418,7 @@ async def _holding(
             # Cancelled from outside: the stage's heartbeat was answered `lease_lost`, or the
             # drain deadline passed. Mid-call (nothing sent) the key goes back at once, so a
             # waiter takes over now. But mid-write the op is already on its way (a cancelled
-            # `apply_op` is not unsent, DESIGN §6): released now, the worker that re-drove
+            # `apply_op` is not unsent, docs/client.md): released now, the worker that re-drove
             # the request took the key, double-checked before that write landed and paid for
             # the same call again. So with anything unanswered on the client the key is kept;
             # it lapses at its TTL, by when the write is in and the next check finds it. (The

@@ -1,4 +1,4 @@
-"""Client configuration. The retry constants are DESIGN §10's (seed 004); every one can be
+"""Client configuration. The retry constants are in docs/configuration.md; every one can be
 overridden, and tests shrink them (or inject `sleep` / `backoff`) instead of waiting."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ __all__ = ["ClientConfig"]
 class ClientConfig:
     """Everything `WorkspaceClient` can be tuned with."""
 
-    # -- retries (DESIGN §10: full jitter, base 1 s, cap 300 s, 5 attempts, then stay pending) --
+    # -- retries (full jitter, base 1 s, cap 300 s, 5 attempts, then stay pending) --
     #: Full jitter: the n-th wait is `random(0, min(cap, base * 2 ** (n - 1)))`.
     retry_base_seconds: float = 1.0
     retry_cap_seconds: float = 300.0
@@ -32,7 +32,7 @@ class ClientConfig:
     #: connection if no pong comes within half of it (aiohttp's heartbeat). A connection that
     #: died without closing (a NAT that forgot the flow, a server that lost power) is otherwise
     #: noticed only by the ack deadline above or by the OS, hours later, while a subscription
-    #: waits on it. DESIGN §10's heartbeat (60 s); the pings also keep NAT flows from idling
+    #: waits on it. The default heartbeat (60 s); the pings also keep NAT flows from idling
     #: out. None switches it off.
     socket_heartbeat_seconds: float | None = 60.0
 

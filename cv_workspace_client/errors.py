@@ -1,9 +1,9 @@
 """The SDK's one exception hierarchy, and the pure mapping from the server's problem codes to it.
 
 Every error the client raises is a `WorkspaceError` with a stable string `code` (the server's own
-code when the server answered, DESIGN §5). Whether an error is worth retrying is a property of its
-class (`retryable`): only connection errors, timeouts (a 408 included), 5xx and 429 are (seed 004);
-any other 4xx answer is final and is never retried.
+code when the server answered, docs/protocol.md). Whether an error is worth retrying is a property
+of its class (`retryable`): only connection errors, timeouts (a 408 included), 5xx and 429 are
+(docs/client.md); any other 4xx answer is final and is never retried.
 
 Pure: no I/O, so the sans-I/O core may import it.
 """
@@ -235,7 +235,7 @@ def retry_delay(value: object) -> float | None:
     returns: the op, every later op of its sub-doc, or the read hung for good. A negative value
     meant "at once", hammering a server that asked for a pause, and an integer past a float's
     range raised `OverflowError` to the app. A huge value is kept (as the largest float): the
-    retry policy's cap (DESIGN §10, 300 s) bounds the wait where it is used.
+    retry policy's cap (docs/configuration.md, 300 s) bounds the wait where it is used.
     """
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
@@ -276,7 +276,7 @@ def error_from_problem(
         return RateLimitedError(code, message, retry_after=retry_after)
     if status == 408:
         # The server (or a proxy) gave up waiting for the request before reading it: nothing
-        # was processed, like a timeout on the way (seed 004: timeouts are retried).
+        # was processed, like a timeout on the way (timeouts are retried).
         return ConnectionFailedError(code, message)
     if code in ("internal", "unavailable") or (status is not None and status >= 500):
         return ServerError(code, message, status=status, retry_after=retry_after)

@@ -383,7 +383,7 @@ def _closing_client() -> Iterator[None]:
 
 def _with_op_id(op: Op | Mapping[str, Any], mint: Callable[[], str]) -> Op:
     """The op, with its op_id minted now (by the client's minter) if it has none: the view
-    tracks it by that id, and the client keeps it for every retry (DESIGN §6)."""
+    tracks it by that id, and the client keeps it for every retry (docs/client.md)."""
     parsed = as_op(op)
     if parsed.op_id is None:
         parsed = parsed.model_copy(update={"op_id": mint()})

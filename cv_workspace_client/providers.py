@@ -1,10 +1,11 @@
-"""Providers: the expensive third-party call a stage makes under a compute lock (DESIGN §2, §8).
+"""Providers: the expensive third-party call a stage makes under a compute lock (docs/concepts.md,
+docs/stages.md).
 
 `Provider` is the seam a stage handler sees. Two implementations ship:
 
 - `OpenAICompatibleProvider`: HTTP JSON against an OpenAI-compatible `chat/completions` endpoint,
   retrying only what a retry can fix (429, 5xx, connection errors, timeouts) with full jitter
-  (DESIGN §10 client retry, seed 004); any other 4xx is the caller's bug and raises at once.
+  (the client's retry policy, docs/client.md); any other 4xx is the caller's bug and raises at once.
 - `CountingFakeProvider`: deterministic answers and exact call counts, for tests and benchmarks
   (the number the whole project exists to keep low: provider calls per cell).
 
@@ -52,8 +53,8 @@ __all__ = [
     "retry_delay",
 ]
 
-#: One compute-lock TTL (DESIGN §10, seed 000): a call that outlives the lock it runs under can be
-#: duplicated by whoever takes the expired lock over.
+#: One compute-lock TTL (docs/configuration.md, docs/stages.md): a call that outlives the lock it
+#: runs under can be duplicated by whoever takes the expired lock over.
 DEFAULT_PROVIDER_TIMEOUT_SECONDS = 60.0
 
 #: How much of an error body is kept in an exception message.
@@ -147,7 +148,7 @@ _CLIENT_DEFAULTS = ClientConfig()
 
 @dataclass(frozen=True, slots=True)
 class ProviderRetry:
-    """DESIGN §10 client retry (seed 004): full jitter, base 1 s, cap 300 s, 5 attempts; the
+    """The client's retry policy (docs/client.md): full jitter, base 1 s, cap 300 s, 5 attempts; the
     defaults are `ClientConfig`'s, so the two cannot drift."""
 
     base_seconds: float = _CLIENT_DEFAULTS.retry_base_seconds
@@ -239,8 +240,8 @@ class OpenAICompatibleProvider:
         max_response_bytes: int | None = None,
     ) -> None:
         # `max_response_bytes`: the largest body (answer or error page, counted decompressed)
-        # read from the provider; None reads it whole. No default cap: DESIGN §10 gives no such
-        # limit, so a deployment facing an untrusted endpoint sets one.
+        # read from the provider; None reads it whole. No default cap: no documented
+        # limit applies, so a deployment facing an untrusted endpoint sets one.
         if max_response_bytes is not None and max_response_bytes < 1:
             raise ValueError(f"max_response_bytes must be >= 1: {max_response_bytes!r}")
         self.url = base_url.rstrip("/") + "/chat/completions"

@@ -1,4 +1,4 @@
-"""The values the queue verbs answer with (DESIGN §7): request rows, enqueue answers, wait
+"""The values the queue verbs answer with (docs/queue.md): request rows, enqueue answers, wait
 outcomes, claims. Pure data: no I/O.
 """
 

@@ -1,4 +1,4 @@
-"""What a stage handler sees (DESIGN §7, §12): the claimed request, a context to write through, and
+"""What a stage handler sees (docs/stages.md): the claimed request, a context to write through, and
 the two exceptions that steer the worker.
 
 ```python
@@ -11,7 +11,7 @@ async def evaluate(ctx: StageContext) -> dict[str, Any]:
 STAGES = {"evaluate": Stage(evaluate, ttl=None)}
 ```
 
-A stage is at-least-once (seed 004 §7): it may run again after a crash, a lapsed lease or an
+A stage is at-least-once (docs/stages.md): it may run again after a crash, a lapsed lease or an
 unexpected error. Its writes stay exactly-once because `apply_op` derives each op_id from
 `(request_id, run, key)`: the re-driven attempt writes the same op_ids and the server dedupes them.
 """
@@ -66,7 +66,7 @@ class ExpectedError(WorkspaceError):
     """Raise in a handler for an answer that is an error (bad input, forbidden, not found).
 
     The request completes with the payload `{"code", "message", "details"}` and is never retried
-    (seed 003: an expected error is an answer, not a failure, and never a path to poison).
+    (an expected error is an answer, not a failure, and never a path to poison).
     """
 
     def __init__(self, code: str, message: str = "", details: Any = None) -> None:
@@ -144,8 +144,8 @@ class Stage:
     """A handler and how the worker runs it.
 
     `ttl`: seconds an identical request (same workspace, stage, job, branch and input) is answered
-    from this worker's cache with `cache: "hit"` (seed 003: only for stages whose answers may be
-    a little stale; None = always fresh). `worker_class`: the queue class the worker claims for
+    from this worker's cache with `cache: "hit"` (docs/queue.md: only for stages whose answers may
+    be a little stale; None = always fresh). `worker_class`: the queue class the worker claims for
     it; defaults to the stage name.
     """
 
@@ -299,8 +299,8 @@ class StageContext:
 
     async def writes_settled(self) -> None:
         """Return once no `apply_op` of this context is in flight, and every one of them got the
-        server's answer. The worker awaits it before completing (seed 004: never ack before the
-        work's writes committed), so a write the handler spawned but did not await lands first.
+        server's answer. The worker awaits it before completing (docs/stages.md: never ack before
+        the work's writes committed), so a write the handler spawned but did not await lands first.
 
         Raises the first write's error that was not a final answer (`StillPendingError` once its
         retries ran out, say), even if the handler caught it or never looked: the write waits in
@@ -326,7 +326,7 @@ class StageContext:
         wait: float | None = None,
     ) -> ComputeResult[T]:
         """Run an expensive call at most once per `(workspace, job_id, task)` under the compute
-        lock (DESIGN §8); see `cv_workspace_client.compute.compute_once`."""
+        lock (docs/stages.md); see `cv_workspace_client.compute.compute_once`."""
         from cv_workspace_client.compute import compute_once  # imported late: optional layer
 
         return await compute_once(

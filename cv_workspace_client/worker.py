@@ -1,5 +1,5 @@
-"""The worker runner (DESIGN §7, §12; seed 003; seed 004 §7, §9): claim stage requests, run their
-handlers, report the outcome — at least once, never acknowledged before the work.
+"""The worker runner (docs/stages.md, docs/queue.md, docs/operating.md): claim stage requests, run
+their handlers, report the outcome — at least once, never acknowledged before the work.
 
 ```python
 async with WorkspaceClient(url, token=token, outbox="worker.outbox.db") as client:
@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
-import math
 import os
 import secrets
 import socket
@@ -58,6 +56,7 @@ from cv_workspace_client._stage_outcome import (
 )
 from cv_workspace_client._worker_io import Completer, Heartbeat
 from cv_workspace_client._worker_parts import RunMeter, SingleFlight, TtlCache, request_key
+from cv_workspace_client._worker_report import Reporter
 from cv_workspace_client.errors import (
     AuthError,
     ForbiddenError,
@@ -86,18 +85,18 @@ logger = logging.getLogger("cv_workspace_client.worker")
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
-    """The worker's constants (DESIGN §10); tests shrink them."""
+    """The worker's constants (docs/configuration.md); tests shrink them."""
 
-    #: Idle poll: first wait, doubling up to the ceiling (seed 003: 100 ms → 2 s).
+    #: Idle poll: first wait, doubling up to the ceiling (100 ms → 2 s).
     idle_initial_seconds: float = 0.1
     idle_max_seconds: float = 2.0
-    #: Lease renewal while a stage runs (seed 003: 60 s under a 120 s lease).
+    #: Lease renewal while a stage runs (60 s under a 120 s lease).
     heartbeat_seconds: float = 60.0
-    #: How long `stop()` lets in-flight stages finish (seed 004: 25 s, under Kubernetes' 30 s).
+    #: How long `stop()` lets in-flight stages finish (25 s, under Kubernetes' 30 s).
     drain_seconds: float = 25.0
     #: Stages run at once by this worker.
     concurrency: int = 1
-    #: TTL-cache cap (seed 003: 500 entries, oldest first).
+    #: TTL-cache cap (500 entries, oldest first).
     cache_entries: int = 500
     #: A result larger than this (JSON bytes) is uploaded to the blob store first and completed
     #: by its reference (= the server's `blob_threshold_bytes`); smaller ones travel inline, in
@@ -181,6 +180,12 @@ class Worker:
         self._cache: TtlCache[str] = TtlCache(self.config.cache_entries, self.config.clock)
         self._flight: SingleFlight[str] = SingleFlight()
         self._completer = Completer(client)
+        self._report = Reporter(
+            client,
+            self._completer,
+            self.stats,
+            batch_result_max_bytes=self.config.batch_result_max_bytes,
+        )
         self._stopping = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -241,7 +246,7 @@ class Worker:
                 return exc
             except WorkspaceError as exc:
                 if not exc.retryable:
-                    # DESIGN §6: a 4xx answer is final. A claim's body never changes (the same
+                    # A 4xx answer is final. A claim's body never changes (the same
                     # classes, worker id and limit), so the refusal (a class name or worker id
                     # over the server's limits, say) would repeat forever: the worker logged a
                     # warning every 2 s, ran nothing — not even its valid stages — and looked
@@ -283,7 +288,7 @@ class Worker:
 
         A claim whose answer never comes (a stalled server or link) otherwise held `stop()` for
         the client's whole request timeout (5 min by default), far past the drain deadline
-        (seed 004 §9: 25 s, under the orchestrator's grace period). Its answer is still awaited
+        (25 s, under the orchestrator's grace period). Its answer is still awaited
         until the deadline — it may lease rows to us, which we then run — and abandoned past
         it: rows it leased are then leased to nobody and re-drive after their lease, exactly
         like a claim whose answer was lost (never a row run twice, nor acknowledged unrun).
@@ -345,7 +350,7 @@ class Worker:
         return bool(outcome and outcome[0])
 
     async def _drain(self) -> None:
-        """seed 004 §9: finish in-flight work within the deadline; past it cancel (the rows
+        """Finish in-flight work within the deadline; past it cancel (the rows
         re-drive after their lease — nothing is acknowledged that did not happen)."""
         loop = asyncio.get_running_loop()
         # From `stop()` on (a claim in flight may have used part of it), or from now.
@@ -379,7 +384,7 @@ class Worker:
         if stage is None:
             slot.release()
             # A class shared with stages this worker lacks: let a worker that has it retry.
-            await self._report_failure(
+            await self._report.failure(
                 claimed, {"code": "unknown_stage", "message": f"no stage {row.stage!r} here"}
             )
             return
@@ -398,13 +403,13 @@ class Worker:
         except asyncio.CancelledError:
             if lease.lost:  # cancelled by the heartbeat, not by the drain deadline
                 current.uncancel()
-                self._lease_lost(row, "its heartbeat was refused")
+                self._report.lease_lost(row, "its heartbeat was refused")
                 return
             if not lease.cancelled:
                 raise
             current.uncancel()  # by the heartbeat, which heard the request was cancelled
         except LeaseLostError:
-            self._lease_lost(row, "the stage stopped on a lost lease")
+            self._report.lease_lost(row, "the stage stopped on a lost lease")
             return
         except RequestCancelledError:  # `ensure_lease` / `apply_op` after the heartbeat heard
             pass
@@ -416,18 +421,18 @@ class Worker:
             beat.stop()
             slot.release()  # the stage is over; its report may overlap the next claim
         if lease.lost:  # the handler swallowed the cancellation: still report nothing
-            self._lease_lost(row, "its heartbeat was refused")
+            self._report.lease_lost(row, "its heartbeat was refused")
             return
         if lease.cancelled:  # whatever the handler did once told to stop: it was cancelled
-            await self._report_cancelled(claimed)
+            await self._report.cancelled(claimed)
             return
         if failure is not None:
             answer = answer_payload(failure, ctx.refused_write(failure))
             if answer is None:
                 logger.warning("stage %s failed on %s: %r", row.stage, row.request_id, failure)
-                await self._report_failure(claimed, error_payload(failure))
+                await self._report.failure(claimed, error_payload(failure))
                 return
-            # A final refusal: the same run would meet it again (seed 004 §7), so it is the
+            # A final refusal: the same run would meet it again (docs/stages.md), so it is the
             # request's answer, not a failure to retry toward poison.
             logger.info("stage %s on %s answered %s", row.stage, row.request_id, answer["code"])
             kind, value, cache, shared = "error", answer, None, False
@@ -435,7 +440,7 @@ class Worker:
             self.stats.shared_runs += 1
         telemetry = meter.finish(**({"shared": True} if shared else {}))
         try:
-            reported = await self._report_success(claimed, kind, value, cache, telemetry)
+            reported = await self._report.success(claimed, kind, value, cache, telemetry)
             if reported is None:
                 # It reported a failure instead (a result with no JSON form): nothing completed,
                 # and nothing to cache — a cached non-answer would replay the same failure on
@@ -443,13 +448,13 @@ class Worker:
                 return
             kind = reported
         except LeaseLostError:
-            self._lease_lost(row, "its completion was refused")
+            self._report.lease_lost(row, "its completion was refused")
             return
         except InvalidRequestError as exc:
             # A final 4xx to the completion itself: sending it again cannot succeed, and
             # leaving it unacknowledged would park the request in progress for a whole lease
             # per attempt, then re-run it to poison. The refusal is the answer: complete with it.
-            await self._report_refused_completion(claimed, exc)
+            await self._report.refused_completion(claimed, exc)
             return
         except WorkspaceError as exc:
             # Not acknowledged: the lease lapses and the row re-drives; the stage's writes
@@ -462,14 +467,14 @@ class Worker:
         self.stats.completed += 1
         if stage.ttl is not None and cache != "hit":
             key = request_key(request)
-            if key is not None:  # seed 003: run, complete, then store under the TTL
+            if key is not None:  # Run, complete, then store under the TTL
                 self._cache.put(key, value, stage.ttl)
 
     def _heartbeat_every(self, row: api.QueuedRequest) -> float:
         """Seconds between heartbeats: the configured interval, but at most half the lease the
         server granted this claim. The lease is the server's setting (`lease_seconds`, which an
         operator may shrink with `--set`); a worker beating every 60 s under a 30 s lease would
-        lose every long stage to a second worker while it still runs (seed 003: 60 s under 120 s).
+        lose every long stage to a second worker while it still runs (60 s under 120 s).
         """
         every = self.config.heartbeat_seconds
         if row.lease_expires_at is not None and row.claimed_at is not None:
@@ -511,142 +516,6 @@ class Worker:
             return "result", await run_handler(), cache, False
         value, shared = await self._flight.run(key, run_handler)
         return "result", value, cache, shared
-
-    async def _report_success(
-        self,
-        claimed: api.Claim,
-        kind: Literal["result", "error"],
-        value: Any,
-        cache: Literal["hit", "miss"] | None,
-        telemetry: dict[str, Any] | None,
-    ) -> Literal["result", "error"] | None:
-        """Complete the request with `value`; return what it completed with ("error" for a
-        result past the server's `max_result_bytes`, completed with `result_too_large`), or
-        None if it reported a failure instead (the value has no JSON form). Raises what the
-        completion raises."""
-        row = claimed.request
-        item: dict[str, Any] = {"request_id": row.request_id}
-        item["claim_token"] = claimed.claim_token
-        if kind == "error":
-            item["error"] = value
-        else:
-            item["result"] = value
-        if cache is not None:
-            item["cache"] = cache
-        if telemetry is not None:
-            item["telemetry"] = telemetry
-        text = ""
-        try:
-            if not isinstance(value, int | float | bool) and value is not None:
-                text = json.dumps(value, separators=(",", ":"), allow_nan=False)
-            elif isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"{value} is not JSON")
-        except (TypeError, ValueError) as exc:
-            await self._report_failure(
-                claimed, {"code": "invalid_result", "message": f"not JSON: {exc}"}
-            )
-            return None
-        # ASCII (json.dumps escapes the rest): its length is its size in bytes.
-        size = len(text)
-        if kind == "result" and size > self.config.batch_result_max_bytes:
-            # seed 003: a big payload goes to the blob store, the completion names it. Uploaded
-            # as its own body (up to the server's max_result_bytes), never inside a completion,
-            # whose body the server bounds far lower.
-            del item["result"]
-            try:
-                item["blob_ref"] = await api.upload_result(
-                    self.client,
-                    row.workspace_id,
-                    row.request_id,
-                    claimed.claim_token,
-                    text.encode("ascii"),
-                )
-            except InvalidRequestError as exc:
-                if exc.code != "result_too_large":
-                    raise
-                # An answer, not a failure: the same run makes the same result again.
-                kind = "error"
-                item["error"] = {
-                    "code": "result_too_large",
-                    "message": exc.message,
-                    "details": {"bytes": size},
-                }
-        elif size > self.config.batch_result_max_bytes:  # a large error payload: alone
-            await api.complete(
-                self.client,
-                row.workspace_id,
-                row.request_id,
-                claimed.claim_token,
-                error=item.get("error"),
-                cache=cache,
-                telemetry=telemetry,
-            )
-            return kind
-        await self._completer.complete(row.workspace_id, item)
-        return kind
-
-    async def _report_refused_completion(self, claimed: api.Claim, exc: WorkspaceError) -> None:
-        """The server refused the completion for good (a final 4xx): complete the request with
-        that refusal as its error payload — once, never retried toward poison. If even that is
-        refused, report a failure (its backoff and cutoff then apply)."""
-        row = claimed.request
-        error = {
-            "code": "result_refused",
-            "message": f"the server refused the completion: {exc.code}: {exc.message}"[:2000],
-            "details": {"code": exc.code},
-        }
-        item = {"request_id": row.request_id, "claim_token": claimed.claim_token, "error": error}
-        try:
-            await self._completer.complete(row.workspace_id, item)
-        except LeaseLostError:
-            self._lease_lost(row, "its completion was refused")
-            return
-        except InvalidRequestError:
-            await self._report_failure(claimed, error)
-            return
-        except WorkspaceError as unanswered:
-            logger.warning("could not complete %s: %s", row.request_id, unanswered)
-            return
-        self.stats.expected_errors += 1
-
-    async def _report_failure(self, claimed: api.Claim, error: dict[str, Any]) -> None:
-        row = claimed.request
-        try:
-            status, _ = await api.fail(
-                self.client, row.workspace_id, row.request_id, claimed.claim_token, error
-            )
-        except LeaseLostError:
-            self._lease_lost(row, "its failure report was refused")
-            return
-        except WorkspaceError as exc:
-            # The lease lapses and the row re-drives: the failure is retried all the same.
-            logger.warning("could not report the failure of %s: %s", row.request_id, exc)
-            return
-        self.stats.failed += 1
-        logger.info("request %s failed, now %s", row.request_id, status)
-
-    async def _report_cancelled(self, claimed: api.Claim) -> None:
-        """Tell the server the stage stopped on a cancel: the holder's `fail`, which finishes a
-        request whose cancel was requested as `cancelled` (never retried). Unreported (a lost
-        answer, a server away), the lease lapses and the next claim parks it as cancelled."""
-        row = claimed.request
-        error = {"code": "cancelled", "message": "the stage stopped: the request was cancelled"}
-        try:
-            status, _ = await api.fail(
-                self.client, row.workspace_id, row.request_id, claimed.claim_token, error
-            )
-        except LeaseLostError:
-            self._lease_lost(row, "its cancellation report was refused")
-            return
-        except WorkspaceError as exc:
-            logger.warning("could not report the cancellation of %s: %s", row.request_id, exc)
-            return
-        self.stats.cancelled += 1
-        logger.info("request %s cancelled, now %s", row.request_id, status)
-
-    def _lease_lost(self, row: api.QueuedRequest, why: str) -> None:
-        self.stats.leases_lost += 1
-        logger.warning("request %s: lease lost (%s); completing nothing", row.request_id, why)
 
 
 class _Slot:

@@ -1,4 +1,4 @@
-"""The documented public names (DESIGN §12) are exported, and the pure cores import no I/O."""
+"""The documented public names are exported, and the pure cores import no I/O."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""compute_lock, layer 2: one expensive call per `(workspace_id, job_id, task)` (DESIGN §8)."""
+"""compute_lock, layer 2: one expensive call per `(workspace_id, job_id, task)` (docs/stages.md)."""
 
 from cv_server.locks.store import (
     Acquired,

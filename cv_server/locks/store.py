@@ -1,15 +1,15 @@
-"""The compute-lock storage seam (layer 2, DESIGN §8, seed 000): domain verbs every backend
+"""The compute-lock storage seam (layer 2, docs/stages.md): domain verbs every backend
 implements. Every backend passes the same contract suite (`tests/contract/locks_contract.py`).
 
 A compute lock dedupes one expensive call *inside* a stage run (an LLM call per column), keyed on
 `(workspace_id, job_id, task)`. It is workspace-internal by construction: the workspace is part of
-the key, so two workspaces never contend (seed 000 anti-pattern: the queue, not this lock, is the
+the key, so two workspaces never contend (the queue, not this lock, is the
 cross-workspace coordinator).
 
 Time is a parameter (`now`, epoch seconds) and so is the TTL: callers pass
-`ServerConfig.compute_lock_ttl_seconds` (60 s, DESIGN §10); the verbs read no clock. Which clock
-`now` should come from is the store's to say (`clock`): with several server instances on one
-PostgreSQL database, each instance's own wall clock would judge the same lock differently (one
+`ServerConfig.compute_lock_ttl_seconds` (60 s, docs/configuration.md); the verbs read no clock.
+Which clock `now` should come from is the store's to say (`clock`): with several server instances on
+one PostgreSQL database, each instance's own wall clock would judge the same lock differently (one
 running ahead takes live locks over, and sweeps them as dead), so there it is the database's.
 """
 
@@ -46,7 +46,7 @@ class Acquired:
 
 @dataclass(frozen=True, slots=True)
 class Locked:
-    """Someone else holds a live lock on the key (seed 000: "someone else is on it"): the caller
+    """Someone else holds a live lock on the key ("someone else is on it"): the caller
     should wait for the broadcast of that holder's write rather than compute."""
 
     holder: str | None
@@ -78,7 +78,7 @@ def check_ttl(ttl: float) -> None:
 class ComputeLockStore(abc.ABC):
     """Compute locks of every workspace.
 
-    Rules every implementation keeps (DESIGN §8, seed 000):
+    Rules every implementation keeps (docs/stages.md, docs/concepts.md):
     - `acquire` is an atomic insert-or-ignore on `(workspace_id, job_id, task)`: of any number of
       concurrent acquirers of a free key, exactly one gets `Acquired`;
     - a lock with `expires_at <= now` is dead: the next acquisition of its key deletes it and takes

@@ -1,4 +1,4 @@
-"""The op-log: dedupe, commit, read back (DESIGN §3, §4)."""
+"""The op-log: dedupe, commit, read back (docs/concepts.md)."""
 
 from cv_server.oplog.store import (
     Committed,

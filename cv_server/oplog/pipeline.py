@@ -1,4 +1,4 @@
-"""The commit pipeline of one sub-doc, without I/O (DESIGN §4; STYLE: sans-I/O core).
+"""The commit pipeline of one sub-doc, without I/O (docs/concepts.md; STYLE: sans-I/O core).
 
 A backend calls `plan_commit` inside its write transaction with:
 
@@ -11,7 +11,7 @@ head clock, and the undo functions that take the state back to where it was. The
 the rows in the same transaction and calls `plan.revert()` if that transaction does not reach
 disk, so its cache never runs ahead of the log.
 
-Rules (DESIGN §3, §4):
+Rules (docs/concepts.md):
 
 - an op whose op_id has an outcome (recorded, or decided earlier in the same batch) is a
   duplicate: same fingerprint → that outcome again with `duplicate=True`; different fingerprint →

@@ -100,7 +100,7 @@ class LogEntry:
 class OpLogStore(abc.ABC):
     """The op-log of every sub-doc of every workspace.
 
-    Rules every implementation keeps (DESIGN §4):
+    Rules every implementation keeps (docs/concepts.md):
     - dedupe on `(workspace_id, sub_doc, op_id)`: same fingerprint → the stored outcome with
       `duplicate=True`; different fingerprint → `Rejected(code="op_id_reuse")`, nothing applied;
     - clocks per sub-doc start at 0 and grow by 1 per committed op, with no gap;

@@ -1,7 +1,8 @@
-"""The PostgreSQL backend (DESIGN §9, issue 7): several `cv-server` processes share one database.
+"""The PostgreSQL backend (docs/postgres.md, issue 7): several `cv-server` processes share one
+database.
 
-Needs the `postgres` extra (asyncpg). Connections carry the DESIGN §10 guards (`pool`), the schema
-is versioned (`migrations`), transactions retry serialization failures only (`retry`), and
+Needs the `postgres` extra (asyncpg). Connections carry the PostgreSQL session guards (`pool`), the
+schema is versioned (`migrations`), transactions retry serialization failures only (`retry`), and
 instances tell each other about commits with LISTEN/NOTIFY (`notifier`). Stores: `oplog`,
 `queue`, `locks`, `idempotency`, `blobs`; `stores.open_postgres_stores` opens them all for one
 server instance.

@@ -1,4 +1,4 @@
-"""Result blobs on PostgreSQL (seed 003: `surface_result_blobs`, bytea, 24 h expiry).
+"""Result blobs on PostgreSQL (`surface_result_blobs`, bytea, 24 h expiry).
 
 Tables come from `migrations/005_request_blobs.sql`.
 """
@@ -45,7 +45,7 @@ def _random_ref() -> str:
 class PostgresBlobStore(BlobStore):
     """`BlobStore` on a PostgreSQL pool whose schema has `005_request_blobs` applied.
 
-    `retention` is `ServerConfig.blob_retention_seconds` (24 h, DESIGN §10).
+    `retention` is `ServerConfig.blob_retention_seconds` (24 h, docs/configuration.md).
     """
 
     def __init__(

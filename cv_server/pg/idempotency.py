@@ -1,4 +1,5 @@
-"""Idempotency keys on PostgreSQL, shared by every server instance (seed 004 §1, DESIGN §9).
+"""Idempotency keys on PostgreSQL, shared by every server instance (docs/queue.md,
+docs/postgres.md).
 
 `begin` is an upsert: a new key is inserted and an expired one taken over in place, both in one
 statement whose row lock settles concurrent first requests (on any instance): exactly one of
@@ -14,8 +15,8 @@ lock on `advisory_lock_key(schema, workspace, key)` *before* it writes the row, 
 connection it keeps until `finish`, `abandon` or `Owned.release`. PostgreSQL ends the session of
 a client that vanished, and with it the lock. A retry that finds the key in progress tries the
 lock: held, the owner is alive (409 as before); free, the owner is gone, and the retry takes the
-key over in place, holding the lock from then on. No timeout is involved (DESIGN §10 has none
-to give), and a 64-bit hash collision can only make a key look busy, never steal it.
+key over in place, holding the lock from then on. No timeout is involved (none is
+configured), and a 64-bit hash collision can only make a key look busy, never steal it.
 
 Owners hold pool connections, so at most `pool max size - 1` keys are owned at once per store:
 each owner needs one more connection for its enqueue, and a pool full of owners would wait on
@@ -156,8 +157,8 @@ async def complete_key(
 class PostgresIdempotencyStore(IdempotencyStore):
     """`IdempotencyStore` on a PostgreSQL pool whose schema has `004_idempotency_keys` applied.
 
-    `retention` is `ServerConfig.idempotency_retention_seconds` (24 h, DESIGN §10). The pool
-    needs at least two connections: one for an owner's lock, one for its enqueue.
+    `retention` is `ServerConfig.idempotency_retention_seconds` (24 h, docs/configuration.md). The
+    pool needs at least two connections: one for an owner's lock, one for its enqueue.
     """
 
     def __init__(self, pool: asyncpg.Pool, *, retention: float) -> None:

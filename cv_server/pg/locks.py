@@ -1,4 +1,4 @@
-"""Compute locks on PostgreSQL, shared by every server instance (DESIGN §8, §9).
+"""Compute locks on PostgreSQL, shared by every server instance (docs/stages.md, docs/postgres.md).
 
 Each verb is **one statement** (one implicit transaction, one round trip):
 

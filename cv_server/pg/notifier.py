@@ -1,8 +1,8 @@
-"""Cross-instance notifications with LISTEN/NOTIFY (DESIGN §9, issue 7).
+"""Cross-instance notifications with LISTEN/NOTIFY (docs/postgres.md, issue 7).
 
 Sending: `notify(conn, channel, payload)` inside the transaction whose commit it announces. It is
 `pg_notify` on that transaction's connection, so PostgreSQL delivers it at commit and drops it on
-rollback: a listener can never be woken before the rows are readable (seed 003).
+rollback: a listener can never be woken before the rows are readable (docs/queue.md).
 
 Receiving: one `Notifier` per process holds a **dedicated** connection (never a pooled one: a
 pooled connection goes back to the pool and its LISTENs would wake whoever borrows it next). When
@@ -51,15 +51,15 @@ logger = logging.getLogger(__name__)
 #: PostgreSQL refuses payloads of this many bytes or more (default build).
 NOTIFY_PAYLOAD_LIMIT: Final = 8000
 
-#: Reconnect backoff: DESIGN §10's polling schedule (100 ms doubling to 2 s, seed 003) with seed
-#: 004's full jitter. Not the client's 1 s / 300 s: while this connection is down no live op
+#: Reconnect backoff: the default polling schedule (100 ms doubling to 2 s, docs/configuration.md)
+#: with full jitter. Not the client's 1 s / 300 s: while this connection is down no live op
 #: crosses instances, so waiting minutes would be a needless outage.
 _RECONNECT_BASE_SECONDS: Final = 0.1
 _RECONNECT_CAP_SECONDS: Final = 2.0
 
-#: How often the LISTEN connection must prove it is alive: the waiter sweep of DESIGN §10 (5 s,
-#: seed 003), the same bound on how long a lost push may go unnoticed. It must answer within
-#: its `statement_timeout` (DESIGN §10 guard, 5 s).
+#: How often the LISTEN connection must prove it is alive: the waiter sweep of docs/configuration.md
+#: (5 s, docs/queue.md), the same bound on how long a lost push may go unnoticed. It must answer
+#: within its `statement_timeout` (PostgreSQL session guards, 5 s).
 _CHECK_EVERY_SECONDS: Final = ServerConfig().sweep_seconds
 
 

@@ -1,4 +1,5 @@
-"""The op-log on PostgreSQL, shared by several server instances (DESIGN §4, §9; issue 7).
+"""The op-log on PostgreSQL, shared by several server instances (docs/concepts.md, docs/postgres.md;
+issue 7).
 
 Same pure pipeline as SQLite (`cv_server.oplog.pipeline`); what changes is who else may write:
 
@@ -76,7 +77,8 @@ AppendResult = tuple[list[Outcome], list[LogEntry]]
 
 
 def oplog_payload(workspace_id: str, sub_doc: str, clock: int) -> str:
-    """`workspace_id/sub_doc/clock`: ids cannot contain `/` (DESIGN §3), and it stays tiny."""
+    """`workspace_id/sub_doc/clock`: ids cannot contain `/` (docs/concepts.md), and it stays
+    tiny."""
     return f"{workspace_id}/{sub_doc}/{clock}"
 
 
@@ -203,7 +205,7 @@ class PostgresOpLogStore(OpLogStore):
         atomic: bool = False,
     ) -> AppendResult:
         # A caller cancelled here does not cancel the commit: its op may still be applied, and
-        # a retry under the same op_id then gets `duplicate: true` (seed 000).
+        # a retry under the same op_id then gets `duplicate: true` (docs/concepts.md).
         return await self.append_nowait(workspace_id, sub_doc, ops, atomic=atomic)
 
     #: A sub-doc's lane commits its appends in the order they were queued (one drainer, FIFO).

@@ -1,7 +1,7 @@
 """Connections to PostgreSQL: a pool for transactions, single connections for LISTEN.
 
-Every connection carries the DESIGN §10 guards (seed 004 §5) as session settings, so a mistake
-that holds a transaction open or runs a runaway statement is killed by the server instead of
+Every connection carries the PostgreSQL session guards (docs/postgres.md) as session settings, so a
+mistake that holds a transaction open or runs a runaway statement is killed by the server instead of
 silently pinning a connection and its row locks:
 
 - `statement_timeout` 5 s,
@@ -41,13 +41,14 @@ def is_valid_schema_name(name: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class PostgresSettings:
-    """Session guards (DESIGN §10, seed 004) and pool bounds. Tests may shrink the timeouts."""
+    """Session guards (docs/configuration.md, docs/postgres.md) and pool bounds. Tests may shrink
+    the timeouts."""
 
     statement_timeout_seconds: float = 5.0
     idle_in_transaction_session_timeout_seconds: float = 10.0
     #: Schema searched first for unqualified names; None keeps the server's default path.
     schema: str | None = None
-    #: Pool bounds (asyncpg's defaults): a deployment knob, not a DESIGN constant.
+    #: Pool bounds (asyncpg's defaults): a deployment knob, not a documented constant.
     pool_min_size: int = 10
     pool_max_size: int = 10
     application_name: str = "cv-server"

@@ -1,4 +1,5 @@
-"""The work queue on PostgreSQL, shared by every server instance (DESIGN §7, §9; issue 7).
+"""The work queue on PostgreSQL, shared by every server instance (docs/queue.md, docs/postgres.md;
+issue 7).
 
 - **Claims** are one statement (`queue_sql.claim_sql`): each partial index is probed on its own
   (per worker class, and per workspace when the token is restricted, as a LATERAL index walk)
@@ -9,8 +10,8 @@
 - **Announcements.** A committed status change is announced to this store's listeners right
   after the commit, and to the other instances by a NOTIFY sent in the very transaction that
   made the change: it fires at COMMIT (never on rollback), so a waiter elsewhere can never be
-  woken before the row is readable (seed 003), and completion and notification are one
-  transaction (DESIGN §7). Each instance LISTENs on the channel (`listen`) and announces what
+  woken before the row is readable (docs/queue.md), and completion and notification are one
+  transaction (docs/queue.md). Each instance LISTENs on the channel (`listen`) and announces what
   the others committed; its own notifications, tagged with its instance id, it skips.
 - **Not every change crosses instances.** PostgreSQL serialises the commits of all
   transactions that NOTIFY (they queue on one lock held through the WAL flush): 16 concurrent
@@ -18,7 +19,7 @@
   what a listener elsewhere acts on is sent — `pending` (wakes idle workers), `done`,
   `poison` and `cancelled` (wake waiters) — while claims (`in_progress`), which no listener
   acts on, commit without NOTIFY and are announced locally only. A missed notification costs
-  at most a worker poll or a waiter sweep (DESIGN §7); nothing depends on it for correctness.
+  at most a worker poll or a waiter sweep (docs/queue.md); nothing depends on it for correctness.
 - **One clock.** Leases, backoffs and availability are judged on the database server's clock
   (`clock`), not on the machine of whichever instance serves the call: one running ahead would
   hand a live request to a second worker, one running behind would hand out backed-off or

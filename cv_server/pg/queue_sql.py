@@ -180,7 +180,7 @@ def claim_sql(restricted: bool) -> str:
     - one pending probe per class (and per allowed workspace), a LATERAL index walk of its
       partial index in claimable-since order that stops after `limit` rows;
     - one probe of lapsed leases (their workers died) that may still run; one of lapsed leases
-      that were dequeued `max_dequeues` times, which are parked as poison (seed 003), or whose
+      that were dequeued `max_dequeues` times, which are parked as poison (docs/queue.md), or whose
       request was cancelled while they ran, which are parked as cancelled;
     - the oldest `limit` candidates by when they became claimable are claimed, each under its own
       token; `FOR UPDATE SKIP LOCKED` in every probe, so concurrent claimers on any instance

@@ -1,4 +1,4 @@
-"""The serialization-failure retry policy (DESIGN §10, seed 004 §4).
+"""The serialization-failure retry policy (docs/configuration.md, docs/postgres.md).
 
 PostgreSQL answers `40001` (serialization_failure) and `40P01` (deadlock_detected) when running
 the transaction again may succeed; nothing else is worth retrying here. The retry wraps the

@@ -1,4 +1,4 @@
-"""Opening every store of one server instance on PostgreSQL (DESIGN §9, issue 7).
+"""Opening every store of one server instance on PostgreSQL (docs/postgres.md, issue 7).
 
 One pool for transactions, one dedicated LISTEN connection (`Notifier`) shared by the op-log,
 the queue and the token secret, migrations applied at start under the advisory lock, the token

@@ -1,5 +1,6 @@
-"""The durable work queue (layer 1, DESIGN §7): stage requests, leased claims, poison, plus the
-idempotency keys of non-deterministic enqueues (seed 004 §1) and the result blob store (seed 003).
+"""The durable work queue (layer 1, docs/queue.md): stage requests, leased claims, poison, plus the
+idempotency keys of non-deterministic enqueues (docs/queue.md) and the result blob store
+(docs/queue.md).
 
 Backend-neutral names live here; the SQLite implementations are in `cv_server.sqlite.queue`,
 `cv_server.sqlite.idempotency` and `cv_server.sqlite.blobs`.

@@ -1,4 +1,4 @@
-"""The result blob store (seed 003: `surface_result_blobs`, bytea, 24 h expiry).
+"""The result blob store (`surface_result_blobs`, bytea, 24 h expiry).
 
 A stage whose result is too large for the request row stores it here and completes the request
 with a `blob_ref` instead of the payload (claim check); the enqueuer fetches it by reference.

@@ -36,7 +36,7 @@ class RequestNotFound(QueueError):
 class LeaseLost(QueueError):
     """The caller's `claim_token` no longer holds the request: its lease lapsed and another worker
     claimed it, or the request already finished. The caller must stop the stage's writes — it can
-    change nothing on the row (DESIGN §7: fenced by `claim_token`; River #1302)."""
+    change nothing on the row (fenced by `claim_token`; River #1302)."""
 
     code = "lease_lost"
 

@@ -1,4 +1,4 @@
-"""Idempotency keys for requests that must not run twice but have no natural key (seed 004 §1).
+"""Idempotency keys for requests that must not run twice but have no natural key (docs/queue.md).
 
 A client sends `Idempotency-Key: <opaque>` with a non-deterministic request (an enqueue whose
 stage does not declare a deterministic id). The server:
@@ -46,7 +46,7 @@ R = TypeVar("R")
 
 
 def request_fingerprint(method: str, path: str, body: bytes) -> str:
-    """sha256 (hex) of method | path | raw body, as received (seed 004).
+    """sha256 (hex) of method | path | raw body, as received (docs/queue.md).
 
     The raw bytes, before parsing: hashing the parsed request after defaults are applied would
     turn every in-flight retry into a mismatch the day a default changes. Each part is
@@ -163,14 +163,14 @@ class KeyCompletion(Generic[R]):
 
 
 class IdempotencyStore(abc.ABC):
-    """Idempotency keys of every workspace (seed 004 §1).
+    """Idempotency keys of every workspace (docs/queue.md).
 
     Rules every implementation keeps:
     - `begin` is atomic: of concurrent `begin`s on a free key exactly one gets `Owned`;
     - a key is scoped to its workspace: nothing about workspace A's key is visible from B;
     - a key lives `retention` seconds from the `begin` that created it;
     - a key whose owner died (its process, or on PostgreSQL its database session) does not stay
-      in progress: a retry takes it over (seed 004 §1: a crashed request must not turn honest
+      in progress: a retry takes it over (docs/queue.md: a crashed request must not turn honest
       retries into 24 hours of 409), and of concurrent retries exactly one does.
     """
 

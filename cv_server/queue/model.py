@@ -1,4 +1,4 @@
-"""The work queue's rows and state machine (layer 1, DESIGN §7, seeds 000 and 003). Pure: no I/O,
+"""The work queue's rows and state machine (layer 1, docs/queue.md). Pure: no I/O,
 no clock, no randomness — `now`, tokens and ids are parameters, so every rule is testable alone
 and every backend (SQLite, PostgreSQL) applies the very same rules.
 
@@ -88,7 +88,7 @@ STATUSES: Final[tuple[RequestStatus, ...]] = (*LIVE_STATUSES, *FINISHED_STATUSES
 #: (a changed recipe would fork every request enqueued before the upgrade).
 _DETERMINISTIC_RECIPE: Final = "cv-request/v1"
 #: 160 bits of sha256 (40 hex chars): collision-free in practice, and the id stays short and
-#: within the `[A-Za-z0-9_-]{1,64}` id alphabet of DESIGN §3.
+#: within the `[A-Za-z0-9_-]{1,64}` id alphabet (docs/concepts.md).
 _ID_HEX_CHARS: Final = 40
 
 _DEFAULT_MAX_DEQUEUES: Final = ServerConfig().max_dequeues
@@ -97,7 +97,8 @@ _DEFAULT_MAX_DEQUEUES: Final = ServerConfig().max_dequeues
 def deterministic_request_id(
     workspace_id: str, job_id: str | None, branch_path: str | None, stage: str
 ) -> str:
-    """The id of "run `stage` on job `job_id` at `branch_path` in `workspace_id`" (seed 000).
+    """The id of "run `stage` on job `job_id` at `branch_path` in `workspace_id`"
+    (docs/concepts.md).
 
     Recipe (stable; changing it would fork requests already queued):
     `"d_" + sha256(canonical JSON of ["cv-request/v1", workspace_id, job_id, branch_path, stage])`
@@ -231,7 +232,7 @@ class Completion:
 
 
 def check_cache(cache: object) -> None:
-    """`cache` says whether a TTL cache answered the run (seed 003): "hit", "miss" or None."""
+    """`cache` says whether a TTL cache answered the run (docs/queue.md): "hit", "miss" or None."""
     if cache not in (None, "hit", "miss"):
         raise ValueError(f"cache must be 'hit', 'miss' or None: {cache!r}")
 
@@ -248,7 +249,7 @@ class RequestEvent:
     """A committed change of a request's status, as listeners see it.
 
     Small on purpose (ids and status, never bodies): PostgreSQL carries it in a NOTIFY payload,
-    and a waiter re-reads the row with `get` (seed 003: notify, then SELECT the row).
+    and a waiter re-reads the row with `get` (notify, then SELECT the row).
     """
 
     workspace_id: str
@@ -310,9 +311,9 @@ def decide_enqueue(
     - a live row (pending/in_progress): coalesce into it, whatever `rerun` says — re-opening work
       in flight would fork it;
     - a finished row (done/poison): return it as it stands (a plain re-enqueue of a deterministic
-      request is answered by its result; a poison row is replayed only by hand, seed 004), unless
-      `rerun=True`, which re-opens it on purpose as the next run with the new input, at the back
-      of the queue.
+      request is answered by its result; a poison row is replayed only by hand, docs/queue.md),
+      unless `rerun=True`, which re-opens it on purpose as the next run with the new input, at the
+      back of the queue.
     """
     if existing is None:
         return Enqueued(new_row(req, now), coalesced=False), True
@@ -326,7 +327,7 @@ def decide_enqueue(
 
 def input_differs(answer: Enqueued, req: NewRequest) -> bool:
     """True when `answer` coalesced `req` into a row whose stored input is not the one `req`
-    sent: the caller's input was not used (the id leaves the input out, seed 000), which its
+    sent: the caller's input was not used (the id leaves the input out, docs/concepts.md), which its
     answer must say. Compared as canonical JSON, type for type (`1`, `1.0` and `true` differ;
     the order of an object's members does not)."""
     return answer.coalesced and _canonical(answer.row.input) != _canonical(req.input)
@@ -341,7 +342,7 @@ def _canonical(value: Any) -> str:
 
 def is_claimable(row: ProcessRequest, now: float) -> bool:
     """Pending and available, or in progress with a lapsed lease (its worker died: the lease IS
-    the retry, seed 003)."""
+    the retry, docs/queue.md)."""
     if row.status == "pending":
         return row.available_at <= now
     if row.status == "in_progress":
@@ -366,7 +367,7 @@ def unclaimed_seconds(row: ProcessRequest, now: float) -> float | None:
 
 
 def is_exhausted(row: ProcessRequest) -> bool:
-    """It was handed out `max_dequeues` times: never again (poison cutoff, seed 003)."""
+    """It was handed out `max_dequeues` times: never again (poison cutoff, docs/queue.md)."""
     return row.dequeue_count >= row.max_dequeues
 
 
@@ -455,7 +456,7 @@ def complete(
     telemetry: Any = None,
 ) -> Transition:
     """Finish the run: `done` with its result — or with `error`, an expected error (bad input,
-    forbidden, not found) that is an answer, never retried (seed 003).
+    forbidden, not found) that is an answer, never retried (docs/queue.md).
 
     A holder's retried `complete` (its first answer was lost on the way) finds the row already
     done under its own token and gets that row back unchanged.
@@ -484,7 +485,7 @@ def fail(
     """An unexpected error: back to pending, claimable from `now + backoff` — or `poison` once the
     row was dequeued `max_dequeues` times (parked, listed, replayed only by hand).
 
-    The error is kept on the row for diagnosis (seed 004: a DLQ stores the last error). A holder's
+    The error is kept on the row for diagnosis (a DLQ stores the last error). A holder's
     retried `fail` finds its own token still on the row and gets the row back unchanged.
     """
     check_lease(backoff, "backoff")

@@ -1,4 +1,4 @@
-"""The work-queue storage seam (layer 1, DESIGN §7): domain verbs every backend implements.
+"""The work-queue storage seam (layer 1, docs/queue.md): domain verbs every backend implements.
 
 Every backend passes the same contract suite (`tests/contract/queue_contract.py`). The rules live
 in `cv_server.queue.model` (pure); a backend reads the row, applies the rule and writes the result
@@ -46,7 +46,7 @@ QueueListener = Callable[[RequestEvent], None]
 class QueueStore(abc.ABC):
     """The durable queue of stage-level work of every workspace.
 
-    Rules every implementation keeps (DESIGN §7, seed 003):
+    Rules every implementation keeps (docs/queue.md):
     - one `request_id` names one row: an identical live request coalesces, a finished one answers
       a plain re-enqueue (`rerun=True` re-opens it on purpose);
     - `claim` / `claim_many` hand each claimable row to exactly one caller, even under concurrent
@@ -72,7 +72,7 @@ class QueueStore(abc.ABC):
 
         A listener must be quick and must not raise (an error is logged and swallowed: a waiter's
         bug must never break the queue). Waiters use it to wake on `done`/`poison`, workers to
-        wake on `pending`; both keep a periodic sweep (DESIGN §7) for a missed announcement.
+        wake on `pending`; both keep a periodic sweep (docs/queue.md) for a missed announcement.
         On PostgreSQL the announcement also arrives from other instances (NOTIFY on commit).
         """
         self._listeners.append(listener)
@@ -116,7 +116,7 @@ class QueueStore(abc.ABC):
 
         With `idempotency`, the key it names (owned by the caller through
         `IdempotencyStore.begin`) is completed with `idempotency.respond(answer)` in the same
-        transaction as the enqueue (seed 004: the stored response and its effect commit together).
+        transaction as the enqueue (the stored response and its effect commit together).
         Raises `RequestIdConflict` if the id names a request of another workspace.
         """
 
@@ -212,7 +212,7 @@ class QueueStore(abc.ABC):
     ) -> ProcessRequest:
         """Mark the request done with `result` (or the expected error `error`); return the row.
 
-        Call only after the stage's writes committed (seed 004: never ack before the work).
+        Call only after the stage's writes committed (never ack before the work).
         Raises `LeaseLost` / `RequestNotFound` like `heartbeat`; a retry by the same holder after
         success returns the finished row unchanged.
         """

@@ -1,4 +1,4 @@
-"""Result blobs on the shared embedded SQLite database (seed 003, DESIGN §9)."""
+"""Result blobs on the shared embedded SQLite database (docs/queue.md, docs/postgres.md)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def create_schema(db: sqlite_utils.Database) -> None:
         not_null={"workspace_id", "blob_ref", "data", "size", "created_at", "expires_at"},
         if_not_exists=True,
     )
-    # The sweep finds expired blobs by expiry (seed 003: reaped on a schedule).
+    # The sweep finds expired blobs by expiry (reaped on a schedule).
     db.table(TABLE).create_index(["expires_at"], if_not_exists=True)
 
 
@@ -44,7 +44,7 @@ def _random_ref() -> str:
 class SQLiteBlobStore(BlobStore):
     """`BlobStore` on a `SQLiteDatabase` whose schema includes `create_schema`.
 
-    `retention` is `ServerConfig.blob_retention_seconds` (24 h, DESIGN §10).
+    `retention` is `ServerConfig.blob_retention_seconds` (24 h, docs/configuration.md).
     """
 
     def __init__(

@@ -1,5 +1,5 @@
 """The embedded SQLite engine every store shares: one writer thread with group commit, reads on
-other connections, nothing blocking the event loop (DESIGN §9; STYLE: datasette/sqlite-utils).
+other connections, nothing blocking the event loop (STYLE: datasette/sqlite-utils).
 
 Why one writer for every store: SQLite allows one writer at a time anyway. Funnelling every write
 through one thread turns lock contention into a queue, and lets the thread commit many waiting

@@ -1,4 +1,4 @@
-"""Idempotency keys on the shared embedded SQLite database (seed 004 §1, DESIGN §9).
+"""Idempotency keys on the shared embedded SQLite database (docs/queue.md, docs/postgres.md).
 
 `begin` reads the row and inserts in the same write job. That is not the check-then-act race the
 seed warns about: the job runs on the database's single writer thread inside `BEGIN IMMEDIATE`, so
@@ -47,12 +47,12 @@ def create_schema(db: sqlite_utils.Database) -> None:
             "created_at": float,
             "expires_at": float,
         },
-        # seed 004: scoped to the tenant, never global.
+        # Scoped to the tenant, never global.
         pk=("workspace_id", "key"),
         not_null={"workspace_id", "key", "fingerprint", "state", "created_at", "expires_at"},
         if_not_exists=True,
     )
-    # seed 004: delete expired rows on a schedule; the sweep finds them by expiry.
+    # Delete expired rows on a schedule; the sweep finds them by expiry.
     db.table(TABLE).create_index(["expires_at"], if_not_exists=True)
 
 
@@ -87,7 +87,7 @@ def _record(row: tuple[str, str, int | None, str | None, float]) -> KeyRecord:
 class SQLiteIdempotencyStore(IdempotencyStore):
     """`IdempotencyStore` on a `SQLiteDatabase` whose schema includes `create_schema`.
 
-    `retention` is `ServerConfig.idempotency_retention_seconds` (24 h, DESIGN §10).
+    `retention` is `ServerConfig.idempotency_retention_seconds` (24 h, docs/configuration.md).
     """
 
     def __init__(self, db: SQLiteDatabase, *, retention: float) -> None:
@@ -142,7 +142,7 @@ class SQLiteIdempotencyStore(IdempotencyStore):
 
     async def abandon_all_in_progress(self) -> int:
         """Release every key still in progress; return how many. Only for start-up of the one
-        process serving the file, when no request can still be running (seed 004 §1: a crashed
+        process serving the file, when no request can still be running (docs/queue.md: a crashed
         request must not turn honest retries into 24 hours of 409)."""
         return await self._db.write(
             lambda tx: tx.execute(f"DELETE FROM {TABLE} WHERE state = 'in_progress'").rowcount

@@ -1,4 +1,4 @@
-"""Compute locks on the shared embedded SQLite database (DESIGN §8, §9).
+"""Compute locks on the shared embedded SQLite database (docs/stages.md, docs/postgres.md).
 
 Atomicity comes from the database's single writer thread: each `acquire` is one write job (its
 own SAVEPOINT inside a group commit), so the delete-dead / sweep / insert-or-ignore sequence of one
@@ -76,7 +76,7 @@ class SQLiteComputeLockStore(ComputeLockStore):
         expires_at = now + ttl
 
         def job(tx: Transaction) -> AcquireOutcome:
-            # seed 000: expired locks are cleaned on the next acquisition, so a crashed holder
+            # Expired locks are cleaned on the next acquisition, so a crashed holder
             # blocks the key for one TTL at most.
             tx.execute(f"DELETE FROM {TABLE} WHERE {_KEY} AND expires_at <= ?", (*key, now))
             self._sweep(tx, now)

@@ -1,4 +1,4 @@
-"""The op-log on the embedded SQLite engine (DESIGN §3, §4, §9).
+"""The op-log on the embedded SQLite engine (docs/concepts.md, docs/postgres.md).
 
 Tables (composed into the server's schema by `create_schema`):
 

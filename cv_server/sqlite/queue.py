@@ -1,4 +1,4 @@
-"""The work queue on the shared embedded SQLite database (DESIGN §7, §9).
+"""The work queue on the shared embedded SQLite database (docs/queue.md, docs/postgres.md).
 
 Every verb is one write job on the database's single writer thread (its own SAVEPOINT inside a
 group commit, under `BEGIN IMMEDIATE`): it reads the row, applies the pure rule from
@@ -302,7 +302,7 @@ class SQLiteQueueStore(QueueStore):
         self._announce(task.result()[1])
 
     async def clock(self) -> float:
-        """This process's wall clock: only one process opens the file (DESIGN §9)."""
+        """This process's wall clock: only one process serves the file."""
         return time.time()
 
     # -- enqueuers --------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Example stages (DESIGN §2, seed 000), written against `StageContext`: run them with
+"""Example stages (docs/stages.md), written against `StageContext`: run them with
 `cv-worker --stages cv_workspace_client.stages:STAGES --provider openai --provider-url URL`.
 
 - `evaluate`: one provider call per custom column of a job, each under

@@ -79,7 +79,7 @@ async def enqueue_evaluations(
 
 def enqueue_summary(enqueued: Sequence[EnqueuedRequest]) -> str:
     """`N enqueues, M requests (K coalesced)`: K counts the enqueues absorbed into a request
-    another enqueue had made (README, DESIGN §7)."""
+    another enqueue had made (README, docs/queue.md)."""
     ids = {e.request_id for e in enqueued}
     coalesced = sum(e.coalesced for e in enqueued)
     return f"{len(enqueued)} enqueues, {len(ids)} requests ({coalesced} coalesced)"
@@ -96,7 +96,7 @@ async def run(
 ) -> int:
     jobs = [f"job-{i + 1}" for i in range(len(TITLES))]
     cells = len(jobs) * len(COLUMNS)
-    # Retries a little faster than DESIGN §10's 1 s base, so the demo does not idle on the cuts.
+    # Retries a little faster than the default 1 s base, so the demo does not idle on the cuts.
     config = ClientConfig(retry_base_seconds=0.1, retry_cap_seconds=2.0, retry_attempts=8)
     async with FaultProxy(url, seed=seed) as proxy, aiohttp.ClientSession() as direct:
         proxy.cut_chunks(cut)  # a steady share of the server's answers never arrives

@@ -1,5 +1,5 @@
-"""`enrich`: one provider call per job for its commute figure, made once (seed 000: "one Maps call
-per commute calculation in enrich").
+"""`enrich`: one provider call per job for its commute figure, made once (docs/stages.md: "one Maps
+call per commute calculation in enrich").
 
 Input: `{"origin": "home address", "wait_seconds"?: 60}` (origin defaults to `home`). The job's
 `location` field (if any) is the destination. Under `compute_lock(job_id, "enrich:commute")`:

@@ -1,4 +1,5 @@
-"""`evaluate`: one provider call per custom column of a job, each made once (DESIGN §2, seed 000).
+"""`evaluate`: one provider call per custom column of a job, each made once (docs/concepts.md,
+docs/stages.md).
 
 Input: `{"columns": [{"name": "fit", "prompt": "How well does ..."}, "seniority", ...],
 "wait_seconds"?: 60}` — a column is an object with a `name` and a `prompt`, or a bare name (its
@@ -125,8 +126,8 @@ async def _without_lock(
     compute: Callable[[], Awaitable[JsonValue]],
     wait: float,
 ) -> ComputeResult[JsonValue]:
-    # The anti-pattern (seed 000): a pre-flight check alone. Racing runs all see the cell empty
-    # and all pay for it.
+    # The anti-pattern (docs/stages.md): a pre-flight check alone. Racing runs all see the cell
+    # empty and all pay for it.
     value = await check()
     if value is not None:
         return ComputeResult("present", value)
@@ -148,7 +149,7 @@ def make_evaluate(*, use_lock: bool = True) -> Callable[[StageContext], Awaitabl
 
         values: dict[str, JsonValue] = {}
         computed: list[str] = []
-        # One column at a time (seed 000: "for each custom column: acquire, call, release"): a
+        # One column at a time ("for each custom column: acquire, call, release"): a
         # stage has at most one paid call in flight, so a worker killed mid-stage wastes at most
         # one call, and its columns already written are found present by the re-drive.
         for column in columns:

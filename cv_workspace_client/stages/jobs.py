@@ -38,8 +38,9 @@ __all__ = [
 JOBS: Final = "jobs"
 
 #: How long a stage waits for another holder's write before giving up on a cell: one compute-lock
-#: TTL (60 s, DESIGN §10). A live holder is done (or has given up) within its TTL — `compute_once`
-#: bounds it — and a dead one's lock has lapsed by then, so the waiter's poll takes the key over.
+#: TTL (60 s, docs/configuration.md). A live holder is done (or has given up) within its TTL —
+#: `compute_once` bounds it — and a dead one's lock has lapsed by then, so the waiter's poll takes
+#: the key over.
 LOCK_WAIT_SECONDS: Final = 60.0
 
 _NODE_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")

@@ -4,7 +4,7 @@
 Usage: python -m tests.acceptance.short_server --db PATH --port P [--lease-seconds S]
            [--failure-backoff-seconds S] [--waiter-deadline-seconds S] [--sweep-seconds S]
 
-(`cv-server serve` has no flags for these durations; DESIGN §10 keeps them configurable through
+(`cv-server serve` has no flags for these durations; they stay configurable through
 `ServerConfig`, which is what this module sets.)
 """
 

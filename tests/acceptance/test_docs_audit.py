@@ -12,7 +12,14 @@ from tests.acceptance.procs import ServerProcess, free_port, mint_cli_token
 
 pytestmark = pytest.mark.acceptance
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "quickstart.py"
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "quickstart.py"
+
+
+def test_the_readme_runs_the_example_this_file_checks() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert "python examples/quickstart.py URL TOKEN" in readme
+    assert "./scripts/serve" in readme
 
 
 def _quickstart(url: str, token: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -236,7 +236,7 @@ def test_sigterm_with_a_request_stream_open_exits_within_the_drain_deadline(
     assert code == 0
     assert took < drain, f"SIGTERM took {took:.1f} s with a {drain} s drain deadline"
     assert rest.startswith(b"event: error\n"), rest
-    assert b'"TIMEOUT"' in rest, rest
+    assert b'"wait_timeout"' in rest, rest
     assert b'"status":"pending"' in rest.replace(b" ", b""), rest
 
 

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.acceptance
 
 WS = "acc"
 DOC = "tree"
-#: DESIGN §10: the drain deadline; the process must be gone within it (plus start-up noise).
+#: the drain deadline; the process must be gone within it (plus start-up noise).
 DRAIN_SECONDS = 25.0
 #: Acknowledgements to collect before the signal, so the drain happens under load.
 LOADED_AFTER = 150
@@ -60,7 +60,7 @@ class Sent:
 
 
 def _increment(op_id: str) -> dict[str, Any]:
-    # Not idempotent (DESIGN §3): a double apply shows in the counter.
+    # Not idempotent (docs/ops.md): a double apply shows in the counter.
     return {"type": "node.increment", "node_id": "c", "field": "n", "by": 1, "op_id": op_id}
 
 
@@ -320,7 +320,7 @@ def test_sigterm_under_mixed_load_drains_cleanly_and_a_restart_resumes_exactly(
     assert set(drained.poll_statuses) <= {200, 204, 503}, drained.poll_statuses
     # The request stream is told that its wait ended (the work goes on), not cut.
     assert b"event: error\n" in drained.sse, drained.sse
-    assert b'"TIMEOUT"' in drained.sse, drained.sse
+    assert b'"wait_timeout"' in drained.sse, drained.sse
 
     srv.start()  # the same file, the same database
     headers = {"Authorization": f"Bearer {token}"}

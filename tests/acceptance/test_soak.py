@@ -72,7 +72,7 @@ DROP_EVERY_S: Final = 0.7  # the subscribers' proxy drops everything this often
 #: Every wait of the run is bounded by this; the run itself takes far less.
 DEADLINE_S: Final = 90.0
 
-#: Short retries: a soak waits out cuts and restarts, not DESIGN §10's production backoff.
+#: Short retries: a soak waits out cuts and restarts, not the default production backoff.
 FAST_RETRY: Final = ClientConfig(
     retry_base_seconds=0.05, retry_cap_seconds=0.5, retry_attempts=8, request_timeout_seconds=10
 )

@@ -1,4 +1,4 @@
-"""Acceptance: the three layers end to end with real processes (DESIGN §2, seed 000).
+"""Acceptance: the three layers end to end with real processes (docs/concepts.md).
 
 20 jobs x 5 columns, 8 `cv-worker` processes running the shipped `evaluate`, the counting fake
 provider endpoint (one process, so the count spans every worker), and 4 SDK clients (1 + 3 extra)

@@ -154,7 +154,7 @@ async def run_evaluate(
             return (await api.enqueue(client, WS, body, idempotency_key=key)).request_id
 
         # Every client enqueues every job at once, the 1 + 3 copies of a job side by side: the
-        # "N tabs claiming adjacent stage rows" of seed 000.
+        # "N tabs claiming adjacent stage rows".
         senders = list(enumerate([admin, *extra]))
         enqueued = await asyncio.gather(*(enqueue(n, c, j) for j in ids for n, c in senders))
         request_ids: dict[str, set[str]] = {j: set() for j in ids}

@@ -1,4 +1,4 @@
-"""The real server app (`create_app`) as a process, with DESIGN §10's durations shrunk so a
+"""The real server app (`create_app`) as a process, with the default durations shrunk so a
 SIGKILLed worker's lease and locks lapse within the test's time bound. `cv-server serve` has no
 flags for them (and `short_server` none for the lock TTL); everything else is `cv-server serve`'s
 own path: the same app, run by the same function.

@@ -30,7 +30,7 @@ ServerFactory = Callable[..., Awaitable[TestServer]]
 
 
 def problem(status: int, code: str, **extra: Any) -> web.Response:
-    body = {"type": f"https://cv-workspace.dev/problems/{code}", "title": code, "status": status}
+    body = {"type": f"docs/problems.md#{code}", "title": code, "status": status}
     body.update({"detail": code, "code": code, **extra})
     headers = {"Retry-After": str(extra.pop("retry_after"))} if "retry_after" in extra else {}
     return web.Response(
@@ -90,7 +90,7 @@ async def scripted(aiohttp_server: ServerFactory) -> tuple[ScriptedServer, str]:
 
 
 def client_for(url: str, sleep: RecordingSleep, **config: Any) -> WorkspaceClient:
-    """DESIGN §10's retry policy (base 1 s, cap 300 s, 5 attempts) with a recording sleep."""
+    """The default retry policy (base 1 s, cap 300 s, 5 attempts) with a recording sleep."""
     options: dict[str, Any] = {"retry_base_seconds": 1.0, "retry_cap_seconds": 300.0}
     options.update(config)
     return WorkspaceClient(

@@ -1,4 +1,4 @@
-"""The server's problem codes map back to the SDK's typed errors (DESIGN §5, STYLE habit 8)."""
+"""Problem codes (docs/problems.md) map back to the SDK's typed errors (STYLE habit 8)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The SDK's HTTP path and its retry policy (DESIGN §5, §6, §10), with no websocket open: what
-an app sees from `apply_op` / `get_state` / `read_ops` when the answer is a Retry-After in any
-form, something that is not the server's problem+json, a final 4xx, a recorded rejection, or
-when the app itself gives up waiting mid-retry.
+"""The SDK's HTTP path and its retry policy (docs/protocol.md, docs/client.md,
+docs/configuration.md), with no websocket open: what an app sees from `apply_op` / `get_state` /
+`read_ops` when the answer is a Retry-After in any form, something that is not the server's
+problem+json, a final 4xx, a recorded rejection, or when the app itself gives up waiting mid-retry.
 
 Against the real server on loopback (through `FaultProxy` where the network must fail) or, where a
 misbehaviour must be injected, a small aiohttp server (`Misbehaving`). Tests of the same family
@@ -145,7 +145,7 @@ async def serve(aiohttp_server: ServerFactory, fake: Misbehaving) -> str:
 def http_client(
     url: str, sleep: Callable[[float], Awaitable[None]] | None = None, **config: Any
 ) -> WorkspaceClient:
-    """HTTP only, DESIGN §10's cap (300 s) and attempts (5), a jitter of exactly `JITTER`."""
+    """HTTP only, the default cap (300 s) and attempts (5), a jitter of exactly `JITTER`."""
     options: dict[str, Any] = {
         "ops_over_websocket": False,
         "retry_cap_seconds": 300.0,
@@ -249,7 +249,7 @@ WAITS = [
     (("2",), 2.0),
     (("0",), 0.0),
     (("Wed, 21 Oct 2015 07:28:00 GMT",), 0.0),
-    (("100000",), 300.0),  # DESIGN §10's cap, never past it
+    (("100000",), 300.0),  # The default cap, never past it
     (("Fri, 31 Dec 9999 23:59:59 GMT",), 300.0),
     (("-5",), JITTER),
     (("nan",), JITTER),
@@ -389,7 +389,7 @@ async def test_a_read_whose_json_lacks_its_fields_fails_typed(
             await client.get_state(WS, SUB)
         with pytest.raises(ProtocolError):
             await client.read_ops(WS, SUB)
-    assert fake.reads == 10  # 5 attempts each (DESIGN §10)
+    assert fake.reads == 10  # 5 attempts each (docs/configuration.md)
 
 
 async def test_a_read_that_never_gets_an_answer_fails_typed_after_the_last_attempt(
@@ -402,7 +402,7 @@ async def test_a_read_that_never_gets_an_answer_fails_typed_after_the_last_attem
             await client.get_state(WS, SUB)
         with pytest.raises(ServerError):
             await client.read_ops(WS, SUB)
-    assert fake.reads == 10  # 5 attempts each (DESIGN §10)
+    assert fake.reads == 10  # 5 attempts each (docs/configuration.md)
     assert sleep.delays == [JITTER] * 8
 
 

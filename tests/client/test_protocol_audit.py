@@ -1,5 +1,5 @@
-"""The SDK against servers that break the wire contract (DESIGN §5): scripted aiohttp servers on
-loopback send duplicated, skipped, reordered, mangled and unreadable frames, acks that do not fit
+"""The SDK against servers that break the wire contract (docs/protocol.md): scripted aiohttp servers
+on loopback send duplicated, skipped, reordered, mangled and unreadable frames, acks that do not fit
 their request, errors that name no request, HTTP answers that are not answers, and close the socket
 with every class of code. The SDK must keep its promise (every clock exactly once, in order; every
 op answered with its own result, resent under its own op_id) or fail with a typed error, never

@@ -1,4 +1,4 @@
-"""The SDK exports what DESIGN §12 and the docs name, and its errors form one hierarchy."""
+"""The SDK exports what the docs name, and its errors form one hierarchy."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A server in a crash loop behind a load balancer accepts the upgrade, may even answer a frame or
 two, and drops the connection; thousands of clients reconnecting at once to each such server
 is a thundering herd that keeps it down. A connection only proves the server healthy once it
-stayed up longer than the first backoff step (`retry_base_seconds`, DESIGN §10's 1 s): then the
+stayed up longer than the first backoff step (`retry_base_seconds`, the default 1 s): then the
 next reconnect is immediate; a shorter one counts as a failure and the delay grows (full jitter
 up to the cap), as after a refused connect.
 """

@@ -84,7 +84,7 @@ def test_a_heartbeat_that_cannot_work_is_refused(value: float) -> None:
 
 def test_the_heartbeat_can_be_switched_off() -> None:
     assert ClientConfig(socket_heartbeat_seconds=None).socket_heartbeat_seconds is None
-    assert ClientConfig().socket_heartbeat_seconds == 60.0  # DESIGN §10's heartbeat
+    assert ClientConfig().socket_heartbeat_seconds == 60.0  # The default heartbeat
 
 
 # -- the heartbeat's decisions, without a socket ------------------------------------------------

@@ -42,7 +42,7 @@ def token_for(*workspaces: str) -> str:
 
 
 def fast_config(**overrides: Any) -> ClientConfig:
-    """DESIGN §10's retry policy, shrunk from seconds to milliseconds for tests."""
+    """The default retry policy, shrunk from seconds to milliseconds for tests."""
     values: dict[str, Any] = {"retry_base_seconds": 0.005, "retry_cap_seconds": 0.05}
     values.update(overrides)
     return ClientConfig(**values)

@@ -316,7 +316,7 @@ async def test_a_write_still_in_flight_when_the_budget_runs_out_is_not_raced_by_
 ) -> None:
     # The provider answered and the write was sent, but the server is slow to commit it: the
     # holder's budget runs out and its compute is cancelled — yet a cancelled `apply_op` does
-    # not unsend the op (DESIGN §6). Handing the key over now would let a waiter double-check
+    # not unsend the op (docs/client.md). Handing the key over now would let a waiter double-check
     # before that write lands and pay for the same cell again. The key must stay locked until
     # its TTL, by when the late write is in and the waiter finds it. The same if the holder is
     # itself cancelled while it waits for that write (the drain deadline, a lost lease).

@@ -1,7 +1,8 @@
-"""Race audit of the compute lock (layer 2, DESIGN §8): how an expensive call could be paid twice,
-or a waiter never get its value — a holder whose write failed but is still on its way, provider
-errors, key strings at their edges, two instances on one PostgreSQL database, a result cache that
-evicted its entry. Builds on `helpers.py` and on what `test_lock_audit.py` already covers."""
+"""Race audit of the compute lock (layer 2, docs/stages.md): how an expensive call could be paid
+twice, or a waiter never get its value — a holder whose write failed but is still on its way,
+provider errors, key strings at their edges, two instances on one PostgreSQL database, a result
+cache that evicted its entry. Builds on `helpers.py` and on what `test_lock_audit.py` already
+covers."""
 
 from __future__ import annotations
 
@@ -81,9 +82,9 @@ async def test_a_holder_whose_write_gave_up_keeps_the_key_until_the_write_lands(
     aiohttp_server: ServerFactory, tmp_path: Path, open_client: OpenClient
 ) -> None:
     # The holder paid; its write got no answer after the client's last retry: `apply_op` raises
-    # `StillPendingError`, and the op waits in the outbox to be replayed (it is not lost, DESIGN
-    # §6). Had the key been released with the compute's error, a waiter would take it over,
-    # double-check before the replay lands, pay for the same call again and write the cell a
+    # `StillPendingError`, and the op waits in the outbox to be replayed (it is not lost,
+    # docs/client.md). Had the key been released with the compute's error, a waiter would take it
+    # over, double-check before the replay lands, pay for the same call again and write the cell a
     # second time once the replay comes in.
     faults, log = Faults(), RequestLog()
     url = await serve(aiohttp_server, tmp_path / "cv.db", log.middleware, faults.middleware)
@@ -292,7 +293,7 @@ async def test_racers_after_the_result_cache_evicted_the_answer_find_the_cells_a
     provider = GatedProvider()
     provider.gate.set()
     stages = {"evaluate": Stage(make_evaluate(), ttl=300)}
-    # A cache of two entries (DESIGN §10's is 500): two other jobs evict the first one's answer.
+    # A cache of two entries (the default is 500): two other jobs evict the first one's answer.
     config = WorkerConfig(idle_initial_seconds=0.01, idle_max_seconds=0.05, cache_entries=2)
     first = Worker(first_client, stages, worker_id="w1", provider=provider, config=config)
     second = Worker(second_client, stages, worker_id="w2", provider=provider, config=config)

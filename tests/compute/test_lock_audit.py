@@ -296,7 +296,7 @@ async def test_a_compute_longer_than_the_lock_is_cancelled_before_a_racer_can_ta
     open_client: OpenClient,
     worker_skew: float,
 ) -> None:
-    # No heartbeat extends a compute lock (DESIGN §8: a 60 s TTL, nothing else). What keeps a
+    # No heartbeat extends a compute lock (a 60 s TTL, nothing else). What keeps a
     # second paid call from overlapping the first is the holder's budget: it cancels its own
     # compute before the lock can lapse. A worker whose wall clock is behind the server's must
     # not compute its budget from the server's `expires_at` against its own clock: the lock

@@ -1,4 +1,4 @@
-"""The result-blob contract (seed 003), written once and run against every backend.
+"""The result-blob contract (docs/queue.md), written once and run against every backend.
 
 A backend's test class subclasses `BlobsContract` and overrides the `store` fixture, built with
 `RETENTION` as its retention. Time is passed explicitly: expiry needs no clock.

@@ -1,4 +1,4 @@
-"""The idempotency-key contract (seed 004 §1), written once and run against every backend.
+"""The idempotency-key contract (docs/queue.md), written once and run against every backend.
 
 A backend's test class subclasses `IdempotencyContract` and overrides the `store` fixture, built
 with `RETENTION` as its retention, and the `kill_owner` fixture: `await kill_owner(ws, key)` makes
@@ -138,7 +138,7 @@ class IdempotencyContract:
         with pytest.raises(ValueError, match="limit"):
             await store.sweep(RETENTION, limit=-1)
 
-    # -- owners that die (seed 004 §1: a crashed request must not leave 24 h of 409) -----------
+    # -- owners that die (a crashed request must not leave 24 h of 409) -----------
 
     async def test_a_key_whose_owner_died_is_taken_over_by_exactly_one_of_many_retries(
         self, store: IdempotencyStore, kill_owner: KillOwner

@@ -1,4 +1,4 @@
-"""The compute-lock contract (DESIGN §8, seed 000), written once and run against every backend.
+"""The compute-lock contract (docs/stages.md), written once and run against every backend.
 
 A backend's test class subclasses `LocksContract` and overrides the `store` fixture.
 Time is passed explicitly, so expiry is tested without waiting on any clock.
@@ -161,7 +161,7 @@ class LocksContract:
     async def test_different_workspaces_with_the_same_job_and_task_do_not_contend(
         self, store: ComputeLockStore
     ) -> None:
-        # seed 000: the lock is workspace-internal; it never coordinates across workspaces.
+        # The lock is workspace-internal; it never coordinates across workspaces.
         a = await self.acquired(store, "alice", 0.0, ws="ws-a")
         b = await self.acquired(store, "bob", 0.0, ws="ws-b")
         assert a.token != b.token

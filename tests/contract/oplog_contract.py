@@ -1,4 +1,4 @@
-"""The op-log contract (DESIGN §3, §4; seed 000 layer 3), written once, run against every backend.
+"""The op-log contract (docs/concepts.md; layer 3), written once, run against every backend.
 
 A backend's test class subclasses `OpLogContract` and overrides two fixtures:
 

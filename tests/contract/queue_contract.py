@@ -1,4 +1,4 @@
-"""The work-queue contract (DESIGN §7, seed 003), written once and run against every backend.
+"""The work-queue contract (docs/queue.md), written once and run against every backend.
 
 A backend's test class subclasses `QueueContract` and overrides three fixtures: `store`, a
 `peer_store` on the same database reached through another connection (a second server process

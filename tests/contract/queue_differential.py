@@ -1,4 +1,4 @@
-"""The queue and blob stores against the pure model, step by step (differential, seed 003).
+"""The queue and blob stores against the pure model, step by step (differential, docs/queue.md).
 
 Hypothesis drives one store and an in-memory oracle built from `cv_server.queue.model` with the
 same random program — enqueues (deterministic and random ids, reruns, ids of another workspace),

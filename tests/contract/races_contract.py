@@ -1,4 +1,5 @@
-"""Races on layers 1 and 2 (DESIGN §7, §8), written once and run against every backend.
+"""Races on layers 1 and 2 (docs/queue.md, docs/stages.md), written once and run against every
+backend.
 
 The queue and lock contracts check each rule one verb at a time; this suite makes the verbs race:
 a stale holder against the workers re-claiming its request, reruns against reruns, claimers on
@@ -332,9 +333,10 @@ class RacesContract:
     async def test_the_lock_protocol_pays_for_each_expensive_call_once_however_many_race(
         self, locks: ComputeLockStore, peer_locks: list[ComputeLockStore]
     ) -> None:
-        """WORKERS per key run DESIGN §8's protocol at once on every connection: pre-flight
-        check, acquire, double-check inside the lock, compute (the call, then its write), release;
-        a worker that finds the key locked waits for the write. Each call is paid once."""
+        """WORKERS per key run the compute-lock protocol (docs/stages.md) at once on every
+        connection: pre-flight check, acquire, double-check inside the lock, compute (the call, then
+        its write), release; a worker that finds the key locked waits for the write. Each call is
+        paid once."""
         stores = [locks, *peer_locks]
         keys = [f"eval:col-{i}" for i in range(ROWS)]
         written: dict[str, str] = {}
@@ -370,7 +372,8 @@ class RacesContract:
         for key in keys:
             assert await locks.get(WS, "job", key, 10.0) is None  # every lock was released
 
-    # -- the server's settings drive the queue (DESIGN §10) --------------------------------------
+    # -- the server's settings drive the queue (docs/configuration.md)
+    # --------------------------------------
 
     async def test_the_servers_queue_settings_bound_leases_backoffs_and_attempts(
         self, aiohttp_client: ClientFactory, make_config: Callable[..., ServerConfig]

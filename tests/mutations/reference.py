@@ -1,4 +1,4 @@
-"""An independent reading of DESIGN §3 to hold the real code against.
+"""An independent reading of docs/ops.md to hold the real code against.
 
 Both functions work on the JSON form of a state (`{"nodes": {...}}`) and share no code with
 `cv_mutations.state` or `cv_mutations.reducers`: they are written the slow, obvious way (whole-tree

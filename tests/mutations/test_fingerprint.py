@@ -1,4 +1,4 @@
-"""fingerprint(raw): what op_id_reuse compares (DESIGN §4)."""
+"""fingerprint(raw): what op_id_reuse compares (docs/concepts.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""parse_op and the op models: stable error codes, id rules, the envelope (DESIGN §3, §11)."""
+"""parse_op and the op models: stable error codes, id rules, the envelope (docs/ops.md,
+docs/problems.md)."""
 
 from __future__ import annotations
 

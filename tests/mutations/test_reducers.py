@@ -1,4 +1,4 @@
-"""apply_op, op by op and code by code (DESIGN §3)."""
+"""apply_op, op by op and code by code (docs/ops.md)."""
 
 from __future__ import annotations
 

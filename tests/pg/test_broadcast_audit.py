@@ -39,7 +39,7 @@ pytestmark = pytest.mark.postgres
 
 TIMEOUT = 30.0
 
-#: The longest ids DESIGN §3 allows: `[A-Za-z0-9_-]{1,64}` and `[a-z0-9_.-]{1,64}`.
+#: The longest ids allowed (docs/concepts.md): `[A-Za-z0-9_-]{1,64}` and `[a-z0-9_.-]{1,64}`.
 LONG_WS = "W" * 63 + "-"
 LONG_DOC = "d" * 62 + ".-"
 

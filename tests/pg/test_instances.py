@@ -5,6 +5,7 @@ waiters, one shared token secret, and `cv-server token --database-url`."""
 from __future__ import annotations
 
 import asyncio
+import io
 import subprocess
 import sys
 import time
@@ -183,6 +184,68 @@ async def test_a_waiter_on_one_instance_is_woken_by_a_completion_on_another(
     assert "event: done" in body
     assert '"score":7' in body
     assert time.monotonic() - started < TIMEOUT / 2  # pushed by NOTIFY, not a deadline
+
+
+async def test_a_cancel_on_one_instance_ends_a_wait_on_another_at_once(
+    instances: list[TestClient[Any, Any]],
+) -> None:
+    front, other = instances
+    answer = await (
+        await front.post(
+            f"/v1/workspaces/{WS}/requests",
+            json={"stage": "nobody-serves-this", "job_id": "j1"},
+            headers=bearer(front),
+        )
+    ).json()
+    stream = asyncio.create_task(
+        front.get(answer["stream_url"], params={"timeout": str(TIMEOUT)}, headers=bearer(front))
+    )
+    started = time.monotonic()
+    cancelled = await other.post(
+        f"/v1/workspaces/{WS}/requests/{answer['request_id']}/cancel", headers=bearer(other)
+    )
+    assert cancelled.status == 200
+    assert (await cancelled.json())["status"] == "cancelled"
+    body = await (await asyncio.wait_for(stream, TIMEOUT)).text()
+    assert "event: cancelled" in body
+    assert time.monotonic() - started < TIMEOUT / 2  # pushed by NOTIFY, not a deadline
+
+
+async def test_a_result_of_several_megabytes_uploaded_to_one_instance_is_served_by_another(
+    instances: list[TestClient[Any, Any]],
+) -> None:
+    front, worker = instances
+    enqueued = await front.post(
+        f"/v1/workspaces/{WS}/requests",
+        json={"stage": "big", "job_id": "j1"},
+        headers=bearer(front),
+    )
+    assert enqueued.status == 202
+    claimed = await (
+        await worker.post(
+            "/v1/queue/claim", json={"worker_classes": ["big"]}, headers=bearer(worker)
+        )
+    ).json()
+    request = claimed["request"]
+    path = f"/v1/workspaces/{WS}/requests/{request['request_id']}"
+    result = b'"' + "é".encode() * 1_500_000 + b'"'  # 3 MB of JSON, not ASCII
+    uploaded = await worker.post(
+        f"{path}/result",
+        data=io.BytesIO(result),
+        headers={**bearer(worker), "Claim-Token": request["claim_token"]},
+    )
+    assert uploaded.status == 201
+    blob_ref = (await uploaded.json())["blob_ref"]
+    done = await worker.post(
+        f"{path}/complete",
+        json={"claim_token": request["claim_token"], "blob_ref": blob_ref},
+        headers=bearer(worker),
+    )
+    assert done.status == 200
+    row = await (await front.get(path, headers=bearer(front))).json()
+    assert (row["status"], row["blob_ref"], row["dequeue_count"]) == ("done", blob_ref, 1)
+    blob = await front.get(f"/v1/workspaces/{WS}/blobs/{blob_ref}", headers=bearer(front))
+    assert await blob.read() == result
 
 
 async def test_the_token_command_mints_a_token_the_instances_accept(

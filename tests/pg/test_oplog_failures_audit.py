@@ -102,7 +102,7 @@ async def test_a_batch_failing_twice_with_a_retryable_code_commits_once_on_the_t
     outcomes, _ = await store.append(WS, DOC, [increment(), increment(flaky), increment()])
     assert outcomes == [Committed(None, 2), Committed(flaky, 3), Committed(None, 4)]
     assert await attempts(pool) == 3
-    # DESIGN §10: 25 ms then 50 ms, each times random(0.5, 1.5).
+    # 25 ms then 50 ms, each times random(0.5, 1.5).
     assert len(sleep.delays) == 2
     assert 0.0125 <= sleep.delays[0] <= 0.0375
     assert 0.025 <= sleep.delays[1] <= 0.075

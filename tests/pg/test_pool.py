@@ -1,4 +1,4 @@
-"""Pooled connections carry the DESIGN §10 guards and the test's schema."""
+"""Pooled connections carry the PostgreSQL session guards and the test's schema."""
 
 from __future__ import annotations
 

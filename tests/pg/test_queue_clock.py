@@ -1,6 +1,7 @@
 """Several cv-server instances on one PostgreSQL schema whose machines' clocks disagree: the queue
 judges leases, backoffs and availability on the database's clock, the one they share, never on
-whichever instance happens to answer (DESIGN §7, §9). Real HTTP on loopback, two apps per test."""
+whichever instance happens to answer (docs/queue.md, docs/postgres.md). Real HTTP on loopback, two
+apps per test."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.postgres
 
 WS = "ws1"
 STAGE = "evaluate"
-#: Far more than any lease or backoff (DESIGN §10: 120 s / 30 s): an NTP step, a misconfigured host.
+#: Far more than any lease or backoff (120 s / 30 s): an NTP step, a misconfigured host.
 HOUR = 3600.0
 TIMEOUT = 20.0
 
@@ -170,7 +171,7 @@ async def test_a_backed_off_request_is_not_handed_out_early(
     after = await db_now()
 
     assert failed["status"] == "pending"
-    assert before + 30.0 <= failed["available_at"] <= after + 30.0  # DESIGN §10: 30 s
+    assert before + 30.0 <= failed["available_at"] <= after + 30.0  # 30 s
     assert await claim(other) is None
     assert await claim(failer) is None
 

@@ -1,6 +1,7 @@
-"""Queue audit, PostgreSQL: two server instances on one schema, real HTTP on loopback (DESIGN §7,
-§9). What the contract suites check one store at a time, here through both servers at once: a
-request runs to completion once, and a waiter on either instance learns its outcome.
+"""Queue audit, PostgreSQL: two server instances on one schema, real HTTP on loopback
+(docs/queue.md, docs/postgres.md). What the contract suites check one store at a time, here through
+both servers at once: a request runs to completion once, and a waiter on either instance learns its
+outcome.
 
 Leases are shrunk in the config (never a real 120 s wait); a lapse is awaited on the database's
 clock, the one the queue judges leases by. Waiter sweeps are set far beyond each test's patience,

@@ -1,4 +1,4 @@
-"""Idempotency keys' pure parts (seed 004 §1): the fingerprint and the begin decision."""
+"""Idempotency keys' pure parts (docs/queue.md): the fingerprint and the begin decision."""
 
 from __future__ import annotations
 

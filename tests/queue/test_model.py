@@ -1,4 +1,4 @@
-"""The queue's pure state machine (DESIGN §7, seed 003): every rule without a database."""
+"""The queue's pure state machine (docs/queue.md): every rule without a database."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Queue audit: the worker-facing rules the contract suites leave between their lines (DESIGN §7),
-on SQLite and on PostgreSQL. A claim that was failed is not completed afterwards, nor the other way
-round; the holder of a request parked at its last dequeue writes nothing; a rerun racing the
-completion (from another connection) never forks a run; a waiter arriving after the outcome is
-answered at once; idle workers are woken only by work they may claim.
+"""Queue audit: the worker-facing rules the contract suites leave between their lines
+(docs/queue.md), on SQLite and on PostgreSQL. A claim that was failed is not completed afterwards,
+nor the other way round; the holder of a request parked at its last dequeue writes nothing; a rerun
+racing the completion (from another connection) never forks a run; a waiter arriving after the
+outcome is answered at once; idle workers are woken only by work they may claim.
 
 Time is passed in (leases and backoffs without waiting on any clock), except for the waiters,
 whose sweep is set far beyond each test's patience: what arrives in time was pushed or read.

@@ -1,4 +1,5 @@
-"""Every bad input gets its stable code, and the log is left exactly as it was (DESIGN §11)."""
+"""Every bad input gets its stable code, and the log is left exactly as it was
+(docs/problems.md)."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ async def test_bad_bodies_get_their_code_and_leave_the_log_unchanged(
     await post_ops(client, [insert("seed")])
     got_status, problem = await _raw_post(client, body)
     assert (got_status, problem["code"]) == (status, code)
-    assert problem["type"].endswith("/" + code)
+    assert problem["type"] == "docs/problems.md#" + code
     assert (await get_ops(client))["clock"] == 1
 
 

@@ -1,6 +1,7 @@
-"""Audit of the live feed's server side (DESIGN §4-§5): what the earlier socket tests did not
-cover — many sub-docs catching up on one socket, re-subscribing mid catch-up, applies and
-subscribes mixed in one batched message, random interleavings checked against the log."""
+"""Audit of the live feed's server side (docs/concepts.md, docs/protocol.md): what the earlier
+socket tests did not cover — many sub-docs catching up on one socket, re-subscribing mid catch-up,
+applies and subscribes mixed in one batched message, random interleavings checked against the
+log."""
 
 from __future__ import annotations
 

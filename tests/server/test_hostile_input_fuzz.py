@@ -168,6 +168,8 @@ def _encode(value: Any) -> bytes:
 @dataclass
 class Context:
     request_id: str
+    #: The request's claim token: the result upload reads its body only for its holder.
+    claim_token: str = ""
     ops_answered: set[str] = field(default_factory=set)
     statuses: dict[int, int] = field(default_factory=dict)
     closes: dict[int, int] = field(default_factory=dict)
@@ -196,6 +198,7 @@ def _routes(ctx: Context) -> list[tuple[str, Callable[[random.Random], Any]]]:
         (f"/v1/workspaces/ws1/requests/{rid}/heartbeat", holder),
         (f"/v1/workspaces/ws1/requests/{rid}/complete", holder),
         (f"/v1/workspaces/ws1/requests/{rid}/fail", holder),
+        (f"/v1/workspaces/ws1/requests/{rid}/result", lambda rng: {"k": [1, "x"]}),
         ("/v1/workspaces/ws1/locks/acquire", lambda rng: {"job_id": "j", "task": "t"}),
         ("/v1/workspaces/ws1/locks/release", lambda rng: {"job_id": "j", "task": "t"}),
     ]
@@ -232,6 +235,8 @@ def _http_case(rng: random.Random, ctx: Context) -> tuple[str, bytes, dict[str, 
         body = b" " * (LIMITS["max_body_bytes"] + 1)
     if rng.random() < 0.05:
         headers["Idempotency-Key"] = rng.choice(["k" * 300, "k\x7f", "ok-key"])
+    if path.endswith("/result") and rng.random() < 0.9:
+        headers["Claim-Token"] = ctx.claim_token
     return path, body, headers
 
 
@@ -378,7 +383,14 @@ async def test_hostile_input_never_breaks_the_server_or_its_promise(
             server.port, post("/v1/workspaces/ws1/requests", b'{"stage":"s"}')
         )
         assert enqueued.status == 202, enqueued
-        ctx = Context(request_id=enqueued.json()["request_id"])
+        claimed = await raw_http(
+            server.port, post("/v1/queue/claim", b'{"worker_classes":["s"],"worker_id":"w"}')
+        )
+        assert claimed.status == 200, claimed
+        ctx = Context(
+            request_id=enqueued.json()["request_id"],
+            claim_token=claimed.json()["request"]["claim_token"],
+        )
         well_behaved = asyncio.create_task(_good_client(server, stop, good))
         try:
             async with asyncio.timeout(DEADLINE):

@@ -95,7 +95,7 @@ async def test_the_server_heartbeat_can_be_switched_off(
     make_config: Callable[..., ServerConfig],
 ) -> None:
     assert make_config(socket_heartbeat_seconds=None).socket_heartbeat_seconds is None
-    assert make_config().socket_heartbeat_seconds == 60.0  # DESIGN §10's heartbeat
+    assert make_config().socket_heartbeat_seconds == 60.0  # The default heartbeat
 
 
 @pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])

@@ -31,7 +31,7 @@ def token_for(*workspaces: str) -> str:
 
 
 def fast_client_config() -> ClientConfig:
-    """DESIGN §10's retry policy, shrunk from seconds to milliseconds."""
+    """The default retry policy, shrunk from seconds to milliseconds."""
     return ClientConfig(retry_base_seconds=0.005, retry_cap_seconds=0.05)
 
 

@@ -482,8 +482,8 @@ async def test_the_demo_counts_as_coalesced_only_enqueues_absorbed_by_another(
 ) -> None:
     """The demo printed "8 enqueues, 4 requests (5 coalesced)": an enqueue whose answer the
     flaky network cut was retried by the SDK, and the retry, finding the request its own first
-    attempt had made, was answered `coalesced: true`. Coalesced must be what README and DESIGN
-    §7 say: an enqueue absorbed into a request another enqueue made — here exactly the
+    attempt had made, was answered `coalesced: true`. Coalesced must be what README and
+    docs/queue.md say: an enqueue absorbed into a request another enqueue made — here exactly the
     enqueues minus the requests."""
     async with FaultProxy(url_of(server)) as proxy:
         clients = [

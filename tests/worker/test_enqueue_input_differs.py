@@ -63,7 +63,7 @@ async def test_the_shell_warns_and_names_rerun_when_its_input_was_not_used(
     await client.enqueue(WS, stage="s", job_id="J1", input={"v": 1})
     argv = ["enqueue", "--workspace", WS, "--stage", "s", "--job-id", "J1", "--input", '{"v": 2}']
     argv += ["--url", url_of(server), "--token", token_for(WS)]
-    code = await asyncio.to_thread(workspace_main, argv)
+    code = await asyncio.to_thread(workspace_main, [*argv, "--json"])
     out, err = capsys.readouterr()
     assert code == 0
     answer = json.loads(out)
@@ -72,3 +72,12 @@ async def test_the_shell_warns_and_names_rerun_when_its_input_was_not_used(
     assert warning["code"] == "input_differs"
     assert "--rerun" in warning["message"]
     assert answer["request_id"] in warning["message"]
+    # Without --json: one line, in the commands' one style.
+    code = await asyncio.to_thread(workspace_main, argv)
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert json.loads(out)["input_differs"] is True
+    (line,) = err.splitlines()
+    assert line.startswith("cv-workspace: warning: ")
+    assert line.endswith("(input_differs)")
+    assert "--rerun" in line

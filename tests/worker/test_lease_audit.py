@@ -262,7 +262,7 @@ async def test_a_large_result_retried_or_sent_by_a_lapsed_holder_is_stored_once(
 async def test_fifty_long_polls_and_one_enqueue_hand_the_work_to_exactly_one_claimer(
     aiohttp_client: ClientFactory, make_config: Callable[..., ServerConfig]
 ) -> None:
-    # DESIGN's lease, not this module's 0.2 s one: on a loaded machine the winner's 0.2 s lease
+    # The default lease, not this module's 0.2 s one: on a loaded machine the winner's 0.2 s lease
     # lapsed before the other 49 polls ended, and a poll woken then re-claimed the row (as it
     # should), failing "exactly one claimer" for a reason this test is not about.
     server = await aiohttp_client(create_app(make_config()))
@@ -374,7 +374,7 @@ async def test_a_token_covering_hundreds_of_workspaces_claims_in_any_of_them(
 async def test_a_drain_whose_last_completion_hangs_ends_at_its_deadline_unacknowledged(
     aiohttp_server: Callable[..., Awaitable[Any]], tmp_path: Path
 ) -> None:
-    """seed 004 §9: the drain finishes in-flight work within its deadline, or leaves it to lapse.
+    """The drain finishes in-flight work within its deadline, or leaves it to lapse.
     A completion whose answer never comes (a stalled server or link) held `run()` for the
     client's whole request timeout (5 min by default), past any orchestrator's grace period."""
     entered = asyncio.Event()

@@ -134,7 +134,7 @@ async def test_done_and_unknown_requests_refuse_a_cancel(client: WorkspaceClient
 
 
 async def _cli(capsys: pytest.CaptureFixture[str], server: TestServer, *args: str) -> Any:
-    argv = [*args, "--url", url_of(server), "--token", token_for(WS)]
+    argv = [*args, "--json", "--url", url_of(server), "--token", token_for(WS)]
     code = await asyncio.to_thread(workspace_main, argv)
     out, err = capsys.readouterr()
     return code, json.loads(out) if out.strip() else json.loads(err)
@@ -145,7 +145,9 @@ async def test_the_shell_cancels_and_lists_cancelled_requests(
 ) -> None:
     kept = await client.enqueue(WS, stage="nobody", job_id="kept")
     dropped = await client.enqueue(WS, stage="nobody", job_id="dropped")
-    code, row = await _cli(capsys, server, "requests", "cancel", WS, dropped.request_id)
+    code, row = await _cli(
+        capsys, server, "requests", "cancel", "--workspace", WS, dropped.request_id
+    )
     assert code == 0
     assert (row["request_id"], row["status"]) == (dropped.request_id, "cancelled")
     code, listing = await _cli(

@@ -6,6 +6,7 @@ good complete at once with an error payload, and transient failures stay retryab
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import signal
@@ -119,7 +120,12 @@ async def test_the_result_upload_is_fenced_and_refuses_what_is_not_json(
     server = await make_server(max_result_bytes=1000)
     url = f"{url_of(server)}/v1/workspaces/{WS}/requests"
     auth = {"Authorization": f"Bearer {token_for(WS)}"}
-    async with QueueClient(url_of(server), token_for(WS)) as qc, aiohttp.ClientSession() as http:
+    # One connection per request: the server closes one whose refused body it did not read.
+    fresh = aiohttp.TCPConnector(force_close=True)
+    async with (
+        QueueClient(url_of(server), token_for(WS)) as qc,
+        aiohttp.ClientSession(connector=fresh) as http,
+    ):
         enqueued = await qc.enqueue(WS, stage="s", job_id="J1")
         async with http.post(
             f"{url_of(server)}/v1/queue/claim", json={"worker_classes": ["s"]}, headers=auth
@@ -131,6 +137,25 @@ async def test_the_result_upload_is_fenced_and_refuses_what_is_not_json(
             ({"Claim-Token": token}, b"not json", 400, "malformed_json"),
             ({"Claim-Token": token}, b'"' + b"x" * 2000 + b'"', 413, "result_too_large"),
             ({}, b'"x"', 422, "invalid_field"),
+            (
+                {"Claim-Token": token, "Content-Encoding": "gzip"},
+                b"not gzip",
+                400,
+                "malformed_body",
+            ),
+            (
+                {"Claim-Token": token, "Content-Encoding": "br"},
+                b'"x"',
+                415,
+                "unsupported_content_encoding",
+            ),
+            # Bounded once decoded: a small compressed body past the limit is refused too.
+            (
+                {"Claim-Token": token, "Content-Encoding": "gzip"},
+                gzip.compress(b'"' + b"x" * 5000 + b'"'),
+                413,
+                "result_too_large",
+            ),
         ]
         for headers, body, status, code in cases:
             async with http.post(upload, data=body, headers={**auth, **headers}) as response:

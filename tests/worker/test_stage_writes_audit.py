@@ -298,7 +298,7 @@ async def test_a_non_json_result_of_a_cached_stage_is_not_cached_and_its_retry_r
 async def test_an_expected_error_with_non_json_details_is_still_an_answer_never_retried(
     make_server: MakeServer,
 ) -> None:
-    # seed 003 / DESIGN §7: an expected error completes the request; it is never retried. Details
+    # An expected error completes the request; it is never retried. Details
     # that have no JSON form must not turn the answer into a retry loop that ends in poison.
     server = await make_server(failure_backoff_seconds=0.0)
     calls = 0
@@ -356,7 +356,7 @@ async def test_a_spawned_write_still_pending_fails_the_run_instead_of_completing
 ) -> None:
     # The handler spawns a write and returns without awaiting it; the write's retries run out
     # (StillPendingError: it waits in the outbox, not committed). Completing the request then
-    # would acknowledge work whose write never landed (seed 004: never ack before the work's
+    # would acknowledge work whose write never landed (docs/stages.md: never ack before the work's
     # writes committed). The run must fail instead; its re-drive writes under the same op_id.
     refused: list[str] = []
 

@@ -83,7 +83,7 @@ async def test_a_claim_refused_with_a_final_4xx_ends_the_run_instead_of_retrying
     server: TestServer,
 ) -> None:
     # The server caps class names at 64 chars (and worker ids at 256): every claim of this
-    # worker is answered 422, and always will be. A final 4xx is never retried (DESIGN §6); a
+    # worker is answered 422, and always will be. A final 4xx is never retried (docs/client.md); a
     # worker that kept claiming logged a warning every 2 s forever and ran nothing — not even
     # its other, valid stage — while looking alive to its supervisor.
     async with open_client(server) as client:
@@ -135,7 +135,7 @@ async def test_an_expected_error_is_not_acknowledged_before_the_runs_writes_comm
     # The handler spawns a write and then answers with an `ExpectedError`. Its completion is an
     # acknowledgement like any other (done, final, never retried): it must wait for the write,
     # and a write whose retries ran out (StillPendingError: waiting in the outbox, uncommitted)
-    # must fail the run rather than be acknowledged — as on the success path (seed 004: never
+    # must fail the run rather than be acknowledged — as on the success path (docs/client.md: never
     # ack before the work's writes committed). The re-drive writes under the same op_id.
     refused: list[str] = []
 
@@ -217,7 +217,7 @@ async def _stalling_claims(
 async def test_stop_during_a_stalled_claim_returns_within_the_drain_deadline(
     aiohttp_server: ServerFactory, tmp_path: Any
 ) -> None:
-    # seed 004 §9: the drain ends within its deadline (25 s, under Kubernetes' 30 s grace). A
+    # The drain ends within its deadline (25 s, under Kubernetes' 30 s grace). A
     # claim whose answer never comes (a stalled server or link) held `stop()` for the client's
     # whole request timeout (5 min by default): the worker was SIGKILLed mid-drain instead.
     server, entered, release = await _stalling_claims(aiohttp_server, tmp_path)
@@ -274,9 +274,9 @@ async def test_a_holder_cancelled_mid_write_keeps_the_key_until_its_write_can_la
 ) -> None:
     # A stage whose heartbeat was answered `lease_lost` (or whose drain deadline passed) is
     # cancelled. If that lands while its compute's write is on its way — paid for, sent, not yet
-    # committed: a cancelled `apply_op` does not unsend the op (DESIGN §6) — releasing the lock
+    # committed: a cancelled `apply_op` does not unsend the op (docs/client.md) — releasing the lock
     # on the way out let the worker that re-drove the request take the key, double-check before
-    # the write landed, and pay for the same call again (DESIGN §8: once, however many race).
+    # the write landed, and pay for the same call again (once, however many race).
     slow = SlowCellWrites()
     url = await slow.serve(aiohttp_server, tmp_path / "slow.db", lock_ttl=3.0)
     token = compute_token_for(COMPUTE_WS)
@@ -335,7 +335,7 @@ async def test_a_heartbeat_on_a_silently_dead_connection_still_keeps_the_lease(
     # A NAT that forgot the flow, or a peer that lost power: the pooled keep-alive connection
     # the next heartbeat goes out on is silent, neither answered nor reset. The beat waited for
     # the client's request timeout; the lease lapsed meanwhile and a second worker re-drove
-    # the request while the first still ran it (two runs, DESIGN §7: heartbeat while running).
+    # the request while the first still ran it (two runs, docs/queue.md: heartbeat while running).
     # Now a beat unanswered after half the interval is abandoned and sent again at once.
     server = await make_server(lease_seconds=2.0)
     release = asyncio.Event()

@@ -1,4 +1,4 @@
--- The op-log (DESIGN §3, §4): one row per committed op, the outcome of every op_id (the dedupe
+-- The op-log (docs/concepts.md): one row per committed op, the outcome of every op_id (the dedupe
 -- table), a head row per sub-doc (its clock, and the row every writer locks), and the latest
 -- state snapshot.
 
@@ -24,7 +24,7 @@ CREATE TABLE workspace_sub_doc_ops (
 );
 
 -- The dedupe table: the outcome the log holds for each op_id, a commit (`clock`) or a recorded
--- rejection (`code`, `message`), so a retry gets the same answer (DESIGN §3). Ops without op_id
+-- rejection (`code`, `message`), so a retry gets the same answer (docs/ops.md). Ops without op_id
 -- are applied once per send and have no row. The key leads with op_id on purpose: the lookup
 -- `op_id = ANY(...)` can then only be answered by exact probes of this index. With a
 -- (workspace_id, sub_doc) prefix, a stale row estimate for a fast-growing sub-doc makes the

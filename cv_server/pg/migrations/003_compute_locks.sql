@@ -1,4 +1,4 @@
--- compute_lock, layer 2 (DESIGN §8, seed 000): one row per held lock on
+-- compute_lock, layer 2 (docs/stages.md): one row per held lock on
 -- (workspace_id, job_id, task). Times are epoch seconds passed in by the caller (`now`), never
 -- read from the database clock, so every instance and the tests agree on what "expired" means.
 CREATE TABLE compute_locks (

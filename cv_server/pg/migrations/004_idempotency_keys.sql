@@ -1,4 +1,4 @@
--- Idempotency keys (seed 004 §1): scoped to the workspace (the primary key leads with it, so one
+-- Idempotency keys (docs/queue.md): scoped to the workspace (the primary key leads with it, so one
 -- tenant's key can never answer another's request), kept for the retention from first use.
 CREATE TABLE idempotency_keys (
     workspace_id  text             NOT NULL,
@@ -15,5 +15,5 @@ CREATE TABLE idempotency_keys (
     CHECK ((state = 'completed') = (status_code IS NOT NULL))
 );
 
--- seed 004: expired keys are deleted on a schedule; the sweep finds them by expiry.
+-- Expired keys are deleted on a schedule; the sweep finds them by expiry.
 CREATE INDEX idempotency_keys_expires_at ON idempotency_keys (expires_at);

@@ -1,4 +1,4 @@
--- Result blobs (seed 003: `surface_result_blobs`, bytea, 24 h expiry): large stage results are
+-- Result blobs (`surface_result_blobs`, bytea, 24 h expiry): large stage results are
 -- stored here and the request row keeps a reference (claim check). Scoped to the workspace.
 CREATE TABLE request_blobs (
     workspace_id text             NOT NULL,
@@ -10,5 +10,5 @@ CREATE TABLE request_blobs (
     PRIMARY KEY (workspace_id, blob_ref)
 );
 
--- Reaped hourly (seed 003); the sweep finds expired blobs by expiry.
+-- Reaped hourly (docs/queue.md); the sweep finds expired blobs by expiry.
 CREATE INDEX request_blobs_expires_at ON request_blobs (expires_at);

@@ -1,4 +1,4 @@
--- The durable work queue, layer 1 (DESIGN §7, seeds 000 and 003): one row per request, statuses
+-- The durable work queue, layer 1 (docs/queue.md): one row per request, statuses
 -- pending -> in_progress -> done | poison. Columns mirror `cv_server.queue.model.ProcessRequest`;
 -- times are epoch seconds passed in by the caller. `seq` orders requests enqueued at the same
 -- instant (enqueue order), as SQLite's rowid does.

@@ -1,0 +1,95 @@
+"""HTTP routes of the queue's operators: list requests by status and workspace, put a poison
+request back by hand, cancel a request (see docs/queue.md)."""
+
+from __future__ import annotations
+
+import math
+
+from aiohttp import web
+
+from cv_mutations import is_valid_workspace_id
+from cv_server.http_queue import queue_problem, row_json, row_of, storable
+from cv_server.keys import STORES
+from cv_server.problems import Problem
+from cv_server.queue import STATUSES, QueueError
+from cv_server.security import authenticate
+
+__all__ = ["routes"]
+
+routes = web.RouteTableDef()
+
+
+@routes.get("/v1/queue/requests")
+async def list_requests(request: web.Request) -> web.Response:
+    claims = authenticate(request)
+    status = request.query.get("status")
+    if status is not None and status not in STATUSES:
+        raise Problem(422, "invalid_field", f"status must be one of {'|'.join(STATUSES)}")
+    workspace_id = request.query.get("workspace")
+    if workspace_id is None and "*" not in claims.workspaces:
+        raise Problem(403, "forbidden_workspace", "name a workspace (?workspace=) you may touch")
+    if workspace_id is not None:
+        if not is_valid_workspace_id(workspace_id):
+            raise Problem(422, "invalid_id", "bad workspace id")
+        if not claims.allows(workspace_id):
+            raise Problem(403, "forbidden_workspace", f"the token does not grant {workspace_id!r}")
+    try:
+        limit = min(int(request.query.get("limit", "100")), 1000)
+    except ValueError:
+        raise Problem(400, "invalid_field", "limit must be an integer") from None
+    if limit < 0:  # the stores refuse it (SQLite: ValueError; PostgreSQL: LIMIT -1): was a 500
+        raise Problem(422, "invalid_field", "limit must be an integer in 0..1000")
+    queue = request.app[STORES].queue
+    rows = await queue.list(
+        status=status,
+        workspace_id=workspace_id,
+        limit=limit,
+        after=_list_cursor(request.query.get("after")),
+    )
+    now = await queue.clock()
+    # A full page may have more behind it: `?after=<next_after>` asks for the next one, so every
+    # poison request can be listed and replayed by hand.
+    last = rows[-1] if rows and len(rows) == limit else None
+    next_after = None if last is None else f"{last.created_at!r},{last.request_id}"
+    return web.json_response(
+        {"requests": [row.to_json(now=now) for row in rows], "next_after": next_after}
+    )
+
+
+def _list_cursor(raw: str | None) -> tuple[float, str] | None:
+    """The `?after=` of a listing: the `next_after` of the page before (`created_at,request_id`
+    of its last row), opaque to clients."""
+    if raw is None:
+        return None
+    created, _, request_id = raw.partition(",")
+    try:
+        created_at = float(created)
+    except ValueError:
+        created_at = math.nan
+    if not math.isfinite(created_at) or not 0 < len(request_id) <= 256 or not storable(request_id):
+        raise Problem(422, "invalid_field", "after must be the next_after of a listing page")
+    return created_at, request_id
+
+
+@routes.post("/v1/workspaces/{ws}/requests/{id}/replay")
+async def replay(request: web.Request) -> web.Response:
+    row = await row_of(request)
+    try:
+        after = await request.app[STORES].queue.replay_poison(row.request_id, now=None)
+    except QueueError as exc:
+        raise queue_problem(exc) from None
+    return web.json_response(await row_json(request, after))
+
+
+@routes.post("/v1/workspaces/{ws}/requests/{id}/cancel")
+async def cancel(request: web.Request) -> web.Response:
+    """Cancel a request: a pending one is `cancelled` at once; one in progress answers with
+    `cancel_requested: true` and becomes `cancelled` once its holder stops (it hears of it at
+    its next heartbeat) or its lease lapses. Cancelling twice is answered with the row as it
+    stands; a done or poison request answers 409 `not_cancellable`. See docs/queue.md."""
+    row = await row_of(request)
+    try:
+        after = await request.app[STORES].queue.cancel(row.request_id, now=None)
+    except QueueError as exc:
+        raise queue_problem(exc) from None
+    return web.json_response(await row_json(request, after))

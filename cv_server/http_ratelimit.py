@@ -1,0 +1,123 @@
+"""The rate-limit middleware: the thin shell around `cv_server.ratelimit` (docs/reliability.md).
+
+Each request's route class is found from its route (`ROUTE_CLASS_OF`); a limited class takes a
+token from the bucket of the request's bearer token, or the request is answered
+`429 rate_limited` with `Retry-After` (whole seconds) and `retry_after` (seconds, exact) in the
+problem document, before its handler runs: a refused request has no effect. Refusals are counted
+in `cv_rate_limited_total{route_class}`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+from aiohttp import web
+
+from cv_server.config import ServerConfig
+from cv_server.keys import METRICS, RATE_LIMITS
+from cv_server.problems import Problem, problem_response
+from cv_server.ratelimit import (
+    ROUTE_CLASSES,
+    Rate,
+    RouteClass,
+    TokenBuckets,
+    buckets_for,
+    retry_after_header,
+)
+from cv_server.security import authenticate, bearer_token
+
+__all__ = ["ROUTE_CLASS_OF", "RateLimits", "rate_limit_middleware", "rates_of"]
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_WS: Final = "/v1/workspaces/{ws}"
+#: (method, route path) -> route class; a route not listed is never limited.
+ROUTE_CLASS_OF: Final[dict[tuple[str, str], RouteClass]] = {
+    ("POST", f"{_WS}/docs/{{sub_doc}}/ops"): "ops",
+    ("GET", f"{_WS}/docs/{{sub_doc}}"): "reads",
+    ("GET", f"{_WS}/docs/{{sub_doc}}/ops"): "reads",
+    ("GET", f"{_WS}/requests/{{id}}"): "reads",
+    ("GET", f"{_WS}/requests/{{id}}/stream"): "reads",
+    ("GET", f"{_WS}/blobs/{{ref}}"): "reads",
+    ("POST", f"{_WS}/requests"): "enqueue",
+    ("POST", "/v1/queue/claim"): "claim",
+    ("GET", "/v1/queue/pending"): "claim",
+    ("GET", "/v1/queue/requests"): "claim",
+    ("POST", "/v1/queue/complete"): "queue",
+    ("POST", f"{_WS}/requests/{{id}}/heartbeat"): "queue",
+    ("POST", f"{_WS}/requests/{{id}}/complete"): "queue",
+    ("POST", f"{_WS}/requests/{{id}}/fail"): "queue",
+    ("POST", f"{_WS}/requests/{{id}}/replay"): "queue",
+    ("POST", f"{_WS}/requests/{{id}}/result"): "queue",
+    ("POST", f"{_WS}/requests/{{id}}/cancel"): "queue",
+    ("POST", f"{_WS}/locks/acquire"): "locks",
+    ("POST", f"{_WS}/locks/release"): "locks",
+    ("GET", f"{_WS}/socket"): "socket",
+}
+
+
+def rates_of(config: ServerConfig) -> dict[RouteClass, Rate | None]:
+    """Each class's rate from `config.rate_limit_<class>_per_second` (None: not limited); a
+    bucket holds `rate_limit_burst_seconds` of its rate, at least one request."""
+    rates: dict[RouteClass, Rate | None] = {}
+    for cls in ROUTE_CLASSES:
+        per_second: float | None = getattr(config, f"rate_limit_{cls}_per_second")
+        rates[cls] = (
+            None
+            if per_second is None
+            else Rate(per_second, max(1.0, per_second * config.rate_limit_burst_seconds))
+        )
+    return rates
+
+
+class RateLimits:
+    """The buckets of one server process, one `TokenBuckets` per limited class."""
+
+    def __init__(self, config: ServerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self._buckets: dict[RouteClass, TokenBuckets] = buckets_for(rates_of(config))
+        self._clock = clock
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._buckets)
+
+    def take(self, route_class: RouteClass, token: str) -> float:
+        """0.0 when `token` may make one more request of `route_class`, else the seconds until
+        it may."""
+        buckets = self._buckets.get(route_class)
+        return 0.0 if buckets is None else buckets.take(token, self._clock())
+
+    def refusal(self, route_class: RouteClass, wait: float) -> Problem:
+        return Problem(
+            429,
+            "rate_limited",
+            f"too many {route_class} requests for this token; retry in {wait:.3f} s",
+            headers={"Retry-After": retry_after_header(wait)},
+            retry_after=round(wait, 3),
+            route_class=route_class,
+        )
+
+
+@web.middleware
+async def rate_limit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    limits = request.app[RATE_LIMITS]
+    if not limits.enabled:
+        return await handler(request)
+    route = request.match_info.route.resource
+    cls = ROUTE_CLASS_OF.get((request.method, route.canonical)) if route is not None else None
+    if cls is None:
+        return await handler(request)
+    allow_query = cls == "socket"
+    try:
+        authenticate(request, allow_query=allow_query)
+    except Problem:
+        return await handler(request)  # its route answers 401; nothing to count it against
+    token = bearer_token(request, allow_query=allow_query)
+    assert token is not None  # `authenticate` took it
+    wait = limits.take(cls, token)
+    if wait > 0:
+        request.app[METRICS].count_rate_limited(cls)
+        return problem_response(limits.refusal(cls, wait))
+    return await handler(request)

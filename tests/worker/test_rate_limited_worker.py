@@ -1,0 +1,66 @@
+"""A worker behind rate limits on the queue routes (its claims, heartbeats and completions
+answered `429 rate_limited` with Retry-After now and then) waits them out: every request is
+done, each stage ran once, on a real server on loopback. Its idle polling, far over the claim
+budget, does not starve its completions (they are another class)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+from cv_workspace_client import _queue_api as api
+from cv_workspace_client.stage import StageContext
+from cv_workspace_client.worker import Worker, WorkerConfig
+from tests.worker.conftest import WS, MakeServer, open_client, running, url_of
+
+REQUESTS = 12
+
+
+async def _refused(url: str, route_class: str) -> int:
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
+        text = await r.text()
+    prefix = f'cv_rate_limited_total{{route_class="{route_class}"}} '
+    return sum(
+        int(line.removeprefix(prefix)) for line in text.splitlines() if line.startswith(prefix)
+    )
+
+
+async def test_a_worker_over_its_claim_budget_still_runs_every_request_once(
+    make_server: MakeServer,
+) -> None:
+    # Eight claims and eight completions a second for the worker's token, one saved up: an
+    # idle worker polls at 20 a second.
+    server = await make_server(
+        rate_limit_claim_per_second=8.0,
+        rate_limit_queue_per_second=8.0,
+        rate_limit_burst_seconds=0.125,
+    )
+    runs: list[str | None] = []
+
+    async def stage(ctx: StageContext) -> dict[str, Any]:
+        runs.append(ctx.job_id)
+        return {"job": ctx.job_id}
+
+    async with open_client(server) as client:
+        worker = Worker(
+            client,
+            {"s": stage},
+            worker_id="limited",
+            config=WorkerConfig(idle_initial_seconds=0.01, idle_max_seconds=0.05),
+        )
+        async with running(worker):
+            enqueued = [
+                await api.enqueue(client, WS, {"stage": "s", "job_id": f"J{i:02d}"})
+                for i in range(REQUESTS)
+            ]
+            async with asyncio.timeout(60):
+                outcomes = [
+                    await api.wait_request(client, WS, e.request_id, timeout=60) for e in enqueued
+                ]
+    assert await _refused(url_of(server), "claim") > 0, "the limit was never hit"
+    assert [o.status for o in outcomes] == ["done"] * REQUESTS
+    assert [o.result for o in outcomes] == [{"job": f"J{i:02d}"} for i in range(REQUESTS)]
+    assert sorted(runs, key=str) == [f"J{i:02d}" for i in range(REQUESTS)]  # each ran once
+    assert all(o.request is not None and o.request.dequeue_count == 1 for o in outcomes)
