@@ -51,6 +51,7 @@ from bench._client_peer import Peer, PeerFigures, find_peer, run_peer, scratch_p
 from bench._client_phase import Phase, run_phase, warm_sub_docs, workspace_name
 from bench._client_workers import SubscriberJob, Transport, WriterJob
 from bench._procs import ServerProcess, ServerRefused, fsync_probe_ms, raise_nofile
+from bench._progress import runs
 from bench.oplog import print_profile
 from bench.pg_instances import DEFAULT_DSN, fresh_schema, with_schema
 
@@ -285,15 +286,17 @@ def run_workload(
     """Ours in each layout (False: a client per writer, True: shared) on each backend, then the
     peer on each of its databases."""
     rows = []
-    for backend in backends:
-        for shared in layouts:
-            if shared and workload.writers == 1 and False in layouts:
-                continue  # one writer: sharing its client changes nothing
-            label = f"{workload.label}{', shared client' if shared else ''}"
-            label += ", PostgreSQL" if backend == "postgres" else ""
-            url = dsn if backend == "postgres" else None
-            phase = run_ours(workload, workdir, ops, quick, profile, shared, url)
-            rows.append(Row(workload.key, label, phase))
+    with runs(len(backends) * len(layouts), f"bench.client {workload.key}") as bar:
+        for backend in backends:
+            for shared in layouts:
+                bar.update()
+                if shared and workload.writers == 1 and False in layouts:
+                    continue  # one writer: sharing its client changes nothing
+                label = f"{workload.label}{', shared client' if shared else ''}"
+                label += ", PostgreSQL" if backend == "postgres" else ""
+                url = dsn if backend == "postgres" else None
+                phase = run_ours(workload, workdir, ops, quick, profile, shared, url)
+                rows.append(Row(workload.key, label, phase))
     figures: dict[str, PeerFigures] = {}
     skipped = ""
     if isinstance(peer, str):

@@ -41,6 +41,7 @@ from typing import IO, Final
 import psutil  # type: ignore[import-untyped]  # no types-psutil in the dev extras
 
 from bench._procs import MachineLoad, ServerProcess, fsync_probe_ms
+from bench._progress import runs
 from cv_workspace_client._queue_api import QueueClient
 
 REPO: Final = Path(__file__).resolve().parents[1]
@@ -250,17 +251,21 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         results: list[Result] = []
-        for workers in worker_counts:
-            for concurrency in concurrencies:
-                ours, cpu = run_ours(directory, jobs, workers, concurrency, args.profile)
-                results.append(ours)
-                print(_row(ours), flush=True)
-                print(f"      {cpu}", flush=True)
-            if python is not None:
-                theirs, settings = run_huey(python, directory, jobs, workers)
-                results.append(theirs)
-                print(_row(theirs), flush=True)
-                print(f"      huey storage: {settings}", flush=True)
+        total = len(worker_counts) * (len(concurrencies) + (python is not None))
+        with runs(total, "bench.queue") as bar:
+            for workers in worker_counts:
+                for concurrency in concurrencies:
+                    ours, cpu = run_ours(directory, jobs, workers, concurrency, args.profile)
+                    results.append(ours)
+                    bar.update()
+                    print(_row(ours), flush=True)
+                    print(f"      {cpu}", flush=True)
+                if python is not None:
+                    theirs, settings = run_huey(python, directory, jobs, workers)
+                    results.append(theirs)
+                    bar.update()
+                    print(_row(theirs), flush=True)
+                    print(f"      huey storage: {settings}", flush=True)
         if python is not None:
             print("drain rate, cv-workspace / huey (same process count):")
             for r in results:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from bench._progress import runs
 from cv_workspace_client.stage import Stage
 from cv_workspace_client.stages import enrich, make_evaluate
 from tests.acceptance.procs import free_port, mint_cli_token
@@ -113,10 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         "ms per call, 4 clients enqueueing the same requests"
     )
     ok = True
-    for workers in sizes:
-        row = run_once(workers, label="evaluate")
-        show(row)
-        ok &= row.report.provider_calls == CELLS
+    with runs(len(sizes), "bench.stages") as bar:
+        for workers in sizes:
+            row = run_once(workers, label="evaluate")
+            bar.update()
+            show(row)
+            ok &= row.report.provider_calls == CELLS
     if not args.quick:
         print("\n80 requests the queue cannot merge (4 clients x 20, non-deterministic ids):")
         locked = run_once(8, deterministic=False, label="with compute_lock")

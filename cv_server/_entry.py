@@ -1,8 +1,8 @@
 """The `cv-server` console script: names the missing extra before anything imports it.
 
 `pip install cv-workspace` alone installs the SDK; the server's backends need the `server` extra
-(sqlite-utils, uvloop). Without it every command, `--help` included, prints which extra to
-install and exits 2 (tests/test_packaging.py)."""
+(sqlite-utils, uvloop, prometheus-client). Without it every command, `--help` included, prints
+which extra to install and exits 2 (tests/test_packaging.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 __all__ = ["main"]
 
 #: Modules of the `server` extra that `cv-server` cannot run without.
-SERVER_EXTRA_MODULES = ("sqlite_utils",)
+SERVER_EXTRA_MODULES = ("sqlite_utils", "prometheus_client")
 
 EXIT_USAGE = 2
 

@@ -8,19 +8,23 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Final
+from typing import Any, Final
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from cv_server import (
+    http_dashboard,
     http_docs,
+    http_listings,
     http_locks,
     http_queue,
     http_queue_operators,
     http_results,
     http_socket,
+    observe,
 )
+from cv_server.api_models import Health, Ready
 from cv_server.backends import Stores, open_stores
 from cv_server.config import ServerConfig
 from cv_server.http_ratelimit import RateLimits, rate_limit_middleware
@@ -38,7 +42,8 @@ from cv_server.keys import (
     WORK_SIGNALS,
     ServerState,
 )
-from cv_server.metrics import Metrics
+from cv_server.metrics import CONTENT_TYPE, Metrics
+from cv_server.openapi import Doc, Media, build_document, documented, render_docs_page
 from cv_server.problems import Problem, problem_response
 from cv_server.security import TokenSecret
 from cv_server.waiters import Waiters, WorkSignals
@@ -124,19 +129,33 @@ async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
     # given in the config is not the database's, so a rotation there does not replace it.
     if stores.follow_secret is not None and app[CONFIG].token_secret is None:
         await stores.follow_secret(token_secret.replace)
-    app[METRICS].gauges["cv_ws_connections"] = lambda: len(app[CONNECTIONS])
-    app[METRICS].gauges["cv_subscriptions"] = lambda: hub.subscriber_count
+    metrics = app[METRICS]
+    metrics.gauge(
+        "cv_ws_connections", "Open websockets (this process).", lambda: len(app[CONNECTIONS])
+    )
+    metrics.gauge(
+        "cv_subscriptions",
+        "Live sub-doc subscriptions (this process).",
+        lambda: hub.subscriber_count,
+    )
+    observe.watch_stores(app, stores)
     config = app[CONFIG]
     waiters = Waiters(stores.queue, sweep_seconds=config.sweep_seconds)
     waiters.start()
     app[WAITERS] = waiters
     signals = WorkSignals(stores.queue)
     app[WORK_SIGNALS] = signals
-    app[METRICS].gauges["cv_request_waiters"] = lambda: waiters.count
+    metrics.gauge(
+        "cv_request_waiters",
+        "Clients waiting on a request's outcome (streams, this process).",
+        lambda: waiters.count,
+    )
     reaper = asyncio.create_task(_reap_forever(stores, config.reap_seconds))
     app[STATE].ready = True
+    log.info("stores open, serving", extra={"step": "ready"})
     yield
     app[STATE].ready = False
+    log.info("stopping: closing request waiters and stores", extra={"step": "close_stores"})
     reaper.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await reaper
@@ -144,6 +163,7 @@ async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
     signals.close()
     # In-flight commits finished before cleanup (the runner waited for handlers); now flush.
     await stores.close()
+    log.info("stores closed", extra={"step": "stores_closed"})
 
 
 async def _reap_forever(stores: Stores, every: float) -> None:
@@ -162,6 +182,11 @@ async def _on_shutdown(app: web.Application) -> None:
     """Stop accepting work and close every socket with 1001 (going away)."""
     app[STATE].shutting_down = True
     app[STATE].ready = False
+    log.info(
+        "shutting down: closing %d websockets",
+        len(app[CONNECTIONS]),
+        extra={"step": "close_sockets"},
+    )
     app[WAITERS].release_all()  # request streams end now, not at their deadline
     app[WORK_SIGNALS].release_all()  # and idle workers' long polls, not at their 2 s ceiling
     connections = app[CONNECTIONS]
@@ -175,11 +200,21 @@ routes = web.RouteTableDef()
 
 
 @routes.get("/healthz")
+@documented(Doc("Liveness: the process serves", {200: Health}, auth=False, tag="operations"))
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
 @routes.get("/readyz")
+@documented(
+    Doc(
+        "Readiness: stores open and the database reachable (route traffic here)",
+        {200: Ready},
+        problems={503: ("unavailable",)},
+        auth=False,
+        tag="operations",
+    )
+)
 async def readyz(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if not state.ready or state.shutting_down:
@@ -197,15 +232,58 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 @routes.get("/metrics")
+@documented(
+    Doc(
+        "Prometheus metrics (text exposition format 0.0.4; docs/observability.md)",
+        {200: Media("text/plain")},
+        auth=False,
+        tag="operations",
+    )
+)
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(text=request.app[METRICS].render(), content_type="text/plain")
+    body = await request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def _document(app: web.Application) -> dict[str, Any]:
+    """Built once per app, on first use: the routes do not change once it serves."""
+    document = app[STATE].openapi
+    if document is None:
+        document = app[STATE].openapi = build_document(app)
+    return document
+
+
+@routes.get("/openapi.json")
+@documented(
+    Doc(
+        "This document: OpenAPI 3.1 of every route",
+        {200: Media("application/json", {"type": "object"})},
+        auth=False,
+        tag="operations",
+    )
+)
+async def openapi_document(request: web.Request) -> web.Response:
+    return web.json_response(_document(request.app))
+
+
+@routes.get("/docs")
+@documented(
+    Doc(
+        "This document for people: plain HTML, no script, works offline",
+        {200: Media("text/html")},
+        auth=False,
+        tag="operations",
+    )
+)
+async def docs_page(request: web.Request) -> web.Response:
+    return web.Response(text=render_docs_page(_document(request.app)), content_type="text/html")
 
 
 def create_app(config: ServerConfig) -> web.Application:
     """Build the application. Stores open in `cleanup_ctx`, i.e. when the app starts."""
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[problems_middleware, rate_limit_middleware],
+        middlewares=[observe.observe_middleware, problems_middleware, rate_limit_middleware],
         # Bodies are decoded by `bodies.read_body`, which answers a bad or unknown coding with
         # its own code and holds the limit on the decoded size (docs/limits.md).
         handler_args={"auto_decompress": False},
@@ -221,6 +299,7 @@ def create_app(config: ServerConfig) -> web.Application:
     app[CONNECTIONS] = connections
     app.cleanup_ctx.append(_stores_ctx)
     app.on_shutdown.append(_on_shutdown)
+    app.on_response_prepare.append(observe.echo_request_id)
     app.add_routes(routes)
     app.add_routes(http_docs.routes)
     app.add_routes(http_socket.routes)
@@ -228,4 +307,6 @@ def create_app(config: ServerConfig) -> web.Application:
     app.add_routes(http_results.routes)
     app.add_routes(http_queue_operators.routes)
     app.add_routes(http_locks.routes)
+    app.add_routes(http_listings.routes)
+    app.add_routes(http_dashboard.routes)
     return app

@@ -35,10 +35,11 @@ from cv_server.sqlite.meta import (
     rotate_sqlite_token_secret,
     sqlite_token_secret,
 )
+from cv_workspace_client.logs import LOG_FORMATS, JsonFormatter, LogFormat, configure_logging
 
 __all__ = ["EXIT_CODES", "main"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("cv_server.cli")
 
 DEFAULT_DB = Path("data/cv.db")
 
@@ -205,6 +206,14 @@ def _log_level(raw: str) -> str:
     return level
 
 
+def _log_format(raw: str) -> LogFormat:
+    """`text` or `json` (also from $CV_LOG_FORMAT, which argparse checks through this type)."""
+    for known in LOG_FORMATS:
+        if raw == known:
+            return known
+    raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_FORMATS)}: {raw!r}")
+
+
 def _reader_gone() -> int:
     """The reader of stdout left: exit quietly, as the Python docs' note on SIGPIPE advises.
     stdout is pointed at /dev/null first, so that the interpreter's final flush of what is
@@ -247,6 +256,13 @@ def _parser() -> argparse.ArgumentParser:
         help="DEBUG, INFO, WARNING or ERROR (default INFO; $CV_LOG_LEVEL)",
     )
     serve.add_argument(
+        "--log-format",
+        type=_log_format,
+        default=_env("CV_LOG_FORMAT", "text"),
+        help="text, or json: every line the server writes is one JSON object (default text;"
+        " $CV_LOG_FORMAT; docs/observability.md)",
+    )
+    serve.add_argument(
         "--set",
         action="append",
         default=[],
@@ -285,7 +301,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _serve(config: ServerConfig, host: str, port: int) -> None:
+def _say(line: str, log_format: LogFormat, **fields: Any) -> None:
+    """A line on stdout for whoever watches the start (`cv-server listening on ...`): with
+    `--log-format json`, the same words as one JSON object, so that every line is one."""
+    if log_format == "json":
+        record = logging.LogRecord("cv_server", logging.INFO, __file__, 0, line, (), None)
+        record.__dict__.update(fields)
+        line = JsonFormatter().format(record)
+    print(line, flush=True)
+
+
+async def _serve(
+    config: ServerConfig, host: str, port: int, log_format: LogFormat = "text"
+) -> None:
     serving_lock = None
     if not config.database_url and config.db_path is not None:
         # One server per SQLite file: a second one would leave the first's cached sub-doc
@@ -295,13 +323,15 @@ async def _serve(config: ServerConfig, host: str, port: int) -> None:
         except DatabaseUnusable as exc:
             raise SystemExit(f"cv-server: cannot start: {exc}") from None
     try:
-        await _serve_app(config, host, port)
+        await _serve_app(config, host, port, log_format)
     finally:
         if serving_lock is not None:  # after the stores closed: every write is on disk
             serving_lock.close()
 
 
-async def _serve_app(config: ServerConfig, host: str, port: int) -> None:
+async def _serve_app(config: ServerConfig, host: str, port: int, log_format: LogFormat) -> None:
+    backend = "postgresql" if config.database_url else "sqlite"
+    log.info("starting: opening the %s stores", backend, extra={"step": "open_stores"})
     app = create_app(config)
     # The drain deadline (`drain_seconds`, docs/configuration.md) bounds how long in-flight
     # requests may take to finish.
@@ -332,7 +362,12 @@ async def _serve_app(config: ServerConfig, host: str, port: int) -> None:
     gc.freeze()
     gc.set_threshold(10_000, 20, 20)
     try:
-        print(f"cv-server listening on http://{host}:{bound_port}", flush=True)
+        _say(
+            f"cv-server listening on http://{host}:{bound_port}",
+            log_format,
+            step="listening",
+            url=f"http://{host}:{bound_port}",
+        )
     except BrokenPipeError:
         # Nobody reads the line any more (a `| head -1` that has exited): serving is the job,
         # the line a courtesy. The server died of it, a traceback, before serving a request.
@@ -342,8 +377,14 @@ async def _serve_app(config: ServerConfig, host: str, port: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    log.info(
+        "stopping: no new connections; draining in-flight requests (at most %.0f s)",
+        config.drain_seconds,
+        extra={"step": "drain"},
+    )
     # Stop accepting, close sockets with 1001, let in-flight commits finish, then close stores.
     await runner.cleanup()
+    log.info("stopped", extra={"step": "stopped"})
 
 
 async def _init(db_path: Path, database_url: str | None) -> str:
@@ -479,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
-        logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
+        configure_logging(args.log_format, args.log_level)
         database_url = args.database_url and _with_schema(args.database_url, args.schema)
         try:
             config = dataclasses.replace(
@@ -488,7 +529,7 @@ def _main(argv: list[str] | None) -> int:
             )
         except ValueError as exc:  # a setting that cannot work (ServerConfig says which)
             raise SystemExit(f"cv-server: --set: {exc}") from None
-        _run(_serve(config, args.host, args.port))
+        _run(_serve(config, args.host, args.port, args.log_format))
         return 0
     if args.command == "init":
         database_url = args.database_url and _with_schema(args.database_url, args.schema)

@@ -23,6 +23,9 @@ class Frame:
 
     clock: int
     text: str
+    #: `time.perf_counter()` at the commit, on a frame published live (None: read from the log):
+    #: what `cv_broadcast_lag_seconds` measures from.
+    stamp: float | None = None
 
 
 class Cursor:

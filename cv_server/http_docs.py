@@ -7,9 +7,11 @@ import asyncio
 import orjson
 from aiohttp import web
 
+from cv_server.api_models import ApplyBody, ApplyResults, DocState, OpsPage
 from cv_server.bodies import read_body
 from cv_server.inputs import MAX_CLOCK, check_ids, decode_json, parse_apply_body
 from cv_server.keys import CONFIG, HUB, METRICS, STORES
+from cv_server.openapi import Doc, Param, documented
 from cv_server.oplog import IncomingOp, LogEntry, Outcome
 from cv_server.problems import Problem
 from cv_server.security import authorize
@@ -46,6 +48,16 @@ def publish(
 
 
 @routes.post("/v1/workspaces/{ws}/docs/{sub_doc}/ops")
+@documented(
+    Doc(
+        "Apply ops to a sub-doc, in order (each at most once: a repeated op_id is answered from "
+        "its record)",
+        {200: ApplyResults},
+        body=ApplyBody,
+        problems={422: ("too_many_ops", "unknown_op_type", "invalid_id")},
+        tag="op-log",
+    )
+)
 async def post_ops(request: web.Request) -> web.Response:
     workspace_id, sub_doc = request.match_info["ws"], request.match_info["sub_doc"]
     check_ids(workspace_id, sub_doc)
@@ -61,6 +73,7 @@ async def post_ops(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/workspaces/{ws}/docs/{sub_doc}")
+@documented(Doc("The sub-doc's state at its head clock", {200: DocState}, tag="op-log"))
 async def get_doc(request: web.Request) -> web.Response:
     workspace_id, sub_doc = request.match_info["ws"], request.match_info["sub_doc"]
     check_ids(workspace_id, sub_doc)
@@ -83,6 +96,18 @@ def _int_param(request: web.Request, name: str, default: int, low: int, high: in
 
 
 @routes.get("/v1/workspaces/{ws}/docs/{sub_doc}/ops")
+@documented(
+    Doc(
+        "Committed ops after clock `since`, oldest first (catch-up)",
+        {200: OpsPage},
+        params=(
+            Param("since", {"type": "integer", "minimum": 0}, "Ops with a clock above this"),
+            Param("limit", {"type": "integer", "minimum": 1}, "At most this many (a page)"),
+        ),
+        problems={400: ("invalid_field",)},
+        tag="op-log",
+    )
+)
 async def get_ops(request: web.Request) -> web.Response:
     workspace_id, sub_doc = request.match_info["ws"], request.match_info["sub_doc"]
     check_ids(workspace_id, sub_doc)

@@ -25,9 +25,29 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from cv_server.api_models import (
+    BatchCompleteBody,
+    BatchCompleteResults,
+    ClaimBody,
+    ClaimMany,
+    ClaimOne,
+    ClaimTokenBody,
+    CompleteAnswer,
+    CompleteBody,
+    EnqueueAnswer,
+    EnqueueBody,
+    FailAnswer,
+    FailBody,
+    HeartbeatAnswer,
+    Pending,
+    QueueRequest,
+    parse_body,
+)
 from cv_server.bodies import read_body
 from cv_server.inputs import check_ids, decode_json
-from cv_server.keys import CONFIG, STORES, WAITERS, WORK_SIGNALS
+from cv_server.keys import CONFIG, METRICS, STORES, WAITERS, WORK_SIGNALS
+from cv_server.observe import log_coalesced
+from cv_server.openapi import Doc, Media, Param, documented
 from cv_server.problems import Problem
 from cv_server.queue import (
     Completion,
@@ -52,6 +72,10 @@ __all__ = ["routes"]
 
 routes = web.RouteTableDef()
 
+NOT_FOUND_PROBLEMS = {404: ("not_found",)}
+HOLDER_PROBLEMS = {404: ("not_found",), 409: ("lease_lost", "cancelled")}
+_TIMEOUT = Param("timeout", {"type": "number"}, "Seconds to wait at most (clamped)")
+
 _ERROR_STATUS = {
     "not_found": 404,
     "lease_lost": 409,
@@ -61,10 +85,6 @@ _ERROR_STATUS = {
     "cancelled": 409,
     "not_cancellable": 409,
 }
-
-
-#: The largest `max_dequeues` an enqueue may ask for: PostgreSQL's `integer` column.
-_MAX_DEQUEUES = 2**31 - 1
 
 
 def queue_problem(exc: QueueError) -> Problem:
@@ -86,17 +106,6 @@ def storable(text: str) -> bool:
     return "\x00" not in text
 
 
-def _opt_str(body: dict[str, Any], name: str, *, max_len: int = 256) -> str | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, str) or not 0 < len(value) <= max_len or not storable(value):
-        raise Problem(
-            422, "invalid_field", f"{name} must be a string of 1..{max_len} chars, without NUL"
-        )
-    return value
-
-
 def _payload(body: dict[str, Any], name: str) -> Any:
     """The JSON member `name` (input, result, error, telemetry) a request row will keep; 422 if
     nested past what orjson writes (255 levels, as `inputs.parse_ops` for ops). A row holding a
@@ -114,6 +123,16 @@ def _payload(body: dict[str, Any], name: str) -> Any:
         reason = "holds an integer past 64 bits" if "64-bit" in str(exc) else "is nested too deeply"
         raise Problem(422, "invalid_field", f"{name} {reason}") from None
     return value
+
+
+def _telemetry(body: dict[str, Any]) -> Any:
+    """The worker's telemetry, or None when the route could not store it (nested too deeply, an
+    integer past 64 bits): telemetry is fire-and-forget, so what is wrong with it never fails
+    the completion it rides on (`tests/server/test_metrics_workload.py` pins it)."""
+    try:
+        return _payload(body, "telemetry")
+    except Problem:
+        return None
 
 
 def _patience(request: web.Request, ceiling: float) -> float:
@@ -157,47 +176,22 @@ def _new_request(
 ) -> tuple[NewRequest, bool]:
     """The request `body` asks for; `max_dequeues` is the server's setting, used unless the
     body names its own."""
-    unknown = set(body) - {
-        "stage",
-        "job_id",
-        "branch_path",
-        "input",
-        "worker_class",
-        "deterministic",
-        "max_dequeues",
-        "rerun",
-    }
-    if unknown:
-        raise Problem(422, "invalid_field", f"unknown members: {sorted(unknown)}")
-    stage = _opt_str(body, "stage", max_len=64)
-    if stage is None:
-        raise Problem(422, "invalid_field", "stage is required")
-    job_id = _opt_str(body, "job_id")
-    branch_path = _opt_str(body, "branch_path", max_len=1024)
-    deterministic = body.get("deterministic", job_id is not None)
-    rerun = body.get("rerun", False)
-    if not isinstance(deterministic, bool) or not isinstance(rerun, bool):
-        raise Problem(422, "invalid_field", "deterministic and rerun must be booleans")
+    asked = parse_body(EnqueueBody, body)
+    stage, job_id, branch_path = asked.stage, asked.job_id, asked.branch_path
+    deterministic = job_id is not None if asked.deterministic is None else asked.deterministic
+    rerun = asked.rerun
     # Where the stage declares it, re-enqueueing must not fork the work.
     request_id = (
         deterministic_request_id(workspace_id, job_id, branch_path, stage)
         if deterministic
         else random_request_id(secrets.token_hex(20))
     )
-    # The poison cutoff is the server's `max_dequeues` (`--set max_dequeues=N`),
-    # not `NewRequest`'s default, which is frozen to `ServerConfig()`'s value at import.
-    if "max_dequeues" in body:
-        max_dequeues = body["max_dequeues"]
-        # Bounded by the store's column (PostgreSQL integer; SQLite stops at 2**63): a larger
-        # count reached the store and failed there, a 500 (clients retry a 500).
-        if (
-            not isinstance(max_dequeues, int)
-            or isinstance(max_dequeues, bool)
-            or not 1 <= max_dequeues <= _MAX_DEQUEUES
-        ):
-            raise Problem(
-                422, "invalid_field", f"max_dequeues must be an integer in 1..{_MAX_DEQUEUES}"
-            )
+    # The poison cutoff is the server's `max_dequeues` (`--set max_dequeues=N`), not
+    # `NewRequest`'s default, which is frozen to `ServerConfig()`'s value at import. A body's
+    # own is bounded by the store's column (PostgreSQL integer; `EnqueueBody`): a larger count
+    # reached the store and failed there, a 500 (clients retry a 500).
+    if asked.max_dequeues is not None:
+        max_dequeues = asked.max_dequeues
     try:
         req = NewRequest(
             workspace_id=workspace_id,
@@ -206,7 +200,7 @@ def _new_request(
             input=_payload(body, "input"),
             job_id=job_id,
             branch_path=branch_path,
-            worker_class=_opt_str(body, "worker_class", max_len=64),
+            worker_class=asked.worker_class,
             max_dequeues=max_dequeues,
         )
     except ValueError as exc:
@@ -215,6 +209,26 @@ def _new_request(
 
 
 @routes.post("/v1/workspaces/{ws}/requests")
+@documented(
+    Doc(
+        "Queue a stage run (or coalesce into the live request of the same id)",
+        {202: EnqueueAnswer},
+        body=EnqueueBody,
+        params=(
+            Param(
+                "Idempotency-Key",
+                {"type": "string", "minLength": 1, "maxLength": 255},
+                "Retry-safe: the first answer is replayed for 24 h",
+                where="header",
+            ),
+        ),
+        problems={
+            409: ("request_id_conflict", "idempotency_key_in_progress", "idempotency_key_lost"),
+            422: ("idempotency_key_reuse",),
+        },
+        tag="queue",
+    )
+)
 async def enqueue(request: web.Request) -> web.Response:
     workspace_id = request.match_info["ws"]
     check_ids(workspace_id)
@@ -228,6 +242,7 @@ async def enqueue(request: web.Request) -> web.Response:
             enqueued = await stores.queue.enqueue(req, now=None, rerun=rerun)
         except QueueError as exc:
             raise queue_problem(exc) from None
+        _count_coalesced(request, enqueued)
         return web.json_response(_enqueue_answer(enqueued, req), status=202)
 
     # Printable text only: a header that is not UTF-8 reaches us with lone surrogates, which no
@@ -272,7 +287,17 @@ async def enqueue(request: web.Request) -> web.Response:
         # a held connection and its advisory lock, and a retry that finds the lock free while
         # the key is still in progress takes it over as the key of a dead owner.
         await begun.release()
+    _count_coalesced(request, enqueued)
     return web.json_response(_enqueue_answer(enqueued, req), status=202)
+
+
+def _count_coalesced(request: web.Request, enqueued: Enqueued) -> None:
+    """An enqueue that an existing request absorbed wrote nothing, so the store announced
+    nothing: counted and logged here (the ones that wrote are counted by the store's observer)."""
+    if enqueued.coalesced:
+        row = enqueued.row
+        request.app[METRICS].queue_coalesced.inc()
+        log_coalesced(row.workspace_id, row.request_id, row.status, row.stage)
 
 
 async def row_of(request: web.Request) -> ProcessRequest:
@@ -298,6 +323,7 @@ async def row_json(request: web.Request, row: ProcessRequest) -> dict[str, Any]:
 
 
 @routes.get("/v1/workspaces/{ws}/requests/{id}")
+@documented(Doc("One queue request", {200: QueueRequest}, problems=NOT_FOUND_PROBLEMS, tag="queue"))
 async def get_request(request: web.Request) -> web.Response:
     return web.json_response(await row_json(request, await row_of(request)))
 
@@ -307,6 +333,15 @@ def _sse(event: str, data: Any) -> bytes:
 
 
 @routes.get("/v1/workspaces/{ws}/requests/{id}/stream")
+@documented(
+    Doc(
+        "Server-sent events: `queued`, then `done` (the row) or `error` at the deadline",
+        {200: Media("text/event-stream", description="SSE: queued, then done or error")},
+        params=(_TIMEOUT,),
+        problems={**NOT_FOUND_PROBLEMS, 400: ("invalid_field",)},
+        tag="queue",
+    )
+)
 async def stream_request(request: web.Request) -> web.StreamResponse:
     """SSE: `queued` (if not finished), then the row once it finished — `done` (done or poison)
     or `cancelled` — or `error` `wait_timeout` at the deadline.
@@ -352,24 +387,24 @@ async def stream_request(request: web.Request) -> web.StreamResponse:
 
 
 @routes.post("/v1/queue/claim")
+@documented(
+    Doc(
+        "Workers: take the oldest claimable request(s) of their classes, under a lease",
+        {200: (ClaimOne, ClaimMany), 204: None},
+        body=ClaimBody,
+        tag="workers",
+    )
+)
 async def claim(request: web.Request) -> web.Response:
     claims = authenticate(request)
     _, body = await _json_body(request)
-    classes = body.get("worker_classes")
-    worker_id = _opt_str(body, "worker_id") or "anonymous"
-    if (
-        not isinstance(classes, list)
-        or not classes
-        or not all(isinstance(c, str) and 0 < len(c) <= 64 and storable(c) for c in classes)
-    ):
-        raise Problem(422, "invalid_field", "worker_classes must be a non-empty list of names")
+    asked = parse_body(ClaimBody, body)
+    classes, worker_id = asked.worker_classes, asked.worker_id or "anonymous"
     workspaces = None if "*" in claims.workspaces else sorted(claims.workspaces)
     config = request.app[CONFIG]
     queue = request.app[STORES].queue
-    if "limit" in body:  # batched: one transaction (one commit) for up to `limit` rows
-        limit = body["limit"]
-        if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
-            raise Problem(422, "invalid_field", "limit must be an integer in 1..1000")
+    limit = asked.limit
+    if limit is not None:  # batched: one transaction (one commit) for up to `limit` rows
         rows = await queue.claim_many(
             classes,
             worker_id,
@@ -392,6 +427,15 @@ async def claim(request: web.Request) -> web.Response:
 
 
 @routes.post("/v1/queue/complete")
+@documented(
+    Doc(
+        "Workers: complete many requests in one transaction (one outcome per item)",
+        {200: BatchCompleteResults},
+        body=BatchCompleteBody,
+        problems={403: ("forbidden_workspace",)},
+        tag="workers",
+    )
+)
 async def complete_batch(request: web.Request) -> web.Response:
     """Complete many requests in one transaction: `{"completions": [{"request_id",
     "claim_token", "result"? | "blob_ref"?, "error"?, "cache"?, "telemetry"?}]}` → one outcome
@@ -403,14 +447,9 @@ async def complete_batch(request: web.Request) -> web.Response:
     if not isinstance(items, list) or not 0 < len(items) <= 1000:
         raise Problem(422, "invalid_field", "completions must be a list of 1..1000 items")
     stores, config = request.app[STORES], request.app[CONFIG]
+    asked = parse_body(BatchCompleteBody, body)  # payloads are checked one by one below
     completions: list[Completion] = []
-    for item in items:
-        if (
-            not isinstance(item, dict)
-            or not isinstance(item.get("request_id"), str)
-            or not storable(item["request_id"])
-        ):
-            raise Problem(422, "invalid_field", "each completion needs request_id (no NUL)")
+    for item, parsed in zip(items, asked.completions, strict=True):
         result = _payload(item, "result")
         encoded = json.dumps(result, separators=(",", ":")).encode()
         blob_ref = item.get("blob_ref")
@@ -419,13 +458,13 @@ async def complete_batch(request: web.Request) -> web.Response:
         try:
             completions.append(
                 Completion(
-                    request_id=item["request_id"],
-                    claim_token=_claim_token(item),
+                    request_id=parsed.request_id,
+                    claim_token=parsed.claim_token,
                     result=result,
                     error=_payload(item, "error"),
                     blob_ref=blob_ref,
-                    cache=item.get("cache"),
-                    telemetry=_payload(item, "telemetry"),
+                    cache=parsed.cache,
+                    telemetry=_telemetry(item),
                 )
             )
         except ValueError as exc:
@@ -458,6 +497,23 @@ async def complete_batch(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/queue/pending")
+@documented(
+    Doc(
+        "Workers: long poll until work of their classes is pending (200) or the timeout (204)",
+        {200: Pending, 204: None},
+        params=(
+            Param(
+                "worker_classes",
+                {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                "Repeatable",
+                required=True,
+            ),
+            _TIMEOUT,
+        ),
+        problems={400: ("invalid_field",), 422: ("invalid_field",)},
+        tag="workers",
+    )
+)
 async def wait_for_work(request: web.Request) -> web.Response:
     """Long poll for idle workers: 200 as soon as work of `worker_classes` (repeatable query
     parameter) becomes pending in a workspace the token grants, 204 after `timeout` seconds
@@ -472,21 +528,24 @@ async def wait_for_work(request: web.Request) -> web.Response:
     return web.json_response({"pending": True}) if woken else web.Response(status=204)
 
 
-def _claim_token(body: dict[str, Any]) -> str:
-    token = body.get("claim_token")
-    if not isinstance(token, str) or not token or not storable(token):
-        raise Problem(422, "invalid_field", "claim_token is required (a string without NUL)")
-    return token
-
-
 @routes.post("/v1/workspaces/{ws}/requests/{id}/heartbeat")
+@documented(
+    Doc(
+        "Workers: extend the lease",
+        {200: HeartbeatAnswer},
+        body=ClaimTokenBody,
+        problems=HOLDER_PROBLEMS,
+        tag="workers",
+    )
+)
 async def heartbeat(request: web.Request) -> web.Response:
     row = await row_of(request)
     _, body = await _json_body(request)
     config = request.app[CONFIG]
+    token = parse_body(ClaimTokenBody, body).claim_token
     try:
         row = await request.app[STORES].queue.heartbeat(
-            row.request_id, _claim_token(body), config.lease_seconds, now=None
+            row.request_id, token, config.lease_seconds, now=None
         )
     except QueueError as exc:
         raise queue_problem(exc) from None
@@ -511,15 +570,22 @@ async def _uploaded(request: web.Request, workspace_id: str, item: dict[str, Any
 
 
 @routes.post("/v1/workspaces/{ws}/requests/{id}/complete")
+@documented(
+    Doc(
+        "Workers: the run's answer (a result, or an expected error); only after its writes",
+        {200: CompleteAnswer},
+        body=CompleteBody,
+        problems=HOLDER_PROBLEMS,
+        tag="workers",
+    )
+)
 async def complete(request: web.Request) -> web.Response:
     row = await row_of(request)
     _, body = await _json_body(request)
-    token = _claim_token(body)
+    asked = parse_body(CompleteBody, body)
+    token, cache = asked.claim_token, asked.cache
     result, error = _payload(body, "result"), _payload(body, "error")
-    telemetry = _payload(body, "telemetry")
-    cache = body.get("cache")
-    if cache not in (None, "hit", "miss"):
-        raise Problem(422, "invalid_field", 'cache must be "hit", "miss" or absent')
+    telemetry = _telemetry(body)
     stores, config = request.app[STORES], request.app[CONFIG]
     blob_ref = await _uploaded(request, row.workspace_id, body)
     encoded = json.dumps(result, separators=(",", ":")).encode()
@@ -553,11 +619,20 @@ async def complete(request: web.Request) -> web.Response:
 
 
 @routes.post("/v1/workspaces/{ws}/requests/{id}/fail")
+@documented(
+    Doc(
+        "Workers: an unexpected error; pending again after the backoff, or poison",
+        {200: FailAnswer},
+        body=FailBody,
+        problems=HOLDER_PROBLEMS,
+        tag="workers",
+    )
+)
 async def fail(request: web.Request) -> web.Response:
     row = await row_of(request)
     _, body = await _json_body(request)
     config = request.app[CONFIG]
-    token, error = _claim_token(body), _payload(body, "error")
+    token, error = parse_body(FailBody, body).claim_token, _payload(body, "error")
     try:
         after = await request.app[STORES].queue.fail(
             row.request_id,

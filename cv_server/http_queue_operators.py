@@ -8,8 +8,10 @@ import math
 from aiohttp import web
 
 from cv_mutations import is_valid_workspace_id
-from cv_server.http_queue import queue_problem, row_json, row_of, storable
+from cv_server.api_models import QueueRequest, RequestList
+from cv_server.http_queue import NOT_FOUND_PROBLEMS, queue_problem, row_json, row_of, storable
 from cv_server.keys import STORES
+from cv_server.openapi import Doc, Param, documented
 from cv_server.problems import Problem
 from cv_server.queue import STATUSES, QueueError
 from cv_server.security import authenticate
@@ -20,6 +22,24 @@ routes = web.RouteTableDef()
 
 
 @routes.get("/v1/queue/requests")
+@documented(
+    Doc(
+        "Operators: list requests, oldest first, by status and workspace (paged)",
+        {200: RequestList},
+        params=(
+            Param("status", {"type": "string", "enum": list(STATUSES)}),
+            Param("workspace", {"type": "string"}, "Required unless the token grants every one"),
+            Param("limit", {"type": "integer", "minimum": 0, "maximum": 1000}),
+            Param("after", {"type": "string"}, "The next_after of the previous page"),
+        ),
+        problems={
+            400: ("invalid_field",),
+            403: ("forbidden_workspace",),
+            422: ("invalid_field", "invalid_id"),
+        },
+        tag="operators",
+    )
+)
 async def list_requests(request: web.Request) -> web.Response:
     claims = authenticate(request)
     status = request.query.get("status")
@@ -72,6 +92,14 @@ def _list_cursor(raw: str | None) -> tuple[float, str] | None:
 
 
 @routes.post("/v1/workspaces/{ws}/requests/{id}/replay")
+@documented(
+    Doc(
+        "Operators: put a poison request back in the queue",
+        {200: QueueRequest},
+        problems={**NOT_FOUND_PROBLEMS, 409: ("invalid_transition",)},
+        tag="operators",
+    )
+)
 async def replay(request: web.Request) -> web.Response:
     row = await row_of(request)
     try:
@@ -82,6 +110,14 @@ async def replay(request: web.Request) -> web.Response:
 
 
 @routes.post("/v1/workspaces/{ws}/requests/{id}/cancel")
+@documented(
+    Doc(
+        "Cancel a request: at once when nobody holds it, else when its holder stops",
+        {200: QueueRequest},
+        problems={**NOT_FOUND_PROBLEMS, 409: ("not_cancellable",)},
+        tag="operators",
+    )
+)
 async def cancel(request: web.Request) -> web.Response:
     """Cancel a request: a pending one is `cancelled` at once; one in progress answers with
     `cancel_requested: true` and becomes `cancelled` once its holder stops (it hears of it at

@@ -17,10 +17,18 @@ from typing import Final
 import orjson
 from aiohttp import web
 
+from cv_server.api_models import UploadAnswer
 from cv_server.bodies import read_body
-from cv_server.http_queue import queue_problem, row_of, storable
+from cv_server.http_queue import (
+    HOLDER_PROBLEMS,
+    NOT_FOUND_PROBLEMS,
+    queue_problem,
+    row_of,
+    storable,
+)
 from cv_server.inputs import check_ids
 from cv_server.keys import CONFIG, STORES
+from cv_server.openapi import Doc, Media, Param, documented
 from cv_server.problems import Problem
 from cv_server.queue import QueueError
 from cv_server.queue.model import fence
@@ -32,6 +40,14 @@ routes = web.RouteTableDef()
 
 
 @routes.get("/v1/workspaces/{ws}/blobs/{ref}")
+@documented(
+    Doc(
+        "A large result, by the `blob_ref` of its request",
+        {200: Media("application/octet-stream", {"type": "string", "format": "binary"})},
+        problems=NOT_FOUND_PROBLEMS,
+        tag="queue",
+    )
+)
 async def get_blob(request: web.Request) -> web.Response:
     workspace_id = request.match_info["ws"]
     check_ids(workspace_id)
@@ -73,6 +89,24 @@ async def _read_result(request: web.Request, limit: int) -> bytes:
 
 
 @routes.post("/v1/workspaces/{ws}/requests/{id}/result")
+@documented(
+    Doc(
+        "Workers: upload a large result (the body is its JSON) to complete with by `blob_ref`",
+        {201: UploadAnswer},
+        body=Media("application/json", {}, "The result itself, any JSON"),
+        params=(
+            Param(
+                "Claim-Token",
+                {"type": "string", "minLength": 1, "maxLength": 256},
+                "The holder's claim token",
+                where="header",
+                required=True,
+            ),
+        ),
+        problems={**HOLDER_PROBLEMS, 413: ("result_too_large",)},
+        tag="workers",
+    )
+)
 async def upload_result(request: web.Request) -> web.Response:
     """Store a large result in the blob store for the claim holder to complete with: the body
     is the result's JSON, sent as is and served back byte for byte by `GET .../blobs/{ref}`;

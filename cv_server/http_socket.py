@@ -34,9 +34,16 @@ from cv_server.keys import (
     STORES,
     TOKEN_SECRET,
 )
+from cv_server.openapi import Doc, Param, documented
 from cv_server.oplog import LogEntry, Outcome
 from cv_server.problems import Problem
-from cv_server.security import authenticate, bearer_token, seconds_left, signed_with
+from cv_server.security import (
+    SOCKET_SUBPROTOCOL,
+    authenticate,
+    bearer_token,
+    seconds_left,
+    signed_with,
+)
 from cv_server.socket_close import LingeringWebSocketResponse
 
 __all__ = ["CLOSE_FORBIDDEN", "CLOSE_UNAUTHORIZED", "routes"]
@@ -279,11 +286,32 @@ class _Session:
 
 
 @routes.get("/v1/workspaces/{ws}/socket")
+@documented(
+    Doc(
+        "The websocket: subscribe to sub-docs (catch-up, then live ops) and apply ops",
+        {101: None},
+        description=(
+            "A websocket upgrade. The token may come as `?token=` (browsers cannot set headers);"
+            " a refused token or workspace closes the socket with 4001 / 4003 after the upgrade."
+        ),
+        params=(
+            Param(
+                "token", {"type": "string"}, "The bearer token, for clients that cannot set headers"
+            ),
+            Param("batch", {"type": "string", "enum": ["1"]}, "Frames batched in JSON arrays"),
+        ),
+        problems={400: ("bad_request",), 503: ("unavailable",)},
+        tag="op-log",
+    )
+)
 async def socket(request: web.Request) -> web.WebSocketResponse:
     app = request.app
     config = app[CONFIG]
     workspace_id = request.match_info["ws"]
     ws = LingeringWebSocketResponse(
+        # Chosen when the client offers it (a browser passing its token as `cv-bearer.<token>`
+        # must, since a browser fails a handshake whose answer names none of its offers).
+        protocols=(SOCKET_SUBPROTOCOL,),
         max_msg_size=config.max_ws_frame_bytes,
         autoping=True,
         heartbeat=config.socket_heartbeat_seconds,
@@ -292,7 +320,7 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
     reason = b""
     expires_in: float | None = None
     try:
-        claims = authenticate(request, allow_query=True)
+        claims = authenticate(request, allow_query=True, allow_subprotocol=True)
         expires_in = seconds_left(claims)
         if not is_valid_workspace_id(workspace_id) or not claims.allows(workspace_id):
             close_code, reason = CLOSE_FORBIDDEN, b"forbidden workspace"
@@ -309,9 +337,13 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
     batch_bytes = config.max_ws_frame_bytes if request.query.get("batch") == "1" else 0
     metrics = app[METRICS]
     conn = Connection(
-        ws, config.subscriber_queue_limit, batch_bytes, on_too_slow=metrics.count_too_slow
+        ws,
+        config.subscriber_queue_limit,
+        batch_bytes,
+        on_too_slow=metrics.count_too_slow,
+        on_written=metrics.record_written,
     )
-    token = bearer_token(request, allow_query=True)
+    token = bearer_token(request, allow_query=True, allow_subprotocol=True)
     assert token is not None  # `authenticate` took it
     session = _Session(app, conn, workspace_id, token)
     app[CONNECTIONS].add(conn)

@@ -14,8 +14,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
@@ -31,6 +32,11 @@ log = logging.getLogger(__name__)
 
 #: Close code for a subscriber that fell too far behind; it reconnects and catches up.
 CLOSE_TOO_SLOW: Final = 4008
+
+#: Commit stamps kept for ops read back from the log (`Hub.stamped`). The log read they serve
+#: follows the publish within a notification's grace (tens of milliseconds): 10,000 ops covers
+#: that at many times the peak commit rate, in about a megabyte.
+_RECENT_STAMPS: Final = 10_000
 
 
 def encode_entry(sub_doc: str, entry: LogEntry) -> Frame:
@@ -61,6 +67,7 @@ class Connection:
         limit: int,
         batch_bytes: int = 0,
         on_too_slow: Callable[[], None] | None = None,
+        on_written: Callable[[float], None] | None = None,
     ) -> None:
         self.ws = ws
         self.limit = limit
@@ -68,6 +75,13 @@ class Connection:
         #: Called once when this connection is cut off as too slow (`/metrics` counts them).
         self._on_too_slow = on_too_slow
         self._queue: deque[str] = deque()
+        #: Called with the commit stamp of each live op frame once it is written to the socket
+        #: (`cv_broadcast_lag_seconds`). Stamps ride beside the queue, keyed by the frame's
+        #: number: `_queued` counts frames ever queued, `_written` frames ever written.
+        self._on_written = on_written
+        self._stamps: deque[tuple[int, float]] = deque()
+        self._queued = 0
+        self._written = 0
         self._ready = asyncio.Event()
         # Set when the queue is at or below half the limit: catch-up waits on it (`room`).
         self._room = asyncio.Event()
@@ -76,14 +90,18 @@ class Connection:
         self._writer = asyncio.create_task(self._drain())
         self.subscriptions: dict[str, Subscription] = {}
 
-    def send(self, text: str) -> bool:
-        """Queue a frame. False (and the connection closes with 4008) when over the limit."""
+    def send(self, text: str, stamp: float | None = None) -> bool:
+        """Queue a frame (`stamp`: the `perf_counter()` of its commit, for a live op frame).
+        False (and the connection closes with 4008) when over the limit."""
         if self._closing:
             return False
         if len(self._queue) >= self.limit:
             self.too_slow()
             return False
         self._queue.append(text)
+        self._queued += 1
+        if stamp is not None and self._on_written is not None:
+            self._stamps.append((self._queued, stamp))
         self._ready.set()
         return True
 
@@ -101,6 +119,7 @@ class Connection:
             return None
         self._closing = True
         self._queue.clear()
+        self._stamps.clear()
         self._room.set()
         for subscription in list(self.subscriptions.values()):
             subscription.stop()
@@ -139,15 +158,26 @@ class Connection:
                 queue = self._queue
                 half = self.limit // 2
                 while queue:
-                    if len(queue) == 1 or not self.batch_bytes:
+                    before = len(queue)
+                    if before == 1 or not self.batch_bytes:
                         await self.ws.send_str(queue.popleft())
                     else:
                         await self.ws.send_str(self._pack(queue))
+                    self._written += before - len(queue)
+                    if self._stamps:
+                        self._report_written()
                     if len(queue) <= half:
                         self._room.set()
         except (ConnectionResetError, RuntimeError):  # peer gone; the reader side cleans up
             self._closing = True
             self._room.set()
+
+    def _report_written(self) -> None:
+        stamps, on_written = self._stamps, self._on_written
+        while stamps and stamps[0][0] <= self._written:
+            _, stamp = stamps.popleft()
+            if on_written is not None:
+                on_written(stamp)
 
     def _pack(self, queue: deque[str]) -> str:
         """Pop the frames that fit in one message of at most `batch_bytes` UTF-8 bytes, the
@@ -226,7 +256,7 @@ class Subscription:
     # Called synchronously by the hub, in commit order.
     def on_frames(self, frames: list[Frame]) -> None:
         for frame in self.cursor.offer(frames):
-            if not self.conn.send(frame.text):
+            if not self.conn.send(frame.text, frame.stamp):
                 return
         if not self.cursor.live:
             if len(self.cursor.pending) > self.pending_limit:
@@ -296,7 +326,7 @@ class Subscription:
                             # naming the sub-doc.
                             self._refuse(f"since {self.cursor.last} is past the head clock {head}")
                             return
-                        frames = (encode_entry(self.sub_doc, entry) for entry in entries)
+                        frames = (self.hub.stamped(self, entry) for entry in entries)
                         for frame in self.cursor.from_log(frames):
                             if not self.conn.send(frame.text):
                                 return
@@ -305,7 +335,7 @@ class Subscription:
                 await self.conn.room()  # what arrived meanwhile is flushed at once
                 out, live = self.cursor.go_live()
                 for frame in out:
-                    if not self.conn.send(frame.text):
+                    if not self.conn.send(frame.text, frame.stamp):
                         return
                 if not live:
                     continue
@@ -332,6 +362,11 @@ class Hub:
     def __init__(self, store: OpLogStore) -> None:
         self.store = store
         self._topics: dict[tuple[str, str], set[Subscription]] = {}
+        # The commit stamps of the ops published lately, so that a subscriber that reads one of
+        # them from the log (sent there by this instance's own notification arriving before the
+        # publish, on a busy machine) still measures its lag from the commit: every frame of a
+        # commit of this instance is measured once, whichever way it reached the socket.
+        self._recent: OrderedDict[tuple[str, str, int], float] = OrderedDict()
         # Keyed weakly: a connection's lock goes with it.
         self._catch_up_locks: weakref.WeakKeyDictionary[Connection, asyncio.Lock] = (
             weakref.WeakKeyDictionary()
@@ -346,9 +381,25 @@ class Hub:
         subs = self._topics.get((workspace_id, sub_doc))
         if not subs:
             return
-        frames = [encode_entry(sub_doc, entry) for entry in entries]
+        stamp = time.perf_counter()
+        frames = [
+            Frame(frame.clock, frame.text, stamp)
+            for frame in (encode_entry(sub_doc, entry) for entry in entries)
+        ]
+        recent = self._recent
+        for frame in frames:
+            recent[workspace_id, sub_doc, frame.clock] = stamp
+        while len(recent) > _RECENT_STAMPS:
+            recent.popitem(last=False)
         for sub in list(subs):
             sub.on_frames(frames)
+
+    def stamped(self, sub: Subscription, entry: LogEntry) -> Frame:
+        """`entry`, read from the log for `sub`, as a frame with its commit stamp when this
+        instance published it lately (None otherwise: another instance's, or an old one)."""
+        frame = encode_entry(sub.sub_doc, entry)
+        stamp = self._recent.get((sub.workspace_id, sub.sub_doc, entry.clock))
+        return frame if stamp is None else Frame(frame.clock, frame.text, stamp)
 
     def notify_head(self, workspace_id: str, sub_doc: str, head: int) -> None:
         """Another instance committed up to `head`: subscribers that are behind catch up."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -36,6 +36,8 @@ class ServerState:
     def __init__(self) -> None:
         self.ready = False
         self.shutting_down = False
+        #: The OpenAPI document of the app, built on first use (`GET /openapi.json`).
+        self.openapi: dict[str, Any] | None = None
 
 
 CONFIG = web.AppKey("config", ServerConfig)

@@ -25,6 +25,7 @@ from cv_workspace_client.errors import (
     WorkspaceError,
     error_from_problem,
 )
+from cv_workspace_client.logs import context_fields
 from cv_workspace_client.models import Committed
 
 __all__ = [
@@ -146,6 +147,11 @@ class HttpApi:
     ) -> Any:
         if data is not None:
             headers["Content-Type"] = "application/json"
+        # Inside a worker's stage run: the server's log lines of this request carry its queue
+        # request id, as the worker's do (docs/observability.md, following a stage run).
+        run = context_fields().get("queue_request_id")
+        if run is not None:
+            headers["X-Request-ID"] = run
         try:
             # Redirects are not followed: aiohttp turned a redirected POST of ops into a GET
             # (whose 404 then failed the ops for good), or sent them wherever the redirect

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib
 import json
 import logging
@@ -37,11 +38,13 @@ from collections.abc import Coroutine, Mapping
 from typing import Any, NoReturn
 
 from cv_workspace_client._auth import TokenProvider
+from cv_workspace_client._progress import Progress, watching
 from cv_workspace_client._queue_api import QueueClient
 from cv_workspace_client._retry import backoff_for
 from cv_workspace_client._url import check_server_url
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import ForbiddenError, WorkspaceError
+from cv_workspace_client.logs import LOG_FORMATS, JsonFormatter, configure_logging
 from cv_workspace_client.providers import CountingFakeProvider, OpenAICompatibleProvider, Provider
 from cv_workspace_client.queue_models import (
     STATUSES,
@@ -469,6 +472,13 @@ def _worker_parser() -> argparse.ArgumentParser:
         default=env("CV_LOG_LEVEL", "INFO"),
         help="DEBUG, INFO, WARNING or ERROR (default INFO; $CV_LOG_LEVEL)",
     )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=env("CV_LOG_FORMAT") or "text",
+        help="json: every line the worker writes is one JSON object, each line of a stage run"
+        " carrying its queue_request_id (default text; $CV_LOG_FORMAT; docs/observability.md)",
+    )
     return parser
 
 
@@ -549,7 +559,12 @@ async def _run_worker(args: argparse.Namespace, stages: dict[str, Handler | Stag
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, worker.stop)  # drain, then exit 0 (docs/stages.md)
-            _announce(f"cv-worker {worker.worker_id} ready")
+            ready = f"cv-worker {worker.worker_id} ready"
+            if args.log_format == "json":  # every line one JSON object, the ready line too
+                record = logging.LogRecord("cv_worker", logging.INFO, __file__, 0, ready, (), None)
+                record.__dict__.update(event="ready", worker=worker.worker_id)
+                ready = JsonFormatter().format(record)
+            _announce(ready)
             stats = await worker.run()
             logging.getLogger("cv_workspace_client.worker").info("drained: %s", stats)
             return EXIT_OK if stats.clean else EXIT_FAILED
@@ -569,10 +584,10 @@ def worker_main(argv: list[str] | None = None) -> int:
             raise UsageError("cv-worker: --stages (or $CV_STAGES) is required")
         # Validated here, not left to `logging`/`WorkerConfig`: their ValueError would escape
         # as a traceback with exit 1 instead of a usage error (exit 2).
+        if args.log_format not in LOG_FORMATS:  # from $CV_LOG_FORMAT, which argparse does not check
+            raise UsageError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
         try:
-            logging.basicConfig(
-                level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
-            )
+            configure_logging(args.log_format, args.log_level)
         except ValueError:
             raise UsageError(f"--log-level {args.log_level!r} is not a logging level") from None
         if args.concurrency < 1:
@@ -641,6 +656,23 @@ def _add_enqueue_args(parser: argparse.ArgumentParser, *, rerun_flag: bool) -> N
         default=60.0,
         help="with --wait: seconds to wait; the request goes on after (default 60)",
     )
+    _progress_arg(parser)
+
+
+def _progress_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="status changes and bulk counts on stderr (default: when stderr is a terminal)",
+    )
+
+
+def _progress(args: argparse.Namespace) -> Progress:
+    enabled = args.progress
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    return Progress(bool(enabled))
 
 
 def _request_args(parser: argparse.ArgumentParser) -> None:
@@ -677,6 +709,7 @@ def _workspace_parser() -> argparse.ArgumentParser:
     listing.add_argument(
         "--all", action="store_true", help="every matching request, fetched --limit at a time"
     )
+    _progress_arg(listing)
     for verb, text in (
         ("show", "one request"),
         ("replay", "put a poison request back in the queue, by hand"),
@@ -695,6 +728,7 @@ def _workspace_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds to wait; the request goes on after (default 60)",
     )
+    _progress_arg(wait)
     rerun = verbs.add_parser(
         "rerun", help="run a finished request again (enqueue --rerun)", **_HELP_LAYOUT
     )
@@ -767,7 +801,15 @@ async def _enqueue(client: QueueClient, args: argparse.Namespace, *, rerun: bool
         _print(answer.to_json())
         return EXIT_OK
     try:
-        outcome = await client.wait_request(args.workspace, answer.request_id, timeout=args.timeout)
+        async with watching(
+            functools.partial(client.get_request, args.workspace, answer.request_id),
+            _progress(args),
+        ) as watch:
+            watch.enqueued(answer)
+            outcome = await client.wait_request(
+                args.workspace, answer.request_id, timeout=args.timeout
+            )
+            watch.seen(outcome.request)
     except asyncio.CancelledError:  # SIGINT/SIGTERM: the wait ends, the request goes on
         interrupted = {"request_id": answer.request_id, "status": "interrupted"}
         _print({"enqueued": answer.to_json(), **interrupted})
@@ -838,12 +880,16 @@ async def _mcp(args: argparse.Namespace) -> int:
 
 async def _list(client: QueueClient, args: argparse.Namespace) -> list[QueuedRequest]:
     if args.all:
-        return [
-            row
-            async for row in client.iter_requests(
-                status=args.status, workspace_id=args.workspace, page=args.limit
-            )
-        ]
+        progress = _progress(args)
+        rows = []
+        async for row in client.iter_requests(
+            status=args.status, workspace_id=args.workspace, page=args.limit
+        ):
+            rows.append(row)
+            if len(rows) % args.limit == 0:
+                progress.count(f"fetched {len(rows)} requests")
+        progress.done(f"fetched {len(rows)} requests")
+        return rows
     return await client.list_requests(
         status=args.status, workspace_id=args.workspace, limit=args.limit
     )
@@ -879,9 +925,14 @@ async def _workspace(args: argparse.Namespace) -> int:
             _print((await client.cancel_request(args.workspace, args.request_id)).raw)
         elif args.verb == "wait":
             _need_seconds("--timeout", args.timeout)
-            outcome = await client.wait_request(
-                args.workspace, args.request_id, timeout=args.timeout
-            )
+            async with watching(
+                functools.partial(client.get_request, args.workspace, args.request_id),
+                _progress(args),
+            ) as watch:
+                outcome = await client.wait_request(
+                    args.workspace, args.request_id, timeout=args.timeout
+                )
+                watch.seen(outcome.request)
             _print(outcome.to_json())
             return _outcome_exit(outcome)
         return EXIT_OK

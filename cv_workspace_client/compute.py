@@ -185,14 +185,29 @@ async def acquire_lock(
         expires_in, ttl = _duration(answer, "expires_in"), _duration(answer, "ttl")
         if answer.get("acquired") is True:
             token = str(answer["token"])
-            return LockAnswer(True, expires_at, token, holder, expires_in, ttl)
-        other = answer.get("holder")
-        if other == holder and attempts > 1:
-            return LockAnswer(True, expires_at, None, holder, expires_in, ttl)
-        other = other if isinstance(other, str) else None
-        return LockAnswer(False, expires_at, None, other, expires_in, ttl)
+            decided = LockAnswer(True, expires_at, token, holder, expires_in, ttl)
+        else:
+            other = answer.get("holder")
+            if other == holder and attempts > 1:
+                decided = LockAnswer(True, expires_at, None, holder, expires_in, ttl)
+            else:
+                other = other if isinstance(other, str) else None
+                decided = LockAnswer(False, expires_at, None, other, expires_in, ttl)
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError("bad_answer", f"lock answer: {exc!r}") from None
+    log.info(
+        "compute lock %s/%s %s",
+        job_id,
+        task,
+        "acquired" if decided.acquired else f"held by {decided.holder}",
+        extra={
+            "event": "lock_acquired" if decided.acquired else "lock_contended",
+            "job_id": job_id,
+            "task": task,
+            "holder": holder,
+        },
+    )
+    return decided
 
 
 def _duration(answer: dict[str, Any], name: str) -> float | None:

@@ -19,6 +19,7 @@ import asyncio
 import email.utils
 import hashlib
 import json
+import logging
 import math
 import random
 import threading
@@ -38,6 +39,7 @@ from cv_workspace_client.errors import WorkspaceError
 __all__ = [
     "DEFAULT_PROVIDER_TIMEOUT_SECONDS",
     "CountingFakeProvider",
+    "MeteredProvider",
     "OpenAICompatibleProvider",
     "Provider",
     "ProviderError",
@@ -52,6 +54,8 @@ __all__ = [
     "parse_retry_after",
     "retry_delay",
 ]
+
+_log = logging.getLogger("cv_workspace_client.providers")
 
 #: One compute-lock TTL (docs/configuration.md, docs/stages.md): a call that outlives the lock it
 #: runs under can be duplicated by whoever takes the expired lock over.
@@ -81,6 +85,42 @@ class Provider(Protocol):
     ) -> ProviderResult:
         """Answer `prompt`; `params` pass through to the provider (temperature, max_tokens…)."""
         ...
+
+
+class MeteredProvider:
+    """`provider`, counted and timed: the worker wraps its provider in one per run, reports
+    `calls` and `seconds` with the run's telemetry (`cv_provider_calls_total{stage}` and
+    `cv_provider_seconds` on the server) and logs each call (never its prompt or answer)."""
+
+    def __init__(self, provider: Provider) -> None:
+        self.provider = provider
+        self.calls = 0
+        self.seconds = 0.0
+
+    async def complete(
+        self, prompt: str, *, model: str | None = None, **params: Any
+    ) -> ProviderResult:
+        self.calls += 1
+        started = time.perf_counter()
+        outcome = "error"
+        try:
+            result = await self.provider.complete(prompt, model=model, **params)
+            outcome = "ok"
+            return result
+        finally:
+            took = time.perf_counter() - started
+            self.seconds += took
+            _log.info(
+                "provider call %s in %.1f ms",
+                outcome,
+                took * 1000,
+                extra={
+                    "event": "provider_call",
+                    "outcome": outcome,
+                    "duration_ms": round(took * 1000, 3),
+                    "model": model,
+                },
+            )
 
 
 # -- errors ---------------------------------------------------------------------------------------

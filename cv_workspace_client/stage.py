@@ -22,6 +22,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -52,6 +53,8 @@ __all__ = [
     "StageRequest",
     "op_id_for",
 ]
+
+_log = logging.getLogger("cv_workspace_client.stage")
 
 T = TypeVar("T")
 
@@ -271,7 +274,21 @@ class StageContext:
         self._writes += 1
         self._settled.clear()
         try:
-            return await self.client.apply_op(self.workspace_id, sub_doc, derived)
+            commit = await self.client.apply_op(self.workspace_id, sub_doc, derived)
+            _log.info(
+                "wrote %s to %s at clock %s",
+                derived.op_id,
+                sub_doc,
+                commit.clock,
+                extra={
+                    "event": "stage_write",
+                    "op_id": derived.op_id,
+                    "sub_doc": sub_doc,
+                    "clock": commit.clock,
+                    "duplicate": commit.duplicate,
+                },
+            )
+            return commit
         except BaseException as exc:
             if isinstance(exc, _FINAL_ANSWERS):
                 write = {"key": key, "sub_doc": sub_doc, "type": op.type, "op_id": derived.op_id}

@@ -63,7 +63,8 @@ from cv_workspace_client.errors import (
     InvalidRequestError,
     WorkspaceError,
 )
-from cv_workspace_client.providers import Provider
+from cv_workspace_client.logs import log_context
+from cv_workspace_client.providers import MeteredProvider, Provider
 from cv_workspace_client.stage import (
     ExpectedError,
     Handler,
@@ -379,6 +380,29 @@ class Worker:
     # -- one request -------------------------------------------------------------------------------
 
     async def _execute(self, claimed: api.Claim, slot: _Slot) -> None:
+        """One run, every log line of it (and every HTTP request it makes) carrying the queue
+        request id: a run can be followed from the server's claim to the ops it wrote."""
+        row = claimed.request
+        with log_context(queue_request_id=row.request_id, stage=row.stage):
+            logger.info(
+                "run of %s started",
+                row.request_id,
+                extra={"event": "run_started", "worker": self.worker_id, "run": row.run},
+            )
+            started = time.perf_counter()
+            try:
+                await self._execute_run(claimed, slot)
+            finally:
+                logger.info(
+                    "run of %s ended",
+                    row.request_id,
+                    extra={
+                        "event": "run_ended",
+                        "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+                    },
+                )
+
+    async def _execute_run(self, claimed: api.Claim, slot: _Slot) -> None:
         row = claimed.request
         stage = self.stages.get(row.stage)
         if stage is None:
@@ -390,8 +414,9 @@ class Worker:
             return
         request = StageRequest.from_row(row.raw)
         lease = LeaseState()
+        provider = None if self.provider is None else MeteredProvider(self.provider)
         ctx = StageContext(
-            request, self.client, provider=self.provider, worker_id=self.worker_id, lease=lease
+            request, self.client, provider=provider, worker_id=self.worker_id, lease=lease
         )
         meter = RunMeter(request).start()
         current = asyncio.current_task()
@@ -438,7 +463,10 @@ class Worker:
             kind, value, cache, shared = "error", answer, None, False
         if shared:
             self.stats.shared_runs += 1
-        telemetry = meter.finish(**({"shared": True} if shared else {}))
+        extra: dict[str, Any] = {"shared": True} if shared else {}
+        if provider is not None:
+            extra.update(provider_calls=provider.calls, provider_s=round(provider.seconds, 6))
+        telemetry = meter.finish(**extra)
         try:
             reported = await self._report.success(claimed, kind, value, cache, telemetry)
             if reported is None:
@@ -461,6 +489,12 @@ class Worker:
             # dedupe under their derived op_ids, so the re-run is harmless.
             logger.warning("could not complete %s: %s", row.request_id, exc)
             return
+        logger.info(
+            "request %s done (%s)",
+            row.request_id,
+            "expected error" if kind == "error" else "result",
+            extra={"event": "run_done", "cache": cache},
+        )
         if kind == "error":
             self.stats.expected_errors += 1
             return

@@ -123,5 +123,22 @@ class ComputeLockStore(abc.ABC):
         """The live lock on the key at `now`, or None (a dead lock counts as free)."""
 
     @abc.abstractmethod
+    async def list_live(
+        self,
+        workspace_id: str,
+        now: float,
+        *,
+        after: tuple[str, str] | None = None,
+        limit: int,
+    ) -> list[LockInfo]:
+        """The workspace's live locks at `now` (operators), by `(job_id, task)` in the backend's
+        order of names (byte order on SQLite, the database's collation on PostgreSQL).
+
+        At most `limit` of them, those whose key sorts after `after` (the `(job_id, task)` of the
+        previous page's last lock; None: from the first). Dead locks are not listed, as `get`
+        does not return them. Raises `ValueError` if `limit` is negative.
+        """
+
+    @abc.abstractmethod
     async def close(self) -> None:
         """Release the store's own resources (a shared database is closed by its owner)."""

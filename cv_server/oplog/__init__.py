@@ -8,6 +8,7 @@ from cv_server.oplog.store import (
     OpLogStore,
     Outcome,
     Rejected,
+    SubDocHead,
 )
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "OpLogStore",
     "Outcome",
     "Rejected",
+    "SubDocHead",
 ]

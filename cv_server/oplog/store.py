@@ -6,7 +6,7 @@ Every backend passes the same contract suite (`tests/contract/oplog_contract.py`
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ __all__ = [
     "OpLogStore",
     "Outcome",
     "Rejected",
+    "SubDocHead",
 ]
 
 
@@ -97,6 +98,19 @@ class LogEntry:
         return {"clock": self.clock, "op_id": self.op_id, "op": self.op}
 
 
+@dataclass(frozen=True, slots=True)
+class SubDocHead:
+    """A written sub-doc as a listing shows it: its head clock and when that op committed
+    (epoch seconds, on the committing server's clock)."""
+
+    sub_doc: str
+    clock: int
+    committed_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sub_doc": self.sub_doc, "clock": self.clock, "committed_at": self.committed_at}
+
+
 class OpLogStore(abc.ABC):
     """The op-log of every sub-doc of every workspace.
 
@@ -141,6 +155,12 @@ class OpLogStore(abc.ABC):
 
         return asyncio.ensure_future(self.append(workspace_id, sub_doc, ops, atomic=atomic))
 
+    def observe_commits(self, observer: Callable[[float, int], None] | None) -> None:
+        """Call `observer(seconds, ops)` after each group commit this process makes: its
+        duration and the ops it held (for `cv_commit_seconds` / `cv_commit_batch_ops`). It may
+        run on another thread (SQLite's writer): quick and thread-safe. Default: not observed."""
+        del observer
+
     @abc.abstractmethod
     async def read_since(
         self, workspace_id: str, sub_doc: str, since: int, limit: int
@@ -154,6 +174,20 @@ class OpLogStore(abc.ABC):
     @abc.abstractmethod
     async def head(self, workspace_id: str, sub_doc: str) -> int:
         """The clock of the last committed op (0 for a sub-doc never written)."""
+
+    @abc.abstractmethod
+    async def list_sub_docs(
+        self, workspace_id: str, *, after: str | None = None, limit: int
+    ) -> list[SubDocHead]:
+        """The workspace's sub-docs with at least one committed op, by name, each at its head.
+
+        By name in the backend's order of names (byte order on SQLite, the database's collation
+        on PostgreSQL): a listing paged with `after` is complete in either.
+
+        At most `limit` of them, those named after `after` (the last name of the previous page;
+        None: from the first). A sub-doc only ever rejected ops is not listed: its clock is 0,
+        as for one never written. Raises `ValueError` if `limit` is negative.
+        """
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,7 +51,14 @@ from cv_server.oplog.pipeline import (
     plan_commit,
     snapshot_due,
 )
-from cv_server.oplog.store import IncomingOp, LogEntry, OpLogCorrupted, OpLogStore, Outcome
+from cv_server.oplog.store import (
+    IncomingOp,
+    LogEntry,
+    OpLogCorrupted,
+    OpLogStore,
+    Outcome,
+    SubDocHead,
+)
 from cv_server.pg import oplog_sql as sql
 from cv_server.pg.migrations import migrate
 from cv_server.pg.notifier import check_payload
@@ -164,6 +172,7 @@ class PostgresOpLogStore(OpLogStore):
         #: Lanes' groups committed, the appends they carried, and the transactions that carried
         #: them (several groups share one when their lanes were ready in the same tick).
         self.groups_committed = 0
+        self._on_commit: Callable[[float, int], None] | None = None
         self.appends_committed = 0
         self.transactions_committed = 0
 
@@ -273,6 +282,18 @@ class PostgresOpLogStore(OpLogStore):
         self._check_open()
         async with self.pool.acquire() as conn:
             return await sql.read_head(conn, workspace_id, sub_doc)
+
+    async def list_sub_docs(
+        self, workspace_id: str, *, after: str | None = None, limit: int
+    ) -> list[SubDocHead]:
+        self._check_open()
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0: {limit!r}")
+        if limit == 0:
+            return []
+        async with self.pool.acquire() as conn:
+            rows = await sql.list_sub_docs(conn, workspace_id, after or "", limit)
+        return [SubDocHead(name, clock, at) for name, clock, at in rows]
 
     async def close(self) -> None:
         """Finish every append queued before this call, then close the pool if this store
@@ -434,9 +455,13 @@ class PostgresOpLogStore(OpLogStore):
 
     # -- one transaction -------------------------------------------------------------------------
 
+    def observe_commits(self, observer: Callable[[float, int], None] | None) -> None:
+        self._on_commit = observer
+
     async def _commit_groups(self, members: list[_Member]) -> list[list[AppendResult]]:
         """Commit the groups of one or several lanes (their locks held) in one transaction: per
         lane, the results of its appends in order."""
+        began = time.perf_counter()
         try:
             async with self.pool.acquire() as conn, conn.transaction():
                 heads = await sql.lock_heads(conn, [member.key for member in members])
@@ -495,6 +520,12 @@ class PostgresOpLogStore(OpLogStore):
         self.groups_committed += len(members)
         self.transactions_committed += 1
         self.appends_committed += sum(len(member.group) for member in members)
+        if self._on_commit is not None:
+            ops = sum(len(pending.ops) for member in members for pending in member.group)
+            try:
+                self._on_commit(time.perf_counter() - began, ops)
+            except Exception:  # a metric must never fail the commit it measures
+                logger.exception("commit observer failed")
         return [[(plan.outcomes, plan.entries) for plan in plans] for plans in all_plans]
 
     async def _caught_up(

@@ -31,6 +31,7 @@ __all__ = [
     "CachedSubDoc",
     "OpLogCorrupted",
     "catch_up",
+    "list_sub_docs",
     "load_sub_doc",
     "lock_heads",
     "look_up_many",
@@ -65,6 +66,18 @@ LEFT JOIN LATERAL (
 ) o ON true
 WHERE h.workspace_id = $1 AND h.sub_doc = $2
 ORDER BY o.clock
+"""
+# Written sub-docs by name from the heads (one row each, in key order: the page is a range scan of
+# their primary key), with the time of the op at the head (one probe of the log's key each). A
+# head at clock 0 (only rejections so far) is no written sub-doc.
+_LIST_SUB_DOCS: Final = f"""
+SELECT h.sub_doc, h.clock, extract(epoch FROM o.committed_at)::float8 AS committed_at
+FROM {HEADS_TABLE} h
+JOIN {OPS_TABLE} o
+    ON o.workspace_id = h.workspace_id AND o.sub_doc = h.sub_doc AND o.clock = h.clock
+WHERE h.workspace_id = $1 AND h.sub_doc > $2 AND h.clock > 0
+ORDER BY h.sub_doc
+LIMIT $3
 """
 # The groups of one or several sub-docs in one transaction: heads locked (`lock_heads`), outcomes
 # looked up (`look_up_many`), then rows, outcomes, heads and notifications written in one round
@@ -153,6 +166,13 @@ async def _lock_heads(
 ) -> dict[tuple[str, str], int]:
     rows = await conn.fetch(_LOCK_HEADS, [key[0] for key in keys], [key[1] for key in keys])
     return {(row["workspace_id"], row["sub_doc"]): int(row["clock"]) for row in rows}
+
+
+async def list_sub_docs(
+    conn: asyncpg.Connection, workspace_id: str, after: str, limit: int
+) -> list[tuple[str, int, float]]:
+    rows = await conn.fetch(_LIST_SUB_DOCS, workspace_id, after, limit)
+    return [(row["sub_doc"], int(row["clock"]), float(row["committed_at"])) for row in rows]
 
 
 async def read_head(conn: asyncpg.Connection, workspace_id: str, sub_doc: str) -> int:

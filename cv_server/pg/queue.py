@@ -56,6 +56,7 @@ from cv_server.queue.model import (
     ProcessRequest,
     RequestEvent,
     RequestStatus,
+    TransitionKind,
 )
 from cv_server.queue.store import QueueStore, claim_scope
 from cv_server.tokens import new_claim_token
@@ -191,7 +192,7 @@ class PostgresQueueStore(QueueStore):
     ) -> None:
         if task.cancelled() or task.exception() is not None:
             return
-        self._announce(task.result()[1])
+        self._committed(task.result()[1])
 
     async def _write_rows(
         self,
@@ -243,7 +244,7 @@ class PostgresQueueStore(QueueStore):
                 )
                 if inserted is not None:
                     fresh = model.new_row(req, inserted["created_at"])
-                    return Enqueued(fresh, coalesced=False), arrived
+                    return Enqueued(fresh, coalesced=False), [RequestEvent.of(fresh, "enqueued")]
                 found = await conn.fetchrow(sql.READ_ONE, req.request_id)
             existing = _existing(found, req)
             answer, _ = model.decide_enqueue(existing, req, _at(now, found))
@@ -255,7 +256,8 @@ class PostgresQueueStore(QueueStore):
                 inserted = await conn.fetchrow(sql.INSERT_IF_ABSENT, *values)
                 if inserted is not None:
                     fresh = model.new_row(req, inserted["created_at"])
-                    answer, events = Enqueued(fresh, coalesced=False), arrived
+                    answer = Enqueued(fresh, coalesced=False)
+                    events = [RequestEvent.of(fresh, "enqueued")]
                 else:
                     found = await conn.fetchrow(sql.LOCK_ONE, req.request_id)
                     existing = _existing(found, req)
@@ -264,7 +266,7 @@ class PostgresQueueStore(QueueStore):
                     )
                     if write:  # a rerun rewrites the whole request
                         await conn.execute(sql.REWRITE, *sql.row_values(answer.row))
-                        events = [RequestEvent.of(answer.row)]
+                        events = [RequestEvent.of(answer.row, "enqueued")]
                 if idempotency is not None:
                     response = idempotency.respond(answer)
                     await complete_key(
@@ -320,6 +322,13 @@ class PostgresQueueStore(QueueStore):
             found = await conn.fetch(query, limit, *params)
         return [sql.request_from_row(row) for row in found]
 
+    async def status_counts(self) -> dict[RequestStatus, int]:
+        async with self._pool.acquire() as conn:
+            found = await conn.fetch(
+                f"SELECT status, count(*) AS n FROM {sql.TABLE} GROUP BY status"
+            )
+        return {row["status"]: int(row["n"]) for row in found}
+
     # -- workers ----------------------------------------------------------------------------------
 
     async def claim_many(
@@ -354,9 +363,12 @@ class PostgresQueueStore(QueueStore):
                     self.instance_id,
                 )
             # Parked rows (n = 0) come first, then the claimed ones in claim order.
-            rows = [(row["n"], sql.request_from_row(row)) for row in found]
-            claimed = [request for n, request in rows if n > 0]
-            return claimed, [RequestEvent.of(request) for _, request in rows]
+            rows = [(row["n"], row["lapsed"], sql.request_from_row(row)) for row in found]
+            claimed = [request for n, _, request in rows if n > 0]
+            return claimed, [
+                RequestEvent.of(request, _claim_kind(n, request), lapsed=lapsed)
+                for n, lapsed, request in rows
+            ]
 
         return await self._write(attempt)
 
@@ -367,7 +379,7 @@ class PostgresQueueStore(QueueStore):
             request_id,
             now,
             lambda row, at: model.Transition(model.heartbeat(row, claim_token, lease, at), True),
-            announce=False,
+            kind=None,
         )
 
     async def complete_many(self, completions: Sequence[Completion], now: float | None) -> Outcomes:
@@ -394,18 +406,24 @@ class PostgresQueueStore(QueueStore):
         self, request_id: str, claim_token: str, error: Any, backoff: float, now: float | None
     ) -> ProcessRequest:
         return await self._transition(
-            request_id, now, lambda row, at: model.fail(row, claim_token, error, backoff, at)
+            request_id,
+            now,
+            lambda row, at: model.fail(row, claim_token, error, backoff, at),
+            kind="failed",
         )
 
     # -- operators --------------------------------------------------------------------------------
 
     async def replay_poison(self, request_id: str, now: float | None) -> ProcessRequest:
         return await self._transition(
-            request_id, now, lambda row, at: model.Transition(model.replay_poison(row, at), True)
+            request_id,
+            now,
+            lambda row, at: model.Transition(model.replay_poison(row, at), True),
+            kind="replayed",
         )
 
     async def cancel(self, request_id: str, now: float | None) -> ProcessRequest:
-        return await self._transition(request_id, now, model.cancel)
+        return await self._transition(request_id, now, model.cancel, kind="cancelled")
 
     async def close(self) -> None:
         """Stop listening; the pool belongs to whoever opened it."""
@@ -421,10 +439,11 @@ class PostgresQueueStore(QueueStore):
         now: float | None,
         rule: Callable[[ProcessRequest, float], model.Transition],
         *,
-        announce: bool = True,
+        kind: TransitionKind | None,
     ) -> ProcessRequest:
         """Lock the row, apply `rule` at `now` (None: the database's time as it locked the
-        row), write what changed (announcing it unless told not to)."""
+        row), write what changed, announcing it as a `kind` change (None: not a status change,
+        nothing to announce)."""
 
         async def attempt() -> tuple[ProcessRequest, builtins.list[RequestEvent]]:
             async with self._pool.acquire() as conn, conn.transaction():
@@ -434,11 +453,18 @@ class PostgresQueueStore(QueueStore):
                 after, changed = rule(sql.request_from_row(found), _at(now, found))
                 if not changed:
                     return after, []
-                events = [RequestEvent.of(after)] if announce else []
+                events = [] if kind is None else [RequestEvent.of(after, kind)]
                 await self._write_rows(conn, [after], events)
                 return after, events
 
         return await self._write(attempt)
+
+
+def _claim_kind(n: int, row: ProcessRequest) -> TransitionKind:
+    """A claim statement's row: claimed (n > 0), or parked (n = 0) as poison or cancelled."""
+    if n > 0:
+        return "claimed"
+    return "cancelled" if row.status == "cancelled" else "poisoned"
 
 
 def _at(now: float | None, found: Any) -> float:

@@ -203,7 +203,8 @@ def claim_sql(restricted: bool) -> str:
         ws_clause = " AND p.workspace_id = w.workspace_id"
     pending = (
         f"SELECT probe.* FROM {scope} CROSS JOIN LATERAL ("
-        f"SELECT p.request_id, p.available_at AS since, p.created_at, p.seq FROM {TABLE} p"
+        f"SELECT p.request_id, p.available_at AS since, p.created_at, p.seq, false AS lapsed"
+        f" FROM {TABLE} p"
         f" WHERE p.status = 'pending' AND p.worker_class = c.worker_class{ws_clause}"
         f" AND p.available_at <= {now}"
         " ORDER BY p.available_at, p.created_at, p.seq LIMIT $2 FOR UPDATE SKIP LOCKED) probe"
@@ -214,7 +215,8 @@ def claim_sql(restricted: bool) -> str:
     )
     ctes = [f"pending AS ({pending})"]
     ctes.append(
-        f"lapsed AS (SELECT request_id, lease_expires_at AS since, created_at, seq FROM {TABLE}"
+        "lapsed AS (SELECT request_id, lease_expires_at AS since, created_at, seq, true AS lapsed"
+        f" FROM {TABLE}"
         f" WHERE {lapsed_where} AND dequeue_count < max_dequeues AND NOT cancel_requested"
         " ORDER BY lease_expires_at, created_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED)"
     )
@@ -224,7 +226,8 @@ def claim_sql(restricted: bool) -> str:
         " LIMIT $2 FOR UPDATE SKIP LOCKED)"
     )
     ctes.append(
-        "chosen AS (SELECT request_id, row_number() OVER (ORDER BY since, created_at, seq) AS n"
+        "chosen AS (SELECT request_id, lapsed,"
+        " row_number() OVER (ORDER BY since, created_at, seq) AS n"
         " FROM (SELECT * FROM pending UNION ALL SELECT * FROM lapsed) c"
         " ORDER BY since, created_at, seq LIMIT $2)"
     )
@@ -233,7 +236,8 @@ def claim_sql(restricted: bool) -> str:
         f"claimed AS (UPDATE {TABLE} t SET status = 'in_progress',"
         f" claim_token = ($5::text[])[chosen.n], claimed_by = $3::text, claimed_at = {now},"
         f" lease_expires_at = {now} + $4::float8, dequeue_count = t.dequeue_count + 1"
-        f" FROM chosen WHERE t.request_id = chosen.request_id RETURNING {returning}, chosen.n)"
+        f" FROM chosen WHERE t.request_id = chosen.request_id"
+        f" RETURNING {returning}, chosen.n, chosen.lapsed)"
     )
     # `model.park_lapsed`: cancelled if a cancel was asked for, else poison with its error.
     ctes.append(
@@ -244,7 +248,7 @@ def claim_sql(restricted: bool) -> str:
         " json_build_object('code', 'lease_lapsed', 'message',"
         " 'the lease lapsed on dequeue ' || t.dequeue_count || ' of ' || t.max_dequeues)) END"
         " FROM doomed WHERE t.request_id = doomed.request_id"
-        f" RETURNING {returning}, 0::bigint AS n)"
+        f" RETURNING {returning}, 0::bigint AS n, true AS lapsed)"
     )
     announce = (
         "CASE WHEN r.status IN ('poison', 'cancelled') THEN"

@@ -24,7 +24,7 @@ import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
 
 from cv_server.config import ServerConfig
@@ -51,6 +51,7 @@ __all__ = [
     "RequestEvent",
     "RequestStatus",
     "Transition",
+    "TransitionKind",
     "cancel",
     "check_cache",
     "check_lease",
@@ -75,6 +76,12 @@ __all__ = [
 ]
 
 RequestStatus = Literal["pending", "in_progress", "done", "poison", "cancelled"]
+#: The verb behind a committed status change (`RequestEvent.kind`): `poisoned` is a claim parking
+#: a row whose last allowed worker died; a `failed` may also leave the row poison; `cancelled`
+#: is a cancel that took effect (at once, or when its holder or a claim let go of the row).
+TransitionKind = Literal[
+    "enqueued", "claimed", "done", "failed", "poisoned", "replayed", "cancelled"
+]
 CacheOutcome = Literal["hit", "miss"]
 
 #: A request that may still run: an identical enqueue coalesces into it.
@@ -257,10 +264,28 @@ class RequestEvent:
     status: RequestStatus
     run: int
     worker_class: str
+    #: What made the change, for this process's observers (metrics, logs): never on the wire, so
+    #: an event heard from another instance carries only the fields above (and `kind=None`).
+    kind: TransitionKind | None = field(default=None, compare=False)
+    #: The claim (or the parking as poison) found the previous holder's lease lapsed.
+    lapsed: bool = field(default=False, compare=False)
+    #: The row after the change (local events only).
+    row: ProcessRequest | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, row: ProcessRequest) -> RequestEvent:
-        return cls(row.workspace_id, row.request_id, row.status, row.run, row.worker_class)
+    def of(
+        cls, row: ProcessRequest, kind: TransitionKind | None = None, *, lapsed: bool = False
+    ) -> RequestEvent:
+        return cls(
+            row.workspace_id,
+            row.request_id,
+            row.status,
+            row.run,
+            row.worker_class,
+            kind,
+            lapsed,
+            row,
+        )
 
 
 class Transition(NamedTuple):
@@ -549,7 +574,7 @@ def complete_batch(
             continue
         if did_change:
             current[done.request_id] = changed[done.request_id] = done
-            events.append(RequestEvent.of(done))
+            events.append(RequestEvent.of(done, "done"))
         outcomes.append(done)
     return BatchCompletion(outcomes, changed, events)
 

@@ -64,6 +64,7 @@ class QueueStore(abc.ABC):
 
     def __init__(self) -> None:
         self._listeners: builtins.list[QueueListener] = []
+        self._observers: builtins.list[QueueListener] = []
 
     # -- notifications ----------------------------------------------------------------------------
 
@@ -82,6 +83,29 @@ class QueueStore(abc.ABC):
                 self._listeners.remove(listener)
 
         return remove
+
+    def add_observer(self, observer: QueueListener) -> Callable[[], None]:
+        """Call `observer(event)` after each status change *this process* committed (never one
+        heard from another instance), with `event.kind` and `event.row` set: for this process's
+        metrics and logs, which must count each transition once in the deployment. Same rules
+        as listeners: quick, and an error is logged and swallowed. Returns the unsubscriber."""
+        self._observers.append(observer)
+
+        def remove() -> None:
+            if observer in self._observers:
+                self._observers.remove(observer)
+
+        return remove
+
+    def _committed(self, events: Sequence[RequestEvent]) -> None:
+        """Backends call this after the commit (of this process) that made `events` true."""
+        self._announce(events)
+        for event in events:
+            for observer in tuple(self._observers):
+                try:
+                    observer(event)
+                except Exception:
+                    logger.exception("queue observer failed on %s", event)
 
     def _announce(self, events: Iterable[RequestEvent]) -> None:
         """Backends call this after the commit that made `events` true."""
@@ -146,6 +170,11 @@ class QueueStore(abc.ABC):
         order, which nothing changes, not by its current `created_at` (a rerun moves it), so a
         row that matches the filter throughout is listed exactly once, whatever changes meanwhile.
         """
+
+    @abc.abstractmethod
+    async def status_counts(self) -> dict[RequestStatus, int]:
+        """How many requests are in each status (of every workspace; a status without any is
+        absent). For the `cv_queue_requests` gauges, read at each scrape: one grouped count."""
 
     # -- workers ----------------------------------------------------------------------------------
 

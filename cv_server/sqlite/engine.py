@@ -20,6 +20,7 @@ import os
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,6 +51,11 @@ class Transaction:
     conn: sqlite3.Connection
     db: sqlite_utils.Database
     _undos: list[Callable[[], None]] = field(default_factory=list)
+    #: Op-log ops this job writes (`count_ops`): what `on_group_commit` reports per group.
+    ops: int = 0
+
+    def count_ops(self, n: int) -> None:
+        self.ops += n
 
     def on_rollback(self, undo: Callable[[], None]) -> None:
         """Register `undo` to run (LIFO) if this job's writes do not reach disk."""
@@ -134,6 +140,10 @@ class SQLiteDatabase:
         self._closed = False
         self.groups_committed = 0
         self.jobs_committed = 0
+        #: Called on the writer thread after each COMMIT of a group that held op-log ops, with
+        #: the seconds from BEGIN to the end of COMMIT and the ops it held (`Transaction.
+        #: count_ops`). It must be quick and thread-safe (prometheus_client's metrics are).
+        self.on_group_commit: Callable[[float, int], None] | None = None
 
     @classmethod
     async def open(
@@ -284,6 +294,8 @@ class SQLiteDatabase:
         (and so the other jobs' writes) with it."""
         outcomes: list[tuple[_Job[Any], bool, Any]] = []
         committed_undos: list[Callable[[], None]] = []
+        ops = 0
+        began = time.perf_counter()
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
@@ -323,6 +335,7 @@ class SQLiteDatabase:
             if ok:
                 conn.execute("RELEASE job")
                 committed_undos.extend(tx._undos)
+                ops += tx.ops
             else:
                 conn.execute("ROLLBACK TO job")
                 conn.execute("RELEASE job")
@@ -340,6 +353,11 @@ class SQLiteDatabase:
         else:
             self.groups_committed += 1
             self.jobs_committed += sum(1 for _, ok, _ in outcomes if ok)
+            if ops and self.on_group_commit is not None:
+                try:
+                    self.on_group_commit(time.perf_counter() - began, ops)
+                except Exception:  # a metric must never fail the writes it measures
+                    logger.exception("on_group_commit failed")
         for job, ok, value in outcomes:
             final[id(job)] = (ok, value)
         return []

@@ -122,6 +122,30 @@ class SQLiteComputeLockStore(ComputeLockStore):
 
         return await self._db.read(read)
 
+    async def list_live(
+        self,
+        workspace_id: str,
+        now: float,
+        *,
+        after: tuple[str, str] | None = None,
+        limit: int,
+    ) -> list[LockInfo]:
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0: {limit!r}")
+        job_after, task_after = after if after is not None else ("", "")
+
+        def read(conn: sqlite3.Connection) -> list[LockInfo]:
+            # A range of the primary key (workspace_id, job_id, task); '' sorts first.
+            rows = conn.execute(
+                "SELECT job_id, task, holder, token, acquired_at, expires_at "
+                f"FROM {TABLE} WHERE workspace_id = ? AND (job_id, task) > (?, ?) "
+                "AND expires_at > ? ORDER BY job_id, task LIMIT ?",
+                (workspace_id, job_after, task_after, now, limit),
+            ).fetchall()
+            return [LockInfo(workspace_id, *row) for row in rows]
+
+        return await self._db.read(read)
+
     async def close(self) -> None:
         """Nothing to do: the shared database belongs to whoever opened it."""
 

@@ -49,7 +49,14 @@ from cv_server.oplog.pipeline import (
     rebuild_from_log,
     snapshot_due,
 )
-from cv_server.oplog.store import IncomingOp, LogEntry, OpLogCorrupted, OpLogStore, Outcome
+from cv_server.oplog.store import (
+    IncomingOp,
+    LogEntry,
+    OpLogCorrupted,
+    OpLogStore,
+    Outcome,
+    SubDocHead,
+)
 from cv_server.sqlite.engine import SQLiteDatabase, Transaction
 
 __all__ = ["OpLogCorrupted", "SQLiteOpLogStore", "create_schema"]
@@ -84,6 +91,24 @@ _SELECT_OPS_AFTER: Final = (
     " WHERE workspace_id = ? AND sub_doc = ? AND clock > ? ORDER BY clock"
 )
 _SELECT_HEAD: Final = f"SELECT max(clock) FROM {OPS_TABLE} WHERE workspace_id = ? AND sub_doc = ?"
+# The workspace's sub-docs by name, each found by one seek of the primary key to the next name
+# after the last (a loose index scan): a page costs `limit` seeks, not a scan of every op of the
+# workspace. ?1 workspace, ?2 the name to start after ('' sorts before every valid id), ?3 limit.
+_LIST_SUB_DOCS: Final = f"""
+WITH RECURSIVE docs(sub_doc) AS (
+    SELECT (SELECT min(sub_doc) FROM {OPS_TABLE} WHERE workspace_id = ?1 AND sub_doc > ?2)
+    UNION ALL
+    SELECT (SELECT min(sub_doc) FROM {OPS_TABLE} WHERE workspace_id = ?1 AND sub_doc > docs.sub_doc)
+    FROM docs WHERE docs.sub_doc IS NOT NULL
+    LIMIT ?3
+)
+SELECT d.sub_doc, o.clock, o.committed_at
+FROM docs d
+JOIN {OPS_TABLE} o ON o.workspace_id = ?1 AND o.sub_doc = d.sub_doc AND o.clock = (
+    SELECT max(clock) FROM {OPS_TABLE} WHERE workspace_id = ?1 AND sub_doc = d.sub_doc
+)
+ORDER BY d.sub_doc
+"""
 
 _DEFAULT_SNAPSHOT_EVERY: Final = ServerConfig().snapshot_every
 _DEFAULT_CACHE_LIMIT: Final = ServerConfig().subdoc_cache_limit
@@ -197,6 +222,10 @@ class SQLiteOpLogStore(OpLogStore):
 
     # -- OpLogStore ------------------------------------------------------------------------------
 
+    def observe_commits(self, observer: Callable[[float, int], None] | None) -> None:
+        """Observed on the database's writer thread (its group commit is this store's)."""
+        self.db.on_group_commit = observer
+
     async def append(
         self,
         workspace_id: str,
@@ -280,6 +309,22 @@ class SQLiteOpLogStore(OpLogStore):
 
         return await self.db.read(read)
 
+    async def list_sub_docs(
+        self, workspace_id: str, *, after: str | None = None, limit: int
+    ) -> list[SubDocHead]:
+        self._check_open()
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0: {limit!r}")
+        if limit == 0:
+            return []
+
+        def read(conn: sqlite3.Connection) -> list[SubDocHead]:
+            rows = conn.execute(_LIST_SUB_DOCS, (workspace_id, after or "", limit)).fetchall()
+            # committed_at is stored in milliseconds.
+            return [SubDocHead(name, clock, at / 1000) for name, clock, at in rows]
+
+        return await self.db.read(read)
+
     async def close(self) -> None:
         """Wait for every append queued before this call, drop the cache, and close the database
         if this store opened it."""
@@ -330,6 +375,7 @@ class SQLiteOpLogStore(OpLogStore):
             self._cache(tx, key, doc)
         else:
             self._docs.move_to_end(key)
+        tx.count_ops(len(ops))
         op_ids = op_ids_to_look_up(ops)
         recorded = _look_up(tx, workspace_id, sub_doc, op_ids) if op_ids else {}
         plan = plan_commit(doc.state, doc.clock, ops, recorded, atomic=atomic)

@@ -36,6 +36,7 @@ from cv_server.queue.model import (
     ProcessRequest,
     RequestEvent,
     RequestStatus,
+    TransitionKind,
 )
 from cv_server.queue.store import QueueStore, claim_scope
 from cv_server.sqlite.engine import SQLiteDatabase, Transaction
@@ -299,7 +300,7 @@ class SQLiteQueueStore(QueueStore):
     def _announce_committed(self, task: asyncio.Future[tuple[Any, list[RequestEvent]]]) -> None:
         if task.cancelled() or task.exception() is not None:
             return
-        self._announce(task.result()[1])
+        self._committed(task.result()[1])
 
     async def clock(self) -> float:
         """This process's wall clock: only one process serves the file."""
@@ -327,7 +328,7 @@ class SQLiteQueueStore(QueueStore):
                     _insert(tx, answer.row)
                 else:  # a rerun rewrites the whole request
                     _update(tx, existing, answer.row, _COLUMNS)
-                events.append(RequestEvent.of(answer.row))
+                events.append(RequestEvent.of(answer.row, "enqueued"))
             if idempotency is not None:
                 response = idempotency.respond(answer)
                 complete_key(
@@ -398,6 +399,13 @@ class SQLiteQueueStore(QueueStore):
 
         return await self._db.read(read)
 
+    async def status_counts(self) -> dict[RequestStatus, int]:
+        def read(conn: sqlite3.Connection) -> dict[RequestStatus, int]:
+            found = conn.execute(f"SELECT status, count(*) FROM {TABLE} GROUP BY status")
+            return {status: int(n) for status, n in found}
+
+        return await self._db.read(read)
+
     # -- workers ----------------------------------------------------------------------------------
 
     async def claim_many(
@@ -432,7 +440,10 @@ class SQLiteQueueStore(QueueStore):
                     for row in doomed:
                         parked = model.park_lapsed(row, now)
                         _update(tx, row, parked)
-                        events.append(RequestEvent.of(parked))
+                        kind: TransitionKind = (
+                            "cancelled" if parked.status == "cancelled" else "poisoned"
+                        )
+                        events.append(RequestEvent.of(parked, kind, lapsed=True))
                     continue
                 claimed = []
                 oldest = sorted(found, key=_claimable_since)[:limit]
@@ -443,7 +454,8 @@ class SQLiteQueueStore(QueueStore):
                     )
                     _update(tx, row, held)
                     claimed.append(held)
-                    events.append(RequestEvent.of(held))
+                    lapsed = row.status == "in_progress"
+                    events.append(RequestEvent.of(held, "claimed", lapsed=lapsed))
                 return claimed, events
 
         return await self._write(job)
@@ -493,7 +505,7 @@ class SQLiteQueueStore(QueueStore):
             if not changed:
                 return after, []
             _update(tx, row, after)
-            return after, [RequestEvent.of(after)]
+            return after, [RequestEvent.of(after, "failed")]
 
         return await self._write(job)
 
@@ -506,7 +518,7 @@ class SQLiteQueueStore(QueueStore):
             row = _select(tx, request_id)
             replayed = model.replay_poison(row, now)
             _update(tx, row, replayed)
-            return replayed, [RequestEvent.of(replayed)]
+            return replayed, [RequestEvent.of(replayed, "replayed")]
 
         return await self._write(job)
 
@@ -519,7 +531,7 @@ class SQLiteQueueStore(QueueStore):
             if not changed:
                 return after, []
             _update(tx, row, after)
-            return after, [RequestEvent.of(after)]
+            return after, [RequestEvent.of(after, "cancelled")]
 
         return await self._write(job)
 

@@ -26,7 +26,7 @@ from cv_workspace_client import _queue_api as api
 from cv_workspace_client.client import WorkspaceClient
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.models import Committed
-from cv_workspace_client.queue_models import EnqueuedRequest
+from cv_workspace_client.queue_models import EnqueuedRequest, RequestOutcome
 from cv_workspace_client.stages.jobs import JOBS
 from cv_workspace_client.testing import FaultProxy
 
@@ -91,6 +91,27 @@ async def _get_json(session: aiohttp.ClientSession, url: str, **kw: Any) -> Any:
         return await response.json()
 
 
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        del n
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _bar(total: int, desc: str) -> Any:
+    """A progress bar on stderr when tqdm is installed (the dev extra: `scripts/demo`) and stderr
+    is a terminal; nothing otherwise. tqdm is not an SDK dependency."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, file=sys.stderr, disable=not sys.stderr.isatty())
+
+
 async def run(
     url: str, token: str, provider_url: str, workspace: str, cut: float, seed: int
 ) -> int:
@@ -135,9 +156,14 @@ async def run(
             enqueued = await enqueue_evaluations(agents, workspace, jobs, stage_input)
             ids = sorted({e.request_id for e in enqueued})
             print(f"2 agents enqueued evaluate for {len(jobs)} jobs: {enqueue_summary(enqueued)}")
-            outcomes = await asyncio.gather(
-                *(api.wait_request(agents[1], workspace, rid, timeout=120) for rid in ids)
-            )
+            with _bar(len(ids), "requests done") as bar:
+
+                async def waited(rid: str) -> RequestOutcome:
+                    outcome = await api.wait_request(agents[1], workspace, rid, timeout=120)
+                    bar.update()
+                    return outcome
+
+                outcomes = await asyncio.gather(*(waited(rid) for rid in ids))
             for outcome in outcomes:
                 result = outcome.result or {}
                 print(

@@ -747,6 +747,69 @@ class QueueContract:
         await store.claim(STAGE, "w", LEASE, LEASE * 2)
         assert statuses == ["pending", "in_progress", "pending", "poison", "in_progress"]
 
+    # -- observers (this process's metrics and logs) ----------------------------------------------
+
+    async def test_observers_hear_each_transition_of_this_process_with_its_verb(
+        self, store: QueueStore, peer_store: QueueStore
+    ) -> None:
+        seen: list[tuple[str | None, str, bool]] = []
+        rows: list[ProcessRequest | None] = []
+
+        def observe(event: RequestEvent) -> None:
+            seen.append((event.kind, event.status, event.lapsed))
+            rows.append(event.row)
+
+        store.add_observer(observe)
+        peer_heard: list[str] = []
+        peer_store.add_observer(lambda e: peer_heard.append(e.status))
+        await store.enqueue(request(), 1.0)
+        await store.enqueue(request(), 1.5)  # coalesced: nothing written, nothing observed
+        held = await self.claimed(store, 2.0)
+        await store.heartbeat(held.request_id, held.claim_token or "", LEASE, 2.5)
+        # the lease lapses; a later claim (of another worker) finds it lapsed
+        again = await self.claimed(store, 2.0 + LEASE * 2, worker="w2")
+        await store.fail(again.request_id, again.claim_token or "", {"code": "x"}, BACKOFF, 300.0)
+        third = await self.claimed(store, 300.0 + BACKOFF)
+        await store.complete(third.request_id, third.claim_token or "", 1, 400.0)
+        # one whose only dequeue lapses: parked as poison by a claim, then replayed
+        await store.enqueue(request("p", max_dequeues=1), 500.0)
+        await self.claimed(store, 500.0)
+        assert await store.claim(STAGE, "w3", LEASE, 500.0 + LEASE * 2) is None
+        poisoned = await store.get(WS, request("p").request_id)
+        assert poisoned is not None
+        await store.replay_poison(poisoned.request_id, 1000.0)
+        assert seen == [
+            ("enqueued", "pending", False),
+            ("claimed", "in_progress", False),
+            ("claimed", "in_progress", True),
+            ("failed", "pending", False),
+            ("claimed", "in_progress", False),
+            ("done", "done", False),
+            ("enqueued", "pending", False),
+            ("claimed", "in_progress", False),
+            ("poisoned", "poison", True),
+            ("replayed", "pending", False),
+        ]
+        assert all(row is not None for row in rows)
+        done = rows[5]
+        assert done is not None
+        assert (done.status, done.claimed_by, done.result) == ("done", "w1", 1)
+        # Another instance's observers hear nothing of these (its own commits only), whatever
+        # its listeners hear through the database's notifications.
+        assert peer_heard == []
+
+    async def test_status_counts_count_every_request_of_every_workspace(
+        self, store: QueueStore
+    ) -> None:
+        assert await store.status_counts() == {}
+        for i in range(3):
+            await store.enqueue(request(f"j{i}"), 1.0)
+        await store.enqueue(request("other", ws=OTHER_WS), 1.0)
+        held = await self.claimed(store, 2.0)
+        await store.complete(held.request_id, held.claim_token or "", None, 3.0)
+        await self.claimed(store, 4.0)
+        assert await store.status_counts() == {"pending": 2, "in_progress": 1, "done": 1}
+
     # -- the store's clock (now=None) -------------------------------------------------------------
 
     async def test_the_store_clock_is_shared_by_every_instance(

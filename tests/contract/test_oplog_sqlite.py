@@ -313,13 +313,6 @@ async def test_committed_at_comes_from_the_injected_clock(db: SQLiteDatabase) ->
     await store.close()
 
 
-async def test_a_closed_store_refuses_new_calls(db: SQLiteDatabase) -> None:
-    store = SQLiteOpLogStore(db)
-    await store.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        await store.append(WS, DOC, [increment()])
-
-
 async def test_a_store_closes_quietly_after_its_shared_database_closed(tmp_path: Path) -> None:
     db = await SQLiteDatabase.open(tmp_path / "shared.db", schema=create_schema)
     store = SQLiteOpLogStore(db)

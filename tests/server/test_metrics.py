@@ -12,22 +12,16 @@ from aiohttp.test_utils import TestClient
 
 from cv_server import ServerConfig, create_app
 from cv_server.hub import CLOSE_TOO_SLOW
+from tests.observe.scrape import Samples
+from tests.observe.scrape import scrape as scrape_metrics
 from tests.server.conftest import ClientFactory, auth
 from tests.server.helpers import insert, post_ops
 
 SOCKET = "/v1/workspaces/ws1/socket"
 
 
-async def scrape(client: TestClient[Any, Any]) -> dict[str, float]:
-    """The samples of `/metrics`, by name (no labels in this exposition)."""
-    response = await client.get("/metrics")
-    assert response.status == 200
-    samples: dict[str, float] = {}
-    for line in (await response.text()).splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
+async def scrape(client: TestClient[Any, Any]) -> Samples:
+    return await scrape_metrics(client)
 
 
 async def test_applies_are_counted_once_by_outcome_over_http_and_the_websocket(
@@ -56,10 +50,10 @@ async def test_applies_are_counted_once_by_outcome_over_http_and_the_websocket(
     await ws.close()
     assert acks == 3
     after = await scrape(client)
-    delta = {name: after[name] - before.get(name, 0.0) for name in after}
-    assert delta["cv_ops_committed_total"] == 3
-    assert delta["cv_ops_duplicate_total"] == 3
-    assert delta["cv_ops_rejected_total"] == 2
+    assert after["cv_ops_committed_total"] - before["cv_ops_committed_total"] == 3
+    assert after["cv_ops_duplicate_total"] - before["cv_ops_duplicate_total"] == 3
+    rejected = after.total("cv_ops_rejected_total") - before.total("cv_ops_rejected_total")
+    assert rejected == 2
 
 
 async def test_a_subscriber_cut_off_as_too_slow_is_counted(

@@ -77,6 +77,7 @@ ENVIRONMENT = {
     "--host": "$CV_HOST",
     "--port": "$CV_PORT",
     "--log-level": "$CV_LOG_LEVEL",
+    "--log-format": "$CV_LOG_FORMAT",
     "--stages": "$CV_STAGES",
     "--outbox": "$CV_OUTBOX",
 }

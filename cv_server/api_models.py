@@ -1,0 +1,396 @@
+"""The bodies of the HTTP API as pydantic models: what the routes parse requests with, and what
+the OpenAPI document (`cv_server.openapi`, `GET /openapi.json`) is generated from.
+
+Request models are strict (JSON types as sent: `"1"` is not an integer, `1` is not a boolean).
+Response models describe the answers the routes build; the schemathesis test
+(`tests/observe/test_openapi_live.py`) holds every answer of the live server to them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
+
+from cv_mutations import Op
+from cv_server.problems import Problem
+
+__all__ = [
+    "AppliedOp",
+    "ApplyBody",
+    "ApplyResults",
+    "BatchCompleteBody",
+    "BatchCompleteResults",
+    "BatchCompletion",
+    "ClaimBody",
+    "ClaimMany",
+    "ClaimOne",
+    "ClaimTokenBody",
+    "ClaimedRequest",
+    "CompleteAnswer",
+    "CompleteBody",
+    "CompletedItem",
+    "DocList",
+    "DocState",
+    "EnqueueAnswer",
+    "EnqueueBody",
+    "ErrorInfo",
+    "FailAnswer",
+    "FailBody",
+    "Health",
+    "HeartbeatAnswer",
+    "HeldLock",
+    "LockAcquireBody",
+    "LockAcquired",
+    "LockList",
+    "LockLocked",
+    "LockReleaseBody",
+    "LockReleased",
+    "LogEntryOut",
+    "NodeOut",
+    "OpsPage",
+    "Pending",
+    "ProblemDetails",
+    "QueueRequest",
+    "Ready",
+    "RefusedItem",
+    "RejectedOp",
+    "RequestList",
+    "StateOut",
+    "SubDocHeadOut",
+    "UploadAnswer",
+    "parse_body",
+]
+
+M = TypeVar("M", bound=BaseModel)
+
+#: Text a PostgreSQL column can hold (no NUL), 1..n characters.
+_NO_NUL = r"^[^\x00]*$"
+Name64 = Annotated[str, Field(min_length=1, max_length=64, pattern=_NO_NUL)]
+Name256 = Annotated[str, Field(min_length=1, max_length=256, pattern=_NO_NUL)]
+Token = Annotated[str, Field(min_length=1, pattern=_NO_NUL)]
+RequestStatus = Literal["pending", "in_progress", "done", "poison", "cancelled"]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class _Closed(_Body):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def parse_body(model: type[M], body: Any) -> M:
+    """`body` (decoded JSON) as `model`: 400 `malformed_json` when it is not an object, 422
+    `invalid_field` naming the first member that breaks its rule."""
+    if not isinstance(body, dict):
+        raise Problem(400, "malformed_json", "body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        raise Problem(422, "invalid_field", f"{where}: {first['msg']}") from None
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+class ProblemDetails(BaseModel):
+    """RFC 9457 problem details, with the stable `code` clients branch on. Some problems add
+    members of their own (`op_index`: which op of a batch)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    code: str
+
+
+# -- health ---------------------------------------------------------------------------------------
+
+
+class Health(_Answer):
+    status: Literal["ok"]
+
+
+class Ready(_Answer):
+    status: Literal["ready"]
+
+
+# -- op-log ---------------------------------------------------------------------------------------
+
+
+class ApplyBody(_Closed):
+    """Ops to apply to one sub-doc, in order; `atomic`: all or nothing."""
+
+    model_config = ConfigDict(strict=False, extra="forbid", frozen=True)
+
+    ops: list[Op]
+    atomic: bool = False
+
+
+class AppliedOp(_Answer):
+    op_id: str | None
+    clock: int
+    duplicate: bool
+
+
+class ErrorInfo(_Answer):
+    code: str
+    message: str
+
+
+class RejectedOp(_Answer):
+    op_id: str | None
+    error: ErrorInfo
+    duplicate: bool
+
+
+class ApplyResults(_Answer):
+    """One result per op, in order."""
+
+    results: list[AppliedOp | RejectedOp]
+
+
+class NodeOut(_Answer):
+    parent: str | None
+    children: list[str]
+    fields: dict[str, JsonValue]
+
+
+class StateOut(_Answer):
+    nodes: dict[str, NodeOut]
+
+
+class DocState(_Answer):
+    clock: int
+    state: StateOut
+
+
+class LogEntryOut(_Answer):
+    clock: int
+    op_id: str | None
+    op: dict[str, JsonValue]
+
+
+class OpsPage(_Answer):
+    clock: int = Field(description="The head clock of the sub-doc")
+    ops: list[LogEntryOut]
+
+
+# -- queue ----------------------------------------------------------------------------------------
+
+
+class EnqueueBody(_Closed):
+    """A stage run to queue. With `job_id` the request id is derived from (workspace, job,
+    branch, stage), so the same enqueue coalesces instead of forking (`deterministic`)."""
+
+    stage: Name64
+    job_id: Name256 | None = None
+    branch_path: Annotated[str, Field(min_length=1, max_length=1024, pattern=_NO_NUL)] | None = None
+    input: Any = Field(default=None, description="Any JSON: the stage's input")
+    worker_class: Name64 | None = None
+    deterministic: bool | None = None
+    max_dequeues: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
+    rerun: bool = False
+
+
+class QueueRequest(_Answer):
+    request_id: str
+    workspace_id: str
+    stage: str
+    job_id: str | None
+    branch_path: str | None
+    input: JsonValue
+    worker_class: str
+    status: RequestStatus
+    run: int
+    claimed_by: str | None
+    lease_expires_at: float | None
+    available_at: float
+    dequeue_count: int
+    max_dequeues: int
+    result: JsonValue
+    error: JsonValue
+    blob_ref: str | None
+    cache: Literal["hit", "miss"] | None
+    created_at: float
+    claimed_at: float | None
+    finished_at: float | None
+    telemetry: JsonValue
+    cancel_requested: bool = Field(description="A cancel is asked for; its holder stops soon")
+    unclaimed_seconds: float | None = Field(
+        default=None, description="How long it has waited unclaimed (on some routes)"
+    )
+
+
+class ClaimedRequest(QueueRequest):
+    claim_token: str
+
+
+class EnqueueAnswer(_Answer):
+    request_id: str
+    status: RequestStatus
+    coalesced: bool
+    input_differs: bool = Field(
+        description="Coalesced into a request whose input differs: the input sent was not used"
+    )
+    stream_url: str
+
+
+class SubDocHeadOut(_Answer):
+    sub_doc: str
+    clock: int = Field(description="The head clock: the last committed op's")
+    committed_at: float = Field(description="When that op committed, epoch seconds")
+
+
+class DocList(_Answer):
+    docs: list[SubDocHeadOut]
+    next_after: str | None = Field(description="Pass as `?after=` for the next page")
+
+
+class HeldLock(_Answer):
+    job_id: str
+    task: str
+    holder: str
+    acquired_at: float
+    expires_at: float
+    expires_in: float = Field(description="Seconds left, on the store's clock")
+
+
+class LockList(_Answer):
+    locks: list[HeldLock]
+    ttl: float = Field(description="The server's compute-lock TTL, seconds")
+    next_after: str | None = Field(description="Pass as `?after=` for the next page")
+
+
+class RequestList(_Answer):
+    requests: list[QueueRequest]
+    next_after: str | None = Field(description="Pass as `?after=` for the next page")
+
+
+class ClaimBody(_Body):
+    worker_classes: Annotated[list[Name64], Field(min_length=1)]
+    worker_id: Name256 | None = None
+    limit: Annotated[int, Field(ge=1, le=1000)] | None = Field(
+        default=None, description="Claim up to this many at once (one transaction)"
+    )
+
+
+class ClaimOne(_Answer):
+    request: ClaimedRequest
+
+
+class ClaimMany(_Answer):
+    requests: list[ClaimedRequest]
+
+
+class ClaimTokenBody(_Body):
+    claim_token: Token
+
+
+class CompleteBody(ClaimTokenBody):
+    # Payloads are any JSON, checked by the route for what the store can keep (nesting, 64-bit
+    # integers), not walked here: a result may be large.
+    result: Any = Field(default=None, description="Any JSON: the stage's answer")
+    error: Any = Field(default=None, description="An expected error: an answer, final")
+    cache: Literal["hit", "miss"] | None = None
+    blob_ref: Name256 | None = Field(
+        default=None, description="An uploaded result (`POST .../result`) instead of `result`"
+    )
+    telemetry: Any = Field(
+        default=None,
+        description="The run's figures (wall_s, cpu_s, rss_bytes, provider_calls, provider_s);"
+        " fire-and-forget: telemetry the server cannot store is dropped, never refused",
+    )
+
+
+class FailBody(ClaimTokenBody):
+    error: Any = Field(default=None, description="Any JSON: the unexpected error, kept on the row")
+
+
+class BatchCompletion(CompleteBody):
+    request_id: Token
+
+
+class BatchCompleteBody(_Body):
+    completions: Annotated[list[BatchCompletion], Field(min_length=1, max_length=1000)]
+
+
+class CompletedItem(_Answer):
+    request_id: str
+    status: RequestStatus
+
+
+class RefusedItem(_Answer):
+    request_id: str
+    error: ErrorInfo
+
+
+class BatchCompleteResults(_Answer):
+    results: list[CompletedItem | RefusedItem]
+
+
+class CompleteAnswer(_Answer):
+    status: RequestStatus
+
+
+class FailAnswer(_Answer):
+    status: RequestStatus
+    available_at: float
+
+
+class HeartbeatAnswer(_Answer):
+    lease_expires_at: float | None
+
+
+class UploadAnswer(_Answer):
+    blob_ref: str
+    bytes: int
+
+
+class Pending(_Answer):
+    pending: Literal[True]
+
+
+# -- compute locks --------------------------------------------------------------------------------
+
+
+class LockAcquireBody(_Body):
+    job_id: Name256
+    task: Name256
+    holder: Name256 = "anonymous"
+
+
+class LockReleaseBody(_Body):
+    job_id: Name256
+    task: Name256
+    token: Token
+
+
+class _LockTiming(_Answer):
+    expires_at: float = Field(description="On the server's clock")
+    expires_in: float = Field(description="Seconds left, as of the answer")
+    ttl: float
+
+
+class LockAcquired(_LockTiming):
+    acquired: Literal[True]
+    token: str
+
+
+class LockLocked(_LockTiming):
+    acquired: Literal[False]
+    locked: Literal[True]
+    holder: str | None
+
+
+class LockReleased(_Answer):
+    released: bool

@@ -1,0 +1,459 @@
+"""The OpenAPI 3.1 document of the HTTP API, generated from the app's own routes and the pydantic
+models they parse with (`cv_server.api_models`): served at `GET /openapi.json`, rendered for
+people at `GET /docs`, checked in as `schemas/openapi.json` (`python -m cv_server.api_schema
+--check` fails when it drifts; `--write` regenerates it).
+
+A route is documented by decorating its handler with `@documented(...)`: its summary, body model,
+answers and the problem codes it can answer beyond the ones every route of its kind can (see
+`_common_problems`). `build_document` walks the app's router, so a new route appears in the
+document as soon as it is decorated, and `undocumented_routes` (and the drift test) names any
+route that is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from cv_server.api_models import ProblemDetails
+from cv_server.problems import CODES
+
+__all__ = [
+    "OPENAPI_PATH",
+    "Doc",
+    "Media",
+    "Param",
+    "build_document",
+    "documented",
+    "render_docs_page",
+    "undocumented_routes",
+]
+
+OPENAPI_PATH: Final = Path(__file__).resolve().parent.parent / "schemas" / "openapi.json"
+
+H = TypeVar("H", bound=Callable[..., Any])
+
+_ATTRIBUTE: Final = "__cv_openapi__"
+
+
+@dataclass(frozen=True, slots=True)
+class Media:
+    """A body that is not a JSON model: its media type and schema."""
+
+    media_type: str
+    schema: Mapping[str, Any] = field(default_factory=lambda: {"type": "string"})
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """A query (or header) parameter."""
+
+    name: str
+    schema: Mapping[str, Any]
+    description: str = ""
+    where: str = "query"
+    required: bool = False
+
+
+#: An answer: a model (JSON), several models (any of them), a `Media`, or None (no body).
+Answer = type[BaseModel] | tuple[type[BaseModel], ...] | Media | None
+
+
+@dataclass(frozen=True, slots=True)
+class Doc:
+    summary: str
+    answers: Mapping[int, Answer]
+    body: type[BaseModel] | Media | None = None
+    body_required: bool = True
+    description: str = ""
+    problems: Mapping[int, Sequence[str]] = field(default_factory=dict)
+    params: Sequence[Param] = ()
+    auth: bool = True
+    tag: str = ""
+
+
+def documented(doc: Doc) -> Callable[[H], H]:
+    """Attach `doc` to a route handler (put it under the `@routes.get(...)` decorator)."""
+
+    def attach(handler: H) -> H:
+        setattr(handler, _ATTRIBUTE, doc)
+        return handler
+
+    return attach
+
+
+def _doc_of(handler: Any) -> Doc | None:
+    found = getattr(handler, _ATTRIBUTE, None)
+    return found if isinstance(found, Doc) else None
+
+
+def _routes(app: web.Application) -> list[tuple[str, str, Any]]:
+    """(path template, method, handler) of every route, HEAD (aiohttp's shadow of GET) left out."""
+    found = []
+    for route in app.router.routes():
+        resource = route.resource
+        if resource is None or route.method in ("HEAD", "*"):
+            continue
+        found.append((resource.canonical, route.method.lower(), route.handler))
+    return found
+
+
+def undocumented_routes(app: web.Application) -> list[str]:
+    return sorted(
+        f"{method.upper()} {path}" for path, method, handler in _routes(app) if not _doc_of(handler)
+    )
+
+
+# -- parameters and problems ----------------------------------------------------------------------
+
+_PATH_PARAMS: Final[Mapping[str, tuple[Mapping[str, Any], str]]] = {
+    "ws": ({"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "The workspace id"),
+    "sub_doc": ({"type": "string", "pattern": "^[a-z0-9_.-]{1,64}$"}, "The sub-doc name"),
+    "id": ({"type": "string"}, "The queue request id"),
+    "ref": ({"type": "string"}, "The blob reference"),
+}
+
+
+def _common_problems(path: str, doc: Doc) -> dict[int, list[str]]:
+    """What every route of its kind may answer: a request the HTTP parser refuses, a bad token,
+    a workspace the token does not grant, a malformed workspace or sub-doc id, a body that is
+    not JSON, not decodable or too large, and the server's own failure (`internal`)."""
+    problems: dict[int, list[str]] = {
+        400: ["line_too_long", "malformed_request"],
+        500: ["internal"],
+    }
+    if doc.auth:
+        problems[401] = ["unauthorized"]
+    if "{ws}" in path:
+        problems.setdefault(403, []).append("forbidden_workspace")
+        problems.setdefault(422, []).append("invalid_id")
+    if doc.body is not None:
+        problems[400] += ["malformed_json", "malformed_body"]
+        problems.setdefault(413, []).append("body_too_large")
+        problems.setdefault(415, []).append("unsupported_content_encoding")
+        problems.setdefault(422, []).append("invalid_field")
+    return problems
+
+
+def _problem_response(status: int, codes: Sequence[str]) -> dict[str, Any]:
+    unique = sorted(dict.fromkeys(codes))
+    titles = "; ".join(f"`{code}`: {CODES.get(code, code)}" for code in unique)
+    return {
+        "description": f"Problem ({titles})",
+        "content": {
+            "application/problem+json": {
+                "schema": {
+                    "allOf": [
+                        {"$ref": "#/components/schemas/ProblemDetails"},
+                        {
+                            "type": "object",
+                            "properties": {
+                                "status": {"const": status},
+                                "code": {"enum": unique},
+                            },
+                        },
+                    ]
+                }
+            }
+        },
+    }
+
+
+# -- the document ---------------------------------------------------------------------------------
+
+_STATUS_TEXT: Final = {
+    101: "Switching Protocols: the websocket session",
+    200: "OK",
+    201: "Created",
+    202: "Accepted",
+    204: "No content",
+}
+
+
+def _collect_models(ops: list[tuple[str, str, Doc]]) -> list[type[BaseModel]]:
+    models: dict[str, type[BaseModel]] = {"ProblemDetails": ProblemDetails}
+    for _, _, doc in ops:
+        if doc.body is not None and not isinstance(doc.body, Media):
+            models[doc.body.__name__] = doc.body
+        for answer in doc.answers.values():
+            for model in _models_of(answer):
+                models[model.__name__] = model
+    return [models[name] for name in sorted(models)]
+
+
+def _models_of(answer: Answer) -> tuple[type[BaseModel], ...]:
+    if answer is None or isinstance(answer, Media):
+        return ()
+    if isinstance(answer, tuple):
+        return answer
+    return (answer,)
+
+
+def _ref(model: type[BaseModel]) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _answer_object(status: int, answer: Answer) -> dict[str, Any]:
+    description = _STATUS_TEXT.get(status, str(status))
+    if answer is None:
+        return {"description": description}
+    if isinstance(answer, Media):
+        return {
+            "description": answer.description or description,
+            "content": {answer.media_type: {"schema": dict(answer.schema)}},
+        }
+    models = _models_of(answer)
+    schema = _ref(models[0]) if len(models) == 1 else {"oneOf": [_ref(m) for m in models]}
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _operation(path: str, method: str, doc: Doc, handler: Any) -> dict[str, Any]:
+    name = getattr(handler, "__name__", "handler")
+    operation: dict[str, Any] = {"operationId": name, "summary": doc.summary}
+    if doc.description:
+        operation["description"] = doc.description
+    if doc.tag:
+        operation["tags"] = [doc.tag]
+    params: list[dict[str, Any]] = []
+    for segment in path.split("/"):
+        if segment.startswith("{") and segment.endswith("}"):
+            key = segment[1:-1]
+            schema, description = _PATH_PARAMS.get(key, ({"type": "string"}, key))
+            params.append(
+                {
+                    "name": key,
+                    "in": "path",
+                    "required": True,
+                    "description": description,
+                    "schema": dict(schema),
+                }
+            )
+    for param in doc.params:
+        params.append(
+            {
+                "name": param.name,
+                "in": param.where,
+                "required": param.required,
+                "description": param.description,
+                "schema": dict(param.schema),
+            }
+        )
+    if params:
+        operation["parameters"] = params
+    if isinstance(doc.body, Media):
+        operation["requestBody"] = {
+            "required": doc.body_required,
+            "description": doc.body.description,
+            "content": {doc.body.media_type: {"schema": dict(doc.body.schema)}},
+        }
+    elif doc.body is not None:
+        operation["requestBody"] = {
+            "required": doc.body_required,
+            "content": {"application/json": {"schema": _ref(doc.body)}},
+        }
+    responses = {str(status): _answer_object(status, a) for status, a in doc.answers.items()}
+    problems = _common_problems(path, doc)
+    for status, codes in doc.problems.items():
+        problems.setdefault(status, []).extend(codes)
+    for status in sorted(problems):
+        responses[str(status)] = _problem_response(status, problems[status])
+    operation["responses"] = dict(sorted(responses.items()))
+    operation["security"] = [{"bearer": []}] if doc.auth else []
+    return operation
+
+
+def build_document(app: web.Application) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of `app`'s documented routes."""
+    ops = [
+        (path, method, doc, handler)
+        for path, method, handler in _routes(app)
+        if (doc := _doc_of(handler)) is not None
+    ]
+    models = _collect_models([(p, m, d) for p, m, d, _ in ops])
+    _, schemas = models_json_schema(
+        [(model, "validation") for model in models],
+        ref_template="#/components/schemas/{model}",
+    )
+    paths: dict[str, dict[str, Any]] = {}
+    for path, method, doc, handler in sorted(ops, key=lambda op: (op[0], op[1])):
+        paths.setdefault(path, {})[method] = _operation(path, method, doc, handler)
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "cv-workspace server",
+            "version": "1",
+            "description": (
+                "Op-log, work queue and compute locks of cv-workspace. Every error is "
+                "application/problem+json with a stable `code`. Authenticate with "
+                "`Authorization: Bearer <token>` (`cv-server token`)."
+            ),
+        },
+        "paths": paths,
+        "components": {
+            "schemas": dict(sorted(schemas.get("$defs", {}).items())),
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+def render_document(document: Mapping[str, Any]) -> str:
+    return json.dumps(document, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+# -- /docs ----------------------------------------------------------------------------------------
+
+
+def render_docs_page(document: Mapping[str, Any]) -> str:
+    """A plain HTML page of the document (no script, no CDN: it works offline): every route,
+    its parameters, body, answers and problem codes, and the schemas, linked."""
+    out: list[str] = []
+    esc = html.escape
+    info = document.get("info", {})
+    out.append(
+        "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+        f"<title>{esc(info.get('title', 'API'))}</title><style>"
+        "body{font:15px/1.45 system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem}"
+        "code,pre{font:13px ui-monospace,monospace}pre{background:#f5f5f5;padding:.6rem;"
+        "overflow:auto}h2{border-top:1px solid #ddd;padding-top:1rem}.m{font-weight:700;"
+        "text-transform:uppercase}table{border-collapse:collapse}td,th{border:1px solid #ddd;"
+        "padding:.2rem .5rem;text-align:left;vertical-align:top}</style></head><body>"
+    )
+    out.append(f"<h1>{esc(info.get('title', 'API'))}</h1><p>{esc(info.get('description', ''))}")
+    out.append(" The machine-readable document: <a href='/openapi.json'>/openapi.json</a>.</p>")
+    out.append("<h2>Routes</h2><ul>")
+    paths: Mapping[str, Mapping[str, Any]] = document.get("paths", {})
+    for path, methods in paths.items():
+        for method, op in methods.items():
+            anchor = esc(op.get("operationId", f"{method}{path}"))
+            out.append(
+                f"<li><a href='#{anchor}'><span class='m'>{esc(method)}</span> "
+                f"<code>{esc(path)}</code></a> — {esc(op.get('summary', ''))}</li>"
+            )
+    out.append("</ul>")
+    for path, methods in paths.items():
+        for method, op in methods.items():
+            out.append(_docs_operation(path, method, op))
+    out.append("<h2 id='schemas'>Schemas</h2>")
+    for name, schema in document.get("components", {}).get("schemas", {}).items():
+        out.append(
+            f"<h3 id='schema-{esc(name)}'>{esc(name)}</h3>"
+            f"<pre>{esc(json.dumps(schema, indent=2, sort_keys=True))}</pre>"
+        )
+    out.append("</body></html>")
+    return "".join(out)
+
+
+def _schema_link(schema: Mapping[str, Any]) -> str:
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        name = ref.rsplit("/", 1)[-1]
+        return f"<a href='#schema-{html.escape(name)}'>{html.escape(name)}</a>"
+    if "oneOf" in schema:
+        return " or ".join(_schema_link(s) for s in schema["oneOf"])
+    return f"<code>{html.escape(json.dumps(schema, sort_keys=True))}</code>"
+
+
+def _code(code: str) -> str:
+    return f"<code>{html.escape(code)}</code>"
+
+
+def _problem_codes(schema: Mapping[str, Any]) -> list[str]:
+    codes: list[str] = schema["allOf"][1]["properties"]["code"]["enum"]
+    return codes
+
+
+def _docs_operation(path: str, method: str, op: Mapping[str, Any]) -> str:
+    esc = html.escape
+    parts = [
+        f"<h2 id='{esc(op.get('operationId', ''))}'><span class='m'>{esc(method)}</span> "
+        f"<code>{esc(path)}</code></h2><p>{esc(op.get('summary', ''))}</p>"
+    ]
+    if op.get("description"):
+        parts.append(f"<p>{esc(op['description'])}</p>")
+    parts.append(f"<p>Authentication: {'bearer token' if op.get('security') else 'none'}</p>")
+    params = op.get("parameters", [])
+    if params:
+        parts.append("<table><tr><th>parameter</th><th>in</th><th>schema</th><th></th></tr>")
+        for p in params:
+            parts.append(
+                f"<tr><td><code>{esc(p['name'])}</code>{' (required)' if p['required'] else ''}"
+                f"</td><td>{esc(p['in'])}</td><td>{_schema_link(p['schema'])}</td>"
+                f"<td>{esc(p.get('description', ''))}</td></tr>"
+            )
+        parts.append("</table>")
+    body = op.get("requestBody")
+    if body:
+        for media, content in body["content"].items():
+            parts.append(f"<p>Body ({esc(media)}): {_schema_link(content['schema'])}</p>")
+    parts.append("<table><tr><th>status</th><th>answer</th></tr>")
+    for status, answer in op.get("responses", {}).items():
+        contents = answer.get("content", {})
+        what = ", ".join(
+            f"{esc(media)} {_schema_link(c['schema'])}"
+            if "allOf" not in c["schema"]
+            else f"{esc(media)}: codes "
+            + ", ".join(
+                f"<code>{esc(code)}</code>"
+                for code in c["schema"]["allOf"][1]["properties"]["code"]["enum"]
+            )
+            for media, c in contents.items()
+        )
+        parts.append(
+            f"<tr><td>{esc(status)}</td><td>{esc(answer.get('description', ''))}"
+            f"{'<br>' + what if what else ''}</td></tr>"
+        )
+    parts.append("</table>")
+    return "".join(parts)
+
+
+# -- the checked-in copy --------------------------------------------------------------------------
+
+
+def _app() -> web.Application:
+    from cv_server.app import create_app
+    from cv_server.config import ServerConfig
+
+    return create_app(ServerConfig(db_path=Path("unused.db"), token_secret=b"x" * 32))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m cv_server.api_schema",
+        description="Write or check schemas/openapi.json against the server's routes.",
+    )
+    parser.add_argument("--write", action="store_true", help="regenerate the checked-in file")
+    parser.add_argument("--check", action="store_true", help="exit 1 if it is out of date")
+    parser.add_argument("--path", type=Path, default=OPENAPI_PATH)
+    args = parser.parse_args(argv)
+    app = _app()
+    missing = undocumented_routes(app)
+    if missing:
+        print(f"routes without @documented: {', '.join(missing)}", file=sys.stderr)
+        return 1
+    text = render_document(build_document(app))
+    if args.write:
+        args.path.parent.mkdir(parents=True, exist_ok=True)
+        args.path.write_text(text, encoding="utf-8")
+        return 0
+    if args.check:
+        current = args.path.read_text(encoding="utf-8") if args.path.exists() else ""
+        if current != text:
+            print(
+                f"{args.path.name} is out of date: run python -m cv_server.api_schema --write",
+                file=sys.stderr,
+            )
+            return 1
+        return 0
+    sys.stdout.write(text)
+    return 0
