@@ -30,6 +30,7 @@ __all__ = [
     "CompleteAnswer",
     "CompleteBody",
     "CompletedItem",
+    "DocList",
     "DocState",
     "EnqueueAnswer",
     "EnqueueBody",
@@ -38,8 +39,10 @@ __all__ = [
     "FailBody",
     "Health",
     "HeartbeatAnswer",
+    "HeldLock",
     "LockAcquireBody",
     "LockAcquired",
+    "LockList",
     "LockLocked",
     "LockReleaseBody",
     "LockReleased",
@@ -54,6 +57,7 @@ __all__ = [
     "RejectedOp",
     "RequestList",
     "StateOut",
+    "SubDocHeadOut",
     "UploadAnswer",
     "parse_body",
 ]
@@ -239,6 +243,32 @@ class EnqueueAnswer(_Answer):
         description="Coalesced into a request whose input differs: the input sent was not used"
     )
     stream_url: str
+
+
+class SubDocHeadOut(_Answer):
+    sub_doc: str
+    clock: int = Field(description="The head clock: the last committed op's")
+    committed_at: float = Field(description="When that op committed, epoch seconds")
+
+
+class DocList(_Answer):
+    docs: list[SubDocHeadOut]
+    next_after: str | None = Field(description="Pass as `?after=` for the next page")
+
+
+class HeldLock(_Answer):
+    job_id: str
+    task: str
+    holder: str
+    acquired_at: float
+    expires_at: float
+    expires_in: float = Field(description="Seconds left, on the store's clock")
+
+
+class LockList(_Answer):
+    locks: list[HeldLock]
+    ttl: float = Field(description="The server's compute-lock TTL, seconds")
+    next_after: str | None = Field(description="Pass as `?after=` for the next page")
 
 
 class RequestList(_Answer):

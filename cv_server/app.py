@@ -14,7 +14,9 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from cv_server import (
+    http_dashboard,
     http_docs,
+    http_listings,
     http_locks,
     http_queue,
     http_queue_operators,
@@ -305,4 +307,6 @@ def create_app(config: ServerConfig) -> web.Application:
     app.add_routes(http_results.routes)
     app.add_routes(http_queue_operators.routes)
     app.add_routes(http_locks.routes)
+    app.add_routes(http_listings.routes)
+    app.add_routes(http_dashboard.routes)
     return app

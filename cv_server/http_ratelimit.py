@@ -41,6 +41,8 @@ ROUTE_CLASS_OF: Final[dict[tuple[str, str], RouteClass]] = {
     ("GET", f"{_WS}/requests/{{id}}"): "reads",
     ("GET", f"{_WS}/requests/{{id}}/stream"): "reads",
     ("GET", f"{_WS}/blobs/{{ref}}"): "reads",
+    ("GET", f"{_WS}/docs"): "reads",
+    ("GET", f"{_WS}/locks"): "reads",
     ("POST", f"{_WS}/requests"): "enqueue",
     ("POST", "/v1/queue/claim"): "claim",
     ("GET", "/v1/queue/pending"): "claim",

@@ -37,7 +37,13 @@ from cv_server.keys import (
 from cv_server.openapi import Doc, Param, documented
 from cv_server.oplog import LogEntry, Outcome
 from cv_server.problems import Problem
-from cv_server.security import authenticate, bearer_token, seconds_left, signed_with
+from cv_server.security import (
+    SOCKET_SUBPROTOCOL,
+    authenticate,
+    bearer_token,
+    seconds_left,
+    signed_with,
+)
 from cv_server.socket_close import LingeringWebSocketResponse
 
 __all__ = ["CLOSE_FORBIDDEN", "CLOSE_UNAUTHORIZED", "routes"]
@@ -221,7 +227,7 @@ class _Session:
             task = asyncio.create_task(self._after(previous, sub_doc, ops, atomic))
         self._tails[sub_doc] = task
         # Nothing cancels these tasks: a commit that started finishes and is published even if
-        # the socket closes meanwhile (the client replays and is answered from the dedupe record).
+        # the socket closes meanwhile (the client resends and is answered from the dedupe record).
         task.add_done_callback(lambda t: self._answer(sub_doc, req, t))
 
     async def _after(
@@ -303,6 +309,9 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
     config = app[CONFIG]
     workspace_id = request.match_info["ws"]
     ws = LingeringWebSocketResponse(
+        # Chosen when the client offers it (a browser passing its token as `cv-bearer.<token>`
+        # must, since a browser fails a handshake whose answer names none of its offers).
+        protocols=(SOCKET_SUBPROTOCOL,),
         max_msg_size=config.max_ws_frame_bytes,
         autoping=True,
         heartbeat=config.socket_heartbeat_seconds,
@@ -311,7 +320,7 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
     reason = b""
     expires_in: float | None = None
     try:
-        claims = authenticate(request, allow_query=True)
+        claims = authenticate(request, allow_query=True, allow_subprotocol=True)
         expires_in = seconds_left(claims)
         if not is_valid_workspace_id(workspace_id) or not claims.allows(workspace_id):
             close_code, reason = CLOSE_FORBIDDEN, b"forbidden workspace"
@@ -334,7 +343,7 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
         on_too_slow=metrics.count_too_slow,
         on_written=metrics.record_written,
     )
-    token = bearer_token(request, allow_query=True)
+    token = bearer_token(request, allow_query=True, allow_subprotocol=True)
     assert token is not None  # `authenticate` took it
     session = _Session(app, conn, workspace_id, token)
     app[CONNECTIONS].add(conn)
@@ -386,7 +395,7 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
             expiry.cancel()
         app[CONNECTIONS].discard(conn)
         # Acks may no longer reach the client, but the commits themselves finish: the client
-        # replays and the server answers from the dedupe record.
+        # resends and the server answers from the dedupe record.
         try:
             await session.wait_applies()
         finally:  # even if that wait is cancelled: else the subscriptions stay in the hub

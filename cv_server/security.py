@@ -15,6 +15,8 @@ from cv_server.keys import TOKEN_SECRET
 from cv_server.problems import Problem
 
 __all__ = [
+    "BEARER_SUBPROTOCOL_PREFIX",
+    "SOCKET_SUBPROTOCOL",
     "TokenSecret",
     "authenticate",
     "authorize",
@@ -60,11 +62,29 @@ class TokenSecret:
         return lambda: self._watchers.discard(watcher)
 
 
-def bearer_token(request: web.Request, *, allow_query: bool = False) -> str | None:
+#: The websocket subprotocol the server speaks, and answers a browser's handshake with.
+SOCKET_SUBPROTOCOL = "cv-workspace.v1"
+#: How a browser passes its token on the websocket handshake, where it cannot set headers:
+#: `new WebSocket(url, ["cv-workspace.v1", "cv-bearer." + token])`. A token is ASCII letters,
+#: digits, `-`, `_` and `.`, all valid in a subprotocol name. Unlike `?token=`, the header stays
+#: out of URLs, so out of access logs, proxies' logs and the browser's history; the server never
+#: echoes it (its answer names `cv-workspace.v1`).
+BEARER_SUBPROTOCOL_PREFIX = "cv-bearer."
+
+
+def bearer_token(
+    request: web.Request, *, allow_query: bool = False, allow_subprotocol: bool = False
+) -> str | None:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() == "bearer" and token:
         return token.strip()
+    if allow_subprotocol:
+        for offered in request.headers.getall("Sec-WebSocket-Protocol", ()):
+            for protocol in offered.split(","):
+                protocol = protocol.strip()
+                if protocol.startswith(BEARER_SUBPROTOCOL_PREFIX):
+                    return protocol.removeprefix(BEARER_SUBPROTOCOL_PREFIX) or None
     if allow_query:  # browsers cannot set headers on a websocket handshake
         return request.query.get("token")
     return None
@@ -82,8 +102,10 @@ def _verified(secret: bytes, token: str) -> TokenClaims:
     return verify_token(secret, token, now=float("-inf"))
 
 
-def authenticate(request: web.Request, *, allow_query: bool = False) -> TokenClaims:
-    token = bearer_token(request, allow_query=allow_query)
+def authenticate(
+    request: web.Request, *, allow_query: bool = False, allow_subprotocol: bool = False
+) -> TokenClaims:
+    token = bearer_token(request, allow_query=allow_query, allow_subprotocol=allow_subprotocol)
     if token is None:
         raise Problem(401, "unauthorized", "a bearer token is required")
     try:

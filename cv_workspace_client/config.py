@@ -23,7 +23,7 @@ class ClientConfig:
     retry_base_seconds: float = 1.0
     retry_cap_seconds: float = 300.0
     #: Sends of one batch (and tries of one read) before giving up; a given-up op stays in the
-    #: outbox and is replayed on the next connect.
+    #: outbox and is resent on the next connect.
     retry_attempts: int = 5
 
     #: Deadline of one HTTP request or websocket ack. aiohttp's own default total timeout (5 min):

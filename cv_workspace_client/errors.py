@@ -160,7 +160,7 @@ class OpRejectedError(WorkspaceError):
 class StillPendingError(WorkspaceError):
     """No answer after the last attempt (or the client closed first). The op is **not lost**.
 
-    It stays in the outbox under the same `op_id` and is replayed, in order, on the next connect
+    It stays in the outbox under the same `op_id` and is resent, in order, on the next connect
     or (a durable outbox) by the next client opened on the same outbox. An in-memory outbox
     (`outbox=None`) keeps it only while the client is open: `close()` then drops it, with a
     warning that counts what it dropped. Do not re-submit it with a new
@@ -171,7 +171,7 @@ class StillPendingError(WorkspaceError):
         reason = f" (last error: {last_error})" if last_error is not None else ""
         super().__init__(
             "still_pending",
-            f"op {op_id} got no answer{reason}; it stays in the outbox and will be replayed on"
+            f"op {op_id} got no answer{reason}; it stays in the outbox and will be resent on"
             " the next connect with the same op_id - do not re-submit it under a new one (an"
             " in-memory outbox, outbox=None, loses it if the client closes first)",
         )
@@ -202,7 +202,7 @@ class OpDiscardedError(WorkspaceError):
 class ClientClosedError(WorkspaceError):
     """The client was closed before the server answered, and its outbox is in memory.
 
-    The op may or may not have been applied and will not be replayed. Use a file outbox when that
+    The op may or may not have been applied and will not be resent. Use a file outbox when that
     matters.
     """
 
@@ -210,7 +210,7 @@ class ClientClosedError(WorkspaceError):
         super().__init__(
             "client_closed",
             f"op {op_id} got no answer before the client closed; the outbox is in memory, so it "
-            "will not be replayed (it may or may not have been applied)",
+            "will not be resent (it may or may not have been applied)",
         )
         self.op_id = op_id
 

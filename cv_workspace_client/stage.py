@@ -282,7 +282,7 @@ class StageContext:
         Raises the first write's error that was not a final answer (`StillPendingError` once its
         retries ran out, say), even if the handler caught it or never looked: the write waits in
         the outbox uncommitted, so the run fails and is re-driven, and its writes, under the
-        same op_ids, dedupe with whatever the outbox replays. A rejection is an answer (the same
+        same op_ids, dedupe with whatever the outbox resends. A rejection is an answer (the same
         op gets the same one again): it does not fail the run here.
         """
         # One turn of the loop first: a write spawned with `create_task(ctx.apply_op(...))` just

@@ -1,4 +1,4 @@
-"""Helpers for apps to write their own replay tests: a network that fails on demand, a way to
+"""Helpers for apps to write their own resend tests: a network that fails on demand, a way to
 crash a client and start a new one on the same outbox, and a provider fake that counts its calls
 (`CountingFakeProvider`: a stage's expensive call made once, however many workers race for it).
 
@@ -19,7 +19,7 @@ async with FaultProxy(server_url) as proxy:
         assert proxy.stats.cuts == 1
 
         client = await restart_client(client)                   # crash + new client, same outbox
-        await client.wait_synced(timeout=10)                    # what was pending is replayed
+        await client.wait_synced(timeout=10)                    # what was pending is resent
         await client.close()
 ```
 
@@ -385,7 +385,7 @@ async def restart_client(client: WorkspaceClient, **overrides: Any) -> Workspace
     minter (`overrides` replace constructor arguments). Returns the new client, started: close
     it, or `async with` it.
 
-    The new client replays what the old one left in the outbox before anything else.
+    The new client resends what the old one left in the outbox before anything else.
     """
     if client.outbox_path is None and "outbox" not in overrides:
         raise ValueError(

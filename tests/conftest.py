@@ -8,7 +8,7 @@ import os
 # Imported now, not first by Hypothesis's pytest plugin at the terminal summary: that late
 # import compiles modules, and on CPython 3.11 `ast.parse` there fails with "AST constructor
 # recursion depth mismatch" after a test has cancelled a task inside asyncpg (the interpreter's
-# C recursion counter is left off by ~50; seen with tests/pg/test_oplog_failures_audit.py run
+# C recursion counter is left off by ~50; seen with tests/pg/test_oplog_failures.py run
 # alone). The full suite imports it early anyway; this makes a partial run behave the same.
 import hypothesis  # noqa: F401
 import pytest
@@ -32,3 +32,48 @@ def postgres_url() -> str:
             pytest.fail(f"PostgreSQL at {POSTGRES_URL} is required here but unreachable: {exc}")
         pytest.skip(f"PostgreSQL unreachable at {POSTGRES_URL}")
     return POSTGRES_URL
+
+
+# -- cost markers ------------------------------------------------------------------------------
+#
+# Every test carries exactly one of `unit`, `contract`, `integration`, `acceptance`, so that
+# `./scripts/test -m unit` runs the fast pure tests alone. A test's own mark wins (a file that is
+# the exception to its directory says so with `pytestmark`); otherwise:
+#   - tests/acceptance/ is `acceptance` (real processes, killed), tests/contract/ is `contract`
+#     (one suite per storage interface, on both backends);
+#   - tests/mutations/ and tests/queue/ are `unit` (the pure reducers and queue rules), unless the
+#     test asks for a fixture that reaches a file, a socket or a database;
+#   - everything else is `integration` (a real server on loopback, a real SQLite file).
+
+COST_MARKS = ("unit", "contract", "integration", "acceptance")
+_UNIT_DIRS = ("mutations", "queue")
+_IO_FIXTURES = frozenset(
+    {
+        "tmp_path",
+        "tmp_path_factory",
+        "tmpdir",
+        "postgres_url",
+        "aiohttp_server",
+        "aiohttp_client",
+        "aiohttp_raw_server",
+        "aiohttp_unused_port",
+        "unused_tcp_port",
+    }
+)
+
+
+def _cost_of(item: pytest.Item) -> str:
+    parts = item.path.relative_to(item.config.rootpath).parts
+    area = parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
+    if area in ("acceptance", "contract"):
+        return area
+    uses_io = not _IO_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+    if area in _UNIT_DIRS and not uses_io:
+        return "unit"
+    return "integration"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if not any(item.get_closest_marker(name) for name in COST_MARKS):
+            item.add_marker(getattr(pytest.mark, _cost_of(item)))

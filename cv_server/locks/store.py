@@ -20,7 +20,20 @@ import math
 import time
 from dataclasses import dataclass
 
-__all__ = ["AcquireOutcome", "Acquired", "ComputeLockStore", "LockInfo", "Locked", "check_ttl"]
+__all__ = [
+    "DEFAULT_SWEEP_LIMIT",
+    "AcquireOutcome",
+    "Acquired",
+    "ComputeLockStore",
+    "LockInfo",
+    "Locked",
+    "check_ttl",
+]
+
+#: Dead rows of *other* keys deleted per acquisition. A bound, not a tuning constant: it keeps an
+#: acquisition's write job short however many dead rows piled up, while still removing them far
+#: faster than one acquirer (one new row) can add them.
+DEFAULT_SWEEP_LIMIT = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +121,23 @@ class ComputeLockStore(abc.ABC):
     @abc.abstractmethod
     async def get(self, workspace_id: str, job_id: str, task: str, now: float) -> LockInfo | None:
         """The live lock on the key at `now`, or None (a dead lock counts as free)."""
+
+    @abc.abstractmethod
+    async def list_live(
+        self,
+        workspace_id: str,
+        now: float,
+        *,
+        after: tuple[str, str] | None = None,
+        limit: int,
+    ) -> list[LockInfo]:
+        """The workspace's live locks at `now` (operators), by `(job_id, task)` in the backend's
+        order of names (byte order on SQLite, the database's collation on PostgreSQL).
+
+        At most `limit` of them, those whose key sorts after `after` (the `(job_id, task)` of the
+        previous page's last lock; None: from the first). Dead locks are not listed, as `get`
+        does not return them. Raises `ValueError` if `limit` is negative.
+        """
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -4,9 +4,20 @@ from cv_server.oplog.store import (
     Committed,
     IncomingOp,
     LogEntry,
+    OpLogCorrupted,
     OpLogStore,
     Outcome,
     Rejected,
+    SubDocHead,
 )
 
-__all__ = ["Committed", "IncomingOp", "LogEntry", "OpLogStore", "Outcome", "Rejected"]
+__all__ = [
+    "Committed",
+    "IncomingOp",
+    "LogEntry",
+    "OpLogCorrupted",
+    "OpLogStore",
+    "Outcome",
+    "Rejected",
+    "SubDocHead",
+]

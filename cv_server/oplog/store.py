@@ -15,7 +15,16 @@ from cv_mutations import Op, SubDocState
 if TYPE_CHECKING:
     import asyncio
 
-__all__ = ["Committed", "IncomingOp", "LogEntry", "OpLogStore", "Outcome", "Rejected"]
+__all__ = [
+    "Committed",
+    "IncomingOp",
+    "LogEntry",
+    "OpLogCorrupted",
+    "OpLogStore",
+    "Outcome",
+    "Rejected",
+    "SubDocHead",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +46,8 @@ class IncomingOp:
 
 @dataclass(frozen=True, slots=True)
 class Committed:
-    """The op is in the log at `clock`. `duplicate` is true when this answer is a replay."""
+    """The op is in the log at `clock`. `duplicate` is true when this is the stored answer of an
+    earlier send of the same op."""
 
     op_id: str | None
     clock: int
@@ -49,7 +59,7 @@ class Committed:
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    """The op was not applied. Reducer rejections are recorded and replayed verbatim on retry
+    """The op was not applied. Reducer rejections are recorded and answered verbatim again on retry
     (`duplicate: true`); `op_id_reuse` and `atomic_aborted` are answers, never recorded."""
 
     op_id: str | None
@@ -68,6 +78,14 @@ class Rejected:
 Outcome = Committed | Rejected
 
 
+class OpLogCorrupted(RuntimeError):
+    """The stored log cannot be rebuilt into a state (a gap, an op its own history rejects, or a
+    snapshot ahead of the log). Every backend raises this one class; the server answers it as
+    an internal error and never serves the half-built state."""
+
+    code = "internal"
+
+
 @dataclass(frozen=True, slots=True)
 class LogEntry:
     """A committed op as subscribers see it."""
@@ -78,6 +96,19 @@ class LogEntry:
 
     def to_json(self) -> dict[str, Any]:
         return {"clock": self.clock, "op_id": self.op_id, "op": self.op}
+
+
+@dataclass(frozen=True, slots=True)
+class SubDocHead:
+    """A written sub-doc as a listing shows it: its head clock and when that op committed
+    (epoch seconds, on the committing server's clock)."""
+
+    sub_doc: str
+    clock: int
+    committed_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sub_doc": self.sub_doc, "clock": self.clock, "committed_at": self.committed_at}
 
 
 class OpLogStore(abc.ABC):
@@ -143,6 +174,20 @@ class OpLogStore(abc.ABC):
     @abc.abstractmethod
     async def head(self, workspace_id: str, sub_doc: str) -> int:
         """The clock of the last committed op (0 for a sub-doc never written)."""
+
+    @abc.abstractmethod
+    async def list_sub_docs(
+        self, workspace_id: str, *, after: str | None = None, limit: int
+    ) -> list[SubDocHead]:
+        """The workspace's sub-docs with at least one committed op, by name, each at its head.
+
+        By name in the backend's order of names (byte order on SQLite, the database's collation
+        on PostgreSQL): a listing paged with `after` is complete in either.
+
+        At most `limit` of them, those named after `after` (the last name of the previous page;
+        None: from the first). A sub-doc only ever rejected ops is not listed: its clock is 0,
+        as for one never written. Raises `ValueError` if `limit` is negative.
+        """
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -25,8 +25,8 @@ from typing import Final
 
 import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
 
-from cv_server.locks.sqlite import DEFAULT_SWEEP_LIMIT, new_lock_token
 from cv_server.locks.store import (
+    DEFAULT_SWEEP_LIMIT,
     Acquired,
     AcquireOutcome,
     ComputeLockStore,
@@ -35,6 +35,7 @@ from cv_server.locks.store import (
     check_ttl,
 )
 from cv_server.pg.retry import SerializationRetryPolicy, run_with_retry
+from cv_server.tokens import new_lock_token
 
 __all__ = ["TABLE", "PostgresComputeLockStore"]
 
@@ -86,6 +87,15 @@ _CLOCK: Final = "SELECT extract(epoch FROM clock_timestamp())::float8"
 _LIVE: Final = (
     f"SELECT holder, token, acquired_at, expires_at FROM {TABLE} WHERE {_KEY} AND expires_at > $4"
 )
+
+# $1 workspace, $2/$3 the key to start after ('' sorts first), $4 now, $5 limit: a range scan of
+# the primary key.
+_LIST_LIVE: Final = f"""
+SELECT job_id, task, holder, token, acquired_at, expires_at FROM {TABLE}
+WHERE workspace_id = $1 AND (job_id, task) > ($2, $3) AND expires_at > $4
+ORDER BY job_id, task
+LIMIT $5
+"""
 
 
 class PostgresComputeLockStore(ComputeLockStore):
@@ -168,6 +178,32 @@ class PostgresComputeLockStore(ComputeLockStore):
             row["acquired_at"],
             row["expires_at"],
         )
+
+    async def list_live(
+        self,
+        workspace_id: str,
+        now: float,
+        *,
+        after: tuple[str, str] | None = None,
+        limit: int,
+    ) -> list[LockInfo]:
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0: {limit!r}")
+        job_after, task_after = after if after is not None else ("", "")
+        async with self._pool.acquire() as conn:
+            rows = await conn.fetch(_LIST_LIVE, workspace_id, job_after, task_after, now, limit)
+        return [
+            LockInfo(
+                workspace_id,
+                row["job_id"],
+                row["task"],
+                row["holder"],
+                row["token"],
+                row["acquired_at"],
+                row["expires_at"],
+            )
+            for row in rows
+        ]
 
     async def close(self) -> None:
         """Nothing to do: the pool belongs to whoever opened it."""

@@ -13,14 +13,15 @@ from typing import Any, Final
 
 import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
 
-from cv_mutations import OpRejected, SubDocState, apply_op, parse_op
+from cv_mutations import SubDocState
 from cv_server.oplog.pipeline import (
     NewRejection,
     Recorded,
     RecordedCommit,
     RecordedRejection,
+    rebuild_from_log,
 )
-from cv_server.oplog.store import LogEntry
+from cv_server.oplog.store import LogEntry, OpLogCorrupted
 
 __all__ = [
     "HEADS_TABLE",
@@ -30,6 +31,7 @@ __all__ = [
     "CachedSubDoc",
     "OpLogCorrupted",
     "catch_up",
+    "list_sub_docs",
     "load_sub_doc",
     "lock_heads",
     "look_up_many",
@@ -64,6 +66,18 @@ LEFT JOIN LATERAL (
 ) o ON true
 WHERE h.workspace_id = $1 AND h.sub_doc = $2
 ORDER BY o.clock
+"""
+# Written sub-docs by name from the heads (one row each, in key order: the page is a range scan of
+# their primary key), with the time of the op at the head (one probe of the log's key each). A
+# head at clock 0 (only rejections so far) is no written sub-doc.
+_LIST_SUB_DOCS: Final = f"""
+SELECT h.sub_doc, h.clock, extract(epoch FROM o.committed_at)::float8 AS committed_at
+FROM {HEADS_TABLE} h
+JOIN {OPS_TABLE} o
+    ON o.workspace_id = h.workspace_id AND o.sub_doc = h.sub_doc AND o.clock = h.clock
+WHERE h.workspace_id = $1 AND h.sub_doc > $2 AND h.clock > 0
+ORDER BY h.sub_doc
+LIMIT $3
 """
 # The groups of one or several sub-docs in one transaction: heads locked (`lock_heads`), outcomes
 # looked up (`look_up_many`), then rows, outcomes, heads and notifications written in one round
@@ -118,12 +132,6 @@ WHERE {SNAPSHOTS_TABLE}.clock < excluded.clock
 """
 
 
-class OpLogCorrupted(RuntimeError):
-    """The stored log cannot be replayed (a gap, or an op its own history rejects)."""
-
-    code = "internal"
-
-
 @dataclass(slots=True)
 class CachedSubDoc:
     """One instance's copy of a sub-doc: the state after every op up to `clock`."""
@@ -160,21 +168,21 @@ async def _lock_heads(
     return {(row["workspace_id"], row["sub_doc"]): int(row["clock"]) for row in rows}
 
 
+async def list_sub_docs(
+    conn: asyncpg.Connection, workspace_id: str, after: str, limit: int
+) -> list[tuple[str, int, float]]:
+    rows = await conn.fetch(_LIST_SUB_DOCS, workspace_id, after, limit)
+    return [(row["sub_doc"], int(row["clock"]), float(row["committed_at"])) for row in rows]
+
+
 async def read_head(conn: asyncpg.Connection, workspace_id: str, sub_doc: str) -> int:
     clock = await conn.fetchval(_SELECT_HEAD, workspace_id, sub_doc)
     return 0 if clock is None else int(clock)
 
 
-def _replay(doc: CachedSubDoc, rows: Sequence[Any], key: tuple[str, str]) -> None:
-    for row in rows:
-        clock = int(row["clock"])
-        if clock != doc.clock + 1:
-            raise OpLogCorrupted(f"{key}: log jumps from clock {doc.clock} to {clock}")
-        try:
-            apply_op(doc.state, parse_op(json.loads(row["op"])))
-        except OpRejected as exc:
-            raise OpLogCorrupted(f"{key}: logged op at clock {clock} replays as {exc}") from exc
-        doc.clock = clock
+def _rebuild(doc: CachedSubDoc, rows: Sequence[Any], key: tuple[str, str]) -> None:
+    entries = ((int(row["clock"]), row["op"]) for row in rows)
+    doc.clock = rebuild_from_log(doc.state, doc.clock, entries, key)
 
 
 async def load_sub_doc(conn: asyncpg.Connection, workspace_id: str, sub_doc: str) -> CachedSubDoc:
@@ -185,7 +193,7 @@ async def load_sub_doc(conn: asyncpg.Connection, workspace_id: str, sub_doc: str
         doc = CachedSubDoc(0, SubDocState.empty())
     else:
         doc = CachedSubDoc(int(row["clock"]), SubDocState.loads(row["state"]))
-    _replay(doc, await conn.fetch(_SELECT_OPS_AFTER, workspace_id, sub_doc, doc.clock), key)
+    _rebuild(doc, await conn.fetch(_SELECT_OPS_AFTER, workspace_id, sub_doc, doc.clock), key)
     return doc
 
 
@@ -194,7 +202,7 @@ async def catch_up(
 ) -> None:
     """Apply the log entries after `doc.clock` (committed by other instances) to `doc`."""
     rows = await conn.fetch(_SELECT_OPS_AFTER, workspace_id, sub_doc, doc.clock)
-    _replay(doc, rows, (workspace_id, sub_doc))
+    _rebuild(doc, rows, (workspace_id, sub_doc))
 
 
 async def look_up_many(

@@ -280,8 +280,8 @@ def _page(status: int) -> web.Response:
 async def test_a_bare_4xx_from_something_in_between_keeps_the_op_and_retries_it(
     scripted: tuple[ScriptedServer, str], status: int
 ) -> None:
-    """A proxy's own page (no problem document: the server never saw the request) used to fail
-    the op for good: it left the outbox unapplied, and a replayed one without a word."""
+    """A proxy's own page (no problem document: the server never saw the request) does not fail
+    the op for good: the op stays in the outbox and is sent again."""
     fake, url = scripted
     fake.script.extend(_page(status) for _ in range(2))
     sleep = RecordingSleep()

@@ -16,6 +16,9 @@ from cv_workspace_client.errors import (
     error_from_problem,
 )
 
+# Pure: no file, socket or database (the `unit` cost mark; see tests/conftest.py).
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     ("status", "code", "expected"),

@@ -233,8 +233,8 @@ async def test_a_kept_state_ahead_of_the_servers_log_is_replaced_by_the_servers(
     server_url: str, tmp_path: Path
 ) -> None:
     """`initial` at a clock the server never reached (it was restored from an older copy): the
-    feed refused to follow from there, the view kept showing the kept state with `error` set,
-    for good. It now re-reads the server's state and follows from it, its edits kept."""
+    view re-reads the server's state and follows from it, its edits kept, rather than keep showing
+    the kept state with `error` set."""
     async with WorkspaceClient(server_url, token=token_for(WS)) as theirs:
         await theirs.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
         await theirs.apply_op(WS, "elsewhere", NodeInsert(node_id="n", parent_id="root"))

@@ -31,6 +31,9 @@ from cv_workspace_client.models import Commit
 
 from .machine_helpers import commit_results, inc, make_machine, of_type, persist_all
 
+# Pure: no file, socket or database (the `unit` cost mark; see tests/conftest.py).
+pytestmark = pytest.mark.unit
+
 
 def test_an_op_is_persisted_before_it_is_sent() -> None:
     machine = make_machine()

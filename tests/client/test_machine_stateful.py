@@ -21,7 +21,6 @@ in the log; one an earlier send may have applied is there at most once, in its p
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import tempfile
@@ -31,7 +30,6 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
-    RuleBasedStateMachine,
     invariant,
     precondition,
     rule,
@@ -40,7 +38,7 @@ from hypothesis.stateful import (
 
 from cv_mutations import NodeInsert, fingerprint, parse_op
 from cv_server.oplog import IncomingOp, LogEntry
-from cv_server.oplog.sqlite import SQLiteOpLogStore
+from cv_server.sqlite.oplog import SQLiteOpLogStore
 from cv_workspace_client._machine import (
     CountAttempt,
     Discard,
@@ -59,6 +57,7 @@ from cv_workspace_client.errors import (
     StillPendingError,
 )
 from cv_workspace_client.models import Commit
+from tests.stateful import AsyncStateMachine
 
 from .machine_helpers import counting_minter
 
@@ -73,13 +72,12 @@ def incoming(op_json: str) -> IncomingOp:
     return IncomingOp(op=parse_op(raw), raw=raw, fingerprint=fingerprint(raw))
 
 
-class ClientThroughHostileLink(RuleBasedStateMachine):
+class ClientThroughHostileLink(AsyncStateMachine):
     #: Where each example's server database goes (set by the test to a tmp_path directory).
     base_dir: Path
 
     def __init__(self) -> None:
         super().__init__()
-        self.loop = asyncio.new_event_loop()
         self.dir = Path(tempfile.mkdtemp(prefix="example-", dir=self.base_dir))
         self.store = self.run(SQLiteOpLogStore.open(self.dir / "server.db"))
         for sub_doc in SUB_DOCS:  # the counter every op increments
@@ -108,9 +106,6 @@ class ClientThroughHostileLink(RuleBasedStateMachine):
         self.client = self.new_client([])
 
     # -- plumbing -------------------------------------------------------------------------------
-
-    def run(self, coro: Any) -> Any:
-        return self.loop.run_until_complete(coro)
 
     def new_client(self, rows: list[OutboxRow]) -> OutboxMachine:
         machine = OutboxMachine(
@@ -336,8 +331,10 @@ class ClientThroughHostileLink(RuleBasedStateMachine):
             self.settle()
             self.check_quiescence()
         finally:
-            self.run(self.store.close())
-            self.loop.close()
+            try:
+                self.run(self.store.close())
+            finally:
+                self.close_loop()
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def settle(self) -> None:

@@ -31,6 +31,9 @@ from cv_mutations import (
 )
 from cv_workspace_client._optimistic import Diverged, OptimisticDoc
 
+# Pure: no file, socket or database (the `unit` cost mark; see tests/conftest.py).
+pytestmark = pytest.mark.unit
+
 NODES = ("a", "b", "c")
 
 

@@ -1,7 +1,7 @@
 """A large outbox backlog is restored a page per sub-doc at a time, never whole.
 
-- The Hypothesis model of `test_machine_audit` (hostile link, refusals, crashes) with restores of
-  1-3 rows per page, page reads answered (or failing) at any moment among submits, acks,
+- The Hypothesis model of `test_machine_hostile_answers` (hostile link, refusals, crashes) with
+  restores of 1-3 rows per page, page reads answered (or failing) at any moment among submits, acks,
   failures, reorders and crashes, and readers that do or do not keep atomic groups whole.
 - The machine's barrier, step by step: no new op of a sub-doc leaves before its restored ops
   still on disk, and `pending_count` / `wait_synced` count those.
@@ -46,9 +46,9 @@ from cv_workspace_client.errors import OutboxError, StillPendingError
 
 from .helpers import WS, fast_config, server_log
 from .machine_helpers import commit_results, inc, make_machine, of_type
-from .test_machine_audit import INCREMENT, RETRY_AFTER_CAP, ClientFacingEveryAnswer
+from .test_machine_hostile_answers import INCREMENT, RETRY_AFTER_CAP, ClientFacingEveryAnswer
 from .test_machine_stateful import SUB_DOCS, index
-from .test_outbox_durability_audit import (
+from .test_outbox_file_hazards import (
     damage_file,
     digest,
     siblings,

@@ -8,6 +8,9 @@ import pytest
 from cv_workspace_client import WorkspaceClient
 from cv_workspace_client._queue_api import QueueClient
 
+# Pure: no file, socket or database (the `unit` cost mark; see tests/conftest.py).
+pytestmark = pytest.mark.unit
+
 BAD_URLS = [
     ("127.0.0.1:8080", "add http://"),
     ("localhost", "http:// or https://"),

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from cv_workspace_client._subscription import ResumeTracker, Verdict
+
+# Pure: no file, socket or database (the `unit` cost mark; see tests/conftest.py).
+pytestmark = pytest.mark.unit
 
 
 def test_the_next_clock_is_delivered_and_advances_the_resume_point() -> None:

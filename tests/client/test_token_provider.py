@@ -277,7 +277,7 @@ async def test_queue_calls_and_waits_go_through_with_the_providers_token(
 
 
 async def test_a_worker_keeps_working_across_a_refused_token(server_url: str) -> None:
-    """Workers run for days; their tokens do not. A refused claim used to stop the worker."""
+    """Workers run for days; their tokens do not. A refused claim does not stop the worker."""
     provider = Provider()
     calls: list[object] = []
 

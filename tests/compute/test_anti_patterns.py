@@ -1,5 +1,5 @@
-"""Seed 000's anti-patterns, one test each, through real workers and the real server: remove (or
-misuse) a layer and its category of bug comes back; keep it and the layer does its job.
+"""The three-layer anti-patterns, one test each, through real workers and the real server:
+remove (or misuse) a layer and its category of bug comes back; keep it and the layer does its job.
 
 1. No compute lock: racing stage runs pay for the same cell more than once (layer 2).
 2. The lock is workspace-internal: it does not, and must not, coordinate across workspaces — the

@@ -512,3 +512,8 @@ class OpLogContract:
             for result in results:
                 clocks = [outcome.clock for d, _, outcome in result if d == doc]
                 assert clocks == sorted(clocks)
+
+    async def test_a_closed_store_refuses_new_calls(self, store: OpLogStore) -> None:
+        await store.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            await store.append(WS, DOC, [increment()])

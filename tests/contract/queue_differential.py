@@ -20,7 +20,6 @@ loop runs them (each Hypothesis example runs in its own loop).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 from collections.abc import Callable
@@ -31,7 +30,6 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
-    RuleBasedStateMachine,
     initialize,
     invariant,
     rule,
@@ -40,7 +38,8 @@ from hypothesis.stateful import (
 
 from cv_server.queue import BlobStore, QueueStore, model
 from cv_server.queue.errors import QueueError, RequestNotFound
-from cv_server.queue.model import Completion, NewRequest, ProcessRequest
+from cv_server.queue.model import Completion, Enqueued, NewRequest, ProcessRequest
+from tests.stateful import AsyncStateMachine
 
 QueueOpener = Callable[[], AbstractAsyncContextManager[QueueStore]]
 #: `open_blobs(retention, new_ref)`: a fresh blob store minting its references with `new_ref`.
@@ -109,15 +108,14 @@ def outcome_of(value: ProcessRequest | QueueError) -> str:
     return canonical(value) if isinstance(value, ProcessRequest) else type(value).__name__
 
 
-def queue_machine(open_queue: QueueOpener) -> type[RuleBasedStateMachine]:
+def queue_machine(open_queue: QueueOpener) -> type[AsyncStateMachine]:
     """A state machine running one store of `open_queue` beside the model."""
 
-    class QueueDifferential(RuleBasedStateMachine):
+    class QueueDifferential(AsyncStateMachine):
         def __init__(self) -> None:
             super().__init__()
-            self.loop = asyncio.new_event_loop()
             self.opened = open_queue()
-            self.store = self.loop.run_until_complete(self.opened.__aenter__())
+            self.store = self.run(self.opened.__aenter__())
             self.now = 0.0
             self.rows: dict[str, ProcessRequest] = {}
             self.seq: dict[str, int] = {}
@@ -126,13 +124,9 @@ def queue_machine(open_queue: QueueOpener) -> type[RuleBasedStateMachine]:
 
         def teardown(self) -> None:
             try:
-                self.loop.run_until_complete(self.opened.__aexit__(None, None, None))
-                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+                self.run(self.opened.__aexit__(None, None, None))
             finally:
-                self.loop.close()
-
-        def run(self, coro: Any) -> Any:
-            return self.loop.run_until_complete(coro)
+                self.close_loop()
 
         def pick_id(self, data: st.DataObject) -> str:
             """A known id (held ones twice as likely: they are the ones a worker writes to), or
@@ -222,7 +216,9 @@ def queue_machine(open_queue: QueueOpener) -> type[RuleBasedStateMachine]:
                 lambda: model.decide_enqueue(existing, req, self.now, rerun=rerun)
             )
             try:
-                got = self.run(self.store.enqueue(req, self.now, rerun=rerun))
+                got: Enqueued | QueueError = self.run(
+                    self.store.enqueue(req, self.now, rerun=rerun)
+                )
             except QueueError as error:
                 got = error
             if isinstance(got, QueueError):
@@ -319,7 +315,9 @@ def queue_machine(open_queue: QueueOpener) -> type[RuleBasedStateMachine]:
                     lambda: model.heartbeat(row, token, lease, self.now)
                 )
             try:
-                got = self.run(self.store.heartbeat(request_id, token, lease, self.now))
+                got: ProcessRequest | QueueError = self.run(
+                    self.store.heartbeat(request_id, token, lease, self.now)
+                )
             except QueueError as error:
                 got = error
             if isinstance(got, QueueError):
@@ -499,30 +497,25 @@ def queue_machine(open_queue: QueueOpener) -> type[RuleBasedStateMachine]:
     return QueueDifferential
 
 
-def blob_machine(open_blobs: BlobOpener) -> type[RuleBasedStateMachine]:
+def blob_machine(open_blobs: BlobOpener) -> type[AsyncStateMachine]:
     """A state machine running one blob store beside a dict of what must be readable."""
 
-    class BlobDifferential(RuleBasedStateMachine):
+    class BlobDifferential(AsyncStateMachine):
         def __init__(self) -> None:
             super().__init__()
-            self.loop = asyncio.new_event_loop()
             self.next_ref = "b_0"
             self.minted = 0
             self.opened = open_blobs(BLOB_RETENTION, self.mint)
-            self.store = self.loop.run_until_complete(self.opened.__aenter__())
+            self.store = self.run(self.opened.__aenter__())
             self.now = 0.0
             #: (workspace, ref) -> (bytes, put at, expires at), until the sweep deletes it.
             self.blobs: dict[tuple[str, str], tuple[bytes, float, float]] = {}
 
         def teardown(self) -> None:
             try:
-                self.loop.run_until_complete(self.opened.__aexit__(None, None, None))
-                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+                self.run(self.opened.__aexit__(None, None, None))
             finally:
-                self.loop.close()
-
-        def run(self, coro: Any) -> Any:
-            return self.loop.run_until_complete(coro)
+                self.close_loop()
 
         def mint(self) -> str:
             return self.next_ref

@@ -11,7 +11,7 @@ from typing import Any, cast
 
 from cv_mutations import SubDocState
 from cv_server.hub import Connection, Hub, Subscription
-from cv_server.oplog import IncomingOp, LogEntry, OpLogStore, Outcome
+from cv_server.oplog import IncomingOp, LogEntry, OpLogStore, Outcome, SubDocHead
 
 WS, DOC = "ws1", "tree"
 TIMEOUT = 10.0
@@ -46,6 +46,11 @@ class Log(OpLogStore):
 
     async def head(self, workspace_id: str, sub_doc: str) -> int:
         return len(self.entries)
+
+    async def list_sub_docs(
+        self, workspace_id: str, *, after: str | None = None, limit: int
+    ) -> list[SubDocHead]:
+        raise NotImplementedError
 
     async def close(self) -> None:
         return None

@@ -239,13 +239,6 @@ async def test_a_gap_in_the_log_is_reported_as_corruption_not_replayed(
         await fresh.get_state(WS, DOC)
 
 
-async def test_a_closed_store_refuses_new_calls(open_store: Opener) -> None:
-    store = await open_store()
-    await store.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        await store.append(WS, DOC, [increment()])
-
-
 async def test_idle_sub_doc_states_are_evicted_past_the_cache_limit_and_come_back_intact(
     open_store: Opener,
 ) -> None:

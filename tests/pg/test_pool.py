@@ -10,7 +10,7 @@ import pytest
 from cv_server.pg import PostgresSettings, connect, create_pool
 from cv_server.pg.pool import close_pool
 from tests.pg.helpers import settings_for
-from tests.pg.test_broadcast_audit import Relay
+from tests.pg.test_broadcast import Relay
 
 pytestmark = pytest.mark.postgres
 

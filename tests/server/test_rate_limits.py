@@ -117,6 +117,7 @@ def test_every_route_with_a_token_has_a_class() -> None:
     unlimited = {r for r in routes if r not in ROUTE_CLASS_OF}
     public = {("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics")}
     public |= {("GET", "/openapi.json"), ("GET", "/docs")}  # the API's own description
+    public |= {("GET", "/dashboard"), ("GET", "/dashboard/{name}")}  # the page; its calls carry it
     assert unlimited == public
     assert set(ROUTE_CLASS_OF) <= routes  # no stale entry
 

@@ -78,7 +78,7 @@ async def test_a_token_with_non_ascii_bytes_is_unauthorized_not_a_server_error(
 async def test_a_header_token_with_bytes_that_are_not_utf8_is_unauthorized(
     server: TestClient[Any, Any],
 ) -> None:
-    # aiohttp decodes such header bytes with surrogateescape; signing them used to raise.
+    # aiohttp decodes such header bytes with surrogateescape; signing them must not raise.
     host, port = server.server.host, server.server.port
     reader, writer = await asyncio.open_connection(host, port)
     try:
@@ -334,7 +334,7 @@ async def test_a_key_whose_first_request_died_with_its_server_is_free_after_a_re
     aiohttp_client: ClientFactory,
     make_server_config: Callable[..., ServerConfig],
 ) -> None:
-    """Seed 004 §1: a crashed request must not leave `in_progress` behind (24 h of 409)."""
+    """A crashed request must not leave `in_progress` behind (24 h of 409)."""
     raw = b'{"stage": "scrape", "input": {"url": "x"}}'
     path = "/v1/workspaces/ws1/requests"
     first = await aiohttp_client(create_app(make_server_config()))

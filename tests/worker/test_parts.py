@@ -21,6 +21,9 @@ from cv_workspace_client.stage import (
 )
 from cv_workspace_client.worker import WorkerConfig
 
+# Pure: no file, socket or database (the `unit` cost mark; see tests/conftest.py).
+pytestmark = pytest.mark.unit
+
 
 def _request(**overrides: Any) -> StageRequest:
     values: dict[str, Any] = {

@@ -20,6 +20,9 @@ from cv_workspace_client._stage_outcome import answer_payload, is_final_answer
 from cv_workspace_client.providers import ProviderRejected, ProviderUnavailable
 from cv_workspace_client.stage import LeaseLostError, RequestCancelledError
 
+# Pure: no file, socket or database (the `unit` cost mark; see tests/conftest.py).
+pytestmark = pytest.mark.unit
+
 ANSWERS = [
     OpRejectedError("node_not_found", "no node 'x'", op_id="op-1"),
     InvalidRequestError("invalid_field", "bad", status=422),

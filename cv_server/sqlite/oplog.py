@@ -1,0 +1,466 @@
+"""The op-log on the embedded SQLite engine (docs/concepts.md, docs/postgres.md).
+
+Tables (composed into the server's schema by `create_schema`):
+
+- `workspace_sub_doc_ops`: one row per committed op, keyed by `(workspace_id, sub_doc, clock)`,
+  with `op_id` unique per sub-doc (SQLite lets several NULLs through a unique index, so ops
+  without op_id need no partial index). `op` is the op as received; `committed_at` is unix
+  milliseconds, read once per append, not once per op.
+- `workspace_sub_doc_op_rejections`: the recorded reducer rejection of an op_id, so a retry gets
+  the same answer even after the state changed.
+- `workspace_sub_doc_snapshots`: the latest state snapshot of a sub-doc and its clock. A cache of
+  the log that bounds the rebuild after a restart to about `snapshot_every` ops (a snapshot is
+  written by each commit that reaches or passes a multiple of it); the head clock is the log's
+  max.
+
+The state of each sub-doc touched since start-up is cached (clock, state) and lives on the
+writer thread: it is read and changed only inside `SQLiteDatabase.write` jobs, which run one at a
+time. An append is one job (look up its op_ids in one query, run the pure pipeline, insert with
+`executemany`) and registers an undo with `tx.on_rollback`, so if the job's savepoint or the
+group's COMMIT fails the cache is taken back with the disk. Concurrent appends become jobs of one
+group transaction: one COMMIT, one fsync for all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import sqlite3
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import orjson
+import sqlite_utils
+
+from cv_mutations import SubDocState
+from cv_server.config import ServerConfig
+from cv_server.oplog.pipeline import (
+    Recorded,
+    RecordedCommit,
+    RecordedRejection,
+    copy_state,
+    op_ids_to_look_up,
+    plan_commit,
+    rebuild_from_log,
+    snapshot_due,
+)
+from cv_server.oplog.store import (
+    IncomingOp,
+    LogEntry,
+    OpLogCorrupted,
+    OpLogStore,
+    Outcome,
+    SubDocHead,
+)
+from cv_server.sqlite.engine import SQLiteDatabase, Transaction
+
+__all__ = ["OpLogCorrupted", "SQLiteOpLogStore", "create_schema"]
+
+OPS_TABLE: Final = "workspace_sub_doc_ops"
+REJECTIONS_TABLE: Final = "workspace_sub_doc_op_rejections"
+SNAPSHOTS_TABLE: Final = "workspace_sub_doc_snapshots"
+
+#: op_ids per lookup query: far below SQLite's smallest host-parameter limit (999).
+_LOOKUP_CHUNK: Final = 400
+
+_INSERT_OP: Final = (
+    f"INSERT INTO {OPS_TABLE} (workspace_id, sub_doc, clock, op_id, op, fingerprint, committed_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+_INSERT_REJECTION: Final = (
+    f"INSERT INTO {REJECTIONS_TABLE}"
+    " (workspace_id, sub_doc, op_id, fingerprint, code, message, rejected_at)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+_UPSERT_SNAPSHOT: Final = (
+    f"INSERT INTO {SNAPSHOTS_TABLE} (workspace_id, sub_doc, clock, state, taken_at)"
+    " VALUES (?, ?, ?, ?, ?)"
+    " ON CONFLICT (workspace_id, sub_doc)"
+    " DO UPDATE SET clock = excluded.clock, state = excluded.state, taken_at = excluded.taken_at"
+)
+_SELECT_SNAPSHOT: Final = (
+    f"SELECT clock, state FROM {SNAPSHOTS_TABLE} WHERE workspace_id = ? AND sub_doc = ?"
+)
+_SELECT_OPS_AFTER: Final = (
+    f"SELECT clock, op_id, op FROM {OPS_TABLE}"
+    " WHERE workspace_id = ? AND sub_doc = ? AND clock > ? ORDER BY clock"
+)
+_SELECT_HEAD: Final = f"SELECT max(clock) FROM {OPS_TABLE} WHERE workspace_id = ? AND sub_doc = ?"
+# The workspace's sub-docs by name, each found by one seek of the primary key to the next name
+# after the last (a loose index scan): a page costs `limit` seeks, not a scan of every op of the
+# workspace. ?1 workspace, ?2 the name to start after ('' sorts before every valid id), ?3 limit.
+_LIST_SUB_DOCS: Final = f"""
+WITH RECURSIVE docs(sub_doc) AS (
+    SELECT (SELECT min(sub_doc) FROM {OPS_TABLE} WHERE workspace_id = ?1 AND sub_doc > ?2)
+    UNION ALL
+    SELECT (SELECT min(sub_doc) FROM {OPS_TABLE} WHERE workspace_id = ?1 AND sub_doc > docs.sub_doc)
+    FROM docs WHERE docs.sub_doc IS NOT NULL
+    LIMIT ?3
+)
+SELECT d.sub_doc, o.clock, o.committed_at
+FROM docs d
+JOIN {OPS_TABLE} o ON o.workspace_id = ?1 AND o.sub_doc = d.sub_doc AND o.clock = (
+    SELECT max(clock) FROM {OPS_TABLE} WHERE workspace_id = ?1 AND sub_doc = d.sub_doc
+)
+ORDER BY d.sub_doc
+"""
+
+_DEFAULT_SNAPSHOT_EVERY: Final = ServerConfig().snapshot_every
+_DEFAULT_CACHE_LIMIT: Final = ServerConfig().subdoc_cache_limit
+
+
+def create_schema(db: sqlite_utils.Database) -> None:
+    """Create the op-log tables and indexes if missing (idempotent)."""
+    db.table(OPS_TABLE).create(
+        {
+            "workspace_id": str,
+            "sub_doc": str,
+            "clock": int,
+            "op_id": str,
+            "op": str,
+            "fingerprint": str,
+            "committed_at": int,
+        },
+        pk=("workspace_id", "sub_doc", "clock"),
+        not_null={"workspace_id", "sub_doc", "clock", "op", "fingerprint", "committed_at"},
+        if_not_exists=True,
+    )
+    db.table(OPS_TABLE).create_index(
+        ["workspace_id", "sub_doc", "op_id"],
+        index_name=f"{OPS_TABLE}_op_id",
+        unique=True,
+        if_not_exists=True,
+    )
+    db.table(REJECTIONS_TABLE).create(
+        {
+            "workspace_id": str,
+            "sub_doc": str,
+            "op_id": str,
+            "fingerprint": str,
+            "code": str,
+            "message": str,
+            "rejected_at": int,
+        },
+        pk=("workspace_id", "sub_doc", "op_id"),
+        not_null={"fingerprint", "code", "message", "rejected_at"},
+        if_not_exists=True,
+    )
+    db.table(SNAPSHOTS_TABLE).create(
+        {"workspace_id": str, "sub_doc": str, "clock": int, "state": str, "taken_at": int},
+        pk=("workspace_id", "sub_doc"),
+        not_null={"clock", "state", "taken_at"},
+        if_not_exists=True,
+    )
+
+
+@dataclass(slots=True)
+class _SubDoc:
+    """The cached head of one sub-doc. Touched only by write jobs (the writer thread)."""
+
+    clock: int
+    state: SubDocState
+
+
+def _dumps(value: Any) -> str:
+    """Compact op text for the log (orjson: ~5x the standard library's speed)."""
+    return orjson.dumps(value).decode()
+
+
+class SQLiteOpLogStore(OpLogStore):
+    """`OpLogStore` on a shared `SQLiteDatabase` whose schema includes `create_schema`.
+
+    Make one store per database file: the cached states are its own, so a second store (or a
+    second process) writing the same log would leave this cache behind the disk.
+
+    `snapshot_every`: ops between two state snapshots. `cache_limit`: sub-doc states kept in
+    memory, least recently used evicted first (an evicted one is rebuilt from its snapshot and
+    the log on its next touch, so memory stays bounded however many sub-docs exist). `now`:
+    wall clock in seconds (for `committed_at`). `await SQLiteOpLogStore.open(path)` gives a
+    store that owns its database.
+    """
+
+    def __init__(
+        self,
+        db: SQLiteDatabase,
+        *,
+        snapshot_every: int = _DEFAULT_SNAPSHOT_EVERY,
+        cache_limit: int = _DEFAULT_CACHE_LIMIT,
+        now: Callable[[], float] = time.time,
+        owns_db: bool = False,
+    ) -> None:
+        if snapshot_every < 1:
+            raise ValueError("snapshot_every must be at least 1")
+        if cache_limit < 1:
+            raise ValueError("cache_limit must be at least 1")
+        self.cache_limit = cache_limit
+        self.db = db
+        self.snapshot_every = snapshot_every
+        self._now = now
+        self._owns_db = owns_db
+        self._closed = False
+        # Writer-thread only (see module docstring).
+        # Evicting is safe at any moment on the writer thread: an evicted state that a rollback
+        # would have undone is simply rebuilt from the (rolled back) disk on its next touch.
+        self._docs: OrderedDict[tuple[str, str], _SubDoc] = OrderedDict()
+
+    @classmethod
+    async def open(
+        cls,
+        path: str | Path,
+        *,
+        snapshot_every: int = _DEFAULT_SNAPSHOT_EVERY,
+        now: Callable[[], float] = time.time,
+    ) -> SQLiteOpLogStore:
+        """Open (or create) a database holding only the op-log; `close()` closes it too."""
+        db = await SQLiteDatabase.open(path, schema=create_schema)
+        return cls(db, snapshot_every=snapshot_every, now=now, owns_db=True)
+
+    # -- OpLogStore ------------------------------------------------------------------------------
+
+    def observe_commits(self, observer: Callable[[float, int], None] | None) -> None:
+        """Observed on the database's writer thread (its group commit is this store's)."""
+        self.db.on_group_commit = observer
+
+    async def append(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        ops: Sequence[IncomingOp],
+        *,
+        atomic: bool = False,
+    ) -> tuple[list[Outcome], list[LogEntry]]:
+        self._check_open()
+        if not ops:
+            return [], []
+        return await self.append_nowait(workspace_id, sub_doc, ops, atomic=atomic)
+
+    #: One writer thread runs jobs in the order they were queued.
+    appends_in_order = True
+
+    def append_nowait(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        ops: Sequence[IncomingOp],
+        *,
+        atomic: bool = False,
+    ) -> asyncio.Future[tuple[list[Outcome], list[LogEntry]]]:
+        """`append` as the writer's own future: no task, and appends queued in order commit in
+        order."""
+        self._check_open()
+        batch = list(ops)
+        return self.db.submit(lambda tx: self._append_job(tx, workspace_id, sub_doc, batch, atomic))
+
+    async def read_since(
+        self, workspace_id: str, sub_doc: str, since: int, limit: int
+    ) -> tuple[int, list[LogEntry]]:
+        self._check_open()
+
+        def read(conn: sqlite3.Connection) -> tuple[int, list[LogEntry]]:
+            # One read transaction, so the head is never behind the entries returned.
+            conn.execute("BEGIN")
+            try:
+                rows = (
+                    conn.execute(
+                        _SELECT_OPS_AFTER + " LIMIT ?", (workspace_id, sub_doc, since, limit)
+                    ).fetchall()
+                    if limit > 0
+                    else []
+                )
+                head = conn.execute(_SELECT_HEAD, (workspace_id, sub_doc)).fetchone()[0] or 0
+            finally:
+                conn.execute("COMMIT")
+            return head, [LogEntry(clock, op_id, orjson.loads(op)) for clock, op_id, op in rows]
+
+        return await self.db.read(read)
+
+    async def get_state(self, workspace_id: str, sub_doc: str) -> tuple[int, SubDocState]:
+        """Served by a write job: the cache is the state, and it may only be read on the writer
+        thread. The copy is O(tree) either way (the GIL makes a reader thread no cheaper), and a
+        job resolves only after its group committed, so the answer never shows an op that is not
+        yet durable."""
+        self._check_open()
+        key = (workspace_id, sub_doc)
+
+        def job(tx: Transaction) -> tuple[int, SubDocState]:
+            doc = self._docs.get(key)
+            if doc is None:
+                doc = _load(tx, key)
+                if doc.clock == 0:
+                    return 0, doc.state  # never written: not worth a cache entry
+                self._cache(tx, key, doc)
+            else:
+                self._docs.move_to_end(key)
+            return doc.clock, copy_state(doc.state)
+
+        return await self.db.write(job)
+
+    async def head(self, workspace_id: str, sub_doc: str) -> int:
+        self._check_open()
+
+        def read(conn: sqlite3.Connection) -> int:
+            value = conn.execute(_SELECT_HEAD, (workspace_id, sub_doc)).fetchone()[0]
+            return int(value or 0)
+
+        return await self.db.read(read)
+
+    async def list_sub_docs(
+        self, workspace_id: str, *, after: str | None = None, limit: int
+    ) -> list[SubDocHead]:
+        self._check_open()
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0: {limit!r}")
+        if limit == 0:
+            return []
+
+        def read(conn: sqlite3.Connection) -> list[SubDocHead]:
+            rows = conn.execute(_LIST_SUB_DOCS, (workspace_id, after or "", limit)).fetchall()
+            # committed_at is stored in milliseconds.
+            return [SubDocHead(name, clock, at / 1000) for name, clock, at in rows]
+
+        return await self.db.read(read)
+
+    async def close(self) -> None:
+        """Wait for every append queued before this call, drop the cache, and close the database
+        if this store opened it."""
+        if self._closed:
+            return
+        self._closed = True
+
+        def drop_cache(tx: Transaction) -> None:
+            self._docs.clear()
+
+        # The writer runs jobs in order: once this one resolves, every earlier append is durable.
+        # A shared database already closed by its owner has finished them all already.
+        with contextlib.suppress(RuntimeError):
+            await self.db.write(drop_cache)
+        if self._owns_db:
+            await self.db.close()
+
+    # -- writer thread ---------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the op-log store is closed")
+
+    def _cache(self, tx: Transaction, key: tuple[str, str], doc: _SubDoc) -> None:
+        self._docs[key] = doc
+        while len(self._docs) > self.cache_limit:
+            self._docs.popitem(last=False)
+        # What was just loaded may include this group's uncommitted rows: forget it if they
+        # never reach disk (it is reloaded on next touch).
+        tx.on_rollback(lambda: self._forget(key, doc))
+
+    def _forget(self, key: tuple[str, str], doc: _SubDoc) -> None:
+        if self._docs.get(key) is doc:
+            del self._docs[key]
+
+    def _append_job(
+        self,
+        tx: Transaction,
+        workspace_id: str,
+        sub_doc: str,
+        ops: list[IncomingOp],
+        atomic: bool,
+    ) -> tuple[list[Outcome], list[LogEntry]]:
+        key = (workspace_id, sub_doc)
+        doc = self._docs.get(key)
+        if doc is None:
+            doc = _load(tx, key)
+            self._cache(tx, key, doc)
+        else:
+            self._docs.move_to_end(key)
+        tx.count_ops(len(ops))
+        op_ids = op_ids_to_look_up(ops)
+        recorded = _look_up(tx, workspace_id, sub_doc, op_ids) if op_ids else {}
+        plan = plan_commit(doc.state, doc.clock, ops, recorded, atomic=atomic)
+
+        def undo() -> None:
+            plan.revert()
+            doc.clock = plan.base_clock
+
+        # Registered before any write: if an insert below raises, the job's savepoint is rolled
+        # back and this runs, so the cache never shows what the disk does not hold.
+        tx.on_rollback(undo)
+        doc.clock = plan.clock
+        if plan.entries or plan.rejections:
+            at = int(self._now() * 1000)
+            if plan.entries:
+                tx.executemany(
+                    _INSERT_OP,
+                    [
+                        (workspace_id, sub_doc, e.clock, e.op_id, _dumps(e.op), fingerprint, at)
+                        for e, fingerprint in zip(plan.entries, plan.fingerprints, strict=True)
+                    ],
+                )
+            if plan.rejections:
+                tx.executemany(
+                    _INSERT_REJECTION,
+                    [
+                        (workspace_id, sub_doc, r.op_id, r.fingerprint, r.code, r.message, at)
+                        for r in plan.rejections
+                    ],
+                )
+            if snapshot_due(plan.base_clock, plan.clock, self.snapshot_every):
+                tx.execute(
+                    _UPSERT_SNAPSHOT, (workspace_id, sub_doc, doc.clock, doc.state.dumps(), at)
+                )
+        return plan.outcomes, plan.entries
+
+
+def _load(tx: Transaction, key: tuple[str, str]) -> _SubDoc:
+    """Rebuild a sub-doc from its latest snapshot plus the log after it."""
+    row = tx.execute(_SELECT_SNAPSHOT, key).fetchone()
+    if row is None:
+        snapshot_clock, state = 0, SubDocState.empty()
+    else:
+        snapshot_clock, state = int(row[0]), SubDocState.loads(row[1])
+    rows = tx.execute(_SELECT_OPS_AFTER, (*key, snapshot_clock))
+    clock = rebuild_from_log(state, snapshot_clock, ((c, text) for c, _op_id, text in rows), key)
+    if clock == snapshot_clock > 0:
+        # No op after the snapshot: the log must still reach it. The log's max is the head
+        # readers serve; a snapshot beyond it (a log that lost its tail) would give the cache a
+        # clock and state no log entry backs, and the next op a clock after a gap.
+        head = tx.execute(_SELECT_HEAD, key).fetchone()[0]
+        if head is None or int(head) < snapshot_clock:
+            raise OpLogCorrupted(
+                f"{key}: snapshot at clock {snapshot_clock} is ahead of the log's head {head or 0}"
+            )
+    return _SubDoc(clock=clock, state=state)
+
+
+@functools.lru_cache(maxsize=64)
+def _look_up_sql(count: int) -> str:
+    """The lookup query for `count` op_ids (cached: one text per size keeps SQLite's statement
+    cache warm for the common sizes, 1 and a full batch)."""
+    marks = ", ".join(["?"] * count)
+    return (
+        f"SELECT op_id, clock, fingerprint, NULL, NULL FROM {OPS_TABLE}"
+        f" WHERE workspace_id = ? AND sub_doc = ? AND op_id IN ({marks})"
+        " UNION ALL"
+        f" SELECT op_id, NULL, fingerprint, code, message FROM {REJECTIONS_TABLE}"
+        f" WHERE workspace_id = ? AND sub_doc = ? AND op_id IN ({marks})"
+    )
+
+
+def _look_up(
+    tx: Transaction, workspace_id: str, sub_doc: str, op_ids: list[str]
+) -> dict[str, Recorded]:
+    """What the log holds for `op_ids`: committed clocks and recorded rejections."""
+    recorded: dict[str, Recorded] = {}
+    for start in range(0, len(op_ids), _LOOKUP_CHUNK):
+        chunk = op_ids[start : start + _LOOKUP_CHUNK]
+        params = (workspace_id, sub_doc, *chunk, workspace_id, sub_doc, *chunk)
+        for op_id, clock, fingerprint, code, message in tx.execute(
+            _look_up_sql(len(chunk)), params
+        ):
+            if clock is not None:
+                recorded[op_id] = RecordedCommit(clock=int(clock), fingerprint=fingerprint)
+            else:
+                recorded[op_id] = RecordedRejection(code, message, fingerprint)
+    return recorded
