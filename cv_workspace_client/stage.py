@@ -303,7 +303,7 @@ class StageContext:
         wait: float | None = None,
     ) -> ComputeResult[T]:
         """Run an expensive call at most once per `(workspace, job_id, task)` under the compute
-        lock (DESIGN §8); see `cv_workspace_client.compute.compute_once`."""
+        lock (docs/stages.md); see `cv_workspace_client.compute.compute_once`."""
         return await compute_once(
             self.client,
             self.workspace_id,
