@@ -33,8 +33,8 @@ import sqlite_utils
 
 from cv_mutations import fingerprint, new_op_id, parse_op
 from cv_server.oplog import IncomingOp
-from cv_server.oplog.sqlite import SQLiteOpLogStore
-from cv_server.sqlite_db import SQLiteDatabase, Transaction
+from cv_server.sqlite.engine import SQLiteDatabase, Transaction
+from cv_server.sqlite.oplog import SQLiteOpLogStore
 
 __all__ = ["main"]
 

@@ -29,9 +29,9 @@ import sqlite_utils
 
 from cv_server.config import ServerConfig
 from cv_server.queue import Completion, NewRequest, deterministic_request_id
-from cv_server.queue import sqlite as queue_sqlite
-from cv_server.queue.sqlite import CLAIM_PROBES, TABLE, SQLiteQueueStore
-from cv_server.sqlite_db import SQLiteDatabase, Transaction
+from cv_server.sqlite import queue as queue_sqlite
+from cv_server.sqlite.engine import SQLiteDatabase, Transaction
+from cv_server.sqlite.queue import CLAIM_PROBES, TABLE, SQLiteQueueStore
 
 CONFIG = ServerConfig()
 STAGE = "noop"

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from cv_server.oplog.sqlite import _LIST_SUB_DOCS, OPS_TABLE, SQLiteOpLogStore
+from cv_server.sqlite.oplog import _LIST_SUB_DOCS, OPS_TABLE, SQLiteOpLogStore
 
 __all__ = ["main"]
 

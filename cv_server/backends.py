@@ -10,21 +10,17 @@ from typing import IO, Final, TypeAlias
 
 import sqlite_utils
 
-from cv_server import meta
 from cv_server.config import ServerConfig
-from cv_server.locks import sqlite as locks_sqlite
 from cv_server.locks.store import ComputeLockStore
 from cv_server.oplog import OpLogStore
-from cv_server.oplog import sqlite as oplog_sqlite
-from cv_server.queue import (
-    BlobStore,
-    IdempotencyStore,
-    QueueStore,
-    blobs_sqlite,
-    idempotency_sqlite,
-)
-from cv_server.queue import sqlite as queue_sqlite
-from cv_server.sqlite_db import SQLiteDatabase
+from cv_server.queue import BlobStore, IdempotencyStore, QueueStore
+from cv_server.sqlite import blobs as blobs_sqlite
+from cv_server.sqlite import idempotency as idempotency_sqlite
+from cv_server.sqlite import locks as locks_sqlite
+from cv_server.sqlite import meta
+from cv_server.sqlite import oplog as oplog_sqlite
+from cv_server.sqlite import queue as queue_sqlite
+from cv_server.sqlite.engine import SQLiteDatabase
 
 __all__ = [
     "SQLITE_SCHEMA_VERSION",

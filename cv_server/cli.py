@@ -29,12 +29,12 @@ from cv_server.app import create_app
 from cv_server.auth import check_grant, mint_token
 from cv_server.backends import DatabaseUnusable, hold_serving_lock, open_sqlite_database
 from cv_server.config import ServerConfig
-from cv_server.meta import (
+from cv_server.serving import ServerRunner
+from cv_server.sqlite.meta import (
     read_sqlite_token_secret,
     rotate_sqlite_token_secret,
     sqlite_token_secret,
 )
-from cv_server.serving import ServerRunner
 from cv_workspace_client.logs import LOG_FORMATS, JsonFormatter, LogFormat, configure_logging
 
 __all__ = ["EXIT_CODES", "main"]
@@ -72,8 +72,8 @@ def _env(name: str, default: str | None = None) -> str | None:
 def _startup_errors() -> tuple[type[BaseException], ...]:
     """What a bad database, a bad setting or a taken port raise at start-up: reported in one
     line and exit status 1 (a supervisor restarting on a traceback would only loop), with the
-    traceback kept for --log-level DEBUG. PostgreSQL's: a missing schema, database or role
-    (asyncpg's errors only when the `postgres` extra is installed)."""
+    traceback kept for --log-level DEBUG. PostgreSQL's: a missing schema, database or role, as
+    the backend's own errors (only when the `postgres` extra is installed)."""
     errors: list[type[BaseException]] = [
         DatabaseUnusable,
         sqlite3.Error,
@@ -81,13 +81,12 @@ def _startup_errors() -> tuple[type[BaseException], ...]:
         OSError,
         _MissingPostgresExtra,
     ]
-    # Only with the extra: `cv_server.pg` imports asyncpg, which `[server]` alone lacks.
+    # Only with the extra: `cv_server.pg` imports asyncpg, which `[server]` alone lacks. The
+    # backend raises its driver's refusals as `PostgresRefused`, one of its own errors.
     if importlib.util.find_spec("asyncpg") is not None:
-        import asyncpg  # type: ignore[import-untyped]
-
         from cv_server.pg.errors import PostgresBackendError
 
-        errors += [asyncpg.PostgresError, PostgresBackendError]
+        errors.append(PostgresBackendError)
     return tuple(errors)
 
 

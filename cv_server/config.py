@@ -44,7 +44,7 @@ class ServerConfig:
     socket_heartbeat_seconds: float | None = 60.0
     #: Page size of catch-up reads.
     catchup_page: int = 1000
-    #: Ops between two state snapshots (a cache of the log; bounds restart replay time).
+    #: Ops between two state snapshots (a cache of the log; bounds the rebuild after a restart).
     snapshot_every: int = 1000
     #: Sub-doc states kept in memory, least recently used evicted first (a memory bound: an
     #: evicted sub-doc is rebuilt from its snapshot plus at most `snapshot_every` log entries).

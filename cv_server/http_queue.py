@@ -59,7 +59,7 @@ from cv_server.queue import (
     Owned,
     ProcessRequest,
     QueueError,
-    Replay,
+    StoredAnswer,
     StoredResponse,
     deterministic_request_id,
     random_request_id,
@@ -255,7 +255,7 @@ async def enqueue(request: web.Request) -> web.Response:
     # minutes moves a key's expiry by minutes out of a day, and whether its owner is alive is
     # decided by a lock, not by time (pg/idempotency.py). Not worth a round trip per enqueue.
     begun = await stores.idempotency.begin(workspace_id, key, fingerprint, time.time())
-    if isinstance(begun, Replay):
+    if isinstance(begun, StoredAnswer):
         return web.json_response(
             begun.body, status=begun.status_code, headers={"Idempotency-Replayed": "true"}
         )

@@ -67,8 +67,8 @@ async def list_requests(request: web.Request) -> web.Response:
         after=_list_cursor(request.query.get("after")),
     )
     now = await queue.clock()
-    # A full page may have more behind it: `?after=<next_after>` asks for the next one (there
-    # was no next page: poison requests past the first 1000 could not be found to replay).
+    # A full page may have more behind it: `?after=<next_after>` asks for the next one, so every
+    # poison request can be listed and replayed by hand.
     last = rows[-1] if rows and len(rows) == limit else None
     next_after = None if last is None else f"{last.created_at!r},{last.request_id}"
     return web.json_response(

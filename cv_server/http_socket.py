@@ -227,7 +227,7 @@ class _Session:
             task = asyncio.create_task(self._after(previous, sub_doc, ops, atomic))
         self._tails[sub_doc] = task
         # Nothing cancels these tasks: a commit that started finishes and is published even if
-        # the socket closes meanwhile (the client replays and is answered from the dedupe record).
+        # the socket closes meanwhile (the client resends and is answered from the dedupe record).
         task.add_done_callback(lambda t: self._answer(sub_doc, req, t))
 
     async def _after(
@@ -395,7 +395,7 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
             expiry.cancel()
         app[CONNECTIONS].discard(conn)
         # Acks may no longer reach the client, but the commits themselves finish: the client
-        # replays and the server answers from the dedupe record.
+        # resends and the server answers from the dedupe record.
         try:
             await session.wait_applies()
         finally:  # even if that wait is cancelled: else the subscriptions stay in the hub

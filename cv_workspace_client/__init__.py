@@ -10,11 +10,22 @@ async with WorkspaceClient(url, token=token, outbox="app.outbox.db") as client:
     async for committed in client.subscribe("ws1", "tree", since=clock): ...
 ```
 
-Replay-test helpers for apps live in `cv_workspace_client.testing`.
+The names below are grouped as in `__all__`: the client and its values, its errors, the work
+queue, writing a stage, the worker that runs stages, and the providers a stage calls. The
+worker, the stage runtime and the providers load on first use (`import cv_workspace_client`
+loads the client alone); `cv_workspace_client.worker` and the other modules import as usual.
+Test helpers for apps (`FaultProxy`, `restart_client`, `CountingFakeProvider`) live in
+`cv_workspace_client.testing`.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from cv_workspace_client._auth import TokenProvider
 from cv_workspace_client._queue_api import QueueClient
+from cv_workspace_client._reconnect import ReconnectPolicy
 from cv_workspace_client.client import WorkspaceClient
 from cv_workspace_client.compute import ComputeResult, LockExpiringError, compute_once
 from cv_workspace_client.config import ClientConfig
@@ -22,89 +33,133 @@ from cv_workspace_client.errors import (
     AuthError,
     ClientClosedError,
     ConnectionFailedError,
+    ExpectedError,
     ForbiddenError,
     InvalidRequestError,
+    LeaseLostError,
     NotFoundError,
     OpDiscardedError,
     OpRejectedError,
     OutboxError,
     ProtocolError,
     RateLimitedError,
+    RequestCancelledError,
     ServerError,
     StillPendingError,
     WorkspaceError,
 )
 from cv_workspace_client.live import LiveDoc
 from cv_workspace_client.models import Commit, Committed, SyncStatus
-from cv_workspace_client.providers import (
-    CountingFakeProvider,
-    OpenAICompatibleProvider,
-    Provider,
-    ProviderError,
-    ProviderRejected,
-    ProviderResponseInvalid,
-    ProviderResult,
-    ProviderUnavailable,
-)
 from cv_workspace_client.queue_models import EnqueuedRequest, QueuedRequest, RequestOutcome
-from cv_workspace_client.stage import (
-    ExpectedError,
-    Handler,
-    LeaseLostError,
-    RequestCancelledError,
-    Stage,
-    StageContext,
-    StageRequest,
-)
 from cv_workspace_client.stream import Subscription
-from cv_workspace_client.worker import Worker, WorkerConfig, WorkerStats
 
+if TYPE_CHECKING:
+    from cv_workspace_client.providers import (
+        OpenAICompatibleProvider,
+        Provider,
+        ProviderError,
+        ProviderRejected,
+        ProviderResponseInvalid,
+        ProviderResult,
+        ProviderUnavailable,
+    )
+    from cv_workspace_client.stage import Handler, Stage, StageContext, StageRequest
+    from cv_workspace_client.worker import Worker, WorkerConfig, WorkerStats
+
+# the client, its configuration and what it hands back
 __all__ = [
-    "AuthError",
-    "ClientClosedError",
     "ClientConfig",
     "Commit",
     "Committed",
-    "ComputeResult",
+    "LiveDoc",
+    "ReconnectPolicy",
+    "Subscription",
+    "SyncStatus",
+    "TokenProvider",
+    "WorkspaceClient",
+]
+# errors: one hierarchy, each with a stable `code`
+__all__ += [
+    "AuthError",
+    "ClientClosedError",
     "ConnectionFailedError",
-    "CountingFakeProvider",
-    "EnqueuedRequest",
     "ExpectedError",
     "ForbiddenError",
-    "Handler",
     "InvalidRequestError",
     "LeaseLostError",
-    "LiveDoc",
     "LockExpiringError",
     "NotFoundError",
     "OpDiscardedError",
     "OpRejectedError",
-    "OpenAICompatibleProvider",
     "OutboxError",
     "ProtocolError",
+    "RateLimitedError",
+    "RequestCancelledError",
+    "ServerError",
+    "StillPendingError",
+    "WorkspaceError",
+]
+# the work queue and the compute lock, from an app
+__all__ += [
+    "ComputeResult",
+    "EnqueuedRequest",
+    "QueueClient",
+    "QueuedRequest",
+    "RequestOutcome",
+    "compute_once",
+]
+# writing a stage (loaded on first use)
+__all__ += [
+    "Handler",
+    "Stage",
+    "StageContext",
+    "StageRequest",
+]
+# the worker that runs stages (loaded on first use)
+__all__ += [
+    "Worker",
+    "WorkerConfig",
+    "WorkerStats",
+]
+# providers a stage calls (loaded on first use)
+__all__ += [
+    "OpenAICompatibleProvider",
     "Provider",
     "ProviderError",
     "ProviderRejected",
     "ProviderResponseInvalid",
     "ProviderResult",
     "ProviderUnavailable",
-    "QueueClient",
-    "QueuedRequest",
-    "RateLimitedError",
-    "RequestCancelledError",
-    "RequestOutcome",
-    "ServerError",
-    "Stage",
-    "StageContext",
-    "StageRequest",
-    "StillPendingError",
-    "Subscription",
-    "SyncStatus",
-    "TokenProvider",
-    "Worker",
-    "WorkerConfig",
-    "WorkerStats",
-    "WorkspaceClient",
-    "WorkspaceError",
-    "compute_once",
 ]
+
+#: The names that load their module on first use, and where each lives.
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(("Handler", "Stage", "StageContext", "StageRequest"), "stage"),
+    **dict.fromkeys(("Worker", "WorkerConfig", "WorkerStats"), "worker"),
+    **dict.fromkeys(
+        (
+            "OpenAICompatibleProvider",
+            "Provider",
+            "ProviderError",
+            "ProviderRejected",
+            "ProviderResponseInvalid",
+            "ProviderResult",
+            "ProviderUnavailable",
+        ),
+        "providers",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load a stage, worker or provider name from its module on first access (PEP 562)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

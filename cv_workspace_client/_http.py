@@ -1,36 +1,29 @@
-"""The HTTP half of the transport (docs/protocol.md): one aiohttp session, answers turned into JSON
-or typed errors. No retry logic here: the machine (ops) and tenacity (reads) decide about
-retries."""
+"""The HTTP half of the transport (docs/protocol.md): one aiohttp session; `exchange` sends one
+request and hands back its status, body and headers (a connection error as
+`ConnectionFailedError`), and `_answers.read_answer` reads every answer the same way. No retry
+logic here: the machine (ops) and tenacity (reads, queue verbs) decide about retries."""
 
 from __future__ import annotations
 
-import email.utils
 import io
-import json
-import re
-import sys
-import time
-from datetime import UTC
-from typing import Any, Final
+from collections.abc import Mapping, Sequence
+from typing import Any
 from urllib.parse import quote
 
 import aiohttp
 from aiohttp.payload import TOO_LARGE_BYTES_BODY
 
 from cv_mutations import SubDocState, parse_op
+from cv_workspace_client._answers import not_an_answer, parse_retry_after, read_answer
 from cv_workspace_client._auth import TokenRefresher, with_token
-from cv_workspace_client.errors import (
-    ConnectionFailedError,
-    ProtocolError,
-    WorkspaceError,
-    error_from_problem,
-)
+from cv_workspace_client.errors import ConnectionFailedError, ProtocolError
 from cv_workspace_client.logs import context_fields
 from cv_workspace_client.models import Committed
 
 __all__ = [
     "HttpApi",
     "body_payload",
+    "exchange",
     "log_answer",
     "not_an_answer",
     "parse_retry_after",
@@ -46,23 +39,35 @@ def body_payload(data: bytes) -> bytes | io.BytesIO:
     return io.BytesIO(data) if len(data) > TOO_LARGE_BYTES_BODY else data
 
 
-def not_an_answer(status: int, location: str | None) -> ProtocolError:
-    """A status below 400 no route of the API answers (a 201, a 204, a 3xx that is not
-    followed): it comes from something in between and says nothing of the request, so it is
-    retried like a lost answer (under the same op_id / Idempotency-Key), never final."""
-    where = f" to {location}" if location else ""
-    return ProtocolError("bad_answer", f"HTTP {status}{where} is not an answer of the API")
-
-
-#: What a bare status from a proxy means, in the server's own codes. A 413 (nginx's
-#: `client_max_body_size`) is the server's `body_too_large`: the SDK halves the batch, and
-#: only an op too large alone fails (`http_413` failed every op of the batch for good).
-_PROXY_PROBLEMS: dict[int, dict[str, Any]] = {413: {"code": "body_too_large"}}
-
-#: Bare 4xx statuses (no problem document) that are answers whoever sent them: a refused token
-#: (an auth proxy's 401 / 403: the lane parks for a new one), a body too large (the batch is
-#: halved), too many requests (retried after its wait). Any other bare 4xx is not an answer.
-_PROXY_ANSWERS = frozenset({401, 403, 413, 429})
+async def exchange(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    *,
+    headers: Mapping[str, str],
+    data: bytes | None = None,
+    params: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
+) -> tuple[int, bytes, Mapping[str, str]]:
+    """Send one request and read its whole answer: `(status, body, headers)`. A connection that
+    fails before the answer is read (refused, reset, timed out) raises `ConnectionFailedError`:
+    the request may have been applied, and the caller retries it under the same op_id /
+    Idempotency-Key. Redirects are not followed: aiohttp turns a redirected POST into a GET,
+    or sends it wherever the redirect points; the SDK talks to its URL only."""
+    all_headers = dict(headers)
+    if data is not None:
+        all_headers["Content-Type"] = "application/json"
+    try:
+        async with session.request(
+            method,
+            url,
+            data=None if data is None else body_payload(data),
+            params=params,
+            headers=all_headers,
+            allow_redirects=False,
+        ) as response:
+            return response.status, await response.read(), response.headers
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        raise ConnectionFailedError("connection_failed", f"{type(exc).__name__}: {exc}") from exc
 
 
 class HttpApi:
@@ -145,98 +150,15 @@ class HttpApi:
         data: bytes | None,
         params: dict[str, str] | None,
     ) -> Any:
-        if data is not None:
-            headers["Content-Type"] = "application/json"
         # Inside a worker's stage run: the server's log lines of this request carry its queue
         # request id, as the worker's do (docs/observability.md, following a stage run).
         run = context_fields().get("queue_request_id")
         if run is not None:
             headers["X-Request-ID"] = run
-        try:
-            # Redirects are not followed: aiohttp turned a redirected POST of ops into a GET
-            # (whose 404 then failed the ops for good), or sent them wherever the redirect
-            # pointed and took that host's answer for the commit. The SDK talks to its URL only.
-            async with self.session.request(
-                method,
-                self.base_url + path,
-                data=None if data is None else body_payload(data),
-                params=params,
-                headers=headers,
-                allow_redirects=False,
-            ) as response:
-                raw = await response.read()
-                if response.status == 200:
-                    try:
-                        return json.loads(raw)
-                    # RecursionError: nested past what the JSON reader takes. It reached the
-                    # app bare from `get_state` / `read_ops` instead of being retried.
-                    except (ValueError, RecursionError) as exc:
-                        raise ProtocolError("bad_answer", f"invalid JSON: {exc}") from None
-                if response.status < 400:
-                    # Every route answers 200 or a problem (docs/protocol.md); `http_204` used to
-                    # fail an op for good.
-                    raise not_an_answer(response.status, response.headers.get("Location"))
-                problem: Any = None
-                try:
-                    problem = json.loads(raw) if raw else None
-                except (ValueError, RecursionError):  # not a problem document: read the status
-                    problem = None
-                if not isinstance(problem, dict) or not problem.get("code"):
-                    # Not the server's problem+json: a proxy's page, read by its status alone.
-                    if response.status == 408:
-                        # The request was not received in time: nothing was applied, and it
-                        # may well go through next time (`http_408` failed the op for good).
-                        raise ConnectionFailedError("timeout", "HTTP 408 before an answer")
-                    if response.status < 500 and response.status not in _PROXY_ANSWERS:
-                        # Something in between answered for the server (a proxy's 404 for a
-                        # route it was not told about, its 400 or 421): the server never saw
-                        # the request, so this says nothing about the ops. Taken as final, a
-                        # misconfigured proxy made every op leave the outbox unapplied, and
-                        # replayed ones silently. Retried, then kept pending, like a lost answer.
-                        raise ProtocolError(
-                            "bad_answer",
-                            f"HTTP {response.status} without the server's problem document "
-                            "(from something in between?): not an answer of the API",
-                        )
-                    problem = _PROXY_PROBLEMS.get(response.status)
-                raise error_from_problem(
-                    response.status,
-                    problem,
-                    retry_after=parse_retry_after(response.headers.get("Retry-After")),
-                )
-        except WorkspaceError:
-            raise
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            # The request may have been applied: the caller retries it under the same op_id.
-            raise ConnectionFailedError(
-                "connection_failed", f"{type(exc).__name__}: {exc}"
-            ) from exc
-
-
-#: delta-seconds (RFC 9110 §10.2.3: digits; a fraction is taken too). Python's `float()` reads
-#: far more ("-5", "nan", "inf", "1e3", "1_000", other scripts' digits).
-_DELTA_SECONDS: Final = re.compile(r"[0-9]+(?:\.[0-9]+)?")
-
-
-def parse_retry_after(value: str | None) -> float | None:
-    """`Retry-After` as seconds: delta-seconds or an HTTP date (RFC 9110 §10.2.3); a date in the
-    past is 0 (now). Anything else is no Retry-After (None: the caller's jitter applies). A
-    negative value read as 0 made the client retry at once a server that asked for a pause, and
-    a date past what `datetime` holds raised `OverflowError` (bare, from `get_state`).
-    A huge value is kept: the retry policy's cap (docs/configuration.md) bounds the wait where it is
-    used."""
-    if not value:
-        return None
-    value = value.strip()
-    if _DELTA_SECONDS.fullmatch(value):
-        return min(float(value), sys.float_info.max)  # a digit string past a float is inf
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-        if when.tzinfo is None:  # "-0000" or no zone: HTTP dates are GMT, not local time
-            when = when.replace(tzinfo=UTC)
-        return max(0.0, when.timestamp() - time.time())
-    except (TypeError, ValueError, OverflowError):
-        return None
+        status, raw, answer_headers = await exchange(
+            self.session, method, self.base_url + path, headers=headers, data=data, params=params
+        )
+        return read_answer(status, raw, answer_headers)
 
 
 def state_answer(answer: Any) -> tuple[int, SubDocState]:

@@ -1,4 +1,4 @@
-"""The outbox / retry / replay state machine: the SDK's promise, without any I/O.
+"""The outbox / retry / resend state machine: the SDK's promise, without any I/O.
 
 Sans-I/O (STYLE habit 1): no sockets, clock, storage, asyncio or randomness in here. `now`, the
 op_id minter and the backoff delay generator are injected. The shell feeds events in and carries
@@ -103,7 +103,7 @@ _BATCH_TOO_BIG = frozenset({"too_many_ops", "body_too_large"})
 class _Entry:
     row: OutboxRow
     persisted: bool
-    #: The app awaits this op's answer (False for replayed rows, and after a give-up).
+    #: The app awaits this op's answer (False for resent rows, and after a give-up).
     awaited: bool
     size: int
     #: A send of it may have been applied though its answer never came (a retryable failure).
@@ -274,7 +274,7 @@ class OutboxMachine:
         self, rows: Iterable[OutboxRow], backlog: Iterable[LaneBacklog] | None = None
     ) -> None:
         """Take the rows a previous client left in the outbox. Call once, before any `submit`:
-        replayed ops go first, in their original order, with their original op_ids.
+        resent ops go first, in their original order, with their original op_ids.
 
         `rows` is all of them, or (with `backlog`, each lane's count and last seq) the first
         rows of each lane, whole atomic groups: the rest is read page by page (`Load`)."""
@@ -350,7 +350,7 @@ class OutboxMachine:
         atomic: bool = False,
     ) -> list[OutboxRow]:
         """Accept ops (JSON objects) from the app. An op without `op_id` gets one minted now,
-        once: it is the op's identity for every retry and replay. Decides `Persist`; nothing is
+        once: it is the op's identity for every retry and resend. Decides `Persist`; nothing is
         sent before `persisted` confirms the write."""
         self._restored = True
         lane = self._lane(workspace_id, sub_doc)
@@ -464,7 +464,7 @@ class OutboxMachine:
 
     def connection_opened(self, workspace_id: str) -> None:
         """A connection to the workspace opened: the network is back, so lanes that gave up start
-        a fresh attempt cycle (their ops are replayed in order)."""
+        a fresh attempt cycle (their ops are resent in order)."""
         for lane in self._lanes.values():
             if lane.key[0] == workspace_id and lane.parked:
                 self._unpark(lane)

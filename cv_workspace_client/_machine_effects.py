@@ -104,7 +104,7 @@ class Resolve:
 @dataclass(frozen=True, slots=True)
 class Forget:
     """The server answered these rows: delete them from the outbox (no hurry, no fsync needed:
-    a row that survives a crash is replayed and answered as a duplicate)."""
+    a row that survives a crash is resent and answered as a duplicate)."""
 
     seqs: tuple[int, ...]
 

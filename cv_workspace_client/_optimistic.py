@@ -24,7 +24,7 @@ The rules, each pinned by a test:
   never should: the server folds the same reducers over the same log). `Diverged` is raised and
   the shell starts over from a fresh server state (`resync`), pending ops re-applied. Until
   then the view stays as it was, pending ops included (the shell's re-read may take a while).
-- Ops a new view finds in the client's outbox (`waiting`: replayed after a restart) are pending
+- Ops a new view finds in the client's outbox (`waiting`: resent after a restart) are pending
   like the app's, with nobody waiting for their answer (orphans) from the start.
 """
 
@@ -109,7 +109,7 @@ class OptimisticDoc:
         return undo is not None
 
     def waiting(self, op_id: str, op: Op) -> bool:
-        """An op already in the client's outbox that nobody here awaits (replayed after a
+        """An op already in the client's outbox that nobody here awaits (resent after a
         restart, listed when the view opened): pending and orphaned from the start (`local`
         then `orphaned`). Returns whether the view can take it."""
         shown = self.local(op_id, op)

@@ -122,7 +122,7 @@ def connect(path: str, busy_timeout_ms: int) -> sqlite3.Connection:
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
         conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-        # One client per outbox file: two would replay the same rows side by side. The lock is a
+        # One client per outbox file: two would resend the same rows side by side. The lock is a
         # POSIX lock on the file: the kernel drops it when its holder dies, even by SIGKILL.
         conn.execute("PRAGMA locking_mode = EXCLUSIVE")
         # Takes (and, in EXCLUSIVE mode, keeps) the exclusive lock before anything is read or

@@ -21,7 +21,7 @@ written, and why:
 - `outbox_sync="before_send"` waits for that fsync before the op may be sent (a write's `done`
   runs after it): the strict order, one fsync on every op's path.
 
-`locking_mode=EXCLUSIVE` keeps a second client (another process) from replaying the same rows
+`locking_mode=EXCLUSIVE` keeps a second client (another process) from resending the same rows
 concurrently: it fails to open with `outbox_locked` instead.
 
 A large backlog (a client offline for long: a million ops) is not read whole at start. `open`
@@ -234,7 +234,7 @@ class SQLiteOutbox(Outbox):
         self.writes_committed += 1
         if not job.inserts:
             # Deletes and attempt counts need no fsync of their own: a delete lost in a power
-            # failure only means a replay the server answers from its dedupe record. The next
+            # failure only means a resend the server answers from its dedupe record. The next
             # fsync carries them along.
             if job.done is not None:
                 job.done(None)

@@ -1,4 +1,5 @@
-"""Carrying out the outbox machine's decisions: `OpPump`, mixed into `WorkspaceClient`.
+"""Carrying out the outbox machine's decisions: `OpPump`, the part of `WorkspaceClient` that
+moves ops (the client holds one and hands it what it needs as a `PumpHost`).
 
 Ops enter here (`_submit`: the op_id is minted before the op is written anywhere), and every
 decision `OutboxMachine` takes — persist, send, resolve, wait, load a page of a restored backlog —
@@ -18,7 +19,7 @@ import asyncio
 import contextlib
 import functools
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from cv_mutations import InvalidOp, Op, parse_op
 from cv_workspace_client._http import HttpApi
@@ -46,42 +47,99 @@ from cv_workspace_client.errors import (
 )
 from cv_workspace_client.models import Commit
 
-__all__ = ["OpLike", "OpPump", "as_op"]
+__all__ = ["OpLike", "OpPump", "PumpHost", "as_op"]
 
 OpLike = Op | Mapping[str, Any]
 
 
+class PumpHost(Protocol):
+    """What the pump needs from the client that owns it."""
+
+    @property
+    def is_open(self) -> bool:
+        """Started and not closing: decisions to send, wait or load are carried out."""
+        ...
+
+    @property
+    def outbox(self) -> Outbox | None: ...
+
+    def open_socket(self, workspace_id: str) -> WorkspaceSocket | None:
+        """The workspace's websocket if one exists (opened by an op or a subscription)."""
+        ...
+
+    def socket(self, workspace_id: str) -> WorkspaceSocket:
+        """The workspace's websocket, connecting it if needed."""
+        ...
+
+    def api(self) -> HttpApi: ...
+
+    def check_open(self) -> None:
+        """Raise `RuntimeError` unless the client is open."""
+        ...
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` as a task the client cancels when it closes."""
+        ...
+
+
 class OpPump:
-    """The decision carrier of a host that owns the machine, the outbox, the sockets and the
-    callers' futures (`WorkspaceClient`)."""
+    """The decision carrier: feeds the outbox machine what happened and does what it decides.
 
-    config: ClientConfig
-    _machine: OutboxMachine
-    _outbox: Outbox | None
-    _futures: dict[int, tuple[asyncio.Future[Commit], str]]
-    _sockets: dict[str, WorkspaceSocket]
-    _tasks: set[asyncio.Task[Any]]
-    _pump_handle: asyncio.Handle | None
-    _pumping: bool
-    _holds: int
-    _signals: SyncSignals
-    _state: str
-    #: The op_id minter (`WorkspaceClient(new_op_id=...)`).
-    _mint: Callable[[], str]
+    Args:
+        host: the client (`PumpHost`).
+        config: the client's configuration.
+        machine: the outbox machine whose decisions are carried out.
+        signals: told after each round, for `sync_status` watchers.
+        futures: the callers' futures by outbox seq (shared with the client, which fails
+            those still waiting when it closes).
+        mint: the op_id minter (`WorkspaceClient(new_op_id=...)`).
+    """
 
-    def _socket(self, workspace_id: str) -> WorkspaceSocket:
-        raise NotImplementedError
+    def __init__(
+        self,
+        host: PumpHost,
+        *,
+        config: ClientConfig,
+        machine: OutboxMachine,
+        signals: SyncSignals,
+        futures: dict[int, tuple[asyncio.Future[Commit], str]],
+        mint: Callable[[], str],
+    ) -> None:
+        self._host = host
+        self.config = config
+        self._machine = machine
+        self._signals = signals
+        self._futures = futures
+        self._mint = mint
+        self._pump_handle: asyncio.Handle | None = None
+        self._pumping = False
+        self._holds = 0
 
-    def _api(self) -> HttpApi:
-        raise NotImplementedError
+    def submit(
+        self, workspace_id: str, sub_doc: str, ops: Sequence[OpLike], *, atomic: bool
+    ) -> list[asyncio.Future[Commit]]:
+        """Mint op_ids, hand the ops to the machine, and schedule one outbox write for the
+        tick; the futures resolve with each op's answer."""
+        return self._submit(workspace_id, sub_doc, ops, atomic=atomic)
 
-    def _check_open(self) -> None:
-        raise NotImplementedError
+    def pump(self) -> None:
+        """Carry out every decision taken so far (the scheduled round, now)."""
+        self._pump()
+
+    def kick(self) -> None:
+        """Something happened: act on it now (or as soon as the running pump or hold ends)."""
+        self._kick()
+
+    def cancel_scheduled(self) -> None:
+        """Drop the round scheduled for this tick (the client is closing)."""
+        if self._pump_handle is not None:
+            self._pump_handle.cancel()
+            self._pump_handle = None
 
     def _submit(
         self, workspace_id: str, sub_doc: str, ops: Sequence[OpLike], *, atomic: bool
     ) -> list[asyncio.Future[Commit]]:
-        self._check_open()
+        self._host.check_open()
         check_ids(workspace_id, sub_doc)
         raws: list[dict[str, Any]] = []
         for op in ops:
@@ -98,7 +156,7 @@ class OpPump:
             self._futures[row.seq] = (future, row.op_id)
             futures.append(future)
         if self.config.ops_over_websocket:
-            self._socket(workspace_id)
+            self._host.socket(workspace_id)
         if self._pump_handle is None:
             # Everything submitted in this tick shares one outbox write.
             self._pump_handle = loop.call_soon(self._pump)
@@ -111,9 +169,9 @@ class OpPump:
             return
         self._pumping = True
         try:
-            outbox = self._outbox
+            outbox = self._host.outbox
             assert outbox is not None
-            sending = self._state == "open"
+            sending = self._host.is_open
             while decisions := self._machine.decisions():
                 write = OutboxWrite()
                 for decision in decisions:
@@ -143,7 +201,7 @@ class OpPump:
 
     def _kick(self) -> None:
         """Something happened: act on it now (or as soon as the running pump or hold ends)."""
-        if self._state == "open" and not self._holds:
+        if self._host.is_open and not self._holds:
             self._pump()
 
     @contextlib.contextmanager
@@ -165,7 +223,7 @@ class OpPump:
 
     def _send(self, send: Send) -> None:
         # `ops_over_websocket=False` is HTTP only, even when a subscription opened the socket.
-        sock = self._sockets.get(send.workspace_id) if self.config.ops_over_websocket else None
+        sock = self._host.open_socket(send.workspace_id) if self.config.ops_over_websocket else None
         if sock is not None and sock.send_batch(send):
             return
         self._spawn(self._post(send))
@@ -174,7 +232,7 @@ class OpPump:
         # A refusal of a token replaced while the request was out (`set_token`, a refresh) is
         # not reported: `HttpApi.request` sends it again with the new one (`with_token`).
         try:
-            results = await self._api().post_ops(send.workspace_id, send.sub_doc, send.body())
+            results = await self._host.api().post_ops(send.workspace_id, send.sub_doc, send.body())
         except WorkspaceError as exc:
             self._machine.batch_failed(send.batch_id, exc)
         except Exception as exc:
@@ -194,9 +252,10 @@ class OpPump:
         self._kick()
 
     async def _load(self, load: Load) -> None:
-        assert self._outbox is not None
+        outbox = self._host.outbox
+        assert outbox is not None
         try:
-            rows = await self._outbox.read_lane(
+            rows = await outbox.read_lane(
                 load.workspace_id, load.sub_doc, load.after_seq, load.up_to_seq, load.limit
             )
         except OutboxError as exc:
@@ -206,7 +265,7 @@ class OpPump:
         self._kick()
 
     def _resolve(self, resolve: Resolve) -> None:
-        outbox = self._outbox
+        outbox = self._host.outbox
         for seq, outcome in resolve.outcomes:
             entry = self._futures.pop(seq, None)
             if entry is None or entry[0].done():
@@ -226,10 +285,11 @@ class OpPump:
     async def _still_pending_once_synced(
         self, seq: int, future: asyncio.Future[Commit], outcome: StillPendingError
     ) -> None:
-        assert self._outbox is not None
+        outbox = self._host.outbox
+        assert outbox is not None
         error: BaseException = outcome
         try:
-            await self._outbox.sync(seq)
+            await outbox.sync(seq)
         except OutboxError as exc:
             error = exc
         finally:  # cancelled by close(): the close's own final fsync covers the row
@@ -237,9 +297,7 @@ class OpPump:
                 future.set_exception(error)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._host.spawn(coro)
 
     # -- answers from the sockets (SocketOwner) ---
 

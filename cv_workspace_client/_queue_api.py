@@ -11,6 +11,7 @@ claim are in `_queue_holder`.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import json
@@ -21,7 +22,9 @@ from typing import Any
 
 import aiohttp
 
+from cv_workspace_client._answers import answer_error
 from cv_workspace_client._auth import TokenRefresher, bearer_of, with_token
+from cv_workspace_client._http import exchange
 from cv_workspace_client._queue_http import QueueHost, call, config_of, retried, ws_path
 from cv_workspace_client._retry import backoff_for, is_retryable, log_retry, retrying
 from cv_workspace_client._url import check_server_url
@@ -124,24 +127,12 @@ async def get_blob(host: QueueHost, workspace_id: str, ref: str) -> bytes:
     """The bytes of a large result (`blob_ref` on the row)."""
 
     async def once(auth: dict[str, str]) -> bytes:
-        try:
-            async with host.session.get(
-                host.url + ws_path(workspace_id, "blobs", ref), headers=auth
-            ) as response:
-                raw = await response.read()
-                if response.status == 200:
-                    return raw
-                try:
-                    problem = json.loads(raw) if raw else None
-                except (ValueError, RecursionError):
-                    problem = None
-                raise error_from_problem(
-                    response.status, problem if isinstance(problem, dict) else None
-                )
-        except WorkspaceError:
-            raise
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise ConnectionFailedError("connection_failed", str(exc)) from exc
+        status, raw, headers = await exchange(
+            host.session, "GET", host.url + ws_path(workspace_id, "blobs", ref), headers=auth
+        )
+        if status == 200:
+            return raw
+        raise answer_error(status, raw, headers)
 
     async for attempt in retrying(config_of(host)):
         with attempt:
@@ -252,13 +243,7 @@ async def stream_events(
             ) as response:
                 if response.status != 200:
                     raw = await response.read()
-                    try:
-                        problem = json.loads(raw) if raw else None
-                    except (ValueError, RecursionError):
-                        problem = None
-                    error = error_from_problem(
-                        response.status, problem if isinstance(problem, dict) else None
-                    )
+                    error = answer_error(response.status, raw, response.headers)
                     # As `with_token`, by hand: an async generator cannot be re-run by it.
                     refresher = host.token_refresher
                     if (
@@ -417,23 +402,26 @@ async def wait_request(
             await config.sleep(min(backoff(failures), remaining))
 
 
-# -- the mixin -------------------------------------------------------------------------------------
+# -- the verbs, for every client that talks to the queue -----------------------------------------
 
 
-class QueueMethods:
-    """Queue verbs for a host with `url`, `session` and `auth_headers()` (and optionally a
-    `ClientConfig` as `config`, for the retry policy). `WorkspaceClient` mixes it in."""
+class QueueMethods(abc.ABC):
+    """The queue's verbs over the module's functions, for a client with a `url`, a `session`
+    and `auth_headers()` (and optionally a `ClientConfig` as `config`, for the retry policy):
+    the base of `WorkspaceClient` and of `QueueClient`, which provide those two."""
 
     url: str
     #: Fresh tokens on a refusal (`WorkspaceClient(token_provider=...)`); None: none.
     token_refresher: TokenRefresher | None = None
 
     @property
+    @abc.abstractmethod
     def session(self) -> aiohttp.ClientSession:
-        raise NotImplementedError
+        """The open HTTP session the verbs send with."""
 
+    @abc.abstractmethod
     def auth_headers(self) -> dict[str, str]:
-        raise NotImplementedError
+        """The `Authorization` header of the token in use (empty without one)."""
 
     async def enqueue(
         self,

@@ -16,9 +16,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cv_workspace_client._queue_http import QueueHost, call, retried, ws_path
-from cv_workspace_client.errors import ProtocolError, error_from_problem
+from cv_workspace_client.errors import LeaseLostError, ProtocolError, error_from_problem
 from cv_workspace_client.queue_models import Claim, CompletionOutcome, QueuedRequest
-from cv_workspace_client.stage import LeaseLostError
 
 __all__ = [
     "Claim",

@@ -1,7 +1,8 @@
-"""The HTTP transport of the work-queue routes (docs/protocol.md, docs/queue.md): one request to a
-queue route with the host's token, its JSON answer decoded or its problem+json turned back into the
-SDK's typed error (`LeaseLostError` when a fenced verb is refused, `RequestCancelledError` when a
-heartbeat finds its request cancelled), and the SDK's retry rule around it.
+"""The HTTP transport of the work-queue routes (docs/protocol.md, docs/queue.md): one request to
+a queue route with the host's token, its answer read by the SDK's one interpreter
+(`_answers.read_answer`: JSON decoded, or the problem+json turned back into the typed error:
+`LeaseLostError` when a fenced verb is refused, `RequestCancelledError` when a heartbeat finds
+its request cancelled), and the SDK's retry rule around it.
 
 The requester's verbs (`_queue_api`) and the claim holder's (`_queue_holder`) both go through
 here. Each needs only a *host* (`QueueHost`): an object with `url`, `session` (an aiohttp
@@ -25,17 +26,12 @@ from urllib.parse import quote
 
 import aiohttp
 
+from cv_workspace_client._answers import ANY_SUCCESS, parse_retry_after, read_answer
 from cv_workspace_client._auth import TokenRefresher, with_token
-from cv_workspace_client._http import body_payload, not_an_answer, parse_retry_after
+from cv_workspace_client._http import exchange
 from cv_workspace_client._retry import backoff_for, is_retryable, log_retry, retrying
 from cv_workspace_client.config import ClientConfig
-from cv_workspace_client.errors import (
-    ConnectionFailedError,
-    ProtocolError,
-    WorkspaceError,
-    error_from_problem,
-)
-from cv_workspace_client.stage import LeaseLostError, RequestCancelledError
+from cv_workspace_client.errors import WorkspaceError, error_from_problem
 
 __all__ = ["QueueHost", "call", "config_of", "queue_error", "retried", "ws_path"]
 
@@ -59,11 +55,11 @@ def ws_path(workspace_id: str, *rest: str) -> str:
     return f"/v1/workspaces/{quote(workspace_id, safe='')}{tail}"
 
 
-def queue_error(status: int, problem: Mapping[str, Any] | None, retry_after: str | None) -> Any:
-    if problem is not None and problem.get("code") == "lease_lost":
-        return LeaseLostError(str(problem.get("detail") or "the claim token no longer holds it"))
-    if problem is not None and problem.get("code") == "cancelled":
-        return RequestCancelledError(str(problem.get("detail") or "the request was cancelled"))
+def queue_error(
+    status: int, problem: Mapping[str, Any] | None, retry_after: str | None
+) -> WorkspaceError:
+    """The typed error of a queue route's problem (`lease_lost` → `LeaseLostError`,
+    `cancelled` → `RequestCancelledError`)."""
     return error_from_problem(status, problem, retry_after=parse_retry_after(retry_after))
 
 
@@ -99,47 +95,16 @@ async def _call_once(
     headers: Mapping[str, str] | None,
     raw: bytes | None = None,
 ) -> tuple[int, Any, Mapping[str, str]]:
-    all_headers = {**auth, **(headers or {})}
-    data = raw
-    if body is not None:
-        data = json.dumps(body, separators=(",", ":")).encode()
-    if data is not None:
-        all_headers["Content-Type"] = "application/json"
-    try:
-        async with host.session.request(
-            method,
-            host.url + path,
-            data=None if data is None else body_payload(data),
-            params=params,
-            headers=all_headers,
-            # Not followed: aiohttp turned a redirected POST (an enqueue, a completion) into a
-            # GET, or sent it wherever the redirect pointed and took that host's answer.
-            allow_redirects=False,
-        ) as response:
-            raw = await response.read()
-            if 200 <= response.status < 300:
-                try:
-                    decoded = json.loads(raw) if raw else None
-                # RecursionError: nested past what the JSON reader takes (as in `_http.py`).
-                except (ValueError, RecursionError) as exc:
-                    raise ProtocolError("bad_answer", f"invalid JSON: {exc}") from None
-                return response.status, decoded, response.headers
-            if response.status < 400:  # a 3xx from something in between
-                raise not_an_answer(response.status, response.headers.get("Location"))
-            problem: Any = None
-            try:
-                problem = json.loads(raw) if raw else None
-            except (ValueError, RecursionError):
-                problem = None
-            raise queue_error(
-                response.status,
-                problem if isinstance(problem, dict) else None,
-                response.headers.get("Retry-After"),
-            )
-    except WorkspaceError:
-        raise
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-        raise ConnectionFailedError("connection_failed", f"{type(exc).__name__}: {exc}") from exc
+    data = raw if body is None else json.dumps(body, separators=(",", ":")).encode()
+    status, raw, answer_headers = await exchange(
+        host.session,
+        method,
+        host.url + path,
+        headers={**auth, **(headers or {})},
+        data=data,
+        params=params,
+    )
+    return status, read_answer(status, raw, answer_headers, accept=ANY_SUCCESS), answer_headers
 
 
 def config_of(host: object) -> ClientConfig:

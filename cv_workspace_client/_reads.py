@@ -1,8 +1,10 @@
-"""The SDK's reads, mixed into `WorkspaceClient`: a sub-doc's state and its log, retried like any
-idempotent request (the default policy), and the log reads a subscription catches up with."""
+"""`Reads`, the part of `WorkspaceClient` that reads: a sub-doc's state and its log, retried like
+any idempotent request (full jitter, `retry_attempts` tries), and the log reads a subscription
+catches up with (retried for as long as the server is down)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from cv_mutations import SubDocState, is_valid_sub_doc, is_valid_workspace_id
@@ -12,16 +14,16 @@ from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import InvalidRequestError
 from cv_workspace_client.models import Committed
 
-__all__ = ["ReadMethods", "check_ids"]
+__all__ = ["Reads", "check_ids"]
 
 
-class ReadMethods:
-    """Reads for a host with a `ClientConfig` as `config` and an `HttpApi` from `_api()`."""
+class Reads:
+    """Reads over the `HttpApi` that `api()` gives (it raises while the client is not open),
+    retried under `config`'s policy."""
 
-    config: ClientConfig
-
-    def _api(self) -> HttpApi:
-        raise NotImplementedError
+    def __init__(self, config: ClientConfig, api: Callable[[], HttpApi]) -> None:
+        self.config = config
+        self._api = api
 
     async def get_state(self, workspace_id: str, sub_doc: str) -> tuple[int, SubDocState]:
         """The sub-doc's head clock and state (retried like any idempotent read)."""

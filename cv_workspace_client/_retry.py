@@ -19,10 +19,11 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from cv_workspace_client._reconnect import ReconnectPolicy
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import WorkspaceError
 
-__all__ = ["backoff_for", "is_retryable", "log_retry", "retrying"]
+__all__ = ["backoff_for", "is_retryable", "log_retry", "reconnect_policy_for", "retrying"]
 
 #: Every retry is said here at WARNING: a call that waits out a server that is down is never
 #: silent (`cv-workspace` prints these lines on stderr).
@@ -55,6 +56,18 @@ def backoff_for(config: ClientConfig) -> Callable[[int], float]:
         return float(wait(state))
 
     return backoff
+
+
+def reconnect_policy_for(config: ClientConfig) -> ReconnectPolicy:
+    """The websocket's reconnect policy: `config.reconnect_policy` if set, otherwise the retry
+    backoff until a connection delivers data, and the dropped-listener schedule after one."""
+    if config.reconnect_policy is not None:
+        return config.reconnect_policy
+    return ReconnectPolicy(
+        backoff_for(config),
+        after_drop=config.reconnect_after_drop_seconds,
+        cap=config.retry_cap_seconds,
+    )
 
 
 def retrying(config: ClientConfig, *, forever: bool = False) -> AsyncRetrying:

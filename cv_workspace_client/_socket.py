@@ -26,6 +26,7 @@ import orjson
 from cv_workspace_client._auth import TokenRefresher, bearer_of
 from cv_workspace_client._liveness import Liveness, Verdict
 from cv_workspace_client._machine import Send
+from cv_workspace_client._reconnect import ReconnectPolicy, Streak
 from cv_workspace_client._socket_io import ping, release, utf8_len, write_frames
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
@@ -50,15 +51,13 @@ _FINAL_CLOSE = {4001: ("unauthorized", AuthError), 4003: ("forbidden_workspace",
 #: The server refused a frame as too large: the batches in flight get `body_too_large`, which makes
 #: the machine halve a multi-op batch (and fail a lone op) instead of resending it as it was.
 _CLOSE_FRAME_TOO_LARGE = 1009
-#: Closes that say the server is failing (internal error, try again later, bad gateway).
-_SERVER_ERROR_CLOSES = frozenset({1011, 1013, 1014})
 
 
 class SocketOwner(Protocol):
     """What the socket needs from the client."""
 
     config: ClientConfig
-    backoff: Callable[[int], float]
+    reconnect: ReconnectPolicy
 
     @property
     def session(self) -> aiohttp.ClientSession: ...
@@ -302,12 +301,16 @@ class WorkspaceSocket:
         self._forget_in_flight()
 
     async def _run(self) -> None:
-        failures = 0
+        """Connect, serve, and connect again as `owner.reconnect` says (`_reconnect.py`)."""
+        policy = self.owner.reconnect
+        streak = Streak()
+        wait = False  # the first connect, and one with a fresh token, go at once
         while not self._closed:
-            if failures:
-                await self.owner.config.sleep(self.owner.backoff(failures))
+            if wait:
+                await self.owner.config.sleep(policy.delay(streak))
                 if self._closed:
                     return
+            wait = True
             self._headers = self.owner.auth_headers()
             try:
                 ws = await self.owner.session.ws_connect(
@@ -317,41 +320,29 @@ class WorkspaceSocket:
                     autoping=False,
                 )
             except aiohttp.WSServerHandshakeError as exc:
-                # A 4xx refusal of the upgrade is final (docs/client.md), not only 401/403: a wrong
-                # path or a proxy that refuses upgrades (400, 404) was retried forever, silently;
-                # now the subscriptions raise it and ops go over HTTP. 408 and 429 are retried.
-                if 400 <= exc.status < 500 and exc.status not in (408, 429):
+                if policy.is_final(exc.status):
                     if await self._final(error_from_problem(exc.status, None)):
                         return
-                    continue  # a token replaced or refreshed meanwhile: the new one, at once
-                failures += 1
+                    wait = False  # a token replaced or refreshed meanwhile: the new one, at once
+                    continue
+                streak = policy.refused(streak)
                 continue
             except (TimeoutError, aiohttp.ClientError, OSError):
-                failures += 1
+                streak = policy.refused(streak)
                 continue
-            loop = asyncio.get_running_loop()
-            opened = loop.time()
             heard = await self._serve(ws)
             refusal, self._refusal = self._refusal, None
             if refusal is not None:
                 if await self._final(refusal):
                     return
-                continue  # with the fresh token, at once
-            lived = loop.time() - opened
-            # A connection proves the server up only if it carried frames and stayed up longer
-            # than the first backoff step: then reconnect at once (an idle socket cut now and
-            # then is not pushed towards the 300 s cap, and a long outage's backoff does not
-            # outlive it). A shorter one counts as a failure, frames or not, and the delay grows
-            # as after a refused connect: a server in a crash loop that accepts, answers and
-            # drops was reconnected to at once, forever, by every client (one that dropped
-            # before a frame, after one short delay each time). So does one the server ended
-            # with an error of its own (1011, 1013, 1014), or one that broke the protocol.
-            if ws.close_code in _SERVER_ERROR_CLOSES or self._broken is not None:
-                failures += 1
-            elif heard and lived >= self.owner.config.retry_base_seconds:
-                failures = 0
-            else:
-                failures += 1
+                wait = False  # with the fresh token, at once
+                continue
+            streak = policy.ended(
+                streak,
+                delivered=heard,
+                close_code=ws.close_code,
+                broke_protocol=self._broken is not None,
+            )
 
     async def _serve(self, ws: aiohttp.ClientWebSocketResponse) -> bool:
         frames: asyncio.Queue[str] = asyncio.Queue()

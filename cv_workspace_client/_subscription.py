@@ -5,7 +5,7 @@ after a (re)subscribe with `since`, and the client's own HTTP catch-up when it n
 Clocks of one sub-doc are gap-free (docs/concepts.md), so the last delivered clock is the whole
 state:
 
-- clock <= last: already delivered → drop (a replay after reconnect, or a catch-up overlap);
+- clock <= last: already delivered → drop (a redelivery after reconnect, or a catch-up overlap);
 - clock == last + 1: the next one → deliver and advance;
 - clock > last + 1: something in between was lost (a dropped frame, a buffer overflow) → the
   shell must fetch `(last, clock)` first (`GAP`), then offer this op again.

@@ -9,8 +9,13 @@ import logging
 from typing import Any
 
 from cv_workspace_client import _queue_holder as api
-from cv_workspace_client.errors import InvalidRequestError, WorkspaceError
-from cv_workspace_client.stage import LeaseLostError, LeaseState, RequestCancelledError
+from cv_workspace_client.errors import (
+    InvalidRequestError,
+    LeaseLostError,
+    RequestCancelledError,
+    WorkspaceError,
+)
+from cv_workspace_client.stage import LeaseState
 
 __all__ = ["Completer", "Heartbeat"]
 

@@ -16,7 +16,8 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Final, Generic, TypeVar
 
-from cv_workspace_client.stage import LeaseLostError, StageRequest
+from cv_workspace_client.errors import LeaseLostError
+from cv_workspace_client.stage import StageRequest
 
 __all__ = ["RunMeter", "SingleFlight", "TtlCache", "request_key", "rss_bytes"]
 

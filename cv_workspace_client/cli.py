@@ -45,7 +45,7 @@ from cv_workspace_client._url import check_server_url
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import ForbiddenError, WorkspaceError
 from cv_workspace_client.logs import LOG_FORMATS, JsonFormatter, configure_logging
-from cv_workspace_client.providers import CountingFakeProvider, OpenAICompatibleProvider, Provider
+from cv_workspace_client.providers import OpenAICompatibleProvider, Provider
 from cv_workspace_client.queue_models import (
     STATUSES,
     EnqueuedRequest,
@@ -53,6 +53,7 @@ from cv_workspace_client.queue_models import (
     RequestOutcome,
 )
 from cv_workspace_client.stage import Handler, Stage
+from cv_workspace_client.testing import CountingFakeProvider
 from cv_workspace_client.worker import Worker, WorkerConfig
 
 __all__ = ["EXIT_CODES", "load_stages", "worker_main", "workspace_main"]

@@ -9,11 +9,12 @@ decisions out. This module holds the client's lifetime and its public verbs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, NamedTuple
 
 import aiohttp
@@ -21,6 +22,7 @@ import orjson
 
 from cv_mutations import (
     Op,
+    SubDocState,
     new_op_id,
     parse_op,
 )
@@ -37,8 +39,8 @@ from cv_workspace_client._outbox import MemoryOutbox, Outbox, OutboxWrite
 from cv_workspace_client._outbox_sqlite import SQLiteOutbox
 from cv_workspace_client._pump import OpLike, OpPump
 from cv_workspace_client._queue_api import QueueMethods
-from cv_workspace_client._reads import ReadMethods, check_ids
-from cv_workspace_client._retry import backoff_for
+from cv_workspace_client._reads import Reads, check_ids
+from cv_workspace_client._retry import backoff_for, reconnect_policy_for
 from cv_workspace_client._socket import WorkspaceSocket
 from cv_workspace_client._status import SyncSignals
 from cv_workspace_client._url import check_server_url
@@ -50,7 +52,7 @@ from cv_workspace_client.errors import (
     StillPendingError,
     WorkspaceError,
 )
-from cv_workspace_client.models import Commit, SyncStatus
+from cv_workspace_client.models import Commit, Committed, SyncStatus
 from cv_workspace_client.stream import Subscription
 
 __all__ = ["WorkspaceClient"]
@@ -67,7 +69,7 @@ class _Undiscarded(NamedTuple):
     ops: int
 
 
-class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
+class WorkspaceClient(QueueMethods):
     """The retry-safe client. Use as `async with WorkspaceClient(url, token=..., outbox=...)`.
 
     Ops (`apply_op`, `apply_ops`), reads (`get_state`, `read_ops`), live ops (`subscribe`), and
@@ -112,6 +114,7 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         self.outbox_path = outbox
         self.config = config or ClientConfig()
         self.backoff = backoff_for(self.config)
+        self.reconnect = reconnect_policy_for(self.config)
         self._now = now
         self._mint = new_op_id
         self._machine = OutboxMachine(
@@ -127,6 +130,7 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         self._outbox: Outbox | None = None
         self._session: aiohttp.ClientSession | None = None
         self._http: HttpApi | None = None
+        #: The callers' futures by outbox seq: resolved by the pump, failed by `close()`.
         self._futures: dict[int, tuple[asyncio.Future[Commit], str]] = {}
         #: Discards the outbox could not make durable (workspace, deletes, on-disk ranges, op
         #: count): the app asked for them and was told `OutboxError`; the workspace's next
@@ -136,10 +140,17 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         #: Weak: a subscription the app dropped is released (see `WorkspaceSocket._subs`).
         self._subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._pump_handle: asyncio.Handle | None = None
-        self._pumping = False
-        self._holds = 0
         self._signals = SyncSignals(self._machine, lambda: self.sync_status)
+        #: The parts: the pump moves ops (outbox machine → outbox, sockets, HTTP); the reads.
+        self._ops = OpPump(
+            _PumpPorts(self),
+            config=self.config,
+            machine=self._machine,
+            signals=self._signals,
+            futures=self._futures,
+            mint=new_op_id,
+        )
+        self._reads = Reads(self.config, self._api)
         #: Every refusal of the token goes through it (HTTP, queue calls, websockets): the app's
         #: provider, if any, is asked once for all of them (`_auth.py`).
         self.token_refresher: TokenRefresher = TokenRefresher(
@@ -193,7 +204,7 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         if self.config.ops_over_websocket:
             for workspace_id in self._machine.workspaces():
                 self._socket(workspace_id)
-        self._pump()
+        self._ops.pump()
 
     async def close(self) -> None:
         """Stop: pending ops stay in the outbox (a file outbox replays them on the next start);
@@ -221,9 +232,7 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._pump_handle is not None:
-            self._pump_handle.cancel()
-            self._pump_handle = None
+        self._ops.cancel_scheduled()
         outbox = self._outbox
         assert outbox is not None
         if not outbox.durable and self._machine.pending_count:
@@ -234,7 +243,7 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
                 dropped,
             )
         if not abort:
-            self._pump()  # hand the last decided writes to the outbox
+            self._ops.pump()  # hand the last decided writes to the outbox
             for _, deletes, ranges, _ in self._undiscarded:
                 # The app gave these up and was told the discard failed: one more try, made
                 # durable by the close's final fsync, or the next client would apply them.
@@ -276,7 +285,7 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         intent again after a cancel, give the op its own `op_id` (`cv_mutations.new_op_id()`)
         and pass the same op again: the server answers `duplicate: true`.
         """
-        (future,) = self._submit(workspace_id, sub_doc, [op], atomic=False)
+        (future,) = self._ops.submit(workspace_id, sub_doc, [op], atomic=False)
         return await future
 
     async def apply_ops(
@@ -292,7 +301,7 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         With `atomic=True` they travel as one request and all commit or none does (the others
         answer `atomic_aborted`). Whole-request failures (final 4xx, `StillPendingError`) raise.
         """
-        futures = self._submit(workspace_id, sub_doc, ops, atomic=atomic)
+        futures = self._ops.submit(workspace_id, sub_doc, ops, atomic=atomic)
         outcomes = await asyncio.gather(*futures, return_exceptions=True)
         results: list[Commit | OpRejectedError] = []
         for outcome in outcomes:
@@ -411,7 +420,7 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         for sock in self._sockets.values():
             sock.reauthorize()
         self._machine.retry_parked()
-        self._kick()
+        self._ops.kick()
 
     def retry_pending(self) -> None:
         """Start a fresh attempt cycle for ops that gave up (they are retried anyway on the next
@@ -427,7 +436,7 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         for sock in self._sockets.values():
             sock.reauthorize()
         self._machine.retry_parked()
-        self._kick()
+        self._ops.kick()
 
     async def discard_pending(self, workspace_id: str, sub_doc: str | None = None) -> int:
         """Give up, for good, on the ops of `workspace_id` (or of one sub-doc) the server has not
@@ -451,7 +460,7 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         once more."""
         self._check_open()
         check_ids(workspace_id, sub_doc)
-        self._pump()  # what was submitted before this call is written first, then dropped
+        self._ops.pump()  # what was submitted before this call is written first, then dropped
         count, resolve = self._machine.discard(workspace_id, sub_doc)
         # Their callers are told here alone, once the deletion is durable: out of `_futures`
         # now, a `close()` meanwhile told them "it waits in the outbox" of rows it had deleted.
@@ -530,7 +539,41 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
         async with asyncio.timeout(timeout):
             await sock.wait_open()
 
+    # -- reads (the `Reads` part) -----------------------------------------------------------------
+
+    async def get_state(self, workspace_id: str, sub_doc: str) -> tuple[int, SubDocState]:
+        """The sub-doc's head clock and state (retried like any idempotent read)."""
+        return await self._reads.get_state(workspace_id, sub_doc)
+
+    async def read_ops(
+        self, workspace_id: str, sub_doc: str, since: int = 0, limit: int | None = None
+    ) -> tuple[int, list[Committed]]:
+        """The head clock and committed ops after `since` (one page of at most `limit`)."""
+        return await self._reads.read_ops(workspace_id, sub_doc, since, limit)
+
     # -- SocketOwner / StreamOwner -----------------------------------------------------------------
+
+    async def read_log(
+        self, workspace_id: str, sub_doc: str, since: int, limit: int
+    ) -> tuple[int, list[Committed]]:
+        """A subscription's catch-up read: retried for as long as the server is down."""
+        return await self._reads.read_log(workspace_id, sub_doc, since, limit)
+
+    def holding(self) -> contextlib.AbstractContextManager[None]:
+        """While held, answers only update the machine; one round acts on them all after."""
+        return self._ops.holding()
+
+    def batch_answered(self, batch_id: int, results: Any) -> None:
+        self._ops.batch_answered(batch_id, results)
+
+    def batch_failed(self, batch_id: int, error: WorkspaceError) -> None:
+        self._ops.batch_failed(batch_id, error)
+
+    def connection_opened(self, workspace_id: str) -> None:
+        self._ops.connection_opened(workspace_id)
+
+    def connection_lost(self, workspace_id: str) -> None:
+        self._ops.connection_lost(workspace_id)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -571,3 +614,40 @@ class WorkspaceClient(OpPump, ReadMethods, QueueMethods):
     def _check_open(self) -> None:
         if self._state != "open":
             raise RuntimeError("the WorkspaceClient is not open (use `async with`)")
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+class _PumpPorts:
+    """The client as its `OpPump` sees it (`PumpHost`)."""
+
+    __slots__ = ("_client",)
+
+    def __init__(self, client: WorkspaceClient) -> None:
+        self._client = client
+
+    @property
+    def is_open(self) -> bool:
+        return self._client._state == "open"
+
+    @property
+    def outbox(self) -> Outbox | None:
+        return self._client._outbox
+
+    def open_socket(self, workspace_id: str) -> WorkspaceSocket | None:
+        return self._client._sockets.get(workspace_id)
+
+    def socket(self, workspace_id: str) -> WorkspaceSocket:
+        return self._client._socket(workspace_id)
+
+    def api(self) -> HttpApi:
+        return self._client._api()
+
+    def check_open(self) -> None:
+        self._client._check_open()
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        self._client._spawn(coro)

@@ -410,9 +410,9 @@ async def _holding(
         except Exception as exc:
             # The compute failed, or outran the lock's budget and was cancelled by it. Either
             # way a write of it may be on its way: a cancelled `apply_op` is not unsent, and one
-            # that gave up (`StillPendingError`) waits in the outbox to be replayed
+            # that gave up (`StillPendingError`) waits in the outbox to be resent
             # (docs/client.md). Releasing now would let a waiter double-check before that write
-            # lands and pay for the same call again (then the replay writes the cell a second time).
+            # lands and pay for the same call again (then the resend writes the cell a second time).
             # So with anything unanswered on the client the key is handed back only once it landed
             # (`wait_synced` also re-sends an op that gave up); otherwise it lapses at its TTL.
             # A failure with nothing on its way (the provider's) hands the key back at once: the

@@ -9,6 +9,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from cv_workspace_client._reconnect import AFTER_DROP_SECONDS, ReconnectPolicy
+
 __all__ = ["ClientConfig"]
 
 
@@ -21,7 +23,7 @@ class ClientConfig:
     retry_base_seconds: float = 1.0
     retry_cap_seconds: float = 300.0
     #: Sends of one batch (and tries of one read) before giving up; a given-up op stays in the
-    #: outbox and is replayed on the next connect.
+    #: outbox and is resent on the next connect.
     retry_attempts: int = 5
 
     #: Deadline of one HTTP request or websocket ack. aiohttp's own default total timeout (5 min):
@@ -35,6 +37,12 @@ class ClientConfig:
     #: waits on it. The default heartbeat (60 s); the pings also keep NAT flows from idling
     #: out. None switches it off.
     socket_heartbeat_seconds: float | None = 60.0
+
+    #: Full-jitter caps of the websocket's first reconnects after a connection that delivered
+    #: data dropped: up to 2 s, then up to 5 s, then doubling up to `retry_cap_seconds` (the
+    #: reconnect schedule of a dropped listener). Before any connection delivered data, the
+    #: reconnects wait the retry backoff above.
+    reconnect_after_drop_seconds: tuple[float, ...] = AFTER_DROP_SECONDS
 
     # -- batching: stay under the server's request limits (ServerConfig defaults) --
     #: = the server's `max_ops_per_request`.
@@ -65,6 +73,9 @@ class ClientConfig:
     sleep: Callable[[float], Awaitable[None]] = field(default=asyncio.sleep)
     #: Delay before attempt `n + 1` after `n` failures; None = full jitter from the values above.
     backoff: Callable[[int], float] | None = None
+    #: The websocket's reconnect policy (which refused upgrades are final, when the waits start
+    #: over, how long they are); None = `ReconnectPolicy` from the values above.
+    reconnect_policy: ReconnectPolicy | None = None
 
     def __post_init__(self) -> None:
         if self.retry_attempts < 1:
@@ -74,6 +85,8 @@ class ClientConfig:
         heartbeat = self.socket_heartbeat_seconds
         if heartbeat is not None and not 0 < heartbeat < math.inf:
             raise ValueError("socket_heartbeat_seconds must be a finite number > 0 or None")
+        if not self.reconnect_after_drop_seconds or min(self.reconnect_after_drop_seconds) < 0:
+            raise ValueError("reconnect_after_drop_seconds needs at least one step, each >= 0")
         if self.max_batch_ops < 1 or self.max_batch_bytes < 1:
             raise ValueError("batch limits must be >= 1")
         if self.outbox_sync not in ("alongside", "before_send"):

@@ -19,14 +19,17 @@ __all__ = [
     "AuthError",
     "ClientClosedError",
     "ConnectionFailedError",
+    "ExpectedError",
     "ForbiddenError",
     "InvalidRequestError",
+    "LeaseLostError",
     "NotFoundError",
     "OpDiscardedError",
     "OpRejectedError",
     "OutboxError",
     "ProtocolError",
     "RateLimitedError",
+    "RequestCancelledError",
     "ServerError",
     "StillPendingError",
     "WorkspaceError",
@@ -157,7 +160,7 @@ class OpRejectedError(WorkspaceError):
 class StillPendingError(WorkspaceError):
     """No answer after the last attempt (or the client closed first). The op is **not lost**.
 
-    It stays in the outbox under the same `op_id` and is replayed, in order, on the next connect
+    It stays in the outbox under the same `op_id` and is resent, in order, on the next connect
     or (a durable outbox) by the next client opened on the same outbox. An in-memory outbox
     (`outbox=None`) keeps it only while the client is open: `close()` then drops it, with a
     warning that counts what it dropped. Do not re-submit it with a new
@@ -168,7 +171,7 @@ class StillPendingError(WorkspaceError):
         reason = f" (last error: {last_error})" if last_error is not None else ""
         super().__init__(
             "still_pending",
-            f"op {op_id} got no answer{reason}; it stays in the outbox and will be replayed on"
+            f"op {op_id} got no answer{reason}; it stays in the outbox and will be resent on"
             " the next connect with the same op_id - do not re-submit it under a new one (an"
             " in-memory outbox, outbox=None, loses it if the client closes first)",
         )
@@ -199,7 +202,7 @@ class OpDiscardedError(WorkspaceError):
 class ClientClosedError(WorkspaceError):
     """The client was closed before the server answered, and its outbox is in memory.
 
-    The op may or may not have been applied and will not be replayed. Use a file outbox when that
+    The op may or may not have been applied and will not be resent. Use a file outbox when that
     matters.
     """
 
@@ -207,7 +210,7 @@ class ClientClosedError(WorkspaceError):
         super().__init__(
             "client_closed",
             f"op {op_id} got no answer before the client closed; the outbox is in memory, so it "
-            "will not be replayed (it may or may not have been applied)",
+            "will not be resent (it may or may not have been applied)",
         )
         self.op_id = op_id
 
@@ -225,6 +228,46 @@ class OutboxError(WorkspaceError):
 
 
 # -- mapping ---------------------------------------------------------------------------------------
+
+
+class ExpectedError(WorkspaceError):
+    """Raise in a handler for an answer that is an error (bad input, forbidden, not found).
+
+    The request completes with the payload `{"code", "message", "details"}` and is never retried
+    (an expected error is an answer, not a failure, and never a path to poison).
+    """
+
+    def __init__(self, code: str, message: str = "", details: Any = None) -> None:
+        super().__init__(code, message)
+        self.details = details
+
+    def payload(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "details": self.details}
+
+
+class LeaseLostError(WorkspaceError):
+    """The worker no longer holds the request (code `lease_lost`): another worker re-drove it.
+
+    Raised by `StageContext.ensure_lease` / `apply_op` once a heartbeat found the claim token gone,
+    and by the queue routes when a fenced call (heartbeat, complete, fail) is refused. The stage
+    must stop writing; the worker completes nothing (River #1302: a rescuer overwrote a job that
+    had just completed).
+    """
+
+    def __init__(self, message: str = "the claim token no longer holds the request") -> None:
+        super().__init__("lease_lost", message)
+
+
+class RequestCancelledError(WorkspaceError):
+    """Someone cancelled the request this worker runs (code `cancelled`; see docs/queue.md).
+
+    The server refuses the holder's heartbeat with it; from then on `StageContext.ensure_lease` /
+    `apply_op` raise it, the worker cancels the handler and reports back, and the request ends
+    `cancelled`. Writes the stage committed before stay committed.
+    """
+
+    def __init__(self, message: str = "the request was cancelled") -> None:
+        super().__init__("cancelled", message)
 
 
 def retry_delay(value: object) -> float | None:
@@ -280,6 +323,10 @@ def error_from_problem(
         return ConnectionFailedError(code, message)
     if code in ("internal", "unavailable") or (status is not None and status >= 500):
         return ServerError(code, message, status=status, retry_after=retry_after)
+    if code == "lease_lost":
+        return LeaseLostError(message) if message else LeaseLostError()
+    if code == "cancelled":
+        return RequestCancelledError(message) if message else RequestCancelledError()
     final = _FINAL_BY_CODE.get(code)
     if final is NotFoundError:
         return NotFoundError(code, message, status=status)

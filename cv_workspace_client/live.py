@@ -14,11 +14,11 @@ only wires the client's reads, subscription and answers into it.
 
 Opening: the state comes first (`get_state`, or the `initial` state the app cached, for a view
 that opens with no server), then the client's unanswered ops of the sub-doc
-(`WorkspaceClient.pending_ops`: those a new client replays from its outbox after a restart, in
+(`WorkspaceClient.pending_ops`: those a new client resends from its outbox after a restart, in
 outbox order), shown on top of it, then the feed follows from the state's clock. A user who edited
 offline, quit and reopened the app sees those edits at once, server or no server. An op that
 the server committed before the state was read but had not answered when the ops were listed
-(its answer on the way, or lost to a crash: the replay gets `duplicate`) shows twice until the
+(its answer on the way, or lost to a crash: the resend gets `duplicate`) shows twice until the
 rule below takes it out; every other interleaving of answers with the open is exact.
 
 What becomes of each op in the view:
@@ -303,7 +303,7 @@ class LiveDoc:
         return head
 
     async def _watch_sync(self) -> None:
-        # The client answering (or discarding) a replayed op moves no feed clock: only the
+        # The client answering (or discarding) a resent op moves no feed clock: only the
         # sub-doc's pending count says so (not the client-wide one, which may not move).
         async for _ in self.client.watch_pending(*self._key()):
             self._recheck.set()
@@ -321,7 +321,7 @@ class LiveDoc:
         discarded, so a commit of one is at or below the head the server reports after that
         moment, and at or below the clocks the server reported to the client. The feed confirms
         what was committed by the time it reaches them; what is still an orphan then was not
-        (rejected when replayed, discarded, or in the state before the view read it)."""
+        (rejected when resent, discarded, or in the state before the view read it)."""
         core = self._open()
         ws, sub_doc = self._key()
         try:

@@ -17,8 +17,8 @@ __all__ = ["Commit", "Committed", "SyncStatus"]
 class Commit:
     """The server committed the op at `clock` of its sub-doc.
 
-    `duplicate` is true when this answer is a replay: an earlier send of the same `op_id` had
-    already been committed (its answer was lost, or another process replayed the outbox). The op
+    `duplicate` is true when this is the stored answer: an earlier send of the same `op_id` had
+    already been committed (its answer was lost, or another process resent the outbox). The op
     was applied once either way.
     """
 

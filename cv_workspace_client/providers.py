@@ -1,13 +1,15 @@
 """Providers: the expensive third-party call a stage makes under a compute lock (docs/concepts.md,
 docs/stages.md).
 
-`Provider` is the seam a stage handler sees. Two implementations ship:
+`Provider` is the seam a stage handler sees. One implementation ships here:
 
 - `OpenAICompatibleProvider`: HTTP JSON against an OpenAI-compatible `chat/completions` endpoint,
   retrying only what a retry can fix (429, 5xx, connection errors, timeouts) with full jitter
   (the client's retry policy, docs/client.md); any other 4xx is the caller's bug and raises at once.
-- `CountingFakeProvider`: deterministic answers and exact call counts, for tests and benchmarks
-  (the number the whole project exists to keep low: provider calls per cell).
+
+Its test fake, `cv_workspace_client.testing.CountingFakeProvider`, gives deterministic answers
+(`fake_answer`) and exact call counts, for tests and benchmarks (the number the whole project
+exists to keep low: provider calls per cell).
 
 The retry decision (`is_retryable`) and the delay (`retry_delay`) are pure functions; the HTTP
 shell only wires them into tenacity with an injectable `sleep`, so tests never wait.
@@ -22,9 +24,7 @@ import json
 import logging
 import math
 import random
-import threading
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -38,7 +38,6 @@ from cv_workspace_client.errors import WorkspaceError
 
 __all__ = [
     "DEFAULT_PROVIDER_TIMEOUT_SECONDS",
-    "CountingFakeProvider",
     "MeteredProvider",
     "OpenAICompatibleProvider",
     "Provider",
@@ -450,83 +449,6 @@ def _parse_completion(raw: bytes, status: int) -> ProviderResult:
 
 
 def fake_answer(prompt: str) -> str:
-    """The answer `CountingFakeProvider` gives to `prompt` by default: stable across runs and
-    processes, different for different prompts."""
+    """The answer `cv_workspace_client.testing.CountingFakeProvider` gives to `prompt` by
+    default: stable across runs and processes, different for different prompts."""
     return "fake:" + hashlib.sha256(prompt.encode()).hexdigest()[:16]
-
-
-class CountingFakeProvider:
-    """A `Provider` that answers `answer(prompt)` after `delay` seconds and counts every call.
-
-    A call counts when it starts: a call that was sent is a call paid for, even if the caller is
-    cancelled before the answer. Counters are guarded by a lock, so one instance can be shared by
-    tasks and by threads running their own event loops.
-    """
-
-    def __init__(
-        self,
-        *,
-        delay: float = 0.0,
-        answer: Callable[[str], str] = fake_answer,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-    ) -> None:
-        self.delay = delay
-        self._answer = answer
-        self._sleep = sleep
-        self._lock = threading.Lock()
-        self._by_prompt: Counter[str] = Counter()
-        self._calls = 0
-        self._in_flight = 0
-        self._peak_in_flight = 0
-
-    async def complete(
-        self, prompt: str, *, model: str | None = None, **params: Any
-    ) -> ProviderResult:
-        with self._lock:
-            self._calls += 1
-            self._by_prompt[prompt] += 1
-            self._in_flight += 1
-            self._peak_in_flight = max(self._peak_in_flight, self._in_flight)
-        try:
-            if self.delay > 0:
-                await self._sleep(self.delay)
-            text = self._answer(prompt)
-        finally:
-            with self._lock:
-                self._in_flight -= 1
-        raw = {
-            "model": model or "counting-fake",
-            "choices": [{"message": {"role": "assistant", "content": text}}],
-            "params": params,
-        }
-        usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": 1}
-        return ProviderResult(text=text, raw=raw, usage=usage)
-
-    @property
-    def calls(self) -> int:
-        """Calls made so far, all prompts together."""
-        with self._lock:
-            return self._calls
-
-    def calls_for(self, prompt: str) -> int:
-        """Calls made so far with exactly `prompt`."""
-        with self._lock:
-            return self._by_prompt[prompt]
-
-    def counts(self) -> dict[str, int]:
-        """A snapshot of the calls per prompt."""
-        with self._lock:
-            return dict(self._by_prompt)
-
-    @property
-    def peak_in_flight(self) -> int:
-        """The most calls that were ever running at once."""
-        with self._lock:
-            return self._peak_in_flight
-
-    def reset(self) -> None:
-        """Forget every count (calls in flight stay in flight)."""
-        with self._lock:
-            self._by_prompt.clear()
-            self._calls = 0
-            self._peak_in_flight = self._in_flight

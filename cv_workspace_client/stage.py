@@ -25,23 +25,23 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from cv_mutations import Op
+from cv_workspace_client.client import WorkspaceClient
+from cv_workspace_client.compute import ComputeResult, compute_once
 from cv_workspace_client.errors import (
     AuthError,
+    ExpectedError,
     ForbiddenError,
     InvalidRequestError,
+    LeaseLostError,
     NotFoundError,
     OpRejectedError,
-    WorkspaceError,
+    RequestCancelledError,
 )
 from cv_workspace_client.models import Commit
 from cv_workspace_client.providers import Provider
-
-if TYPE_CHECKING:
-    from cv_workspace_client.client import WorkspaceClient
-    from cv_workspace_client.compute import ComputeResult
 
 __all__ = [
     "ExpectedError",
@@ -63,46 +63,6 @@ T = TypeVar("T")
 _OP_ID_BYTES = 24
 #: Version of the op_id recipe; changing the recipe would make a re-driven stage write anew.
 _OP_ID_RECIPE = "cv-stage-op/v1"
-
-
-class ExpectedError(WorkspaceError):
-    """Raise in a handler for an answer that is an error (bad input, forbidden, not found).
-
-    The request completes with the payload `{"code", "message", "details"}` and is never retried
-    (an expected error is an answer, not a failure, and never a path to poison).
-    """
-
-    def __init__(self, code: str, message: str = "", details: Any = None) -> None:
-        super().__init__(code, message)
-        self.details = details
-
-    def payload(self) -> dict[str, Any]:
-        return {"code": self.code, "message": self.message, "details": self.details}
-
-
-class LeaseLostError(WorkspaceError):
-    """The worker no longer holds the request (code `lease_lost`): another worker re-drove it.
-
-    Raised by `StageContext.ensure_lease` / `apply_op` once a heartbeat found the claim token gone,
-    and by the queue routes when a fenced call (heartbeat, complete, fail) is refused. The stage
-    must stop writing; the worker completes nothing (River #1302: a rescuer overwrote a job that
-    had just completed).
-    """
-
-    def __init__(self, message: str = "the claim token no longer holds the request") -> None:
-        super().__init__("lease_lost", message)
-
-
-class RequestCancelledError(WorkspaceError):
-    """Someone cancelled the request this worker runs (code `cancelled`; see docs/queue.md).
-
-    The server refuses the holder's heartbeat with it; from then on `StageContext.ensure_lease` /
-    `apply_op` raise it, the worker cancels the handler and reports back, and the request ends
-    `cancelled`. Writes the stage committed before stay committed.
-    """
-
-    def __init__(self, message: str = "the request was cancelled") -> None:
-        super().__init__("cancelled", message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,7 +282,7 @@ class StageContext:
         Raises the first write's error that was not a final answer (`StillPendingError` once its
         retries ran out, say), even if the handler caught it or never looked: the write waits in
         the outbox uncommitted, so the run fails and is re-driven, and its writes, under the
-        same op_ids, dedupe with whatever the outbox replays. A rejection is an answer (the same
+        same op_ids, dedupe with whatever the outbox resends. A rejection is an answer (the same
         op gets the same one again): it does not fail the run here.
         """
         # One turn of the loop first: a write spawned with `create_task(ctx.apply_op(...))` just
@@ -344,8 +304,6 @@ class StageContext:
     ) -> ComputeResult[T]:
         """Run an expensive call at most once per `(workspace, job_id, task)` under the compute
         lock (docs/stages.md); see `cv_workspace_client.compute.compute_once`."""
-        from cv_workspace_client.compute import compute_once  # imported late: optional layer
-
         return await compute_once(
             self.client,
             self.workspace_id,

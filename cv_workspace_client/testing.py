@@ -1,5 +1,6 @@
-"""Helpers for apps to write their own replay tests: a network that fails on demand, and a way to
-crash a client and start a new one on the same outbox.
+"""Helpers for apps to write their own resend tests: a network that fails on demand, a way to
+crash a client and start a new one on the same outbox, and a provider fake that counts its calls
+(`CountingFakeProvider`: a stage's expensive call made once, however many workers race for it).
 
 `FaultProxy` is a loopback TCP proxy you put between `WorkspaceClient` and the server. It knows
 nothing of HTTP or websockets: it forwards bytes, counts *chunks* (one read from a socket, up to
@@ -18,7 +19,7 @@ async with FaultProxy(server_url) as proxy:
         assert proxy.stats.cuts == 1
 
         client = await restart_client(client)                   # crash + new client, same outbox
-        await client.wait_synced(timeout=10)                    # what was pending is replayed
+        await client.wait_synced(timeout=10)                    # what was pending is resent
         await client.close()
 ```
 
@@ -59,15 +60,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections import deque
-from collections.abc import Callable
+import threading
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from cv_workspace_client.client import WorkspaceClient
+from cv_workspace_client.providers import ProviderResult, fake_answer
 
-__all__ = ["CutRule", "FaultProxy", "ProxyStats", "restart_client"]
+__all__ = ["CountingFakeProvider", "CutRule", "FaultProxy", "ProxyStats", "restart_client"]
 
 _CHUNK = 64 * 1024
 
@@ -382,7 +385,7 @@ async def restart_client(client: WorkspaceClient, **overrides: Any) -> Workspace
     minter (`overrides` replace constructor arguments). Returns the new client, started: close
     it, or `async with` it.
 
-    The new client replays what the old one left in the outbox before anything else.
+    The new client resends what the old one left in the outbox before anything else.
     """
     if client.outbox_path is None and "outbox" not in overrides:
         raise ValueError(
@@ -403,3 +406,83 @@ async def restart_client(client: WorkspaceClient, **overrides: Any) -> Workspace
     fresh = WorkspaceClient(client.url, **options)
     await fresh.start()
     return fresh
+
+
+# -- a provider that counts its calls --------------------------------------------------------------
+
+
+class CountingFakeProvider:
+    """A `Provider` that answers `answer(prompt)` after `delay` seconds and counts every call.
+
+    A call counts when it starts: a call that was sent is a call paid for, even if the caller is
+    cancelled before the answer. Counters are guarded by a lock, so one instance can be shared by
+    tasks and by threads running their own event loops.
+    """
+
+    def __init__(
+        self,
+        *,
+        delay: float = 0.0,
+        answer: Callable[[str], str] = fake_answer,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.delay = delay
+        self._answer = answer
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._by_prompt: Counter[str] = Counter()
+        self._calls = 0
+        self._in_flight = 0
+        self._peak_in_flight = 0
+
+    async def complete(
+        self, prompt: str, *, model: str | None = None, **params: Any
+    ) -> ProviderResult:
+        with self._lock:
+            self._calls += 1
+            self._by_prompt[prompt] += 1
+            self._in_flight += 1
+            self._peak_in_flight = max(self._peak_in_flight, self._in_flight)
+        try:
+            if self.delay > 0:
+                await self._sleep(self.delay)
+            text = self._answer(prompt)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+        raw = {
+            "model": model or "counting-fake",
+            "choices": [{"message": {"role": "assistant", "content": text}}],
+            "params": params,
+        }
+        usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": 1}
+        return ProviderResult(text=text, raw=raw, usage=usage)
+
+    @property
+    def calls(self) -> int:
+        """Calls made so far, all prompts together."""
+        with self._lock:
+            return self._calls
+
+    def calls_for(self, prompt: str) -> int:
+        """Calls made so far with exactly `prompt`."""
+        with self._lock:
+            return self._by_prompt[prompt]
+
+    def counts(self) -> dict[str, int]:
+        """A snapshot of the calls per prompt."""
+        with self._lock:
+            return dict(self._by_prompt)
+
+    @property
+    def peak_in_flight(self) -> int:
+        """The most calls that were ever running at once."""
+        with self._lock:
+            return self._peak_in_flight
+
+    def reset(self) -> None:
+        """Forget every count (calls in flight stay in flight)."""
+        with self._lock:
+            self._by_prompt.clear()
+            self._calls = 0
+            self._peak_in_flight = self._in_flight

@@ -43,7 +43,16 @@ def test_cv_mutations_imports_no_io_framework() -> None:
 def test_cv_workspace_client_exports_the_documented_names() -> None:
     import cv_workspace_client
 
-    documented = {"WorkspaceClient", "Commit", "Committed", "Worker", "ExpectedError"}
+    documented = {
+        "WorkspaceClient",
+        "Commit",
+        "Committed",
+        "Worker",
+        "ExpectedError",
+        "Stage",
+        "StageContext",
+        "compute_once",
+    }
     assert set(cv_workspace_client.__all__) >= documented
     for name in cv_workspace_client.__all__:
         assert hasattr(cv_workspace_client, name), name

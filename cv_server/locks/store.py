@@ -20,7 +20,20 @@ import math
 import time
 from dataclasses import dataclass
 
-__all__ = ["AcquireOutcome", "Acquired", "ComputeLockStore", "LockInfo", "Locked", "check_ttl"]
+__all__ = [
+    "DEFAULT_SWEEP_LIMIT",
+    "AcquireOutcome",
+    "Acquired",
+    "ComputeLockStore",
+    "LockInfo",
+    "Locked",
+    "check_ttl",
+]
+
+#: Dead rows of *other* keys deleted per acquisition. A bound, not a tuning constant: it keeps an
+#: acquisition's write job short however many dead rows piled up, while still removing them far
+#: faster than one acquirer (one new row) can add them.
+DEFAULT_SWEEP_LIMIT = 100
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,13 +32,22 @@ rejected must not now commit ops 1 and 3 on their own.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from cv_mutations import Node, OpRejected, SubDocState, Undo, apply_op
+from cv_mutations.ops import parse_op
 from cv_mutations.state import copy_json
-from cv_server.oplog.store import Committed, IncomingOp, LogEntry, Outcome, Rejected
+from cv_server.oplog.store import (
+    Committed,
+    IncomingOp,
+    LogEntry,
+    OpLogCorrupted,
+    Outcome,
+    Rejected,
+)
 
 __all__ = [
     "ATOMIC_ABORTED",
@@ -51,6 +60,8 @@ __all__ = [
     "copy_state",
     "op_ids_to_look_up",
     "plan_commit",
+    "rebuild_from_log",
+    "snapshot_due",
 ]
 
 #: Answer codes the pipeline itself produces (never recorded).
@@ -122,7 +133,7 @@ def op_ids_to_look_up(ops: Iterable[IncomingOp]) -> list[str]:
     return list(distinct)
 
 
-def _replay(outcome: Outcome) -> Outcome:
+def _as_duplicate(outcome: Outcome) -> Outcome:
     if type(outcome) is Committed:
         return Committed(outcome.op_id, outcome.clock, True)
     assert isinstance(outcome, Rejected)
@@ -179,7 +190,7 @@ def plan_commit(
             if seen[0] != fingerprint:
                 outcome = _reuse(op_id)
             else:
-                outcome = _replay(seen[1])
+                outcome = _as_duplicate(seen[1])
                 if seen[2] and type(outcome) is Committed:
                     applied_here.append(index)
         elif failed:
@@ -234,3 +245,33 @@ def copy_state(state: SubDocState) -> SubDocState:
             for node_id, node in state.nodes.items()
         }
     )
+
+
+def rebuild_from_log(
+    state: SubDocState, clock: int, entries: Iterable[tuple[int, str]], key: tuple[str, str]
+) -> int:
+    """Apply the logged ops `entries` (clock, op as JSON text), in order, to `state`, which holds
+    the sub-doc `key` at `clock`; return the clock reached. The log must continue `clock` with
+    no gap and each op must apply to the state its predecessors left, else `OpLogCorrupted`
+    (pinned by `test_a_gap_in_the_log_is_reported_as_corruption_not_replayed`, on both
+    backends)."""
+    for entry_clock, text in entries:
+        if entry_clock != clock + 1:
+            raise OpLogCorrupted(f"{key}: log jumps from clock {clock} to {entry_clock}")
+        try:
+            apply_op(state, parse_op(json.loads(text)))
+        except OpRejected as exc:
+            raise OpLogCorrupted(
+                f"{key}: logged op at clock {entry_clock} is refused on rebuild: {exc}"
+            ) from exc
+        clock = entry_clock
+    return clock
+
+
+def snapshot_due(head: int, clock: int, every: int) -> bool:
+    """Whether a commit that moves a sub-doc's head from `head` to `clock` writes a snapshot of
+    the state at `clock`: when it reaches or passes a multiple of `every`. The rule reads only
+    the two clocks, so every instance sharing a database takes the same snapshots, and a restart
+    never rebuilds more than `every - 1` ops plus one commit's. Pinned by
+    `test_a_snapshot_is_written_by_the_commit_that_crosses_a_multiple`, on both backends."""
+    return clock // every > head // every

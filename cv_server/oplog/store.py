@@ -19,6 +19,7 @@ __all__ = [
     "Committed",
     "IncomingOp",
     "LogEntry",
+    "OpLogCorrupted",
     "OpLogStore",
     "Outcome",
     "Rejected",
@@ -45,7 +46,8 @@ class IncomingOp:
 
 @dataclass(frozen=True, slots=True)
 class Committed:
-    """The op is in the log at `clock`. `duplicate` is true when this answer is a replay."""
+    """The op is in the log at `clock`. `duplicate` is true when this is the stored answer of an
+    earlier send of the same op."""
 
     op_id: str | None
     clock: int
@@ -57,7 +59,7 @@ class Committed:
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    """The op was not applied. Reducer rejections are recorded and replayed verbatim on retry
+    """The op was not applied. Reducer rejections are recorded and answered verbatim again on retry
     (`duplicate: true`); `op_id_reuse` and `atomic_aborted` are answers, never recorded."""
 
     op_id: str | None
@@ -74,6 +76,14 @@ class Rejected:
 
 
 Outcome = Committed | Rejected
+
+
+class OpLogCorrupted(RuntimeError):
+    """The stored log cannot be rebuilt into a state (a gap, an op its own history rejects, or a
+    snapshot ahead of the log). Every backend raises this one class; the server answers it as
+    an internal error and never serves the half-built state."""
+
+    code = "internal"
 
 
 @dataclass(frozen=True, slots=True)

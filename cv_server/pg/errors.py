@@ -6,7 +6,7 @@ above the backend never imports asyncpg to understand what went wrong.
 
 from __future__ import annotations
 
-__all__ = ["MigrationError", "NotifyPayloadTooLarge", "PostgresBackendError"]
+__all__ = ["MigrationError", "NotifyPayloadTooLarge", "PostgresBackendError", "PostgresRefused"]
 
 
 class PostgresBackendError(Exception):
@@ -29,3 +29,12 @@ class NotifyPayloadTooLarge(PostgresBackendError):
     """A NOTIFY payload reaches PostgreSQL's 8000-byte limit: send ids and clocks, not bodies."""
 
     code = "notify_payload_too_large"
+
+
+class PostgresRefused(PostgresBackendError):
+    """PostgreSQL refused to open or set up a deployment: no such database or role, no right to
+    create the tables, a bad setting. The message is the server's own; `cv-server` prints it in
+    one line and exits (pinned by
+    `test_a_postgresql_database_role_or_schema_that_is_missing_is_one_line`)."""
+
+    code = "postgres_refused"

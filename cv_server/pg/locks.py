@@ -25,8 +25,8 @@ from typing import Final
 
 import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
 
-from cv_server.locks.sqlite import DEFAULT_SWEEP_LIMIT, new_lock_token
 from cv_server.locks.store import (
+    DEFAULT_SWEEP_LIMIT,
     Acquired,
     AcquireOutcome,
     ComputeLockStore,
@@ -35,6 +35,7 @@ from cv_server.locks.store import (
     check_ttl,
 )
 from cv_server.pg.retry import SerializationRetryPolicy, run_with_retry
+from cv_server.tokens import new_lock_token
 
 __all__ = ["TABLE", "PostgresComputeLockStore"]
 

@@ -49,8 +49,16 @@ from cv_server.oplog.pipeline import (
     copy_state,
     op_ids_to_look_up,
     plan_commit,
+    snapshot_due,
 )
-from cv_server.oplog.store import IncomingOp, LogEntry, OpLogStore, Outcome, SubDocHead
+from cv_server.oplog.store import (
+    IncomingOp,
+    LogEntry,
+    OpLogCorrupted,
+    OpLogStore,
+    Outcome,
+    SubDocHead,
+)
 from cv_server.pg import oplog_sql as sql
 from cv_server.pg.migrations import migrate
 from cv_server.pg.notifier import check_payload
@@ -65,7 +73,6 @@ __all__ = [
     "parse_oplog_payload",
 ]
 
-OpLogCorrupted = sql.OpLogCorrupted
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +265,9 @@ class PostgresOpLogStore(OpLogStore):
                 # The head, the snapshot and the log read in one snapshot of the database, so
                 # the state must end exactly at the head: a snapshot (or a cache) ahead of the
                 # log is rebuilt or reported as corruption, never served as a state that is
-                # not durable (it used to be returned as is).
+                # not durable (`test_a_snapshot_ahead_of_the_log_is_reported_as_corruption_by_
+                # get_state`, `test_a_cache_ahead_of_a_rewound_log_is_rebuilt_by_get_state_not_
+                # served`).
                 async with conn.transaction(isolation="repeatable_read", readonly=True):
                     head = await sql.read_head(conn, workspace_id, sub_doc)
                     doc = await self._caught_up(conn, key, lane, head)
@@ -360,9 +369,9 @@ class PostgresOpLogStore(OpLogStore):
                 group = []
         except BaseException as exc:
             # Only what `except Exception` lets through gets here (the drainer cancelled,
-            # KeyboardInterrupt): without this, the group in flight and the appends queued
-            # behind it were never answered and their callers hung forever. Answer them with
-            # an ordinary error (not CancelledError: their callers were not cancelled).
+            # KeyboardInterrupt). Every append in flight or queued behind it is answered, with
+            # an ordinary error (not CancelledError: its caller was not cancelled); pinned by
+            # `test_a_cancelled_drainer_fails_its_appends_instead_of_leaving_them_hanging`.
             for pending in group:
                 if not pending.future.done():
                     pending.future.set_exception(
@@ -496,7 +505,7 @@ class PostgresOpLogStore(OpLogStore):
                     await sql.write_batches(conn, writes, self.channel)
                 for member, doc, plans in zip(members, docs, all_plans, strict=True):
                     head, clock = heads[member.key], plans[-1].clock
-                    if clock // self.snapshot_every > head // self.snapshot_every:
+                    if snapshot_due(head, clock, self.snapshot_every):
                         await sql.write_snapshot(
                             conn, *member.key, sql.CachedSubDoc(clock, doc.state)
                         )

@@ -13,14 +13,15 @@ from typing import Any, Final
 
 import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
 
-from cv_mutations import OpRejected, SubDocState, apply_op, parse_op
+from cv_mutations import SubDocState
 from cv_server.oplog.pipeline import (
     NewRejection,
     Recorded,
     RecordedCommit,
     RecordedRejection,
+    rebuild_from_log,
 )
-from cv_server.oplog.store import LogEntry
+from cv_server.oplog.store import LogEntry, OpLogCorrupted
 
 __all__ = [
     "HEADS_TABLE",
@@ -131,12 +132,6 @@ WHERE {SNAPSHOTS_TABLE}.clock < excluded.clock
 """
 
 
-class OpLogCorrupted(RuntimeError):
-    """The stored log cannot be replayed (a gap, or an op its own history rejects)."""
-
-    code = "internal"
-
-
 @dataclass(slots=True)
 class CachedSubDoc:
     """One instance's copy of a sub-doc: the state after every op up to `clock`."""
@@ -185,16 +180,9 @@ async def read_head(conn: asyncpg.Connection, workspace_id: str, sub_doc: str) -
     return 0 if clock is None else int(clock)
 
 
-def _replay(doc: CachedSubDoc, rows: Sequence[Any], key: tuple[str, str]) -> None:
-    for row in rows:
-        clock = int(row["clock"])
-        if clock != doc.clock + 1:
-            raise OpLogCorrupted(f"{key}: log jumps from clock {doc.clock} to {clock}")
-        try:
-            apply_op(doc.state, parse_op(json.loads(row["op"])))
-        except OpRejected as exc:
-            raise OpLogCorrupted(f"{key}: logged op at clock {clock} replays as {exc}") from exc
-        doc.clock = clock
+def _rebuild(doc: CachedSubDoc, rows: Sequence[Any], key: tuple[str, str]) -> None:
+    entries = ((int(row["clock"]), row["op"]) for row in rows)
+    doc.clock = rebuild_from_log(doc.state, doc.clock, entries, key)
 
 
 async def load_sub_doc(conn: asyncpg.Connection, workspace_id: str, sub_doc: str) -> CachedSubDoc:
@@ -205,7 +193,7 @@ async def load_sub_doc(conn: asyncpg.Connection, workspace_id: str, sub_doc: str
         doc = CachedSubDoc(0, SubDocState.empty())
     else:
         doc = CachedSubDoc(int(row["clock"]), SubDocState.loads(row["state"]))
-    _replay(doc, await conn.fetch(_SELECT_OPS_AFTER, workspace_id, sub_doc, doc.clock), key)
+    _rebuild(doc, await conn.fetch(_SELECT_OPS_AFTER, workspace_id, sub_doc, doc.clock), key)
     return doc
 
 
@@ -214,7 +202,7 @@ async def catch_up(
 ) -> None:
     """Apply the log entries after `doc.clock` (committed by other instances) to `doc`."""
     rows = await conn.fetch(_SELECT_OPS_AFTER, workspace_id, sub_doc, doc.clock)
-    _replay(doc, rows, (workspace_id, sub_doc))
+    _rebuild(doc, rows, (workspace_id, sub_doc))
 
 
 async def look_up_many(

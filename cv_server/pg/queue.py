@@ -58,8 +58,8 @@ from cv_server.queue.model import (
     RequestStatus,
     TransitionKind,
 )
-from cv_server.queue.sqlite import new_claim_token
 from cv_server.queue.store import QueueStore, claim_scope
+from cv_server.tokens import new_claim_token
 
 __all__ = [
     "BROADCAST_STATUSES",
@@ -394,32 +394,7 @@ class PostgresQueueStore(QueueStore):
                 current = {row.request_id: row for row in map(sql.request_from_row, locked)}
                 # No row found: every item is refused, and no time is needed.
                 at = _at(now, locked[0]) if locked else 0.0
-                outcomes: Outcomes = []
-                changed: dict[str, ProcessRequest] = {}
-                events: builtins.list[RequestEvent] = []
-                for item in batch:
-                    row = current.get(item.request_id)
-                    if row is None:
-                        outcomes.append(RequestNotFound(f"no request {item.request_id!r}"))
-                        continue
-                    try:
-                        done, did_change = model.complete(
-                            row,
-                            item.claim_token,
-                            item.result,
-                            at,
-                            error=item.error,
-                            blob_ref=item.blob_ref,
-                            cache=item.cache,
-                            telemetry=item.telemetry,
-                        )
-                    except QueueError as refused:  # nothing is written for this one
-                        outcomes.append(refused)
-                        continue
-                    if did_change:
-                        current[done.request_id] = changed[done.request_id] = done
-                        events.append(RequestEvent.of(done, "done"))
-                    outcomes.append(done)
+                outcomes, changed, events = model.complete_batch(current, batch, at)
                 if changed:
                     # The rows and their NOTIFY commit together.
                     await self._write_rows(conn, list(changed.values()), events)

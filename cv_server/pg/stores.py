@@ -17,15 +17,15 @@ import contextlib
 import functools
 import hashlib
 import logging
-from collections.abc import Callable, Iterator
-from typing import Final, NamedTuple
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, Final, NamedTuple, ParamSpec, TypeVar
 
 import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
 
 from cv_server.backends import Stores
 from cv_server.config import ServerConfig
 from cv_server.pg.blobs import PostgresBlobStore
-from cv_server.pg.errors import PostgresBackendError
+from cv_server.pg.errors import PostgresBackendError, PostgresRefused
 from cv_server.pg.idempotency import PostgresIdempotencyStore
 from cv_server.pg.locks import PostgresComputeLockStore
 from cv_server.pg.meta import (
@@ -53,6 +53,26 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _refusals_translated(
+    fn: Callable[P, Coroutine[Any, Any, R]],
+) -> Callable[P, Coroutine[Any, Any, R]]:
+    """`fn` with asyncpg's server errors raised as `PostgresRefused`: callers that open or set up
+    a deployment (the CLI, the app's start-up) never import asyncpg to report them."""
+
+    @functools.wraps(fn)
+    async def translated(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await fn(*args, **kwargs)
+        except asyncpg.PostgresError as exc:
+            raise PostgresRefused(str(exc) or type(exc).__name__) from exc
+
+    return translated
+
 
 #: How long a commit notification waits before it reaches the hub (see `follow_commits`): a
 #: delivery delay for other instances' ops, traded for not re-reading the log on our own.
@@ -114,6 +134,7 @@ class SetUp(NamedTuple):
     created: bool
 
 
+@_refusals_translated
 async def set_up_deployment(dsn: str) -> SetUp:
     """Migrate the database at `dsn` and create its token secret unless it has one, as an
     instance does at start (`cv-server init`). Idempotent."""
@@ -128,10 +149,12 @@ async def set_up_deployment(dsn: str) -> SetUp:
     return SetUp(schema, created)
 
 
+@_refusals_translated
 async def read_token_secret(dsn: str) -> bytes:
     """The token secret of the deployment at `dsn`, for `cv-server token`: read only. Raises
-    `NotSetUp` where there is none: minting one there made tables and a secret in whatever
-    database (or schema) a mistyped DSN named, and a token no instance accepts."""
+    `NotSetUp` where there is none, and creates nothing: a mistyped DSN never gets tables, a
+    secret or a token no instance accepts (pinned by
+    `test_token_reads_a_deployment_and_sets_none_up_where_there_is_none`)."""
     pool = await create_pool(dsn, PostgresSettings(pool_min_size=1, pool_max_size=1))
     try:
         schema = await _current_schema(pool)
@@ -146,6 +169,7 @@ async def read_token_secret(dsn: str) -> bytes:
     return secret
 
 
+@_refusals_translated
 async def rotate_token_secret(dsn: str) -> str:
     """Replace the token secret of the deployment at `dsn` with a new one, for `cv-server
     rotate-secret`; returns the schema. Every running instance is told (NOTIFY, at commit) and
@@ -215,6 +239,7 @@ class _SecretFollower:
                 await asyncio.sleep(delay)
 
 
+@_refusals_translated
 async def open_postgres_stores(config: ServerConfig) -> Stores:
     """Every store of one instance, sharing one pool and one LISTEN connection."""
     if not config.database_url:

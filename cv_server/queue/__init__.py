@@ -2,8 +2,8 @@
 idempotency keys of non-deterministic enqueues (docs/queue.md) and the result blob store
 (docs/queue.md).
 
-Backend-neutral names live here; the SQLite implementations are in `cv_server.queue.sqlite`,
-`cv_server.queue.idempotency_sqlite` and `cv_server.queue.blobs_sqlite`.
+Backend-neutral names live here; the SQLite implementations are in `cv_server.sqlite.queue`,
+`cv_server.sqlite.idempotency` and `cv_server.sqlite.blobs`.
 """
 
 from cv_server.queue.blobs import BlobStore, new_blob_ref
@@ -24,7 +24,7 @@ from cv_server.queue.idempotency import (
     KeyCompletion,
     Mismatch,
     Owned,
-    Replay,
+    StoredAnswer,
     StoredResponse,
     request_fingerprint,
 )
@@ -67,12 +67,12 @@ __all__ = [
     "QueueError",
     "QueueListener",
     "QueueStore",
-    "Replay",
     "RequestCancelled",
     "RequestEvent",
     "RequestIdConflict",
     "RequestNotFound",
     "RequestStatus",
+    "StoredAnswer",
     "StoredResponse",
     "deterministic_request_id",
     "new_blob_ref",

@@ -8,12 +8,12 @@ stage does not declare a deterministic id). The server:
      the key with the response **in the same transaction as the effect** (`KeyCompletion`, or
      `finish` when the effect is not a store write); on failure `abandon` the key so a genuine
      retry can proceed; in every case `await owned.release()` when done (in a `finally`);
-   - `Replay(status_code, body)`: answered before with the same request: send it verbatim with
-     `Idempotency-Replayed: true`;
+   - `StoredAnswer(status_code, body)`: answered before with the same request: send that answer
+     verbatim with `Idempotency-Replayed: true`;
    - `InProgress`: the first request is still running: 409 with `Retry-After: 1`, run nothing;
    - `Mismatch`: the key was used for a different request: 422 `idempotency_key_reuse`.
 2. Keys are scoped to the workspace (tenant B's `abc` is not tenant A's `abc`: a global key space
-   would replay A's stored answer to B) and live `ServerConfig.idempotency_retention_seconds`
+   would give A's stored answer to B) and live `ServerConfig.idempotency_retention_seconds`
    (24 h) from their first use; `sweep` deletes the expired ones.
 
 The decision itself (`decide_begin`) and the fingerprint are pure.
@@ -35,7 +35,7 @@ __all__ = [
     "KeyRecord",
     "Mismatch",
     "Owned",
-    "Replay",
+    "StoredAnswer",
     "StoredResponse",
     "check_sweep_limit",
     "decide_begin",
@@ -68,7 +68,7 @@ def check_sweep_limit(limit: int | None) -> None:
 
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
-    """The answer replayed verbatim to a retry."""
+    """The answer a retry gets back verbatim."""
 
     status_code: int
     body: Any
@@ -95,8 +95,8 @@ class Owned:
 
 
 @dataclass(frozen=True, slots=True)
-class Replay:
-    """Answered before: replay `status_code` and `body` with `Idempotency-Replayed: true`."""
+class StoredAnswer:
+    """Answered before: send `status_code` and `body` again, with `Idempotency-Replayed: true`."""
 
     status_code: int
     body: Any
@@ -112,7 +112,7 @@ class Mismatch:
     """The key was used for a different request: 422 `idempotency_key_reuse`."""
 
 
-BeginOutcome = Owned | Replay | InProgress | Mismatch
+BeginOutcome = Owned | StoredAnswer | InProgress | Mismatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +139,7 @@ def decide_begin(existing: KeyRecord | None, fingerprint: str, now: float) -> Be
     if existing.state == "completed":
         if existing.status_code is None:
             raise ValueError("a completed idempotency key must carry its status code")
-        return Replay(existing.status_code, existing.body)
+        return StoredAnswer(existing.status_code, existing.body)
     return InProgress()
 
 

@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
 
@@ -31,14 +32,17 @@ from cv_server.queue.errors import (
     InvalidTransition,
     LeaseLost,
     NotCancellable,
+    QueueError,
     RequestCancelled,
     RequestIdConflict,
+    RequestNotFound,
 )
 
 __all__ = [
     "FINISHED_STATUSES",
     "LIVE_STATUSES",
     "STATUSES",
+    "BatchCompletion",
     "CacheOutcome",
     "Completion",
     "Enqueued",
@@ -53,6 +57,7 @@ __all__ = [
     "check_lease",
     "claim",
     "complete",
+    "complete_batch",
     "decide_enqueue",
     "deterministic_request_id",
     "fail",
@@ -523,6 +528,55 @@ def fail(
         row, status="pending", lease_expires_at=None, available_at=now + backoff, error=error
     )
     return Transition(retry, changed=True)
+
+
+class BatchCompletion(NamedTuple):
+    """`complete_batch`'s outcome: one answer per item, in order, and what must be written."""
+
+    outcomes: list[ProcessRequest | QueueError]
+    #: The rows to write, by request id: each one's state after the last item that changed it.
+    changed: dict[str, ProcessRequest]
+    #: One event per item that changed its row, in batch order.
+    events: list[RequestEvent]
+
+
+def complete_batch(
+    rows: Mapping[str, ProcessRequest], batch: Iterable[Completion], now: float
+) -> BatchCompletion:
+    """`complete` for each item of `batch`, in order, over `rows` (the stored rows by id, each
+    locked for the batch). An item that is refused (no such row, lost lease, bad cache) gets its
+    error as its answer and writes nothing; the others go on. An item sees the row as the items
+    before it left it, so a holder's duplicate in the same batch is answered unchanged.
+    Pinned by `test_complete_many_answers_each_completion_on_its_own` (the queue contract suite,
+    both backends)."""
+    current = dict(rows)
+    outcomes: list[ProcessRequest | QueueError] = []
+    changed: dict[str, ProcessRequest] = {}
+    events: list[RequestEvent] = []
+    for item in batch:
+        row = current.get(item.request_id)
+        if row is None:
+            outcomes.append(RequestNotFound(f"no request {item.request_id!r}"))
+            continue
+        try:
+            done, did_change = complete(
+                row,
+                item.claim_token,
+                item.result,
+                now,
+                error=item.error,
+                blob_ref=item.blob_ref,
+                cache=item.cache,
+                telemetry=item.telemetry,
+            )
+        except QueueError as refused:  # nothing is written for this one
+            outcomes.append(refused)
+            continue
+        if did_change:
+            current[done.request_id] = changed[done.request_id] = done
+            events.append(RequestEvent.of(done, "done"))
+        outcomes.append(done)
+    return BatchCompletion(outcomes, changed, events)
 
 
 # -- operator --------------------------------------------------------------------------------------

@@ -20,7 +20,11 @@ def token_for(*workspaces: str) -> str:
 
 def fast_config(**overrides: Any) -> ClientConfig:
     """The default retry policy, shrunk from seconds to milliseconds for tests."""
-    values: dict[str, Any] = {"retry_base_seconds": 0.005, "retry_cap_seconds": 0.05}
+    values: dict[str, Any] = {
+        "retry_base_seconds": 0.005,
+        "retry_cap_seconds": 0.05,
+        "reconnect_after_drop_seconds": (0.01, 0.025),
+    }
     values.update(overrides)
     return ClientConfig(**values)
 

@@ -272,13 +272,13 @@ async def test_still_pending_is_reported_only_once_the_op_is_fsynced(
             proxy.url, token=token, outbox=tmp_path / "outbox", config=config
         ) as client:
             deferred = asyncio.Event()
-            defer = client._still_pending_once_synced
+            defer = client._ops._still_pending_once_synced
 
             async def spy(*args: Any) -> None:
                 deferred.set()
                 await defer(*args)
 
-            monkeypatch.setattr(client, "_still_pending_once_synced", spy)
+            monkeypatch.setattr(client._ops, "_still_pending_once_synced", spy)
             monkeypatch.setattr(os, "fsync", held_fsync)
             try:
                 apply = asyncio.ensure_future(

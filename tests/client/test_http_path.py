@@ -441,8 +441,9 @@ EXPECTED: dict[str, type[WorkspaceError]] = {
     "internal": ServerError,
     "unavailable": ServerError,
 }
-#: Where a websocket `error` frame (no status) must differ: the queue's codes never travel there.
-EXPECTED_FRAME = {**EXPECTED, "lease_lost": InvalidRequestError, "cancelled": InvalidRequestError}
+#: A websocket `error` frame (no status) maps each code as an HTTP answer does: one reading of
+#: problems for every call (`error_from_problem`).
+EXPECTED_FRAME = EXPECTED
 
 
 def _string_args(node: ast.Call) -> list[object]:

@@ -558,13 +558,13 @@ async def test_a_thousand_sub_docs_with_one_op_each_all_commit_in_one_batch_each
     ) as client:
         if websocket:
             await client.connect(WS, timeout=TIMEOUT)
-        original = client._send
+        original = client._ops._send
 
         def record(send: Send) -> None:
             sent.append(send)
             original(send)
 
-        client._send = record  # type: ignore[method-assign]
+        client._ops._send = record  # type: ignore[method-assign]
         sub_docs = [f"d{i:04d}" for i in range(1000)]
         outcomes = await asyncio.wait_for(
             asyncio.gather(

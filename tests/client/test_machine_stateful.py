@@ -38,7 +38,7 @@ from hypothesis.stateful import (
 
 from cv_mutations import NodeInsert, fingerprint, parse_op
 from cv_server.oplog import IncomingOp, LogEntry
-from cv_server.oplog.sqlite import SQLiteOpLogStore
+from cv_server.sqlite.oplog import SQLiteOpLogStore
 from cv_workspace_client._machine import (
     CountAttempt,
     Discard,

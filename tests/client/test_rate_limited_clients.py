@@ -29,7 +29,7 @@ async def _refusals(url: str) -> int:
     async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
         text = await r.text()
     return sum(
-        int(line.rsplit(" ", 1)[1])
+        int(float(line.rsplit(" ", 1)[1]))
         for line in text.splitlines()
         if line.startswith('cv_rate_limited_total{route_class="ops"}')
     )

@@ -9,12 +9,12 @@ from pydantic import JsonValue
 
 from cv_mutations import NodeInsert
 from cv_workspace_client import WorkspaceClient
-from cv_workspace_client.providers import CountingFakeProvider
 from cv_workspace_client.stage import ExpectedError
 from cv_workspace_client.stages import JOBS, STAGES, ProviderMissingError, enrich, evaluate
 from cv_workspace_client.stages.enrich import COMMUTE_FIELD, parse_minutes
 from cv_workspace_client.stages.evaluate import Column, column_prompt, parse_columns
 from cv_workspace_client.stages.fake_provider import demo_answer
+from cv_workspace_client.testing import CountingFakeProvider
 
 from .conftest import OpenClient
 from .helpers import WS, RequestLog, stage_context

@@ -20,7 +20,7 @@ from cv_server.queue import (
     InProgress,
     Mismatch,
     Owned,
-    Replay,
+    StoredAnswer,
     StoredResponse,
     request_fingerprint,
 )
@@ -70,8 +70,8 @@ class IdempotencyContract:
         body = {"request_id": "r_1", "status": "pending", "nested": {"é": [1, None]}}
         await store.begin(WS, KEY, FP, 1.0)
         await store.finish(WS, KEY, FP, StoredResponse(202, body), 2.0)
-        assert await store.begin(WS, KEY, FP, 3.0) == Replay(202, body)
-        assert await store.begin(WS, KEY, FP, 4.0) == Replay(202, body)
+        assert await store.begin(WS, KEY, FP, 3.0) == StoredAnswer(202, body)
+        assert await store.begin(WS, KEY, FP, 4.0) == StoredAnswer(202, body)
 
     async def test_a_key_reused_for_another_request_is_a_mismatch_in_any_state(
         self, store: IdempotencyStore
@@ -80,7 +80,7 @@ class IdempotencyContract:
         assert await store.begin(WS, KEY, OTHER_FP, 2.0) == Mismatch()
         await store.finish(WS, KEY, FP, StoredResponse(202, {"ok": 1}), 3.0)
         assert await store.begin(WS, KEY, OTHER_FP, 4.0) == Mismatch()
-        assert await store.begin(WS, KEY, FP, 5.0) == Replay(202, {"ok": 1})
+        assert await store.begin(WS, KEY, FP, 5.0) == StoredAnswer(202, {"ok": 1})
 
     async def test_keys_are_scoped_to_the_workspace(self, store: IdempotencyStore) -> None:
         await store.begin(WS, KEY, FP, 1.0)
@@ -89,8 +89,8 @@ class IdempotencyContract:
         # stored answer.
         assert await store.begin(OTHER_WS, KEY, FP, 3.0) == Owned()
         await store.finish(OTHER_WS, KEY, FP, StoredResponse(201, {"mine": "b"}), 4.0)
-        assert await store.begin(OTHER_WS, KEY, FP, 5.0) == Replay(201, {"mine": "b"})
-        assert await store.begin(WS, KEY, FP, 5.0) == Replay(202, {"secret": "of tenant a"})
+        assert await store.begin(OTHER_WS, KEY, FP, 5.0) == StoredAnswer(201, {"mine": "b"})
+        assert await store.begin(WS, KEY, FP, 5.0) == StoredAnswer(202, {"secret": "of tenant a"})
 
     async def test_an_abandoned_key_lets_a_retry_run(self, store: IdempotencyStore) -> None:
         await store.begin(WS, KEY, FP, 1.0)
@@ -102,7 +102,7 @@ class IdempotencyContract:
         await store.finish(WS, KEY, FP, StoredResponse(202, {"ok": 1}), 2.0)
         assert not await store.abandon(WS, KEY, 3.0)
         assert not await store.abandon(WS, "never-used", 3.0)
-        assert await store.begin(WS, KEY, FP, 4.0) == Replay(202, {"ok": 1})
+        assert await store.begin(WS, KEY, FP, 4.0) == StoredAnswer(202, {"ok": 1})
 
     async def test_finishing_a_key_nobody_owns_is_refused(self, store: IdempotencyStore) -> None:
         with pytest.raises(IdempotencyKeyLost):
@@ -113,14 +113,14 @@ class IdempotencyContract:
         await store.finish(WS, KEY, FP, StoredResponse(202, {}), 2.0)
         with pytest.raises(IdempotencyKeyLost):  # already completed
             await store.finish(WS, KEY, FP, StoredResponse(500, {}), 3.0)
-        assert await store.begin(WS, KEY, FP, 4.0) == Replay(202, {})
+        assert await store.begin(WS, KEY, FP, 4.0) == StoredAnswer(202, {})
 
     async def test_a_key_expires_after_the_retention_even_before_the_sweep(
         self, store: IdempotencyStore
     ) -> None:
         await store.begin(WS, KEY, FP, 0.0)
         await store.finish(WS, KEY, FP, StoredResponse(202, {"old": 1}), 1.0)
-        assert await store.begin(WS, KEY, FP, RETENTION - 0.5) == Replay(202, {"old": 1})
+        assert await store.begin(WS, KEY, FP, RETENTION - 0.5) == StoredAnswer(202, {"old": 1})
         # Retention counts from the first use; after it the key is free, whatever it held.
         assert await store.begin(WS, KEY, OTHER_FP, RETENTION) == Owned()
         assert await store.begin(WS, KEY, OTHER_FP, RETENTION + 1) == InProgress()
@@ -150,7 +150,7 @@ class IdempotencyContract:
         assert outcomes.count(InProgress()) == CONCURRENT - 1
         # The taker owns the key for real: it completes it, and retries replay its answer.
         await store.finish(WS, KEY, FP, StoredResponse(202, {"taken": "over"}), 3.0)
-        assert await store.begin(WS, KEY, FP, 4.0) == Replay(202, {"taken": "over"})
+        assert await store.begin(WS, KEY, FP, 4.0) == StoredAnswer(202, {"taken": "over"})
 
     async def test_a_key_whose_owner_is_alive_still_answers_in_progress(
         self, store: IdempotencyStore
@@ -160,7 +160,7 @@ class IdempotencyContract:
         assert outcomes == [InProgress()] * CONCURRENT
         assert isinstance(owned, Owned)
         await store.finish(WS, KEY, FP, StoredResponse(202, {"ok": 1}), 3.0)
-        assert await store.begin(WS, KEY, FP, 4.0) == Replay(202, {"ok": 1})
+        assert await store.begin(WS, KEY, FP, 4.0) == StoredAnswer(202, {"ok": 1})
 
     async def test_a_finished_key_is_released_and_never_taken_over(
         self, store: IdempotencyStore
@@ -168,10 +168,10 @@ class IdempotencyContract:
         owned = await store.begin(WS, KEY, FP, 1.0)
         await store.finish(WS, KEY, FP, StoredResponse(202, {"ok": 1}), 2.0)
         outcomes = await asyncio.gather(*(store.begin(WS, KEY, FP, 3.0) for _ in range(CONCURRENT)))
-        assert outcomes == [Replay(202, {"ok": 1})] * CONCURRENT
+        assert outcomes == [StoredAnswer(202, {"ok": 1})] * CONCURRENT
         assert isinstance(owned, Owned)
         await owned.release()  # idempotent after finish
-        assert await store.begin(WS, KEY, FP, 4.0) == Replay(202, {"ok": 1})
+        assert await store.begin(WS, KEY, FP, 4.0) == StoredAnswer(202, {"ok": 1})
 
     async def test_an_abandoned_key_is_released_to_exactly_one_retry(
         self, store: IdempotencyStore

@@ -30,11 +30,11 @@ from cv_server.queue import (
     Owned,
     ProcessRequest,
     QueueStore,
-    Replay,
     RequestCancelled,
     RequestEvent,
     RequestIdConflict,
     RequestNotFound,
+    StoredAnswer,
     StoredResponse,
     deterministic_request_id,
     random_request_id,
@@ -919,7 +919,7 @@ class QueueContract:
         completion = KeyCompletion[Enqueued](WS, "key-1", "fp", respond)
         row, _ = await store.enqueue(req, 1.0, idempotency=completion)
         replay = await idempotency_store.begin(WS, "key-1", "fp", 2.0)
-        assert replay == Replay(202, {"request_id": row.request_id, "coalesced": False})
+        assert replay == StoredAnswer(202, {"request_id": row.request_id, "coalesced": False})
 
     async def test_an_enqueue_whose_idempotency_key_was_lost_is_rolled_back(
         self, store: QueueStore, idempotency_store: IdempotencyStore

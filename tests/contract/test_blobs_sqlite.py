@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from cv_server.queue import BlobStore
-from cv_server.queue.blobs_sqlite import SQLiteBlobStore, create_schema
-from cv_server.sqlite_db import SQLiteDatabase
+from cv_server.sqlite.blobs import SQLiteBlobStore, create_schema
+from cv_server.sqlite.engine import SQLiteDatabase
 from tests.contract.blobs_contract import RETENTION, WS, BlobsContract
 
 

@@ -12,7 +12,14 @@ import pytest
 
 from cv_server.pg import create_pool
 from cv_server.pg.idempotency import PostgresIdempotencyStore, advisory_lock_key
-from cv_server.queue import IdempotencyStore, InProgress, Mismatch, Owned, Replay, StoredResponse
+from cv_server.queue import (
+    IdempotencyStore,
+    InProgress,
+    Mismatch,
+    Owned,
+    StoredAnswer,
+    StoredResponse,
+)
 from tests.contract.idempotency_contract import (
     FP,
     KEY,
@@ -80,7 +87,7 @@ async def test_first_requests_on_separate_pools_own_the_key_exactly_once(
         # The owner may be either store: finish on both (the one that does not own the key
         # completes it on a fresh connection; the owner's lock is released by its close below).
         await stores[0].finish(WS, KEY, FP, StoredResponse(202, {"id": "r_1"}), 2.0)
-        assert await stores[1].begin(WS, KEY, FP, 3.0) == Replay(202, {"id": "r_1"})
+        assert await stores[1].begin(WS, KEY, FP, 3.0) == StoredAnswer(202, {"id": "r_1"})
     finally:
         for store in stores:  # an owner holds a connection: the pool closes only once it is back
             await store.close()
@@ -142,7 +149,7 @@ async def test_finish_abandon_and_release_let_go_of_the_lock(
         for key in ("finished", "abandoned"):
             assert await lock_holders(pool, schema, WS, key) == []
         # A free lock on a completed key takes nothing over: the answer is replayed.
-        assert await store.begin(WS, "finished", FP, 3.0) == Replay(202, {"ok": 1})
+        assert await store.begin(WS, "finished", FP, 3.0) == StoredAnswer(202, {"ok": 1})
     finally:
         await store.close()
     # `close` released the owner still running: its key is free to a retry.

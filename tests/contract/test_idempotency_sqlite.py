@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from cv_server.queue import IdempotencyStore
-from cv_server.queue.idempotency_sqlite import SQLiteIdempotencyStore, create_schema
-from cv_server.sqlite_db import SQLiteDatabase
+from cv_server.sqlite.engine import SQLiteDatabase
+from cv_server.sqlite.idempotency import SQLiteIdempotencyStore, create_schema
 from tests.contract.idempotency_contract import RETENTION, IdempotencyContract, KillOwner
 
 

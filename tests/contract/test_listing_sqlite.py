@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from cv_server.locks import ComputeLockStore
-from cv_server.locks.sqlite import SQLiteComputeLockStore
-from cv_server.locks.sqlite import create_schema as create_locks_schema
 from cv_server.oplog import OpLogStore
-from cv_server.oplog.sqlite import SQLiteOpLogStore
-from cv_server.sqlite_db import SQLiteDatabase
+from cv_server.sqlite.engine import SQLiteDatabase
+from cv_server.sqlite.locks import SQLiteComputeLockStore
+from cv_server.sqlite.locks import create_schema as create_locks_schema
+from cv_server.sqlite.oplog import SQLiteOpLogStore
 from tests.contract.listing_contract import LockListingContract, SubDocListingContract
 
 

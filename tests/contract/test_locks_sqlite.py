@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from cv_server.locks import Acquired, ComputeLockStore
-from cv_server.locks.sqlite import TABLE, SQLiteComputeLockStore, create_schema
-from cv_server.sqlite_db import SQLiteDatabase
+from cv_server.sqlite.engine import SQLiteDatabase
+from cv_server.sqlite.locks import TABLE, SQLiteComputeLockStore, create_schema
 from tests.contract.locks_contract import LocksContract
 
 

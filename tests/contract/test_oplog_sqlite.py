@@ -17,14 +17,14 @@ import pytest
 import cv_server
 from cv_mutations import fingerprint, new_op_id, parse_op
 from cv_server.oplog import Committed, IncomingOp, OpLogStore
-from cv_server.oplog.sqlite import (
+from cv_server.sqlite.engine import SQLiteDatabase, Transaction
+from cv_server.sqlite.oplog import (
     OPS_TABLE,
     SNAPSHOTS_TABLE,
     OpLogCorrupted,
     SQLiteOpLogStore,
     create_schema,
 )
-from cv_server.sqlite_db import SQLiteDatabase, Transaction
 from tests.contract.oplog_contract import (
     DOC,
     WS,
@@ -254,6 +254,20 @@ async def test_a_snapshot_is_written_every_snapshot_every_ops(db: SQLiteDatabase
         await append_one(store, increment())
         seen.append(await read_snapshot_clock(db))
     assert seen == [None] * 4 + [5] * 5 + [10] * 3
+    await store.close()
+
+
+async def test_a_snapshot_is_written_by_the_commit_that_crosses_a_multiple(
+    db: SQLiteDatabase,
+) -> None:
+    # The rule PostgreSQL follows too: a commit whose clocks pass a multiple of snapshot_every
+    # writes one, however far the previous snapshot lies behind.
+    store = SQLiteOpLogStore(db, snapshot_every=5)
+    seen = []
+    for size in (1, 3, 2, 1, 3, 1):  # clocks 1, 4, 6, 7, 10, 11
+        await wait(store.append(WS, DOC, [increment() for _ in range(size)]))
+        seen.append(await read_snapshot_clock(db))
+    assert seen == [None, None, 6, 6, 10, 10]
     await store.close()
 
 

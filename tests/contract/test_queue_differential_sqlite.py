@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import sqlite_utils
 
-from cv_server.queue import BlobStore, QueueStore, blobs_sqlite, sqlite
-from cv_server.queue.blobs_sqlite import SQLiteBlobStore
-from cv_server.queue.sqlite import SQLiteQueueStore
-from cv_server.sqlite_db import SQLiteDatabase
+from cv_server.queue import BlobStore, QueueStore
+from cv_server.sqlite import blobs as blobs_sqlite
+from cv_server.sqlite import queue as sqlite
+from cv_server.sqlite.blobs import SQLiteBlobStore
+from cv_server.sqlite.engine import SQLiteDatabase
+from cv_server.sqlite.queue import SQLiteQueueStore
 from tests.contract.queue_differential import BlobOpener, QueueDifferentialContract, QueueOpener
 
 

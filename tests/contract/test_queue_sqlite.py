@@ -10,10 +10,12 @@ import pytest
 import sqlite_utils
 
 from cv_server.config import ServerConfig
-from cv_server.queue import IdempotencyStore, QueueStore, RequestEvent, idempotency_sqlite, sqlite
-from cv_server.queue.idempotency_sqlite import SQLiteIdempotencyStore
-from cv_server.queue.sqlite import CLAIM_PROBES, TABLE, SQLiteQueueStore
-from cv_server.sqlite_db import SQLiteDatabase
+from cv_server.queue import IdempotencyStore, QueueStore, RequestEvent
+from cv_server.sqlite import idempotency as idempotency_sqlite
+from cv_server.sqlite import queue as sqlite
+from cv_server.sqlite.engine import SQLiteDatabase
+from cv_server.sqlite.idempotency import SQLiteIdempotencyStore
+from cv_server.sqlite.queue import CLAIM_PROBES, TABLE, SQLiteQueueStore
 from tests.contract.queue_contract import LEASE, STAGE, WS, QueueContract, request
 
 CONFIG = ServerConfig()

@@ -13,12 +13,13 @@ import sqlite_utils
 
 from cv_server.config import ServerConfig
 from cv_server.locks import ComputeLockStore
-from cv_server.locks import sqlite as locks_sqlite
-from cv_server.locks.sqlite import SQLiteComputeLockStore
-from cv_server.queue import QueueStore, idempotency_sqlite
-from cv_server.queue import sqlite as queue_sqlite
-from cv_server.queue.sqlite import SQLiteQueueStore
-from cv_server.sqlite_db import SQLiteDatabase
+from cv_server.queue import QueueStore
+from cv_server.sqlite import idempotency as idempotency_sqlite
+from cv_server.sqlite import locks as locks_sqlite
+from cv_server.sqlite import queue as queue_sqlite
+from cv_server.sqlite.engine import SQLiteDatabase
+from cv_server.sqlite.locks import SQLiteComputeLockStore
+from cv_server.sqlite.queue import SQLiteQueueStore
 from tests.contract.races_contract import RacesContract
 
 PEERS = 2

@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from cv_workspace_client.providers import CountingFakeProvider, Provider, fake_answer
+from cv_workspace_client.providers import Provider, fake_answer
+from cv_workspace_client.testing import CountingFakeProvider
 
 PROMPTS = [f"prompt {i}" for i in range(10)]
 CALLS_PER_PROMPT = 20

@@ -12,7 +12,7 @@ from cv_server.queue.idempotency import (
     KeyRecord,
     Mismatch,
     Owned,
-    Replay,
+    StoredAnswer,
     decide_begin,
     request_fingerprint,
 )
@@ -50,7 +50,7 @@ def test_no_part_of_the_fingerprint_bleeds_into_the_next(
 
 def test_begin_decisions() -> None:
     assert decide_begin(None, "fp", 1.0) == Owned()
-    assert decide_begin(record(), "fp", 1.0) == Replay(202, {"id": 1})
+    assert decide_begin(record(), "fp", 1.0) == StoredAnswer(202, {"id": 1})
     assert decide_begin(record("in_progress"), "fp", 1.0) == InProgress()
     assert decide_begin(record(), "other", 1.0) == Mismatch()
     assert decide_begin(record("in_progress"), "other", 1.0) == Mismatch()
@@ -58,7 +58,7 @@ def test_begin_decisions() -> None:
 
 def test_an_expired_key_is_free_even_for_another_request() -> None:
     assert decide_begin(record(expires_at=100.0), "other", 100.0) == Owned()
-    assert decide_begin(record(expires_at=100.0), "fp", 99.9) == Replay(202, {"id": 1})
+    assert decide_begin(record(expires_at=100.0), "fp", 99.9) == StoredAnswer(202, {"id": 1})
 
 
 def test_a_completed_key_without_a_status_is_refused() -> None:

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from cv_server.config import ServerConfig
 from cv_server.queue import model
-from cv_server.queue.errors import InvalidTransition, LeaseLost, RequestIdConflict
-from cv_server.queue.model import NewRequest, ProcessRequest
+from cv_server.queue.errors import InvalidTransition, LeaseLost, RequestIdConflict, RequestNotFound
+from cv_server.queue.model import Completion, NewRequest, ProcessRequest, RequestEvent
 
 CONFIG = ServerConfig()
 LEASE = CONFIG.lease_seconds
@@ -132,6 +132,30 @@ def test_enqueue_refuses_an_id_of_another_workspace() -> None:
 
 
 # -- claim, fence, finish --------------------------------------------------------------------------
+
+
+def test_a_batch_completion_answers_each_item_and_writes_only_what_changed() -> None:
+    mine = claimed(model.new_row(new_request(), 0.0), 1.0)
+    other_id = model.deterministic_request_id("ws", "job", "main", "other")
+    theirs = claimed(model.new_row(new_request(request_id=other_id, stage="other"), 0.0), 1.0)
+    rows = {mine.request_id: mine, theirs.request_id: theirs}
+    batch = [
+        Completion(mine.request_id, "t1", result={"v": 1}),
+        Completion(mine.request_id, "t1", result={"v": 1}),  # the holder's duplicate
+        Completion(theirs.request_id, "stale"),
+        Completion("missing", "t1"),
+    ]
+    outcomes, changed, events = model.complete_batch(rows, batch, 2.0)
+    done = outcomes[0]
+    assert isinstance(done, ProcessRequest)
+    assert done.status == "done"
+    assert done.result == {"v": 1}
+    assert outcomes[1] == done
+    assert isinstance(outcomes[2], LeaseLost)
+    assert isinstance(outcomes[3], RequestNotFound)
+    assert changed == {mine.request_id: done}
+    assert events == [RequestEvent.of(done)]
+    assert rows[mine.request_id] == mine  # the stored rows are read, never changed
 
 
 def test_claimability_follows_availability_and_leases() -> None:

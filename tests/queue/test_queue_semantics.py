@@ -21,9 +21,11 @@ from cv_server import create_app
 from cv_server.config import ServerConfig
 from cv_server.pg import create_pool, migrate
 from cv_server.pg.queue import PostgresQueueStore
-from cv_server.queue import LeaseLost, ProcessRequest, QueueStore, idempotency_sqlite, sqlite
-from cv_server.queue.sqlite import SQLiteQueueStore
-from cv_server.sqlite_db import SQLiteDatabase
+from cv_server.queue import LeaseLost, ProcessRequest, QueueStore
+from cv_server.sqlite import idempotency as idempotency_sqlite
+from cv_server.sqlite import queue as sqlite
+from cv_server.sqlite.engine import SQLiteDatabase
+from cv_server.sqlite.queue import SQLiteQueueStore
 from cv_server.waiters import Waiters, WorkSignals
 from tests.contract.queue_contract import LEASE, OTHER_WS, STAGE, WS, request
 from tests.pg.helpers import fresh_schema, settings_for

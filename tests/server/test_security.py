@@ -348,17 +348,17 @@ async def test_an_existing_database_readable_by_others_is_served_with_a_warning(
     db.chmod(0o644)  # whatever the umask did
     app = create_app(ServerConfig(db_path=db))
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=5)
-    with caplog.at_level(logging.WARNING, logger="cv_server.sqlite_db"):
+    with caplog.at_level(logging.WARNING, logger="cv_server.sqlite.engine"):
         await runner.setup()
         await runner.cleanup()
-    warnings = [r.getMessage() for r in caplog.records if r.name == "cv_server.sqlite_db"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "cv_server.sqlite.engine"]
     assert any("readable by others" in message and "0o644" in message for message in warnings)
     assert db.stat().st_mode & 0o777 == 0o644  # not changed behind the operator's back
 
     caplog.clear()
     db.chmod(0o600)
     runner = web.AppRunner(create_app(ServerConfig(db_path=db)), access_log=None)
-    with caplog.at_level(logging.WARNING, logger="cv_server.sqlite_db"):
+    with caplog.at_level(logging.WARNING, logger="cv_server.sqlite.engine"):
         await runner.setup()
         await runner.cleanup()
-    assert not [r for r in caplog.records if r.name == "cv_server.sqlite_db"]
+    assert not [r for r in caplog.records if r.name == "cv_server.sqlite.engine"]

@@ -18,8 +18,8 @@ from cv_server import ServerConfig, create_app
 from cv_server.hub import encode_entry
 from cv_server.keys import STORES
 from cv_server.oplog import LogEntry
-from cv_server.oplog.sqlite import SQLiteOpLogStore
-from cv_server.sqlite_db import Transaction
+from cv_server.sqlite.engine import Transaction
+from cv_server.sqlite.oplog import SQLiteOpLogStore
 from tests.server.conftest import ClientFactory, auth
 from tests.server.helpers import get_doc, get_ops, insert, post_ops
 

@@ -20,14 +20,14 @@ import pytest
 
 from cv_mutations import new_op_id
 from cv_server.oplog import Committed
-from cv_server.oplog.sqlite import (
+from cv_server.sqlite.engine import SQLiteDatabase, Transaction
+from cv_server.sqlite.oplog import (
     OPS_TABLE,
     SNAPSHOTS_TABLE,
     OpLogCorrupted,
     SQLiteOpLogStore,
     create_schema,
 )
-from cv_server.sqlite_db import SQLiteDatabase, Transaction
 from tests.contract.oplog_contract import WS, increment
 
 T = TypeVar("T")

@@ -11,7 +11,7 @@ import sqlite_utils
 
 from cv_server.queue.blobs import BlobStore, new_blob_ref
 from cv_server.queue.idempotency import check_sweep_limit
-from cv_server.sqlite_db import SQLiteDatabase, Transaction
+from cv_server.sqlite.engine import SQLiteDatabase, Transaction
 
 __all__ = ["TABLE", "SQLiteBlobStore", "create_schema"]
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import json
-import secrets
 import sqlite3
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -30,7 +29,6 @@ import sqlite_utils
 from cv_server.queue import model
 from cv_server.queue.errors import QueueError, RequestNotFound
 from cv_server.queue.idempotency import KeyCompletion
-from cv_server.queue.idempotency_sqlite import complete_key
 from cv_server.queue.model import (
     Completion,
     Enqueued,
@@ -41,9 +39,11 @@ from cv_server.queue.model import (
     TransitionKind,
 )
 from cv_server.queue.store import QueueStore, claim_scope
-from cv_server.sqlite_db import SQLiteDatabase, Transaction
+from cv_server.sqlite.engine import SQLiteDatabase, Transaction
+from cv_server.sqlite.idempotency import complete_key
+from cv_server.tokens import new_claim_token
 
-__all__ = ["CLAIM_PROBES", "TABLE", "SQLiteQueueStore", "create_schema", "new_claim_token"]
+__all__ = ["CLAIM_PROBES", "TABLE", "SQLiteQueueStore", "create_schema"]
 
 TABLE: Final = "workspace_process_requests"
 
@@ -169,11 +169,6 @@ def create_schema(db: sqlite_utils.Database) -> None:
     db.table(TABLE).create_index(["workspace_id", "status", "created_at"], if_not_exists=True)
 
 
-def new_claim_token() -> str:
-    """An unguessable token: only the claimer can present it to heartbeat, complete or fail."""
-    return secrets.token_urlsafe(16)
-
-
 def _dumps(value: Any) -> str | None:
     return None if value is None else json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
@@ -263,8 +258,9 @@ def _update(
     """Write those of `columns` that changed between `before` and `after`.
 
     Compared as stored, not with `==`: Python finds JSON `1`, `1.0` and `true` (or `0.0` and
-    `-0.0`) equal, so a rerun's input or a new error payload that differed from the old one only
-    in its JSON type was answered but never written.
+    `-0.0`) equal, and a value that differs only in its JSON type must still be written (pinned
+    by `test_a_rerun_stores_its_input_type_for_type` and
+    `test_the_last_error_is_stored_type_for_type`).
     """
     changed = [c for c in columns if _to_db(c, getattr(before, c)) != _to_db(c, getattr(after, c))]
     if not changed:
@@ -284,7 +280,7 @@ def _now(now: float | None) -> float:
 
 class SQLiteQueueStore(QueueStore):
     """`QueueStore` on a `SQLiteDatabase` whose schema includes `create_schema` (and, to complete
-    idempotency keys with an enqueue, `idempotency_sqlite.create_schema`)."""
+    idempotency keys with an enqueue, `cv_server.sqlite.idempotency.create_schema`)."""
 
     def __init__(
         self, db: SQLiteDatabase, *, new_token: Callable[[], str] = new_claim_token
@@ -486,28 +482,14 @@ class SQLiteQueueStore(QueueStore):
         def job(
             tx: Transaction,
         ) -> tuple[builtins.list[ProcessRequest | QueueError], list[RequestEvent]]:
-            outcomes: builtins.list[ProcessRequest | QueueError] = []
-            events: builtins.list[RequestEvent] = []
-            for item in batch:
-                try:
-                    row = _select(tx, item.request_id)
-                    done, changed = model.complete(
-                        row,
-                        item.claim_token,
-                        item.result,
-                        now,
-                        error=item.error,
-                        blob_ref=item.blob_ref,
-                        cache=item.cache,
-                        telemetry=item.telemetry,
-                    )
-                except QueueError as refused:  # nothing was written for this one
-                    outcomes.append(refused)
-                    continue
-                if changed:
-                    _update(tx, row, done)
-                    events.append(RequestEvent.of(done, "done"))
-                outcomes.append(done)
+            stored: dict[str, ProcessRequest] = {}
+            for request_id in {item.request_id for item in batch}:
+                found = tx.execute(f"{_SELECT} WHERE request_id = ?", (request_id,)).fetchone()
+                if found is not None:
+                    stored[request_id] = _row(found)
+            outcomes, changed, events = model.complete_batch(stored, batch, now)
+            for request_id, done in changed.items():
+                _update(tx, stored[request_id], done)
             return outcomes, events
 
         return await self._write(job)

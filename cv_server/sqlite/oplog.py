@@ -9,7 +9,9 @@ Tables (composed into the server's schema by `create_schema`):
 - `workspace_sub_doc_op_rejections`: the recorded reducer rejection of an op_id, so a retry gets
   the same answer even after the state changed.
 - `workspace_sub_doc_snapshots`: the latest state snapshot of a sub-doc and its clock. A cache of
-  the log that bounds restart replay to `snapshot_every` ops; the head clock is the log's max.
+  the log that bounds the rebuild after a restart to about `snapshot_every` ops (a snapshot is
+  written by each commit that reaches or passes a multiple of it); the head clock is the log's
+  max.
 
 The state of each sub-doc touched since start-up is cached (clock, state) and lives on the
 writer thread: it is read and changed only inside `SQLiteDatabase.write` jobs, which run one at a
@@ -24,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import sqlite3
 import time
 from collections import OrderedDict
@@ -36,7 +37,7 @@ from typing import Any, Final
 import orjson
 import sqlite_utils
 
-from cv_mutations import OpRejected, SubDocState, apply_op, parse_op
+from cv_mutations import SubDocState
 from cv_server.config import ServerConfig
 from cv_server.oplog.pipeline import (
     Recorded,
@@ -45,9 +46,18 @@ from cv_server.oplog.pipeline import (
     copy_state,
     op_ids_to_look_up,
     plan_commit,
+    rebuild_from_log,
+    snapshot_due,
 )
-from cv_server.oplog.store import IncomingOp, LogEntry, OpLogStore, Outcome, SubDocHead
-from cv_server.sqlite_db import SQLiteDatabase, Transaction
+from cv_server.oplog.store import (
+    IncomingOp,
+    LogEntry,
+    OpLogCorrupted,
+    OpLogStore,
+    Outcome,
+    SubDocHead,
+)
+from cv_server.sqlite.engine import SQLiteDatabase, Transaction
 
 __all__ = ["OpLogCorrupted", "SQLiteOpLogStore", "create_schema"]
 
@@ -104,12 +114,6 @@ _DEFAULT_SNAPSHOT_EVERY: Final = ServerConfig().snapshot_every
 _DEFAULT_CACHE_LIMIT: Final = ServerConfig().subdoc_cache_limit
 
 
-class OpLogCorrupted(RuntimeError):
-    """The stored log cannot be replayed (a gap, or an op its own history rejects)."""
-
-    code = "internal"
-
-
 def create_schema(db: sqlite_utils.Database) -> None:
     """Create the op-log tables and indexes if missing (idempotent)."""
     db.table(OPS_TABLE).create(
@@ -160,7 +164,6 @@ class _SubDoc:
 
     clock: int
     state: SubDocState
-    snapshot_clock: int
 
 
 def _dumps(value: Any) -> str:
@@ -376,12 +379,10 @@ class SQLiteOpLogStore(OpLogStore):
         op_ids = op_ids_to_look_up(ops)
         recorded = _look_up(tx, workspace_id, sub_doc, op_ids) if op_ids else {}
         plan = plan_commit(doc.state, doc.clock, ops, recorded, atomic=atomic)
-        base_snapshot_clock = doc.snapshot_clock
 
         def undo() -> None:
             plan.revert()
             doc.clock = plan.base_clock
-            doc.snapshot_clock = base_snapshot_clock
 
         # Registered before any write: if an insert below raises, the job's savepoint is rolled
         # back and this runs, so the cache never shows what the disk does not hold.
@@ -405,11 +406,10 @@ class SQLiteOpLogStore(OpLogStore):
                         for r in plan.rejections
                     ],
                 )
-            if doc.clock - doc.snapshot_clock >= self.snapshot_every:
+            if snapshot_due(plan.base_clock, plan.clock, self.snapshot_every):
                 tx.execute(
                     _UPSERT_SNAPSHOT, (workspace_id, sub_doc, doc.clock, doc.state.dumps(), at)
                 )
-                doc.snapshot_clock = doc.clock
         return plan.outcomes, plan.entries
 
 
@@ -420,17 +420,8 @@ def _load(tx: Transaction, key: tuple[str, str]) -> _SubDoc:
         snapshot_clock, state = 0, SubDocState.empty()
     else:
         snapshot_clock, state = int(row[0]), SubDocState.loads(row[1])
-    clock = snapshot_clock
-    for entry_clock, _op_id, text in tx.execute(_SELECT_OPS_AFTER, (*key, snapshot_clock)):
-        if entry_clock != clock + 1:
-            raise OpLogCorrupted(f"{key}: log jumps from clock {clock} to {entry_clock}")
-        try:
-            apply_op(state, parse_op(json.loads(text)))
-        except OpRejected as exc:
-            raise OpLogCorrupted(
-                f"{key}: logged op at clock {entry_clock} replays as {exc}"
-            ) from exc
-        clock = entry_clock
+    rows = tx.execute(_SELECT_OPS_AFTER, (*key, snapshot_clock))
+    clock = rebuild_from_log(state, snapshot_clock, ((c, text) for c, _op_id, text in rows), key)
     if clock == snapshot_clock > 0:
         # No op after the snapshot: the log must still reach it. The log's max is the head
         # readers serve; a snapshot beyond it (a log that lost its tail) would give the cache a
@@ -440,7 +431,7 @@ def _load(tx: Transaction, key: tuple[str, str]) -> _SubDoc:
             raise OpLogCorrupted(
                 f"{key}: snapshot at clock {snapshot_clock} is ahead of the log's head {head or 0}"
             )
-    return _SubDoc(clock=clock, state=state, snapshot_clock=snapshot_clock)
+    return _SubDoc(clock=clock, state=state)
 
 
 @functools.lru_cache(maxsize=64)

@@ -27,7 +27,7 @@ from cv_server.queue.idempotency import (
     check_sweep_limit,
     decide_begin,
 )
-from cv_server.sqlite_db import SQLiteDatabase, Transaction
+from cv_server.sqlite.engine import SQLiteDatabase, Transaction
 
 __all__ = ["TABLE", "SQLiteIdempotencyStore", "complete_key", "create_schema"]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import sqlite_utils
 
 from cv_server.auth import new_secret
-from cv_server.sqlite_db import SQLiteDatabase, Transaction
+from cv_server.sqlite.engine import SQLiteDatabase, Transaction
 
 __all__ = [
     "create_schema",

@@ -7,13 +7,13 @@ acquirer never interleaves with another's, and the primary key settles the rest.
 
 from __future__ import annotations
 
-import secrets
 import sqlite3
 from collections.abc import Callable
 
 import sqlite_utils
 
 from cv_server.locks.store import (
+    DEFAULT_SWEEP_LIMIT,
     Acquired,
     AcquireOutcome,
     ComputeLockStore,
@@ -21,16 +21,12 @@ from cv_server.locks.store import (
     LockInfo,
     check_ttl,
 )
-from cv_server.sqlite_db import SQLiteDatabase, Transaction
+from cv_server.sqlite.engine import SQLiteDatabase, Transaction
+from cv_server.tokens import new_lock_token
 
 __all__ = ["SQLiteComputeLockStore", "create_schema"]
 
 TABLE = "compute_locks"
-
-#: Dead rows of *other* keys deleted per acquisition. A bound, not a tuning constant: it keeps an
-#: acquisition's write job short however many dead rows piled up, while still removing them far
-#: faster than one acquirer (one new row) can add them.
-DEFAULT_SWEEP_LIMIT = 100
 
 _KEY = "workspace_id = ? AND job_id = ? AND task = ?"
 
@@ -53,11 +49,6 @@ def create_schema(db: sqlite_utils.Database) -> None:
     )
     # The sweep looks for dead rows by expiry, across keys.
     db.table(TABLE).create_index(["expires_at"], if_not_exists=True)
-
-
-def new_lock_token() -> str:
-    """An unguessable token: only the acquirer can present it to release."""
-    return secrets.token_urlsafe(16)
 
 
 class SQLiteComputeLockStore(ComputeLockStore):
