@@ -52,6 +52,18 @@ def _limit(request: web.Request) -> int:
     return limit
 
 
+#: What both listings take and may answer, as the API document states it.
+_PAGING: Final = (
+    Param("limit", {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}),
+    Param("after", {"type": "string"}, "The next_after of the previous page"),
+)
+_LISTING_PROBLEMS: Final = {
+    401: ("unauthorized",),
+    403: ("forbidden_workspace",),
+    422: ("invalid_field", "invalid_id"),
+}
+
+
 def _workspace(request: web.Request) -> str:
     workspace_id = request.match_info["ws"]
     check_ids(workspace_id)
@@ -64,15 +76,8 @@ def _workspace(request: web.Request) -> str:
     Doc(
         "Operators: a workspace's written sub-docs at their head clocks (paged)",
         {200: DocList},
-        params=(
-            Param("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
-            Param("after", {"type": "string"}, "The next_after of the previous page"),
-        ),
-        problems={
-            401: ("unauthorized",),
-            403: ("forbidden_workspace",),
-            422: ("invalid_field", "invalid_id"),
-        },
+        params=_PAGING,
+        problems=_LISTING_PROBLEMS,
         tag="operators",
     )
 )
@@ -117,15 +122,8 @@ def _lock_cursor(raw: str | None) -> tuple[str, str] | None:
     Doc(
         "Operators: a workspace's live compute locks, holder and time left (paged)",
         {200: LockList},
-        params=(
-            Param("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
-            Param("after", {"type": "string"}, "The next_after of the previous page"),
-        ),
-        problems={
-            401: ("unauthorized",),
-            403: ("forbidden_workspace",),
-            422: ("invalid_field", "invalid_id"),
-        },
+        params=_PAGING,
+        problems=_LISTING_PROBLEMS,
         tag="operators",
     )
 )
