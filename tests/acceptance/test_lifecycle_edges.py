@@ -19,6 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cv_server.cli import parse_overrides
 from tests.acceptance.procs import free_port, mint_cli_token
@@ -84,12 +85,20 @@ def _refused_start(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+#: A start-up step's log line, text format: `2026-12-02T04:02:20.262Z INFO cv_server.cli: ...`
+_STEP_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\S+ (DEBUG|INFO) ")
+
+
 def _assert_one_clear_line(result: subprocess.CompletedProcess[str], *words: str) -> None:
     assert result.returncode == 1, result
     assert "listening" not in result.stdout
     assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
+    # The start-up steps before the failure are INFO log lines (docs/observability.md); the
+    # refusal itself is one line, the last, and nothing else is said.
+    said = result.stderr.strip().splitlines()
+    lines = [line for line in said if not _STEP_LOG_LINE.match(line)]
     assert len(lines) == 1, result.stderr
+    assert said[-1] == lines[0], result.stderr
     assert lines[0].startswith(("cv-server: ", "cv-server token: ")), result.stderr
     for word in words:
         assert word in lines[0]
@@ -270,35 +279,19 @@ def test_sigint_drains_like_sigterm_closing_sockets_with_1001(tmp_path: Path) ->
     assert (close_code, exit_code) == (1001, 0)
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
-_TYPE = re.compile(r"^# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) (counter|gauge|histogram|summary|untyped)$")
-
-
 def _parse_prometheus_text(text: str) -> dict[str, float]:
-    """The text exposition format as a strict scraper reads it: every family typed once, before
-    its samples; counters end in _total; values are numbers; the body ends with a newline."""
+    """The text exposition format as Prometheus' own parser (prometheus-client's) reads it, with
+    what a strict scraper also wants: every family has HELP, counters never go below zero, values
+    are numbers. Samples of one name (one per label set) are summed."""
     assert text.endswith("\n")
-    types: dict[str, str] = {}
     samples: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            typed = _TYPE.match(line)
-            if typed is not None:
-                assert typed.group(1) not in types, f"family typed twice: {line}"
-                types[typed.group(1)] = typed.group(2)
-            else:
-                assert line.startswith("# HELP "), line
-            continue
-        sample = _SAMPLE.match(line)
-        assert sample is not None, f"not a sample line: {line!r}"
-        name, value = sample.group(1), float(sample.group(3))
-        assert name in types, f"sample before its TYPE: {line}"
-        if types[name] == "counter":
-            assert name.endswith("_total"), line
-            assert math.isfinite(value), line
-            assert value >= 0, line
-        assert name not in samples, f"sample twice: {line}"
-        samples[name] = value
+    for family in text_string_to_metric_families(text):
+        assert family.documentation, f"{family.name} has no HELP"
+        for sample in family.samples:
+            assert math.isfinite(sample.value) or sample.name.endswith("_bucket"), sample
+            if family.type == "counter" and sample.name.endswith("_total"):
+                assert sample.value >= 0, sample
+            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
     return samples
 
 
