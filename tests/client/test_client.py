@@ -162,7 +162,7 @@ async def test_after_the_last_attempt_the_op_stays_pending_then_commits_on_retry
             with pytest.raises(StillPendingError) as caught:
                 await client.apply_op(WS, "tree", op)
             assert caught.value.op_id == "intent_0001"
-            assert "replayed" in str(caught.value)
+            assert "resent" in str(caught.value)
             assert client.pending_count() == 1
             assert not client.synced
             # Full jitter: wait n is drawn from [0, base * 2 ** (n - 1)], four waits for five sends.

@@ -186,7 +186,7 @@ def test_after_the_last_attempt_the_op_stays_pending_and_the_error_carries_its_o
     assert isinstance(error, StillPendingError)
     assert error.op_id == row.op_id
     assert "stays in the outbox" in str(error)
-    assert "replayed" in str(error)
+    assert "resent" in str(error)
     assert machine.pending_count == 1
     assert machine.is_parked("ws", "tree")
 
