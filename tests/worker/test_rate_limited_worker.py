@@ -23,7 +23,9 @@ async def _refused(url: str, route_class: str) -> int:
         text = await r.text()
     prefix = f'cv_rate_limited_total{{route_class="{route_class}"}} '
     return sum(
-        int(line.removeprefix(prefix)) for line in text.splitlines() if line.startswith(prefix)
+        int(float(line.removeprefix(prefix)))
+        for line in text.splitlines()
+        if line.startswith(prefix)
     )
 
 
