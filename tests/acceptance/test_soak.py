@@ -51,6 +51,7 @@ from cv_workspace_client.stages import JOBS
 from cv_workspace_client.testing import FaultProxy
 from tests.acceptance.procs import free_port, mint_cli_token
 from tests.acceptance.three_layers_procs import Proc, provider_stats, server_cmd, worker_cmd
+from tests.chaos.writer import read_log, settle
 
 pytestmark = pytest.mark.acceptance
 
@@ -120,27 +121,6 @@ def parse_writer_op_id(op_id: str | None) -> tuple[int, int] | None:
 # -- the writer process ---------------------------------------------------------------------------
 
 
-async def settle(client: WorkspaceClient, deadline: float) -> None:
-    """Until every op submitted so far is answered: ops that used up their tries (server down
-    longer than the backoff) stay in the outbox and get a fresh cycle, never a new op_id."""
-    while not client.synced:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{client.pending_count()} ops still pending")
-        try:
-            await client.wait_synced(timeout=2)
-        except TimeoutError:
-            client.retry_pending()
-
-
-async def read_log(client: WorkspaceClient, doc: str) -> list[Committed]:
-    entries: list[Committed] = []
-    while True:
-        head, page = await client.read_ops(WS, doc, since=entries[-1].clock if entries else 0)
-        entries += page
-        if not page or entries[-1].clock >= head:
-            return entries
-
-
 async def run_writer(url: str, token: str, index: int, outbox: Path, transport: str) -> int:
     deadline = time.monotonic() + DEADLINE_S
     config = ClientConfig(
@@ -160,7 +140,7 @@ async def run_writer(url: str, token: str, index: int, outbox: Path, transport: 
         done = [
             key[1]
             for doc in DOCS
-            for entry in await read_log(client, doc)
+            for entry in await read_log(client, doc, WS)
             if (key := parse_writer_op_id(entry.op_id)) is not None and key[0] == index
         ]
         start = max(done, default=-1) + 1
@@ -448,7 +428,7 @@ async def soak(tmp_path: Path, servers: Servers, token: str, url: str, provider_
         logs_text = {w.index: w.log.read_text() for w in writers}
         assert codes == [0] * WRITERS, logs_text
 
-        logs = {doc: await read_log(admin, doc) for doc in (*DOCS, JOBS)}
+        logs = {doc: await read_log(admin, doc, WS) for doc in (*DOCS, JOBS)}
         states = {doc: (await admin.get_state(WS, doc))[1].to_json() for doc in DOCS}
         for follower in followers:
             await progress.wait_for(caught_up(follower, logs[follower.doc][-1].clock), 30)

@@ -51,10 +51,13 @@ async def settle(client: WorkspaceClient, deadline: float) -> None:
             client.retry_pending()
 
 
-async def read_log(client: WorkspaceClient, doc: str) -> list[Committed]:
+async def read_log(client: WorkspaceClient, doc: str, workspace: str = WS) -> list[Committed]:
+    """The whole committed log of `doc`, page by page, up to the head the last page names."""
     entries: list[Committed] = []
     while True:
-        head, page = await client.read_ops(WS, doc, since=entries[-1].clock if entries else 0)
+        head, page = await client.read_ops(
+            workspace, doc, since=entries[-1].clock if entries else 0
+        )
         entries += page
         if not page or entries[-1].clock >= head:
             return entries
