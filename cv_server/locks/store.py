@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = [
@@ -89,6 +90,15 @@ class ComputeLockStore(abc.ABC):
       outran its TTL can never release the lock of whoever took the key over.
     """
 
+    def __init__(self, *, sweep_limit: int, new_token: Callable[[], str]) -> None:
+        """`sweep_limit`: dead rows of other keys each acquisition deletes at most; `new_token`
+        mints each acquisition's token. Pinned on both backends by
+        tests/contract/locks_contract.py."""
+        if sweep_limit < 0:
+            raise ValueError(f"sweep_limit must be >= 0: {sweep_limit!r}")
+        self._sweep_limit = sweep_limit
+        self._new_token = new_token
+
     async def clock(self) -> float:
         """The time now (epoch seconds) on the clock every user of this store shares: pass it as
         `now` when there is no clock to inject. The default, this process's wall clock, is right
@@ -122,7 +132,6 @@ class ComputeLockStore(abc.ABC):
     async def get(self, workspace_id: str, job_id: str, task: str, now: float) -> LockInfo | None:
         """The live lock on the key at `now`, or None (a dead lock counts as free)."""
 
-    @abc.abstractmethod
     async def list_live(
         self,
         workspace_id: str,
@@ -138,6 +147,17 @@ class ComputeLockStore(abc.ABC):
         previous page's last lock; None: from the first). Dead locks are not listed, as `get`
         does not return them. Raises `ValueError` if `limit` is negative.
         """
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0: {limit!r}")
+        job_after, task_after = after if after is not None else ("", "")
+        return await self._list_live(workspace_id, now, job_after, task_after, limit)
+
+    @abc.abstractmethod
+    async def _list_live(
+        self, workspace_id: str, now: float, job_after: str, task_after: str, limit: int
+    ) -> list[LockInfo]:
+        """`list_live` once its arguments are checked: keys after `(job_after, task_after)`
+        (`("", "")`: from the first), at most `limit` (>= 0)."""
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -124,6 +124,21 @@ class OpLogStore(abc.ABC):
     - `append` returns only after the batch is durable; only then may anyone publish it.
     """
 
+    #: Ops between two state snapshots (`pipeline.snapshot_due`), and sub-doc states kept in
+    #: memory; set by `_settings` on both backends (tests/contract/oplog_contract.py).
+    snapshot_every: int
+    cache_limit: int
+
+    def _settings(self, *, snapshot_every: int, cache_limit: int) -> None:
+        """Check and keep the settings every backend shares. Raises `ValueError` if either is
+        below 1."""
+        if snapshot_every < 1:
+            raise ValueError("snapshot_every must be at least 1")
+        if cache_limit < 1:
+            raise ValueError("cache_limit must be at least 1")
+        self.snapshot_every = snapshot_every
+        self.cache_limit = cache_limit
+
     @abc.abstractmethod
     async def append(
         self,

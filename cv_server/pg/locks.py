@@ -109,11 +109,8 @@ class PostgresComputeLockStore(ComputeLockStore):
         new_token: Callable[[], str] = new_lock_token,
         retry_policy: SerializationRetryPolicy | None = None,
     ) -> None:
-        if sweep_limit < 0:
-            raise ValueError(f"sweep_limit must be >= 0: {sweep_limit!r}")
+        super().__init__(sweep_limit=sweep_limit, new_token=new_token)
         self._pool = pool
-        self._sweep_limit = sweep_limit
-        self._new_token = new_token
         self._retry_policy = retry_policy
 
     async def clock(self) -> float:
@@ -179,17 +176,9 @@ class PostgresComputeLockStore(ComputeLockStore):
             row["expires_at"],
         )
 
-    async def list_live(
-        self,
-        workspace_id: str,
-        now: float,
-        *,
-        after: tuple[str, str] | None = None,
-        limit: int,
+    async def _list_live(
+        self, workspace_id: str, now: float, job_after: str, task_after: str, limit: int
     ) -> list[LockInfo]:
-        if limit < 0:
-            raise ValueError(f"limit must be >= 0: {limit!r}")
-        job_after, task_after = after if after is not None else ("", "")
         async with self._pool.acquire() as conn:
             rows = await conn.fetch(_LIST_LIVE, workspace_id, job_after, task_after, now, limit)
         return [

@@ -147,17 +147,12 @@ class PostgresOpLogStore(OpLogStore):
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         owns_pool: bool = False,
     ) -> None:
-        if snapshot_every < 1:
-            raise ValueError("snapshot_every must be at least 1")
+        self._settings(snapshot_every=snapshot_every, cache_limit=cache_limit)
         if max_group_ops < 1:
             raise ValueError("max_group_ops must be at least 1")
         self.pool = pool
-        self.snapshot_every = snapshot_every
         self.channel = channel
         self.max_group_ops = max_group_ops
-        if cache_limit < 1:
-            raise ValueError("cache_limit must be at least 1")
-        self.cache_limit = cache_limit
         self._retry_policy = retry_policy
         self._sleep = sleep
         self._owns_pool = owns_pool

@@ -61,11 +61,8 @@ class SQLiteComputeLockStore(ComputeLockStore):
         sweep_limit: int = DEFAULT_SWEEP_LIMIT,
         new_token: Callable[[], str] = new_lock_token,
     ) -> None:
-        if sweep_limit < 0:
-            raise ValueError(f"sweep_limit must be >= 0: {sweep_limit!r}")
+        super().__init__(sweep_limit=sweep_limit, new_token=new_token)
         self._db = db
-        self._sweep_limit = sweep_limit
-        self._new_token = new_token
 
     async def acquire(
         self, workspace_id: str, job_id: str, task: str, holder: str, ttl: float, now: float
@@ -122,17 +119,9 @@ class SQLiteComputeLockStore(ComputeLockStore):
 
         return await self._db.read(read)
 
-    async def list_live(
-        self,
-        workspace_id: str,
-        now: float,
-        *,
-        after: tuple[str, str] | None = None,
-        limit: int,
+    async def _list_live(
+        self, workspace_id: str, now: float, job_after: str, task_after: str, limit: int
     ) -> list[LockInfo]:
-        if limit < 0:
-            raise ValueError(f"limit must be >= 0: {limit!r}")
-        job_after, task_after = after if after is not None else ("", "")
 
         def read(conn: sqlite3.Connection) -> list[LockInfo]:
             # A range of the primary key (workspace_id, job_id, task); '' sorts first.

@@ -193,13 +193,8 @@ class SQLiteOpLogStore(OpLogStore):
         now: Callable[[], float] = time.time,
         owns_db: bool = False,
     ) -> None:
-        if snapshot_every < 1:
-            raise ValueError("snapshot_every must be at least 1")
-        if cache_limit < 1:
-            raise ValueError("cache_limit must be at least 1")
-        self.cache_limit = cache_limit
+        self._settings(snapshot_every=snapshot_every, cache_limit=cache_limit)
         self.db = db
-        self.snapshot_every = snapshot_every
         self._now = now
         self._owns_db = owns_db
         self._closed = False
