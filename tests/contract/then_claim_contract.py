@@ -87,7 +87,8 @@ class ThenClaimContract:
         refused, missing, done = outcomes
         assert isinstance(refused, LeaseLost)
         assert isinstance(missing, RequestNotFound)
-        assert isinstance(done, ProcessRequest) and done.status == "done"
+        assert isinstance(done, ProcessRequest)
+        assert done.status == "done"
         assert await store.get(WS, b.request_id) == b_before
         assert [row.job_id for row in claimed] == ["c"]
 
@@ -159,21 +160,26 @@ class ThenClaimContract:
         outcomes, claimed = await store.fail_then_claim(
             claimed[0].request_id, token(claimed[0]), {"e": 1}, BACKOFF, 5.0, claim_next=nowhere
         )
-        assert isinstance(outcomes[0], ProcessRequest) and outcomes[0].status == "pending"
+        assert isinstance(outcomes[0], ProcessRequest)
+        assert outcomes[0].status == "pending"
         assert claimed == []
 
     async def test_a_bad_ask_is_refused_before_anything_is_written(self, store: QueueStore) -> None:
         await store.enqueue(request("a"), 1.0)
         await store.enqueue(request("b"), 2.0)
         (a,) = await held(store, 3.0)
-        for ask in (ClaimAsk(STAGE, "w1", LEASE, limit=0), ClaimAsk(STAGE, "w1", -1.0)):
-            with pytest.raises(ValueError):
+        bad = [
+            (ClaimAsk(STAGE, "w1", LEASE, limit=0), "limit"),
+            (ClaimAsk(STAGE, "w1", -1.0), "lease"),
+        ]
+        for ask, what in bad:
+            with pytest.raises(ValueError, match=what):
                 await store.complete_then_claim(
                     [Completion(a.request_id, token(a))], 4.0, claim_next=ask
                 )
-            with pytest.raises(ValueError):
+            with pytest.raises(ValueError, match=what):
                 await store.fail_then_claim(a.request_id, token(a), None, 0, 4.0, claim_next=ask)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="backoff"):
             await store.fail_then_claim(a.request_id, token(a), None, -1.0, 4.0, claim_next=ASK)
         assert await store.get(WS, a.request_id) == a
         assert [row.job_id for row in await store.list(status="pending")] == ["b"]
@@ -202,7 +208,8 @@ class ThenClaimContract:
         outcomes, claimed = await store.complete_then_claim(
             [Completion(a.request_id, token(a), {"v": 1})], 5.0, claim_next=ASK
         )
-        assert isinstance(outcomes[0], ProcessRequest) and outcomes[0].status == "done"
+        assert isinstance(outcomes[0], ProcessRequest)
+        assert outcomes[0].status == "done"
         assert [row.job_id for row in claimed] == ["b"]
 
     async def test_racing_workers_on_two_connections_never_share_a_row(
