@@ -32,7 +32,6 @@ status, run, worker_class], ...]]`, split to stay under PostgreSQL's 8000-byte l
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 import json
 import logging
@@ -50,12 +49,14 @@ from cv_server.queue import model
 from cv_server.queue.errors import QueueError, RequestNotFound
 from cv_server.queue.idempotency import KeyCompletion
 from cv_server.queue.model import (
+    ClaimAsk,
     Completion,
     Enqueued,
     NewRequest,
     ProcessRequest,
     RequestEvent,
     RequestStatus,
+    ThenClaimed,
     TransitionKind,
 )
 from cv_server.queue.store import QueueStore, claim_scope
@@ -182,17 +183,7 @@ class PostgresQueueStore(QueueStore):
         """Run `attempt` (retried as a whole on 40001/40P01); once it committed, announce its
         events — even if our caller was cancelled meanwhile (the write happens regardless, so
         its waiters must hear of it)."""
-        task = asyncio.ensure_future(run_with_retry(attempt, policy=self._retry_policy))
-        task.add_done_callback(self._announce_committed)
-        result, _events = await asyncio.shield(task)
-        return result
-
-    def _announce_committed(
-        self, task: asyncio.Future[tuple[Any, builtins.list[RequestEvent]]]
-    ) -> None:
-        if task.cancelled() or task.exception() is not None:
-            return
-        self._committed(task.result()[1])
+        return await self._commit_then_announce(run_with_retry(attempt, policy=self._retry_policy))
 
     async def _write_rows(
         self,
@@ -344,33 +335,45 @@ class PostgresQueueStore(QueueStore):
         scope = claim_scope(worker_classes, workspace_ids, lease, limit)
         if scope is None:
             return []
-        classes, workspaces = scope
-        query = sql.claim_sql(workspaces is not None)
         tokens = [self._new_token() for _ in range(limit)]
 
         async def attempt() -> tuple[builtins.list[ProcessRequest], builtins.list[RequestEvent]]:
             async with self._pool.acquire() as conn:
-                found = await conn.fetch(
-                    query,
-                    now,
-                    limit,
-                    worker_id,
-                    lease,
-                    tokens,
-                    list(classes),
-                    None if workspaces is None else list(workspaces),
-                    self.channel,
-                    self.instance_id,
-                )
-            # Parked rows (n = 0) come first, then the claimed ones in claim order.
-            rows = [(row["n"], row["lapsed"], sql.request_from_row(row)) for row in found]
-            claimed = [request for n, _, request in rows if n > 0]
-            return claimed, [
-                RequestEvent.of(request, _claim_kind(n, request), lapsed=lapsed)
-                for n, lapsed, request in rows
-            ]
+                return await self._claim_on(conn, scope, worker_id, lease, now, tokens)
 
         return await self._write(attempt)
+
+    async def _claim_on(
+        self,
+        conn: asyncpg.Connection,
+        scope: tuple[tuple[str, ...], tuple[str, ...] | None],
+        worker_id: str,
+        lease: float,
+        now: float | None,
+        tokens: Sequence[str],
+    ) -> tuple[builtins.list[ProcessRequest], builtins.list[RequestEvent]]:
+        """The claim statement (`sql.claim_sql`) on `conn` (in its open transaction, if any):
+        up to `len(tokens)` rows of `scope` (`claim_scope`'s), and the events."""
+        classes, workspaces = scope
+        found = await conn.fetch(
+            sql.claim_sql(workspaces is not None),
+            now,
+            len(tokens),
+            worker_id,
+            lease,
+            list(tokens),
+            list(classes),
+            None if workspaces is None else list(workspaces),
+            self.channel,
+            self.instance_id,
+        )
+        # Parked rows (n = 0) come first, then the claimed ones in claim order.
+        rows = [(row["n"], row["lapsed"], sql.request_from_row(row)) for row in found]
+        claimed = [request for n, _, request in rows if n > 0]
+        return claimed, [
+            RequestEvent.of(request, _claim_kind(n, request), lapsed=lapsed)
+            for n, lapsed, request in rows
+        ]
 
     async def heartbeat(
         self, request_id: str, claim_token: str, lease: float, now: float | None
@@ -389,16 +392,88 @@ class PostgresQueueStore(QueueStore):
 
         async def attempt() -> tuple[Outcomes, builtins.list[RequestEvent]]:
             async with self._pool.acquire() as conn, conn.transaction():
-                ids = sorted({item.request_id for item in batch})
-                locked = await conn.fetch(sql.LOCK_MANY, ids)
-                current = {row.request_id: row for row in map(sql.request_from_row, locked)}
-                # No row found: every item is refused, and no time is needed.
-                at = _at(now, locked[0]) if locked else 0.0
-                outcomes, changed, events = model.complete_batch(current, batch, at)
-                if changed:
-                    # The rows and their NOTIFY commit together.
-                    await self._write_rows(conn, list(changed.values()), events)
-                return outcomes, events
+                return await self._complete_on(conn, batch, now)
+
+        return await self._write(attempt)
+
+    async def _complete_on(
+        self, conn: asyncpg.Connection, batch: Sequence[Completion], now: float | None
+    ) -> tuple[Outcomes, builtins.list[RequestEvent]]:
+        """`complete_many` in `conn`'s open transaction: one outcome per completion, and the
+        events (their NOTIFY queued in the same transaction)."""
+        if not batch:
+            return [], []
+        ids = sorted({item.request_id for item in batch})
+        locked = await conn.fetch(sql.LOCK_MANY, ids)
+        current = {row.request_id: row for row in map(sql.request_from_row, locked)}
+        # No row found: every item is refused, and no time is needed.
+        at = _at(now, locked[0]) if locked else 0.0
+        outcomes, changed, events = model.complete_batch(current, batch, at)
+        if changed:
+            # The rows and their NOTIFY commit together.
+            await self._write_rows(conn, list(changed.values()), events)
+        return outcomes, events
+
+    async def complete_then_claim(
+        self, completions: Sequence[Completion], now: float | None, *, claim_next: ClaimAsk
+    ) -> ThenClaimed:
+        batch = list(completions)
+        ask = claim_next
+        scope = claim_scope(ask.worker_classes, ask.workspace_ids, ask.lease, ask.limit)
+        tokens = [self._new_token() for _ in range(ask.limit)]
+
+        async def attempt() -> tuple[ThenClaimed, builtins.list[RequestEvent]]:
+            async with self._pool.acquire() as conn, conn.transaction():
+                outcomes, events = await self._complete_on(conn, batch, now)
+                claimed: builtins.list[ProcessRequest] = []
+                if scope is not None:
+                    claimed, claim_events = await self._claim_on(
+                        conn, scope, ask.worker_id, ask.lease, now, tokens
+                    )
+                    events = [*events, *claim_events]
+                return ThenClaimed(outcomes, claimed), events
+
+        return await self._write(attempt)
+
+    async def fail_then_claim(
+        self,
+        request_id: str,
+        claim_token: str,
+        error: Any,
+        backoff: float,
+        now: float | None,
+        *,
+        claim_next: ClaimAsk,
+    ) -> ThenClaimed:
+        model.check_lease(backoff, "backoff")
+        ask = claim_next
+        scope = claim_scope(ask.worker_classes, ask.workspace_ids, ask.lease, ask.limit)
+        tokens = [self._new_token() for _ in range(ask.limit)]
+
+        async def attempt() -> tuple[ThenClaimed, builtins.list[RequestEvent]]:
+            async with self._pool.acquire() as conn, conn.transaction():
+                events: builtins.list[RequestEvent] = []
+                outcome: ProcessRequest | QueueError
+                found = await conn.fetchrow(sql.LOCK_ONE, request_id)
+                try:
+                    if found is None:
+                        raise RequestNotFound(f"no request {request_id!r}")
+                    row = sql.request_from_row(found)
+                    after, changed = model.fail(row, claim_token, error, backoff, _at(now, found))
+                except QueueError as refused:  # nothing failed; the claim goes on
+                    outcome = refused
+                else:
+                    outcome = after
+                    if changed:
+                        events.append(RequestEvent.of(after, "failed"))
+                        await self._write_rows(conn, [after], events)
+                claimed: builtins.list[ProcessRequest] = []
+                if scope is not None:
+                    claimed, claim_events = await self._claim_on(
+                        conn, scope, ask.worker_id, ask.lease, now, tokens
+                    )
+                    events.extend(claim_events)
+                return ThenClaimed([outcome], claimed), events
 
         return await self._write(attempt)
 

@@ -23,7 +23,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
 
@@ -44,12 +44,14 @@ __all__ = [
     "STATUSES",
     "BatchCompletion",
     "CacheOutcome",
+    "ClaimAsk",
     "Completion",
     "Enqueued",
     "NewRequest",
     "ProcessRequest",
     "RequestEvent",
     "RequestStatus",
+    "ThenClaimed",
     "Transition",
     "TransitionKind",
     "cancel",
@@ -617,6 +619,28 @@ def complete_batch(
             events.append(RequestEvent.of(done, "done"))
         outcomes.append(done)
     return BatchCompletion(outcomes, changed, events)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimAsk:
+    """A worker's ask, sent with its report (`QueueStore.complete_then_claim`,
+    `QueueStore.fail_then_claim`), to claim up to `limit` more requests in the same transaction:
+    the arguments of `QueueStore.claim_many`, checked the same way (`store.claim_scope`)."""
+
+    worker_classes: str | Sequence[str]
+    worker_id: str
+    lease: float
+    limit: int = 1
+    #: The workspaces the worker's token may touch (None: all).
+    workspace_ids: Collection[str] | None = None
+
+
+class ThenClaimed(NamedTuple):
+    """A report and a claim committed together: one outcome per report, in order (the finished
+    row, or the `QueueError` its plain verb would raise), and the rows claimed after them."""
+
+    outcomes: list[ProcessRequest | QueueError]
+    claimed: list[ProcessRequest]
 
 
 # -- operator --------------------------------------------------------------------------------------

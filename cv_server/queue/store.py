@@ -17,21 +17,24 @@ shared clock costs no extra round trip.
 from __future__ import annotations
 
 import abc
+import asyncio
 import builtins
 import logging
-from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from typing import Any, TypeVar
 
 from cv_server.queue.errors import QueueError
 from cv_server.queue.idempotency import KeyCompletion
 from cv_server.queue.model import (
     CacheOutcome,
+    ClaimAsk,
     Completion,
     Enqueued,
     NewRequest,
     ProcessRequest,
     RequestEvent,
     RequestStatus,
+    ThenClaimed,
     check_lease,
 )
 
@@ -41,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 #: Called once per committed status change, on the event loop, after the commit.
 QueueListener = Callable[[RequestEvent], None]
+
+T = TypeVar("T")
 
 
 class QueueStore(abc.ABC):
@@ -106,6 +111,21 @@ class QueueStore(abc.ABC):
                     observer(event)
                 except Exception:
                     logger.exception("queue observer failed on %s", event)
+
+    async def _commit_then_announce(self, write: Awaitable[tuple[T, Sequence[RequestEvent]]]) -> T:
+        """Await `write` (a backend's transaction, answering its result and the events it made
+        true) shielded from our caller's cancellation, and once it committed announce its events
+        (`_committed`) — even if the caller was cancelled meanwhile: the write happens
+        regardless, so its waiters must hear of it. Every backend's verbs go through here."""
+        task = asyncio.ensure_future(write)
+        task.add_done_callback(self._announce_done)
+        result, _events = await asyncio.shield(task)
+        return result
+
+    def _announce_done(self, task: asyncio.Future[tuple[Any, Sequence[RequestEvent]]]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return  # nothing committed, nothing to announce
+        self._committed(task.result()[1])
 
     def _announce(self, events: Iterable[RequestEvent]) -> None:
         """Backends call this after the commit that made `events` true."""
@@ -267,6 +287,36 @@ class QueueStore(abc.ABC):
         if it was dequeued `max_dequeues` times — or `cancelled` if a cancel was requested
         meanwhile (the holder's report after it stopped on `RequestCancelled`). Raises
         `LeaseLost` / `RequestNotFound` like `heartbeat`."""
+
+    @abc.abstractmethod
+    async def complete_then_claim(
+        self, completions: Sequence[Completion], now: float | None, *, claim_next: ClaimAsk
+    ) -> ThenClaimed:
+        """`complete_many(completions)` then `claim_many` as `claim_next` asks, in one
+        transaction (one commit): a busy worker reports and takes its next request in one trip.
+
+        The outcomes are those `complete_many` answers; a refused completion (`LeaseLost`,
+        `RequestNotFound`) writes nothing and stops neither the other completions nor the claim.
+        The claim follows the rules of `claim_many` and sees the rows as the completions left
+        them; an empty scope claims nothing. Nothing commits unless all of it does (a crash
+        mid-way leaves neither). Raises `ValueError` (nothing written) for a bad lease or limit.
+        """
+
+    @abc.abstractmethod
+    async def fail_then_claim(
+        self,
+        request_id: str,
+        claim_token: str,
+        error: Any,
+        backoff: float,
+        now: float | None,
+        *,
+        claim_next: ClaimAsk,
+    ) -> ThenClaimed:
+        """`fail` then `claim_many` as `claim_next` asks, in one transaction (one commit); the
+        one outcome is the row `fail` returns, or the `LeaseLost` / `RequestNotFound` it would
+        raise (then nothing is failed, and the claim still happens). Raises `ValueError`
+        (nothing written) for a bad backoff, lease or limit."""
 
     # -- operators --------------------------------------------------------------------------------
 

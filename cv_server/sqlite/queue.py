@@ -15,7 +15,6 @@ whose worker died does not starve behind a long pending backlog.
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 import json
 import sqlite3
@@ -30,12 +29,14 @@ from cv_server.queue import model
 from cv_server.queue.errors import QueueError, RequestNotFound
 from cv_server.queue.idempotency import KeyCompletion
 from cv_server.queue.model import (
+    ClaimAsk,
     Completion,
     Enqueued,
     NewRequest,
     ProcessRequest,
     RequestEvent,
     RequestStatus,
+    ThenClaimed,
     TransitionKind,
 )
 from cv_server.queue.store import QueueStore, claim_scope
@@ -272,6 +273,62 @@ def _update(
     )
 
 
+def _claim_rows(
+    tx: Transaction,
+    classes: tuple[str, ...],
+    workspaces: tuple[str, ...] | None,
+    worker_id: str,
+    lease: float,
+    now: float,
+    tokens: Sequence[str],
+) -> tuple[builtins.list[ProcessRequest], builtins.list[RequestEvent]]:
+    """Claim up to `len(tokens)` rows of the scope (`claim_scope`'s) in `tx`, each under its own
+    token, parking the lapsed rows that may not run again (`QueueStore.claim_many`)."""
+    limit = len(tokens)
+    events: builtins.list[RequestEvent] = []
+    while True:
+        found = _claimable_candidates(tx, classes, workspaces, now, limit)
+        doomed = [
+            _probed(raw)
+            for raw in found
+            if raw[_DEQUEUES] >= raw[_MAX_DEQUEUES] or raw[_CANCEL_REQUESTED]
+        ]
+        if doomed:
+            # Their last allowed worker died, or a cancelled one's holder died before it
+            # heard: park them (`model.park_lapsed`), then look again.
+            for row in doomed:
+                parked = model.park_lapsed(row, now)
+                _update(tx, row, parked)
+                kind: TransitionKind = "cancelled" if parked.status == "cancelled" else "poisoned"
+                events.append(RequestEvent.of(parked, kind, lapsed=True))
+            continue
+        claimed = []
+        oldest = sorted(found, key=_claimable_since)[:limit]
+        for raw, token in zip(oldest, tokens[: len(oldest)], strict=True):
+            row = _probed(raw)
+            held = model.claim(row, claim_token=token, worker_id=worker_id, lease=lease, now=now)
+            _update(tx, row, held)
+            claimed.append(held)
+            lapsed = row.status == "in_progress"
+            events.append(RequestEvent.of(held, "claimed", lapsed=lapsed))
+        return claimed, events
+
+
+def _complete_rows(
+    tx: Transaction, batch: Sequence[Completion], now: float
+) -> tuple[builtins.list[ProcessRequest | QueueError], builtins.list[RequestEvent]]:
+    """`QueueStore.complete_many` in `tx`: one outcome per completion, and the events."""
+    stored: dict[str, ProcessRequest] = {}
+    for request_id in {item.request_id for item in batch}:
+        found = tx.execute(f"{_SELECT} WHERE request_id = ?", (request_id,)).fetchone()
+        if found is not None:
+            stored[request_id] = _row(found)
+    outcomes, changed, events = model.complete_batch(stored, batch, now)
+    for request_id, done in changed.items():
+        _update(tx, stored[request_id], done)
+    return outcomes, events
+
+
 def _now(now: float | None) -> float:
     """`now`, or this store's clock (`SQLiteQueueStore.clock`) read when the verb is called, as
     the routes did before they handed the choice of clock to the store."""
@@ -290,17 +347,9 @@ class SQLiteQueueStore(QueueStore):
         self._new_token = new_token
 
     async def _write(self, job: Callable[[Transaction], tuple[T, list[RequestEvent]]]) -> T:
-        """Run `job`; once it committed, announce its events — even if our caller was cancelled
-        meanwhile (the write happens regardless, so its waiters must hear of it)."""
-        task = asyncio.ensure_future(self._db.write(job))
-        task.add_done_callback(self._announce_committed)
-        result, _events = await asyncio.shield(task)
-        return result
-
-    def _announce_committed(self, task: asyncio.Future[tuple[Any, list[RequestEvent]]]) -> None:
-        if task.cancelled() or task.exception() is not None:
-            return
-        self._committed(task.result()[1])
+        """Run `job` on the writer thread; once it committed, announce its events
+        (`QueueStore._commit_then_announce`)."""
+        return await self._commit_then_announce(self._db.write(job))
 
     async def clock(self) -> float:
         """This process's wall clock: only one process serves the file."""
@@ -426,37 +475,7 @@ class SQLiteQueueStore(QueueStore):
         tokens = [self._new_token() for _ in range(limit)]
 
         def job(tx: Transaction) -> tuple[builtins.list[ProcessRequest], list[RequestEvent]]:
-            events: builtins.list[RequestEvent] = []
-            while True:
-                found = _claimable_candidates(tx, classes, workspaces, now, limit)
-                doomed = [
-                    _probed(raw)
-                    for raw in found
-                    if raw[_DEQUEUES] >= raw[_MAX_DEQUEUES] or raw[_CANCEL_REQUESTED]
-                ]
-                if doomed:
-                    # Their last allowed worker died, or a cancelled one's holder died before it
-                    # heard: park them (`model.park_lapsed`), then look again.
-                    for row in doomed:
-                        parked = model.park_lapsed(row, now)
-                        _update(tx, row, parked)
-                        kind: TransitionKind = (
-                            "cancelled" if parked.status == "cancelled" else "poisoned"
-                        )
-                        events.append(RequestEvent.of(parked, kind, lapsed=True))
-                    continue
-                claimed = []
-                oldest = sorted(found, key=_claimable_since)[:limit]
-                for raw, token in zip(oldest, tokens[: len(oldest)], strict=True):
-                    row = _probed(raw)
-                    held = model.claim(
-                        row, claim_token=token, worker_id=worker_id, lease=lease, now=now
-                    )
-                    _update(tx, row, held)
-                    claimed.append(held)
-                    lapsed = row.status == "in_progress"
-                    events.append(RequestEvent.of(held, "claimed", lapsed=lapsed))
-                return claimed, events
+            return _claim_rows(tx, classes, workspaces, worker_id, lease, now, tokens)
 
         return await self._write(job)
 
@@ -482,15 +501,67 @@ class SQLiteQueueStore(QueueStore):
         def job(
             tx: Transaction,
         ) -> tuple[builtins.list[ProcessRequest | QueueError], list[RequestEvent]]:
-            stored: dict[str, ProcessRequest] = {}
-            for request_id in {item.request_id for item in batch}:
-                found = tx.execute(f"{_SELECT} WHERE request_id = ?", (request_id,)).fetchone()
-                if found is not None:
-                    stored[request_id] = _row(found)
-            outcomes, changed, events = model.complete_batch(stored, batch, now)
-            for request_id, done in changed.items():
-                _update(tx, stored[request_id], done)
-            return outcomes, events
+            return _complete_rows(tx, batch, now)
+
+        return await self._write(job)
+
+    async def complete_then_claim(
+        self, completions: Sequence[Completion], now: float | None, *, claim_next: ClaimAsk
+    ) -> ThenClaimed:
+        now = _now(now)
+        batch = list(completions)
+        ask = claim_next
+        scope = claim_scope(ask.worker_classes, ask.workspace_ids, ask.lease, ask.limit)
+        tokens = [self._new_token() for _ in range(ask.limit)]
+
+        def job(tx: Transaction) -> tuple[ThenClaimed, list[RequestEvent]]:
+            outcomes, events = _complete_rows(tx, batch, now)
+            claimed: builtins.list[ProcessRequest] = []
+            if scope is not None:
+                claimed, claim_events = _claim_rows(
+                    tx, *scope, ask.worker_id, ask.lease, now, tokens
+                )
+                events = [*events, *claim_events]
+            return ThenClaimed(outcomes, claimed), events
+
+        return await self._write(job)
+
+    async def fail_then_claim(
+        self,
+        request_id: str,
+        claim_token: str,
+        error: Any,
+        backoff: float,
+        now: float | None,
+        *,
+        claim_next: ClaimAsk,
+    ) -> ThenClaimed:
+        now = _now(now)
+        model.check_lease(backoff, "backoff")
+        ask = claim_next
+        scope = claim_scope(ask.worker_classes, ask.workspace_ids, ask.lease, ask.limit)
+        tokens = [self._new_token() for _ in range(ask.limit)]
+
+        def job(tx: Transaction) -> tuple[ThenClaimed, list[RequestEvent]]:
+            events: builtins.list[RequestEvent] = []
+            outcome: ProcessRequest | QueueError
+            try:
+                row = _select(tx, request_id)
+                after, changed = model.fail(row, claim_token, error, backoff, now)
+            except QueueError as refused:  # nothing failed; the claim goes on
+                outcome = refused
+            else:
+                outcome = after
+                if changed:
+                    _update(tx, row, after)
+                    events.append(RequestEvent.of(after, "failed"))
+            claimed: builtins.list[ProcessRequest] = []
+            if scope is not None:
+                claimed, claim_events = _claim_rows(
+                    tx, *scope, ask.worker_id, ask.lease, now, tokens
+                )
+                events.extend(claim_events)
+            return ThenClaimed([outcome], claimed), events
 
         return await self._write(job)
 

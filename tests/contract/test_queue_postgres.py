@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import cast
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
@@ -16,6 +17,7 @@ from cv_server.pg.idempotency import PostgresIdempotencyStore
 from cv_server.pg.queue import PostgresQueueStore
 from cv_server.queue import IdempotencyStore, QueueStore
 from tests.contract.queue_contract import QueueContract, request
+from tests.contract.then_claim_contract import ThenClaimContract
 from tests.pg.helpers import settings_for
 
 pytestmark = pytest.mark.postgres
@@ -31,7 +33,7 @@ async def notifier(postgres_url: str) -> AsyncIterator[Notifier]:
     await notifier.close()
 
 
-class TestPostgresQueueStore(QueueContract):
+class TestPostgresQueueStore(QueueContract, ThenClaimContract):
     @pytest.fixture
     async def store(
         self, pool: asyncpg.Pool, schema: str, notifier: Notifier
@@ -59,6 +61,18 @@ class TestPostgresQueueStore(QueueContract):
         keys = PostgresIdempotencyStore(pool, retention=CONFIG.idempotency_retention_seconds)
         yield keys
         await keys.close()
+
+    @pytest.fixture
+    async def unbindable_store(
+        self, store: QueueStore, pool: asyncpg.Pool, schema: str
+    ) -> AsyncIterator[QueueStore]:
+        # asyncpg cannot encode an arbitrary object as text: the claim statement raises after
+        # the report's UPDATE ran in the same transaction.
+        tokens = PostgresQueueStore(
+            pool, channel=f"cv_queue_{schema}", new_token=lambda: cast(str, object())
+        )
+        yield tokens
+        await tokens.close()
 
     async def test_a_cancel_is_heard_by_waiters_on_another_instance(
         self, store: QueueStore, peer_store: QueueStore

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import sqlite_utils
@@ -17,6 +18,7 @@ from cv_server.sqlite.engine import SQLiteDatabase
 from cv_server.sqlite.idempotency import SQLiteIdempotencyStore
 from cv_server.sqlite.queue import CLAIM_PROBES, TABLE, SQLiteQueueStore
 from tests.contract.queue_contract import LEASE, STAGE, WS, QueueContract, request
+from tests.contract.then_claim_contract import ThenClaimContract
 
 CONFIG = ServerConfig()
 
@@ -26,7 +28,7 @@ def schema(db: sqlite_utils.Database) -> None:
     idempotency_sqlite.create_schema(db)
 
 
-class TestSQLiteQueueStore(QueueContract):
+class TestSQLiteQueueStore(QueueContract, ThenClaimContract):
     @pytest.fixture
     def db_path(self, tmp_path: Path) -> Path:
         return tmp_path / "queue.db"
@@ -54,6 +56,13 @@ class TestSQLiteQueueStore(QueueContract):
     @pytest.fixture
     async def idempotency_store(self, database: SQLiteDatabase) -> IdempotencyStore:
         return SQLiteIdempotencyStore(database, retention=CONFIG.idempotency_retention_seconds)
+
+    @pytest.fixture
+    async def unbindable_store(self, database: SQLiteDatabase) -> AsyncIterator[QueueStore]:
+        # sqlite3 cannot bind an arbitrary object: the claim's UPDATE raises inside the job.
+        store = SQLiteQueueStore(database, new_token=lambda: cast(str, object()))
+        yield store
+        await store.close()
 
 
 async def test_the_completion_is_on_disk_when_listeners_hear_of_it(tmp_path: Path) -> None:
