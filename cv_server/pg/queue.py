@@ -60,6 +60,7 @@ from cv_server.queue.model import (
     TransitionKind,
 )
 from cv_server.queue.store import QueueStore, claim_scope
+from cv_server.shielded import commit_then_announce
 from cv_server.tokens import new_claim_token
 
 __all__ = [
@@ -183,7 +184,9 @@ class PostgresQueueStore(QueueStore):
         """Run `attempt` (retried as a whole on 40001/40P01); once it committed, announce its
         events — even if our caller was cancelled meanwhile (the write happens regardless, so
         its waiters must hear of it)."""
-        return await self._commit_then_announce(run_with_retry(attempt, policy=self._retry_policy))
+        return await commit_then_announce(
+            run_with_retry(attempt, policy=self._retry_policy), self._committed
+        )
 
     async def _write_rows(
         self,

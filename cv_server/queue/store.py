@@ -17,11 +17,10 @@ shared clock costs no extra round trip.
 from __future__ import annotations
 
 import abc
-import asyncio
 import builtins
 import logging
-from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Any
 
 from cv_server.queue.errors import QueueError
 from cv_server.queue.idempotency import KeyCompletion
@@ -44,8 +43,6 @@ logger = logging.getLogger(__name__)
 
 #: Called once per committed status change, on the event loop, after the commit.
 QueueListener = Callable[[RequestEvent], None]
-
-T = TypeVar("T")
 
 
 class QueueStore(abc.ABC):
@@ -111,21 +108,6 @@ class QueueStore(abc.ABC):
                     observer(event)
                 except Exception:
                     logger.exception("queue observer failed on %s", event)
-
-    async def _commit_then_announce(self, write: Awaitable[tuple[T, Sequence[RequestEvent]]]) -> T:
-        """Await `write` (a backend's transaction, answering its result and the events it made
-        true) shielded from our caller's cancellation, and once it committed announce its events
-        (`_committed`) — even if the caller was cancelled meanwhile: the write happens
-        regardless, so its waiters must hear of it. Every backend's verbs go through here."""
-        task = asyncio.ensure_future(write)
-        task.add_done_callback(self._announce_done)
-        result, _events = await asyncio.shield(task)
-        return result
-
-    def _announce_done(self, task: asyncio.Future[tuple[Any, Sequence[RequestEvent]]]) -> None:
-        if task.cancelled() or task.exception() is not None:
-            return  # nothing committed, nothing to announce
-        self._committed(task.result()[1])
 
     def _announce(self, events: Iterable[RequestEvent]) -> None:
         """Backends call this after the commit that made `events` true."""

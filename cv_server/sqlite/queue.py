@@ -40,6 +40,7 @@ from cv_server.queue.model import (
     TransitionKind,
 )
 from cv_server.queue.store import QueueStore, claim_scope
+from cv_server.shielded import commit_then_announce
 from cv_server.sqlite.engine import SQLiteDatabase, Transaction
 from cv_server.sqlite.idempotency import complete_key
 from cv_server.tokens import new_claim_token
@@ -348,8 +349,8 @@ class SQLiteQueueStore(QueueStore):
 
     async def _write(self, job: Callable[[Transaction], tuple[T, list[RequestEvent]]]) -> T:
         """Run `job` on the writer thread; once it committed, announce its events
-        (`QueueStore._commit_then_announce`)."""
-        return await self._commit_then_announce(self._db.write(job))
+        (`cv_server.shielded.commit_then_announce`)."""
+        return await commit_then_announce(self._db.write(job), self._committed)
 
     async def clock(self) -> float:
         """This process's wall clock: only one process serves the file."""
