@@ -139,7 +139,6 @@ class OpLogStore(abc.ABC):
         self.snapshot_every = snapshot_every
         self.cache_limit = cache_limit
 
-    @abc.abstractmethod
     async def append(
         self,
         workspace_id: str,
@@ -150,12 +149,16 @@ class OpLogStore(abc.ABC):
     ) -> tuple[list[Outcome], list[LogEntry]]:
         """Dedupe, apply and commit `ops`; return one outcome per op (in order) and the log
         entries this call newly committed (what must be broadcast)."""
+        # A caller cancelled here does not cancel the commit: its op may still be applied, and a
+        # retry under the same op_id then gets `duplicate: true` (docs/concepts.md).
+        return await self.append_nowait(workspace_id, sub_doc, ops, atomic=atomic)
 
     #: True when appends to one sub-doc commit in the order `append_nowait` was called (SQLite's
     #: one writer; PostgreSQL's lane per sub-doc): a caller may then submit the next append of a
     #: sub-doc without awaiting the previous one.
     appends_in_order: bool = False
 
+    @abc.abstractmethod
     def append_nowait(
         self,
         workspace_id: str,
@@ -164,11 +167,8 @@ class OpLogStore(abc.ABC):
         *,
         atomic: bool = False,
     ) -> asyncio.Future[tuple[list[Outcome], list[LogEntry]]]:
-        """`append` as a future (a task unless the store can do better). Commit order across
-        calls is only promised when `appends_in_order`."""
-        import asyncio  # here, not at the top: the pure commit pipeline imports this module
-
-        return asyncio.ensure_future(self.append(workspace_id, sub_doc, ops, atomic=atomic))
+        """`append` as the store's own future, queued now (an empty batch is answered at once).
+        Commit order across calls is only promised when `appends_in_order`."""
 
     def observe_commits(self, observer: Callable[[float, int], None] | None) -> None:
         """Call `observer(seconds, ops)` after each group commit this process makes: its

@@ -200,23 +200,9 @@ class PostgresOpLogStore(OpLogStore):
 
     # -- OpLogStore ------------------------------------------------------------------------------
 
-    async def append(
-        self,
-        workspace_id: str,
-        sub_doc: str,
-        ops: Sequence[IncomingOp],
-        *,
-        atomic: bool = False,
-    ) -> AppendResult:
-        # A caller cancelled here does not cancel the commit: its op may still be applied, and
-        # a retry under the same op_id then gets `duplicate: true` (docs/concepts.md).
-        return await self.append_nowait(workspace_id, sub_doc, ops, atomic=atomic)
-
-    #: A sub-doc's lane commits its appends in the order they were queued (one drainer, FIFO).
-    #: Declared so that a websocket queues its next apply at once instead of chaining a task on
-    #: the previous one: a chained apply was not queued yet when the shutdown closed the store,
-    #: and failed with a traceback ("the op-log store is closed") instead of being committed by
-    #: `close()`, which finishes what is queued.
+    #: A sub-doc's lane commits its appends in the order they were queued (one drainer, FIFO),
+    #: so a websocket queues its next apply at once, and `close()` commits every apply queued
+    #: before it (tests/acceptance/test_server_shutdown.py).
     appends_in_order = True
 
     def append_nowait(

@@ -221,19 +221,6 @@ class SQLiteOpLogStore(OpLogStore):
         """Observed on the database's writer thread (its group commit is this store's)."""
         self.db.on_group_commit = observer
 
-    async def append(
-        self,
-        workspace_id: str,
-        sub_doc: str,
-        ops: Sequence[IncomingOp],
-        *,
-        atomic: bool = False,
-    ) -> tuple[list[Outcome], list[LogEntry]]:
-        self._check_open()
-        if not ops:
-            return [], []
-        return await self.append_nowait(workspace_id, sub_doc, ops, atomic=atomic)
-
     #: One writer thread runs jobs in the order they were queued.
     appends_in_order = True
 
@@ -249,6 +236,12 @@ class SQLiteOpLogStore(OpLogStore):
         order."""
         self._check_open()
         batch = list(ops)
+        if not batch:
+            done: asyncio.Future[tuple[list[Outcome], list[LogEntry]]] = (
+                asyncio.get_running_loop().create_future()
+            )
+            done.set_result(([], []))
+            return done
         return self.db.submit(lambda tx: self._append_job(tx, workspace_id, sub_doc, batch, atomic))
 
     async def read_since(

@@ -36,9 +36,9 @@ class Log(OpLogStore):
         self.reads += 1
         return len(self.entries), self.entries[since : since + limit]
 
-    async def append(
+    def append_nowait(
         self, workspace_id: str, sub_doc: str, ops: Sequence[IncomingOp], *, atomic: bool = False
-    ) -> tuple[list[Outcome], list[LogEntry]]:
+    ) -> asyncio.Future[tuple[list[Outcome], list[LogEntry]]]:
         raise NotImplementedError
 
     async def get_state(self, workspace_id: str, sub_doc: str) -> tuple[int, SubDocState]:
