@@ -43,7 +43,7 @@ async def test_each_item_is_answered_in_order_as_the_single_route_answers_it(
     aiohttp_client: ClientFactory, make_server_config: Callable[..., ServerConfig]
 ) -> None:
     client = await aiohttp_client(create_app(make_server_config()))
-    items = [
+    items: list[dict[str, Any]] = [
         {"stage": "evaluate", "job_id": "J2", "input": {"v": 1}},
         {"stage": "evaluate", "job_id": "J1", "branch_path": "main"},
         {"stage": "render"},  # no job: a random id
@@ -97,12 +97,13 @@ async def test_the_batch_size_is_bounded_as_the_batch_complete_route_bounds_it(
     client: TestClient[Any, Any],
 ) -> None:
     item = {"stage": "evaluate"}
-    for body in (
+    bodies: list[dict[str, Any]] = [
         {"requests": []},
         {"requests": [item] * (BATCH_ITEMS_MAX + 1)},
         {"requests": item},
         {"requests": [item], "extra": True},
-    ):
+    ]
+    for body in bodies:
         status, problem, _ = await _batch(client, body)
         assert (status, problem["code"]) == (422, "invalid_field"), problem
     assert await _rows(client) == []
