@@ -49,10 +49,11 @@ from cv_server.queue import model
 from cv_server.queue.errors import QueueError, RequestNotFound
 from cv_server.queue.idempotency import KeyCompletion
 from cv_server.queue.model import (
-    ClaimAsk,
+    ClaimPlan,
     Completion,
     EnqueueAsk,
     Enqueued,
+    Failure,
     NewRequest,
     ProcessRequest,
     RequestEvent,
@@ -60,7 +61,7 @@ from cv_server.queue.model import (
     ThenClaimed,
     TransitionKind,
 )
-from cv_server.queue.store import QueueStore, claim_scope
+from cv_server.queue.store import QueueStore
 from cv_server.shielded import commit_then_announce
 from cv_server.tokens import new_claim_token
 
@@ -155,11 +156,10 @@ class PostgresQueueStore(QueueStore):
         instance_id: str | None = None,
         retry_policy: SerializationRetryPolicy | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(new_token=new_token)
         self._pool = pool
         self.channel = channel
         self.instance_id = instance_id or secrets.token_hex(8)
-        self._new_token = new_token
         self._retry_policy = retry_policy
         self._subscription: Subscription | None = None
 
@@ -386,48 +386,27 @@ class PostgresQueueStore(QueueStore):
 
     # -- workers ----------------------------------------------------------------------------------
 
-    async def claim_many(
-        self,
-        worker_classes: str | Sequence[str],
-        worker_id: str,
-        lease: float,
-        now: float | None,
-        *,
-        limit: int,
-        workspace_ids: Collection[str] | None = None,
-    ) -> builtins.list[ProcessRequest]:
-        scope = claim_scope(worker_classes, workspace_ids, lease, limit)
-        if scope is None:
-            return []
-        tokens = [self._new_token() for _ in range(limit)]
-
+    async def _claim(self, plan: ClaimPlan, now: float | None) -> builtins.list[ProcessRequest]:
         async def attempt() -> tuple[builtins.list[ProcessRequest], builtins.list[RequestEvent]]:
             async with self._pool.acquire() as conn:
-                return await self._claim_on(conn, scope, worker_id, lease, now, tokens)
+                return await self._claim_on(conn, plan, now)
 
         return await self._write(attempt)
 
     async def _claim_on(
-        self,
-        conn: asyncpg.Connection,
-        scope: tuple[tuple[str, ...], tuple[str, ...] | None],
-        worker_id: str,
-        lease: float,
-        now: float | None,
-        tokens: Sequence[str],
+        self, conn: asyncpg.Connection, plan: ClaimPlan, now: float | None
     ) -> tuple[builtins.list[ProcessRequest], builtins.list[RequestEvent]]:
         """The claim statement (`sql.claim_sql`) on `conn` (in its open transaction, if any):
-        up to `len(tokens)` rows of `scope` (`claim_scope`'s), and the events."""
-        classes, workspaces = scope
+        up to `len(plan.tokens)` rows of the plan's scope, and the events."""
         found = await conn.fetch(
-            sql.claim_sql(workspaces is not None),
+            sql.claim_sql(plan.workspaces is not None),
             now,
-            len(tokens),
-            worker_id,
-            lease,
-            list(tokens),
-            list(classes),
-            None if workspaces is None else list(workspaces),
+            len(plan.tokens),
+            plan.worker_id,
+            plan.lease,
+            list(plan.tokens),
+            list(plan.classes),
+            None if plan.workspaces is None else list(plan.workspaces),
             self.channel,
             self.instance_id,
         )
@@ -478,68 +457,38 @@ class PostgresQueueStore(QueueStore):
             await self._write_rows(conn, list(changed.values()), events)
         return outcomes, events
 
-    async def complete_then_claim(
-        self, completions: Sequence[Completion], now: float | None, *, claim_next: ClaimAsk
+    async def _then_claim(
+        self, report: Sequence[Completion] | Failure, plan: ClaimPlan | None, now: float | None
     ) -> ThenClaimed:
-        batch = list(completions)
-        ask = claim_next
-        scope = claim_scope(ask.worker_classes, ask.workspace_ids, ask.lease, ask.limit)
-        tokens = [self._new_token() for _ in range(ask.limit)]
-
         async def attempt() -> tuple[ThenClaimed, builtins.list[RequestEvent]]:
             async with self._pool.acquire() as conn, conn.transaction():
-                outcomes, events = await self._complete_on(conn, batch, now)
+                if isinstance(report, Failure):
+                    outcomes, events = await self._fail_on(conn, report, now)
+                else:
+                    outcomes, events = await self._complete_on(conn, report, now)
                 claimed: builtins.list[ProcessRequest] = []
-                if scope is not None:
-                    claimed, claim_events = await self._claim_on(
-                        conn, scope, ask.worker_id, ask.lease, now, tokens
-                    )
+                if plan is not None:
+                    claimed, claim_events = await self._claim_on(conn, plan, now)
                     events = [*events, *claim_events]
                 return ThenClaimed(outcomes, claimed), events
 
         return await self._write(attempt)
 
-    async def fail_then_claim(
-        self,
-        request_id: str,
-        claim_token: str,
-        error: Any,
-        backoff: float,
-        now: float | None,
-        *,
-        claim_next: ClaimAsk,
-    ) -> ThenClaimed:
-        model.check_lease(backoff, "backoff")
-        ask = claim_next
-        scope = claim_scope(ask.worker_classes, ask.workspace_ids, ask.lease, ask.limit)
-        tokens = [self._new_token() for _ in range(ask.limit)]
-
-        async def attempt() -> tuple[ThenClaimed, builtins.list[RequestEvent]]:
-            async with self._pool.acquire() as conn, conn.transaction():
-                events: builtins.list[RequestEvent] = []
-                outcome: ProcessRequest | QueueError
-                found = await conn.fetchrow(sql.LOCK_ONE, request_id)
-                try:
-                    if found is None:
-                        raise RequestNotFound(f"no request {request_id!r}")
-                    row = sql.request_from_row(found)
-                    after, changed = model.fail(row, claim_token, error, backoff, _at(now, found))
-                except QueueError as refused:  # nothing failed; the claim goes on
-                    outcome = refused
-                else:
-                    outcome = after
-                    if changed:
-                        events.append(RequestEvent.of(after, "failed"))
-                        await self._write_rows(conn, [after], events)
-                claimed: builtins.list[ProcessRequest] = []
-                if scope is not None:
-                    claimed, claim_events = await self._claim_on(
-                        conn, scope, ask.worker_id, ask.lease, now, tokens
-                    )
-                    events.extend(claim_events)
-                return ThenClaimed([outcome], claimed), events
-
-        return await self._write(attempt)
+    async def _fail_on(
+        self, conn: asyncpg.Connection, failure: Failure, now: float | None
+    ) -> tuple[Outcomes, builtins.list[RequestEvent]]:
+        """`failure` as a then-claim's report in `conn`'s open transaction
+        (`model.fail_report`): its one outcome, and the event (its NOTIFY queued) if it changed
+        the row."""
+        found = await conn.fetchrow(sql.LOCK_ONE, failure.request_id)
+        row = None if found is None else sql.request_from_row(found)
+        at = 0.0 if found is None else _at(now, found)  # no row: refused, no time needed
+        outcome, changed = model.fail_report(row, failure, at)
+        if not changed or isinstance(outcome, QueueError):
+            return [outcome], []
+        events = [RequestEvent.of(outcome, "failed")]
+        await self._write_rows(conn, [outcome], events)
+        return [outcome], events
 
     async def fail(
         self, request_id: str, claim_token: str, error: Any, backoff: float, now: float | None

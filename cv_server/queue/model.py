@@ -46,9 +46,11 @@ __all__ = [
     "BatchEnqueue",
     "CacheOutcome",
     "ClaimAsk",
+    "ClaimPlan",
     "Completion",
     "EnqueueAsk",
     "Enqueued",
+    "Failure",
     "NewRequest",
     "ProcessRequest",
     "RequestEvent",
@@ -66,6 +68,7 @@ __all__ = [
     "deterministic_request_id",
     "enqueue_batch",
     "fail",
+    "fail_report",
     "fence",
     "heartbeat",
     "input_differs",
@@ -687,6 +690,48 @@ class ClaimAsk:
     limit: int = 1
     #: The workspaces the worker's token may touch (None: all).
     workspace_ids: Collection[str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimPlan:
+    """A claim checked and scoped (`store.plan_claim`): up to `len(tokens)` rows of `classes` in
+    `workspaces` (None: all), each taken under its own fresh token, leased for `lease`."""
+
+    classes: tuple[str, ...]
+    workspaces: tuple[str, ...] | None
+    worker_id: str
+    lease: float
+    tokens: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A `fail` sent with a claim (`QueueStore.fail_then_claim`): the holder's token, the
+    unexpected error, and the backoff before the row may run again (checked here, before
+    anything is written)."""
+
+    request_id: str
+    claim_token: str
+    error: Any
+    backoff: float
+
+    def __post_init__(self) -> None:
+        check_lease(self.backoff, "backoff")
+
+
+def fail_report(
+    row: ProcessRequest | None, failure: Failure, now: float
+) -> tuple[ProcessRequest | QueueError, bool]:
+    """`fail` as the report of a then-claim: the row after it and whether it changed, or the
+    `QueueError` `fail` would raise (`RequestNotFound` for no row) and False — then nothing is
+    failed and the claim still goes on (tests/contract/then_claim_contract.py)."""
+    if row is None:
+        return RequestNotFound(f"no request {failure.request_id!r}"), False
+    try:
+        after, changed = fail(row, failure.claim_token, failure.error, failure.backoff, now)
+    except QueueError as refused:
+        return refused, False
+    return after, changed
 
 
 class ThenClaimed(NamedTuple):

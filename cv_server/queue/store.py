@@ -27,9 +27,11 @@ from cv_server.queue.idempotency import KeyCompletion
 from cv_server.queue.model import (
     CacheOutcome,
     ClaimAsk,
+    ClaimPlan,
     Completion,
     EnqueueAsk,
     Enqueued,
+    Failure,
     NewRequest,
     ProcessRequest,
     RequestEvent,
@@ -38,7 +40,7 @@ from cv_server.queue.model import (
     check_lease,
 )
 
-__all__ = ["QueueListener", "QueueStore", "claim_scope", "normalize_classes"]
+__all__ = ["QueueListener", "QueueStore", "claim_scope", "normalize_classes", "plan_claim"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,10 @@ class QueueStore(abc.ABC):
       its announcement.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, new_token: Callable[[], str]) -> None:
+        # The seam draws no randomness: each backend passes its token minter
+        # (`cv_server.tokens.new_claim_token` by default; tests/queue/test_purity.py).
+        self._new_token = new_token
         self._listeners: builtins.list[QueueListener] = []
         self._observers: builtins.list[QueueListener] = []
 
@@ -222,7 +227,6 @@ class QueueStore(abc.ABC):
         )
         return rows[0] if rows else None
 
-    @abc.abstractmethod
     async def claim_many(
         self,
         worker_classes: str | Sequence[str],
@@ -237,6 +241,13 @@ class QueueStore(abc.ABC):
         claim token (a worker runs them concurrently and may lose one lease without the others).
         Same rules as `claim`; one transaction, so a batch costs one commit. Raises `ValueError`
         if `limit < 1`."""
+        ask = ClaimAsk(worker_classes, worker_id, lease, limit, workspace_ids)
+        plan = plan_claim(ask, self._new_token)
+        return [] if plan is None else await self._claim(plan, now)
+
+    @abc.abstractmethod
+    async def _claim(self, plan: ClaimPlan, now: float | None) -> builtins.list[ProcessRequest]:
+        """`claim_many` as `plan` says, in one transaction."""
 
     @abc.abstractmethod
     async def heartbeat(
@@ -290,7 +301,6 @@ class QueueStore(abc.ABC):
         meanwhile (the holder's report after it stopped on `RequestCancelled`). Raises
         `LeaseLost` / `RequestNotFound` like `heartbeat`."""
 
-    @abc.abstractmethod
     async def complete_then_claim(
         self, completions: Sequence[Completion], now: float | None, *, claim_next: ClaimAsk
     ) -> ThenClaimed:
@@ -303,8 +313,9 @@ class QueueStore(abc.ABC):
         them; an empty scope claims nothing. Nothing commits unless all of it does (a crash
         mid-way leaves neither). Raises `ValueError` (nothing written) for a bad lease or limit.
         """
+        batch = list(completions)
+        return await self._then_claim(batch, plan_claim(claim_next, self._new_token), now)
 
-    @abc.abstractmethod
     async def fail_then_claim(
         self,
         request_id: str,
@@ -319,6 +330,15 @@ class QueueStore(abc.ABC):
         one outcome is the row `fail` returns, or the `LeaseLost` / `RequestNotFound` it would
         raise (then nothing is failed, and the claim still happens). Raises `ValueError`
         (nothing written) for a bad backoff, lease or limit."""
+        failure = Failure(request_id, claim_token, error, backoff)
+        return await self._then_claim(failure, plan_claim(claim_next, self._new_token), now)
+
+    @abc.abstractmethod
+    async def _then_claim(
+        self, report: Sequence[Completion] | Failure, plan: ClaimPlan | None, now: float | None
+    ) -> ThenClaimed:
+        """The report (`complete_many`'s batch, or one `fail`) then the claim `plan` (None:
+        nothing to claim), in one transaction: `complete_then_claim`'s contract."""
 
     # -- operators --------------------------------------------------------------------------------
 
@@ -359,6 +379,17 @@ def claim_scope(
     if not classes or workspaces == ():
         return None
     return classes, workspaces
+
+
+def plan_claim(ask: ClaimAsk, new_token: Callable[[], str]) -> ClaimPlan | None:
+    """Check `ask` (`claim_scope`) and mint one token per row it may claim; None when its scope
+    is empty. Raises `ValueError` for a bad lease or limit, before anything is written."""
+    scope = claim_scope(ask.worker_classes, ask.workspace_ids, ask.lease, ask.limit)
+    if scope is None:
+        return None
+    classes, workspaces = scope
+    tokens = tuple(new_token() for _ in range(ask.limit))
+    return ClaimPlan(classes, workspaces, ask.worker_id, ask.lease, tokens)
 
 
 def normalize_classes(worker_classes: str | Sequence[str]) -> tuple[str, ...]:

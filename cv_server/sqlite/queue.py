@@ -29,10 +29,11 @@ from cv_server.queue import model
 from cv_server.queue.errors import QueueError, RequestNotFound
 from cv_server.queue.idempotency import KeyCompletion
 from cv_server.queue.model import (
-    ClaimAsk,
+    ClaimPlan,
     Completion,
     EnqueueAsk,
     Enqueued,
+    Failure,
     NewRequest,
     ProcessRequest,
     RequestEvent,
@@ -40,7 +41,7 @@ from cv_server.queue.model import (
     ThenClaimed,
     TransitionKind,
 )
-from cv_server.queue.store import QueueStore, claim_scope
+from cv_server.queue.store import QueueStore
 from cv_server.shielded import commit_then_announce
 from cv_server.sqlite.engine import SQLiteDatabase, Transaction
 from cv_server.sqlite.idempotency import complete_key
@@ -276,20 +277,14 @@ def _update(
 
 
 def _claim_rows(
-    tx: Transaction,
-    classes: tuple[str, ...],
-    workspaces: tuple[str, ...] | None,
-    worker_id: str,
-    lease: float,
-    now: float,
-    tokens: Sequence[str],
+    tx: Transaction, plan: ClaimPlan, now: float
 ) -> tuple[builtins.list[ProcessRequest], builtins.list[RequestEvent]]:
-    """Claim up to `len(tokens)` rows of the scope (`claim_scope`'s) in `tx`, each under its own
+    """Claim up to `len(plan.tokens)` rows of the plan's scope in `tx`, each under its own
     token, parking the lapsed rows that may not run again (`QueueStore.claim_many`)."""
-    limit = len(tokens)
+    limit = len(plan.tokens)
     events: builtins.list[RequestEvent] = []
     while True:
-        found = _claimable_candidates(tx, classes, workspaces, now, limit)
+        found = _claimable_candidates(tx, plan.classes, plan.workspaces, now, limit)
         doomed = [
             _probed(raw)
             for raw in found
@@ -306,14 +301,30 @@ def _claim_rows(
             continue
         claimed = []
         oldest = sorted(found, key=_claimable_since)[:limit]
-        for raw, token in zip(oldest, tokens[: len(oldest)], strict=True):
+        for raw, token in zip(oldest, plan.tokens[: len(oldest)], strict=True):
             row = _probed(raw)
-            held = model.claim(row, claim_token=token, worker_id=worker_id, lease=lease, now=now)
+            held = model.claim(
+                row, claim_token=token, worker_id=plan.worker_id, lease=plan.lease, now=now
+            )
             _update(tx, row, held)
             claimed.append(held)
             lapsed = row.status == "in_progress"
             events.append(RequestEvent.of(held, "claimed", lapsed=lapsed))
         return claimed, events
+
+
+def _fail_row(
+    tx: Transaction, failure: Failure, now: float
+) -> tuple[builtins.list[ProcessRequest | QueueError], builtins.list[RequestEvent]]:
+    """`failure` as a then-claim's report in `tx` (`model.fail_report`): its one outcome, and
+    the event if it changed the row."""
+    found = tx.execute(f"{_SELECT} WHERE request_id = ?", (failure.request_id,)).fetchone()
+    row = None if found is None else _row(found)
+    outcome, changed = model.fail_report(row, failure, now)
+    if not changed or row is None or isinstance(outcome, QueueError):
+        return [outcome], []
+    _update(tx, row, outcome)
+    return [outcome], [RequestEvent.of(outcome, "failed")]
 
 
 def _complete_rows(
@@ -363,9 +374,8 @@ class SQLiteQueueStore(QueueStore):
     def __init__(
         self, db: SQLiteDatabase, *, new_token: Callable[[], str] = new_claim_token
     ) -> None:
-        super().__init__()
+        super().__init__(new_token=new_token)
         self._db = db
-        self._new_token = new_token
 
     async def _write(self, job: Callable[[Transaction], tuple[T, list[RequestEvent]]]) -> T:
         """Run `job` on the writer thread; once it committed, announce its events
@@ -494,27 +504,9 @@ class SQLiteQueueStore(QueueStore):
 
     # -- workers ----------------------------------------------------------------------------------
 
-    async def claim_many(
-        self,
-        worker_classes: str | Sequence[str],
-        worker_id: str,
-        lease: float,
-        now: float | None,
-        *,
-        limit: int,
-        workspace_ids: Collection[str] | None = None,
-    ) -> builtins.list[ProcessRequest]:
-        now = _now(now)
-        scope = claim_scope(worker_classes, workspace_ids, lease, limit)
-        if scope is None:
-            return []
-        classes, workspaces = scope
-        tokens = [self._new_token() for _ in range(limit)]
-
-        def job(tx: Transaction) -> tuple[builtins.list[ProcessRequest], list[RequestEvent]]:
-            return _claim_rows(tx, classes, workspaces, worker_id, lease, now, tokens)
-
-        return await self._write(job)
+    async def _claim(self, plan: ClaimPlan, now: float | None) -> builtins.list[ProcessRequest]:
+        at = _now(now)
+        return await self._write(lambda tx: _claim_rows(tx, plan, at))
 
     async def heartbeat(
         self, request_id: str, claim_token: str, lease: float, now: float | None
@@ -542,63 +534,21 @@ class SQLiteQueueStore(QueueStore):
 
         return await self._write(job)
 
-    async def complete_then_claim(
-        self, completions: Sequence[Completion], now: float | None, *, claim_next: ClaimAsk
+    async def _then_claim(
+        self, report: Sequence[Completion] | Failure, plan: ClaimPlan | None, now: float | None
     ) -> ThenClaimed:
-        now = _now(now)
-        batch = list(completions)
-        ask = claim_next
-        scope = claim_scope(ask.worker_classes, ask.workspace_ids, ask.lease, ask.limit)
-        tokens = [self._new_token() for _ in range(ask.limit)]
+        at = _now(now)
 
         def job(tx: Transaction) -> tuple[ThenClaimed, list[RequestEvent]]:
-            outcomes, events = _complete_rows(tx, batch, now)
+            if isinstance(report, Failure):
+                outcomes, events = _fail_row(tx, report, at)
+            else:
+                outcomes, events = _complete_rows(tx, report, at)
             claimed: builtins.list[ProcessRequest] = []
-            if scope is not None:
-                claimed, claim_events = _claim_rows(
-                    tx, *scope, ask.worker_id, ask.lease, now, tokens
-                )
+            if plan is not None:
+                claimed, claim_events = _claim_rows(tx, plan, at)
                 events = [*events, *claim_events]
             return ThenClaimed(outcomes, claimed), events
-
-        return await self._write(job)
-
-    async def fail_then_claim(
-        self,
-        request_id: str,
-        claim_token: str,
-        error: Any,
-        backoff: float,
-        now: float | None,
-        *,
-        claim_next: ClaimAsk,
-    ) -> ThenClaimed:
-        now = _now(now)
-        model.check_lease(backoff, "backoff")
-        ask = claim_next
-        scope = claim_scope(ask.worker_classes, ask.workspace_ids, ask.lease, ask.limit)
-        tokens = [self._new_token() for _ in range(ask.limit)]
-
-        def job(tx: Transaction) -> tuple[ThenClaimed, list[RequestEvent]]:
-            events: builtins.list[RequestEvent] = []
-            outcome: ProcessRequest | QueueError
-            try:
-                row = _select(tx, request_id)
-                after, changed = model.fail(row, claim_token, error, backoff, now)
-            except QueueError as refused:  # nothing failed; the claim goes on
-                outcome = refused
-            else:
-                outcome = after
-                if changed:
-                    _update(tx, row, after)
-                    events.append(RequestEvent.of(after, "failed"))
-            claimed: builtins.list[ProcessRequest] = []
-            if scope is not None:
-                claimed, claim_events = _claim_rows(
-                    tx, *scope, ask.worker_id, ask.lease, now, tokens
-                )
-                events.extend(claim_events)
-            return ThenClaimed([outcome], claimed), events
 
         return await self._write(job)
 
