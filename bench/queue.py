@@ -4,6 +4,7 @@ same run.
 
     .venv/bin/python -m bench.queue [--quick] [--jobs N] [--workers 1,4] [--concurrency 1,16]
                                     [--huey-venv DIR] [--no-huey] [--dir DIR] [--profile DIR]
+    .venv/bin/python -m bench.queue --enqueue-only [--quick] [--batch 100] [--batches-in-flight 4]
 
 For each worker-process count, on fresh database files:
 
@@ -23,6 +24,11 @@ For each worker-process count, on fresh database files:
   (`--dbos-venv`); never a dependency of this project. Per job DBOS keeps a `workflow_status`
   row (enqueued, claimed, run and finished are each an update of it), a `workflow_input` row and
   a `workflow_output` row; the run prints the rows per table it found.
+
+`--enqueue-only` measures enqueueing alone, side by side: `--jobs` single enqueues over HTTP (64 in
+flight), the same number in batches of `--batch` (`enqueue_many`, one HTTP call and one commit
+per batch, `--batches-in-flight` at once), each on a fresh server, and huey's enqueue rate (its
+run as above; its drain is printed too). No DBOS.
 
 The drain rate is measured the same way for both: jobs / (last task run - first task run), so
 process start-up is left out; wall time including start-up is printed too. Each cv-workspace job
@@ -51,6 +57,7 @@ import psutil  # type: ignore[import-untyped]  # no types-psutil in the dev extr
 from bench._procs import MachineLoad, ServerProcess, fsync_probe_ms
 from bench._progress import runs
 from cv_workspace_client._queue_api import QueueClient
+from cv_workspace_client.queue_models import EnqueueItem
 
 REPO: Final = Path(__file__).resolve().parents[1]
 WORKSPACE: Final = "bench"
@@ -98,6 +105,50 @@ async def _enqueue(url: str, token: str, jobs: int) -> float:
         began = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(jobs)))
         return jobs / (time.perf_counter() - began)
+
+
+async def _enqueue_batched(url: str, token: str, jobs: int, batch: int, in_flight: int) -> float:
+    """Enqueue `jobs` deterministic requests in batches of `batch` (`enqueue_many`), `in_flight`
+    batches at a time; return enqueues/s."""
+    async with QueueClient(url, token) as client:
+        gate = asyncio.Semaphore(in_flight)
+
+        async def one(start: int) -> None:
+            items = [
+                EnqueueItem(STAGE, job_id=f"j{i}") for i in range(start, min(jobs, start + batch))
+            ]
+            async with gate:
+                await client.enqueue_many(WORKSPACE, items)
+
+        began = time.perf_counter()
+        await asyncio.gather(*(one(start) for start in range(0, jobs, batch)))
+        return jobs / (time.perf_counter() - began)
+
+
+def run_enqueue_only(
+    directory: Path, jobs: int, batch: int, in_flight: int
+) -> tuple[float, float, str]:
+    """Single and batched enqueue rates, each on a fresh server; and the server CPU per enqueue
+    of each."""
+    rates: list[float] = []
+    cpu: list[str] = []
+    for name in ("single", "batched"):
+        server = ServerProcess.start(directory / f"cv-enqueue-{name}.db")
+        try:
+            main0, other0 = server.cpu_seconds()
+            if name == "single":
+                rate = asyncio.run(_enqueue(server.url, server.token, jobs))
+            else:
+                rate = asyncio.run(
+                    _enqueue_batched(server.url, server.token, jobs, batch, in_flight)
+                )
+            main1, other1 = server.cpu_seconds()
+        finally:
+            server.stop()
+        rates.append(rate)
+        per_job = 1e6 * ((main1 - main0) + (other1 - other0)) / jobs
+        cpu.append(f"{name} {per_job:.0f} us")
+    return rates[0], rates[1], "server CPU/enqueue: " + ", ".join(cpu)
 
 
 def _start_worker(
@@ -295,8 +346,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-dbos", action="store_true")
     parser.add_argument("--dir", type=Path, default=None, help="where the databases go")
     parser.add_argument("--profile", type=Path, default=None, help="profile the server into DIR")
+    parser.add_argument("--enqueue-only", action="store_true", help="enqueue rates alone")
+    parser.add_argument("--batch", type=int, default=100, help="requests per enqueue_many")
+    parser.add_argument("--batches-in-flight", type=int, default=4)
     args = parser.parse_args(argv)
     jobs = args.jobs or (2_000 if args.quick else 20_000)
+    if args.enqueue_only:
+        return _enqueue_only(args, jobs)
     worker_counts = [int(x) for x in args.workers.split(",")]
     concurrencies = [int(x) for x in args.concurrency.split(",")]
     python = None if args.no_huey else ensure_huey(args.huey_venv)
@@ -358,6 +414,32 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"  {r.workers} proc x {r.concurrency}: {r.drain_per_s / peer.drain_per_s:.2f}x"
                 )
+    return 0
+
+
+def _enqueue_only(args: argparse.Namespace, jobs: int) -> int:
+    python = None if args.no_huey else ensure_huey(args.huey_venv)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        directory = Path(tmp)
+        print(
+            f"fsync probe {fsync_probe_ms(directory):.2f} ms; load average "
+            f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
+            flush=True,
+        )
+        single, batched, cpu = run_enqueue_only(directory, jobs, args.batch, args.batches_in_flight)
+        print(f"  cv-workspace, single enqueue ({ENQUEUE_IN_FLIGHT} in flight)"
+              f"   {jobs:>7} jobs   enqueue {single:>7,.0f}/s", flush=True)  # fmt: skip
+        print(f"  cv-workspace, batches of {args.batch} ({args.batches_in_flight} in flight)"
+              f"   {jobs:>7} jobs   enqueue {batched:>7,.0f}/s", flush=True)  # fmt: skip
+        print(f"      {cpu}", flush=True)
+        if python is not None:
+            theirs, settings = run_huey(python, directory, jobs, 1)
+            print(_row(theirs), flush=True)
+            print(f"      huey storage: {settings}", flush=True)
+            print(
+                f"enqueue rate / huey: single {single / theirs.enqueue_per_s:.2f}x, "
+                f"batched {batched / theirs.enqueue_per_s:.2f}x"
+            )
     return 0
 
 

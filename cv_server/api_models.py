@@ -8,7 +8,7 @@ Response models describe the answers the routes build; the schemathesis test
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
@@ -16,12 +16,15 @@ from cv_mutations import Op
 from cv_server.problems import Problem
 
 __all__ = [
+    "BATCH_ITEMS_MAX",
     "AppliedOp",
     "ApplyBody",
     "ApplyResults",
     "BatchCompleteBody",
     "BatchCompleteResults",
     "BatchCompletion",
+    "BatchEnqueueBody",
+    "BatchEnqueueResults",
     "ClaimBody",
     "ClaimMany",
     "ClaimOne",
@@ -245,6 +248,19 @@ class EnqueueAnswer(_Answer):
     stream_url: str
 
 
+class BatchEnqueueBody(_Closed):
+    """Many stage runs to queue in one commit: each item has exactly the members of the single
+    enqueue's body (`EnqueueBody`)."""
+
+    requests: Annotated[list[EnqueueBody], Field(min_length=1, max_length=BATCH_ITEMS_MAX)]
+
+
+class BatchEnqueueResults(_Answer):
+    """One answer per item, in order, each as the single enqueue answers it."""
+
+    results: list[EnqueueAnswer]
+
+
 class SubDocHeadOut(_Answer):
     sub_doc: str
     clock: int = Field(description="The head clock: the last committed op's")
@@ -320,8 +336,13 @@ class BatchCompletion(CompleteBody):
     request_id: Token
 
 
+#: Most items in one batch call: the completions of `POST /v1/queue/complete` and the enqueues
+#: of `POST /v1/workspaces/{ws}/requests/batch` (docs/limits.md).
+BATCH_ITEMS_MAX: Final = 1000
+
+
 class BatchCompleteBody(_Body):
-    completions: Annotated[list[BatchCompletion], Field(min_length=1, max_length=1000)]
+    completions: Annotated[list[BatchCompletion], Field(min_length=1, max_length=BATCH_ITEMS_MAX)]
 
 
 class CompletedItem(_Answer):

@@ -26,8 +26,11 @@ import orjson
 from aiohttp import web
 
 from cv_server.api_models import (
+    BATCH_ITEMS_MAX,
     BatchCompleteBody,
     BatchCompleteResults,
+    BatchEnqueueBody,
+    BatchEnqueueResults,
     ClaimBody,
     ClaimMany,
     ClaimOne,
@@ -51,6 +54,7 @@ from cv_server.openapi import Doc, Media, Param, documented
 from cv_server.problems import Problem
 from cv_server.queue import (
     Completion,
+    EnqueueAsk,
     Enqueued,
     InProgress,
     KeyCompletion,
@@ -644,3 +648,118 @@ async def fail(request: web.Request) -> web.Response:
     except QueueError as exc:
         raise queue_problem(exc) from None
     return web.json_response({"status": after.status, "available_at": after.available_at})
+
+
+# -- batched enqueue -------------------------------------------------------------------------------
+
+
+def _batch_of(workspace_id: str, body: dict[str, Any], max_dequeues: int) -> list[EnqueueAsk]:
+    """The enqueues `{"requests": [...]}` asks for, each item read as the single route reads its
+    body (`_new_request`). A bad item refuses the whole call: 422 with the item's own code and
+    `item_index`, and nothing is enqueued (pinned by `tests/server/test_enqueue_many.py`)."""
+    items = body.get("requests")
+    if set(body) != {"requests"} or not isinstance(items, list):
+        raise Problem(422, "invalid_field", 'the body is {"requests": [...]}')
+    if not 0 < len(items) <= BATCH_ITEMS_MAX:
+        raise Problem(422, "invalid_field", f"requests must be a list of 1..{BATCH_ITEMS_MAX}")
+    batch: list[EnqueueAsk] = []
+    for index, item in enumerate(items):
+        try:
+            if not isinstance(item, dict):
+                raise Problem(422, "invalid_field", "an item must be a JSON object")
+            req, rerun = _new_request(workspace_id, item, max_dequeues)
+        except Problem as exc:
+            raise Problem(
+                exc.status, exc.code, f"requests[{index}]: {exc.detail}", item_index=index
+            ) from None
+        batch.append(EnqueueAsk(req, rerun))
+    return batch
+
+
+def _batch_answer(answers: list[Enqueued], batch: list[EnqueueAsk]) -> dict[str, Any]:
+    return {
+        "results": [
+            _enqueue_answer(answer, item.request)
+            for answer, item in zip(answers, batch, strict=True)
+        ]
+    }
+
+
+@routes.post("/v1/workspaces/{ws}/requests/batch")
+@documented(
+    Doc(
+        "Queue many stage runs in one commit: one answer per item, in order, as the single route",
+        {202: BatchEnqueueResults},
+        body=BatchEnqueueBody,
+        params=(
+            Param(
+                "Idempotency-Key",
+                {"type": "string", "minLength": 1, "maxLength": 255},
+                "Retry-safe: the first answer is replayed for 24 h",
+                where="header",
+            ),
+        ),
+        problems={
+            409: ("request_id_conflict", "idempotency_key_in_progress", "idempotency_key_lost"),
+            422: ("invalid_field", "idempotency_key_reuse"),
+        },
+        tag="queue",
+    )
+)
+async def enqueue_batch(request: web.Request) -> web.Response:
+    """`{"requests": [item, ...]}`, each item the single enqueue's body → `{"results":
+    [answer, ...]}`, each the single route's answer; all in one transaction (docs/queue.md)."""
+    workspace_id = request.match_info["ws"]
+    check_ids(workspace_id)
+    authorize(request, workspace_id)
+    raw, body = await _json_body(request)
+    batch = _batch_of(workspace_id, body, request.app[CONFIG].max_dequeues)
+    stores = request.app[STORES]
+    key = request.headers.get("Idempotency-Key")
+    if key is None:
+        try:
+            answers = await stores.queue.enqueue_many(batch, now=None)
+        except QueueError as exc:
+            raise queue_problem(exc) from None
+        for enqueued in answers:
+            _count_coalesced(request, enqueued)
+        return web.json_response(_batch_answer(answers, batch), status=202)
+
+    # As the single route: printable text only, the fingerprint of the raw bytes.
+    if not 0 < len(key) <= 255 or not key.isprintable():
+        raise Problem(422, "invalid_field", "Idempotency-Key must be 1..255 printable chars")
+    fingerprint = request_fingerprint("POST", request.path_qs, raw)
+    begun = await stores.idempotency.begin(workspace_id, key, fingerprint, time.time())
+    if isinstance(begun, StoredAnswer):
+        return web.json_response(
+            begun.body, status=begun.status_code, headers={"Idempotency-Replayed": "true"}
+        )
+    if isinstance(begun, InProgress):
+        raise Problem(
+            409,
+            "idempotency_key_in_progress",
+            "the first request with this key is still running",
+            headers={"Retry-After": "1"},
+        )
+    if isinstance(begun, Mismatch):
+        raise Problem(422, "idempotency_key_reuse", "the key was used for a different request")
+    assert isinstance(begun, Owned)
+    completion = KeyCompletion[list[Enqueued]](
+        workspace_id,
+        key,
+        fingerprint,
+        lambda answers: StoredResponse(202, _batch_answer(answers, batch)),
+    )
+    try:
+        try:
+            answers = await stores.queue.enqueue_many(batch, now=None, idempotency=completion)
+        except BaseException as exc:
+            await stores.idempotency.abandon(workspace_id, key, time.time())
+            if isinstance(exc, QueueError):
+                raise queue_problem(exc) from None
+            raise
+    finally:
+        await begun.release()  # only after the answer committed (see `enqueue`)
+    for enqueued in answers:
+        _count_coalesced(request, enqueued)
+    return web.json_response(_batch_answer(answers, batch), status=202)

@@ -44,6 +44,7 @@ ROUTE_CLASS_OF: Final[dict[tuple[str, str], RouteClass]] = {
     ("GET", f"{_WS}/docs"): "reads",
     ("GET", f"{_WS}/locks"): "reads",
     ("POST", f"{_WS}/requests"): "enqueue",
+    ("POST", f"{_WS}/requests/batch"): "enqueue",
     ("POST", "/v1/queue/claim"): "claim",
     ("GET", "/v1/queue/pending"): "claim",
     ("GET", "/v1/queue/requests"): "claim",

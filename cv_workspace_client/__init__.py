@@ -50,7 +50,12 @@ from cv_workspace_client.errors import (
 )
 from cv_workspace_client.live import LiveDoc
 from cv_workspace_client.models import Commit, Committed, SyncStatus
-from cv_workspace_client.queue_models import EnqueuedRequest, QueuedRequest, RequestOutcome
+from cv_workspace_client.queue_models import (
+    EnqueuedRequest,
+    EnqueueItem,
+    QueuedRequest,
+    RequestOutcome,
+)
 from cv_workspace_client.stream import Subscription
 
 if TYPE_CHECKING:
@@ -102,6 +107,7 @@ __all__ += [
 # the work queue and the compute lock, from an app
 __all__ += [
     "ComputeResult",
+    "EnqueueItem",
     "EnqueuedRequest",
     "QueueClient",
     "QueuedRequest",

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import json
 import secrets
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -39,6 +39,7 @@ from cv_workspace_client.errors import (
 )
 from cv_workspace_client.queue_models import (
     EnqueuedRequest,
+    EnqueueItem,
     OutcomeStatus,
     QueuedRequest,
     RequestOutcome,
@@ -46,6 +47,7 @@ from cv_workspace_client.queue_models import (
 )
 
 __all__ = [
+    "EnqueueItem",
     "EnqueuedRequest",
     "QueueClient",
     "QueueHost",
@@ -54,6 +56,7 @@ __all__ = [
     "RequestOutcome",
     "cancel",
     "enqueue",
+    "enqueue_many",
     "get_blob",
     "get_request",
     "iter_requests",
@@ -402,6 +405,60 @@ async def wait_request(
             await config.sleep(min(backoff(failures), remaining))
 
 
+# -- batched enqueue -------------------------------------------------------------------------------
+
+
+def _enqueued(answer: Any, replayed: bool) -> EnqueuedRequest:
+    """One answer of an enqueue (single or batched) as `EnqueuedRequest`."""
+    try:
+        return EnqueuedRequest(
+            request_id=str(answer["request_id"]),
+            status=answer["status"],
+            coalesced=bool(answer["coalesced"]),
+            stream_url=str(answer["stream_url"]),
+            replayed=replayed,
+            input_differs=bool(answer.get("input_differs", False)),
+        )
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ProtocolError("bad_answer", f"enqueue answer: {exc!r}") from None
+
+
+async def enqueue_many(
+    host: QueueHost,
+    workspace_id: str,
+    bodies: Sequence[Mapping[str, Any]],
+    *,
+    idempotency_key: str,
+) -> list[EnqueuedRequest]:
+    """`POST /v1/workspaces/{ws}/requests/batch` under `idempotency_key`: one answer per body,
+    in order. Retried like `enqueue` under a key (connection errors, timeouts, 5xx, 429, and a
+    key still in progress): a retry after a lost answer gets the first answer (`replayed`), and
+    the ids are the ones the first attempt minted, so nothing is enqueued twice."""
+    path = ws_path(workspace_id, "requests", "batch")
+    config = config_of(host)
+    payload = {"requests": [dict(body) for body in bodies]}
+    headers = {"Idempotency-Key": idempotency_key}
+    attempts = config.retry_attempts
+    for attempt in range(1, attempts + 1):
+        try:
+            _, answer, answer_headers = await call(
+                host, "POST", path, body=payload, headers=headers
+            )
+            break
+        except WorkspaceError as exc:
+            in_progress = exc.code == "idempotency_key_in_progress"
+            if attempt == attempts or not (is_retryable(exc) or in_progress):
+                raise
+            delay = backoff_for(config)(attempt)
+            log_retry(exc, attempt, attempts, delay)
+            await config.sleep(delay)
+    replayed = answer_headers.get("Idempotency-Replayed") == "true"
+    results = answer.get("results") if isinstance(answer, dict) else None
+    if not isinstance(results, list) or len(results) != len(bodies):
+        raise ProtocolError("bad_answer", "batch enqueue answer: not one result per request")
+    return [_enqueued(result, replayed) for result in results]
+
+
 # -- the verbs, for every client that talks to the queue -----------------------------------------
 
 
@@ -468,6 +525,29 @@ class QueueMethods(abc.ABC):
             # absorbed by another. Under the key the retry gets the first answer (`replayed`).
             idempotency_key = "auto-" + secrets.token_hex(16)
         return await enqueue(self, workspace_id, body, idempotency_key=idempotency_key)
+
+    async def enqueue_many(
+        self,
+        workspace_id: str,
+        requests: Sequence[EnqueueItem],
+        *,
+        idempotency_key: str | None = None,
+    ) -> list[EnqueuedRequest]:
+        """Queue many stages for `workspace_id` in one call and one commit; one answer per
+        item, in order, each the one `enqueue` of it would get at that point (a duplicate
+        within the batch coalesces into its first). At most 1,000 items (docs/limits.md): more
+        is `InvalidRequestError` (`invalid_field`), as is any bad item — with `item_index`, and
+        nothing enqueued. An empty list enqueues nothing and makes no call.
+
+        The call carries an `Idempotency-Key` (minted, or yours) and is retried under it, so a
+        retry after a lost answer enqueues nothing twice, random ids and reruns included.
+        """
+        if not requests:
+            return []
+        if idempotency_key is None:
+            idempotency_key = "auto-" + secrets.token_hex(16)
+        bodies = [item.to_body() for item in requests]
+        return await enqueue_many(self, workspace_id, bodies, idempotency_key=idempotency_key)
 
     async def get_request(self, workspace_id: str, request_id: str) -> QueuedRequest:
         """The request as it stands (its result once done)."""

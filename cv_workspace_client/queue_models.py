@@ -14,6 +14,7 @@ __all__ = [
     "STATUSES",
     "Claim",
     "CompletionOutcome",
+    "EnqueueItem",
     "EnqueuedRequest",
     "OutcomeStatus",
     "QueuedRequest",
@@ -112,6 +113,38 @@ def _seconds(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"unclaimed_seconds must be a number: {value!r}")
     return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueItem:
+    """One request of a batched enqueue (`enqueue_many`): the arguments of a single `enqueue`,
+    with the same defaults (a `job_id` makes the id deterministic unless `deterministic=False`)."""
+
+    stage: str
+    job_id: str | None = None
+    branch_path: str | None = None
+    input: Any = None
+    deterministic: bool | None = None
+    rerun: bool = False
+    worker_class: str | None = None
+    max_dequeues: int | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        """The item as the single enqueue's body: only the members that are set."""
+        body: dict[str, Any] = {"stage": self.stage}
+        for name, value in (
+            ("job_id", self.job_id),
+            ("branch_path", self.branch_path),
+            ("input", self.input),
+            ("deterministic", self.deterministic),
+            ("worker_class", self.worker_class),
+            ("max_dequeues", self.max_dequeues),
+        ):
+            if value is not None:
+                body[name] = value
+        if self.rerun:
+            body["rerun"] = True
+        return body
 
 
 @dataclass(frozen=True, slots=True)

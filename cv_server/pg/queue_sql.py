@@ -24,6 +24,7 @@ __all__ = [
     "COLUMNS",
     "DB_NOW",
     "INSERT_IF_ABSENT",
+    "INSERT_MANY",
     "INSERT_NEW_AND_NOTIFY",
     "LIFECYCLE",
     "LOCK_MANY",
@@ -35,6 +36,7 @@ __all__ = [
     "TABLE",
     "UPDATE_LIFECYCLE_AND_NOTIFY",
     "claim_sql",
+    "insert_many_values",
     "insert_values",
     "json_text",
     "lifecycle_arrays",
@@ -103,6 +105,37 @@ INSERT_NEW_AND_NOTIFY: Final = f"""
 WITH inserted AS ({INSERT_IF_ABSENT})
 SELECT request_id, created_at, pg_notify(${_NEXT}, ${_NEXT + 1}) FROM inserted
 """
+
+
+def _unnest_column(column: str) -> str:
+    value = f"u.{column}"
+    return f"{value}::json" if column in _JSON_COLUMNS else value
+
+
+#: Every column's array type, for `INSERT_MANY`.
+_ROW_TYPES: Final = {
+    **_SQL_TYPES,
+    **dict.fromkeys(
+        ("request_id", "workspace_id", "stage", "job_id", "branch_path", "worker_class"), "text"
+    ),
+    "input": "text",
+    "run": "int4",
+    "max_dequeues": "int4",
+}
+_UNSTAMPED: Final = tuple(c for c in COLUMNS if c not in _STAMPED)
+#: Many new rows in one statement, in the order given (their `seq` is their enqueue order), each
+#: unless its id exists. Parameters: `insert_many_values`. Returns the new rows' ids and their
+#: creation time (one for all: the statement's, when now is NULL).
+INSERT_MANY: Final = (
+    f"INSERT INTO {TABLE} ({_COLUMN_LIST}) SELECT "
+    + ", ".join(
+        f"coalesce($1::float8, {DB_NOW})" if c in _STAMPED else _unnest_column(c) for c in COLUMNS
+    )
+    + " FROM unnest("
+    + ", ".join(f"${i}::{_ROW_TYPES[c]}[]" for i, c in enumerate(_UNSTAMPED, start=2))
+    + f") WITH ORDINALITY AS u({', '.join(_UNSTAMPED)}, ord) ORDER BY u.ord"
+    " ON CONFLICT (request_id) DO NOTHING RETURNING request_id, created_at"
+)
 #: A rerun re-opens a finished request: every column but the key is written.
 REWRITE: Final = (
     f"UPDATE {TABLE} SET "
@@ -110,11 +143,6 @@ REWRITE: Final = (
     + " WHERE request_id = $1"
 )
 NOTIFY_MANY: Final = "SELECT pg_notify($1, p) FROM unnest($2::text[]) AS p"
-
-
-def _unnest_column(column: str) -> str:
-    value = f"u.{column}"
-    return f"{value}::json" if column in _JSON_COLUMNS else value
 
 
 _ARRAYS: Final = ", ".join(f"${i}::{_SQL_TYPES[c]}[]" for i, c in enumerate(LIFECYCLE, start=2))
@@ -146,6 +174,18 @@ def insert_values(row: ProcessRequest, now: float | None) -> list[Any]:
     """The parameters of `INSERT_IF_ABSENT`: `row`'s, its creation time `now` (None: the
     database's, which the insert returns)."""
     return [now if column in _STAMPED else getattr(row, column) for column in COLUMNS]
+
+
+def insert_many_values(rows: Sequence[ProcessRequest], now: float | None) -> list[Any]:
+    """The parameters of `INSERT_MANY`: the creation time `now` of every row (None: the
+    database's), then one array per column."""
+    arrays: list[Any] = [now]
+    for column in _UNSTAMPED:
+        if column in _JSON_COLUMNS:
+            arrays.append([json_text(getattr(row, column)) for row in rows])
+        else:
+            arrays.append([getattr(row, column) for row in rows])
+    return arrays
 
 
 def lifecycle_arrays(rows: Sequence[ProcessRequest]) -> list[list[Any]]:

@@ -43,10 +43,12 @@ __all__ = [
     "LIVE_STATUSES",
     "STATUSES",
     "BatchCompletion",
+    "BatchEnqueue",
     "CacheOutcome",
     "ClaimAsk",
     "ClaimPlan",
     "Completion",
+    "EnqueueAsk",
     "Enqueued",
     "Failure",
     "NewRequest",
@@ -64,6 +66,7 @@ __all__ = [
     "complete_batch",
     "decide_enqueue",
     "deterministic_request_id",
+    "enqueue_batch",
     "fail",
     "fail_report",
     "fence",
@@ -405,6 +408,57 @@ def input_differs(answer: Enqueued, req: NewRequest) -> bool:
 
 def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueAsk:
+    """One enqueue of a batch (`QueueStore.enqueue_many`): the request and its `rerun` flag,
+    the two arguments of a single `QueueStore.enqueue`."""
+
+    request: NewRequest
+    rerun: bool = False
+
+
+class BatchEnqueue(NamedTuple):
+    """`enqueue_batch`'s outcome: one answer per item, in order, and what must be written."""
+
+    outcomes: list[Enqueued]
+    #: Rows absent before the batch, to insert, in the order their first item came.
+    inserted: list[ProcessRequest]
+    #: Finished rows a rerun re-opened, by request id: each one's state after the batch.
+    rewritten: dict[str, ProcessRequest]
+    #: One `enqueued` event per item that wrote its row, in batch order.
+    events: list[RequestEvent]
+
+
+def enqueue_batch(
+    rows: Mapping[str, ProcessRequest], batch: Iterable[EnqueueAsk], now: float
+) -> BatchEnqueue:
+    """`decide_enqueue` for each item of `batch`, in order, over `rows` (the stored rows by id,
+    each locked for the batch; an id without a row is absent). An item sees the row as the items
+    before it left it: a duplicate of an earlier item coalesces into the row that item made, as a
+    second single enqueue would. Raises `RequestIdConflict` (the whole batch is refused: the
+    caller writes nothing) if an item names a request of another workspace.
+    Pinned by `tests/contract/enqueue_many_contract.py` (both backends)."""
+    current = dict(rows)
+    outcomes: list[Enqueued] = []
+    inserted: dict[str, ProcessRequest] = {}
+    rewritten: dict[str, ProcessRequest] = {}
+    events: list[RequestEvent] = []
+    for item in batch:
+        req = item.request
+        answer, write = decide_enqueue(current.get(req.request_id), req, now, rerun=item.rerun)
+        if write:
+            row = answer.row
+            current[row.request_id] = row
+            # A row made by this batch is live, so no later item of it can re-open it.
+            if req.request_id in rows:
+                rewritten[row.request_id] = row
+            else:
+                inserted[row.request_id] = row
+            events.append(RequestEvent.of(row, "enqueued"))
+        outcomes.append(answer)
+    return BatchEnqueue(outcomes, list(inserted.values()), rewritten, events)
 
 
 # -- claim -----------------------------------------------------------------------------------------

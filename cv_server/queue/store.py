@@ -29,6 +29,7 @@ from cv_server.queue.model import (
     ClaimAsk,
     ClaimPlan,
     Completion,
+    EnqueueAsk,
     Enqueued,
     Failure,
     NewRequest,
@@ -149,6 +150,25 @@ class QueueStore(abc.ABC):
         `IdempotencyStore.begin`) is completed with `idempotency.respond(answer)` in the same
         transaction as the enqueue (the stored response and its effect commit together).
         Raises `RequestIdConflict` if the id names a request of another workspace.
+        """
+
+    @abc.abstractmethod
+    async def enqueue_many(
+        self,
+        requests: Sequence[EnqueueAsk],
+        now: float | None,
+        *,
+        idempotency: KeyCompletion[builtins.list[Enqueued]] | None = None,
+    ) -> builtins.list[Enqueued]:
+        """`enqueue` each of `requests` in one transaction (one commit): one answer per item, in
+        order, each the one a single `enqueue` of it would give at that point
+        (`model.enqueue_batch`): an item sees the rows as the items before it left them, so a
+        duplicate within the batch coalesces. Each new or re-opened row is announced after the
+        commit, as `enqueue` announces it.
+
+        All or nothing: if any item is refused (`RequestIdConflict`) or the write fails, nothing
+        is written and nothing announced. With `idempotency`, the key is completed with
+        `idempotency.respond(answers)` in the same transaction. An empty batch writes nothing.
         """
 
     @abc.abstractmethod

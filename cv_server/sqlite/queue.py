@@ -31,6 +31,7 @@ from cv_server.queue.idempotency import KeyCompletion
 from cv_server.queue.model import (
     ClaimPlan,
     Completion,
+    EnqueueAsk,
     Enqueued,
     Failure,
     NewRequest,
@@ -341,6 +342,25 @@ def _complete_rows(
     return outcomes, events
 
 
+def _enqueue_rows(
+    tx: Transaction, batch: Sequence[EnqueueAsk], now: float
+) -> tuple[builtins.list[Enqueued], builtins.list[RequestEvent]]:
+    """`QueueStore.enqueue_many` in `tx`: read the rows the batch names, apply
+    `model.enqueue_batch`, insert the new rows in batch order (their rowid is their enqueue
+    order) and rewrite the re-opened ones."""
+    stored: dict[str, ProcessRequest] = {}
+    for request_id in dict.fromkeys(item.request.request_id for item in batch):
+        found = tx.execute(f"{_SELECT} WHERE request_id = ?", (request_id,)).fetchone()
+        if found is not None:
+            stored[request_id] = _row(found)
+    outcomes, inserted, rewritten, events = model.enqueue_batch(stored, batch, now)
+    for row in inserted:
+        _insert(tx, row)
+    for request_id, row in rewritten.items():  # a rerun rewrites the whole request
+        _update(tx, stored[request_id], row, _COLUMNS)
+    return outcomes, events
+
+
 def _now(now: float | None) -> float:
     """`now`, or this store's clock (`SQLiteQueueStore.clock`) read when the verb is called, as
     the routes did before they handed the choice of clock to the store."""
@@ -377,18 +397,11 @@ class SQLiteQueueStore(QueueStore):
         idempotency: KeyCompletion[Enqueued] | None = None,
     ) -> Enqueued:
         now = _now(now)
+        batch = [EnqueueAsk(req, rerun)]
 
+        # A batch of one (`enqueue_many`): the same reads, writes and announcement.
         def job(tx: Transaction) -> tuple[Enqueued, list[RequestEvent]]:
-            found = tx.execute(f"{_SELECT} WHERE request_id = ?", (req.request_id,)).fetchone()
-            existing = None if found is None else _row(found)
-            answer, write = model.decide_enqueue(existing, req, now, rerun=rerun)
-            events: builtins.list[RequestEvent] = []
-            if write:
-                if existing is None:
-                    _insert(tx, answer.row)
-                else:  # a rerun rewrites the whole request
-                    _update(tx, existing, answer.row, _COLUMNS)
-                events.append(RequestEvent.of(answer.row, "enqueued"))
+            (answer,), events = _enqueue_rows(tx, batch, now)
             if idempotency is not None:
                 response = idempotency.respond(answer)
                 complete_key(
@@ -396,6 +409,29 @@ class SQLiteQueueStore(QueueStore):
                 )
             return answer, events
 
+        return await self._write(job)
+
+    async def enqueue_many(
+        self,
+        requests: Sequence[EnqueueAsk],
+        now: float | None,
+        *,
+        idempotency: KeyCompletion[builtins.list[Enqueued]] | None = None,
+    ) -> builtins.list[Enqueued]:
+        now = _now(now)
+        batch = list(requests)
+
+        def job(tx: Transaction) -> tuple[builtins.list[Enqueued], list[RequestEvent]]:
+            answers, events = _enqueue_rows(tx, batch, now)
+            if idempotency is not None:
+                response = idempotency.respond(answers)
+                complete_key(
+                    tx, idempotency.workspace_id, idempotency.key, idempotency.fingerprint, response
+                )
+            return answers, events
+
+        if not batch and idempotency is None:
+            return []
         return await self._write(job)
 
     async def get(self, workspace_id: str, request_id: str) -> ProcessRequest | None:

@@ -15,7 +15,8 @@ from cv_server.config import ServerConfig
 from cv_server.pg import Notifier, create_pool
 from cv_server.pg.idempotency import PostgresIdempotencyStore
 from cv_server.pg.queue import PostgresQueueStore
-from cv_server.queue import IdempotencyStore, QueueStore
+from cv_server.queue import EnqueueAsk, IdempotencyStore, QueueStore, RequestEvent
+from tests.contract.enqueue_many_contract import EnqueueManyContract
 from tests.contract.queue_contract import QueueContract, request
 from tests.contract.then_claim_contract import ThenClaimContract
 from tests.pg.helpers import settings_for
@@ -33,7 +34,7 @@ async def notifier(postgres_url: str) -> AsyncIterator[Notifier]:
     await notifier.close()
 
 
-class TestPostgresQueueStore(QueueContract, ThenClaimContract):
+class TestPostgresQueueStore(QueueContract, ThenClaimContract, EnqueueManyContract):
     @pytest.fixture
     async def store(
         self, pool: asyncpg.Pool, schema: str, notifier: Notifier
@@ -86,3 +87,21 @@ class TestPostgresQueueStore(QueueContract, ThenClaimContract):
         )
         await store.cancel(row.request_id, 2.0)
         await asyncio.wait_for(heard.wait(), timeout=10)
+
+    async def test_each_row_of_a_batch_is_heard_by_workers_on_another_instance(
+        self, store: QueueStore, peer_store: QueueStore
+    ) -> None:
+        batch = [EnqueueAsk(request(job)) for job in ("a", "b", "a", "c")]
+        heard: list[tuple[str, str]] = []
+        all_heard = asyncio.Event()
+
+        def listener(event: RequestEvent) -> None:
+            heard.append((event.request_id, event.status))
+            if len(heard) == 3:
+                all_heard.set()
+
+        peer_store.add_listener(listener)
+        answers = await store.enqueue_many(batch, 1.0)
+        await asyncio.wait_for(all_heard.wait(), timeout=10)
+        new = [a.row.request_id for a in answers if not a.coalesced]
+        assert heard == [(request_id, "pending") for request_id in new]

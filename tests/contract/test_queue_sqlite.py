@@ -17,6 +17,7 @@ from cv_server.sqlite import queue as sqlite
 from cv_server.sqlite.engine import SQLiteDatabase
 from cv_server.sqlite.idempotency import SQLiteIdempotencyStore
 from cv_server.sqlite.queue import CLAIM_PROBES, TABLE, SQLiteQueueStore
+from tests.contract.enqueue_many_contract import EnqueueManyContract
 from tests.contract.queue_contract import LEASE, STAGE, WS, QueueContract, request
 from tests.contract.then_claim_contract import ThenClaimContract
 
@@ -28,7 +29,7 @@ def schema(db: sqlite_utils.Database) -> None:
     idempotency_sqlite.create_schema(db)
 
 
-class TestSQLiteQueueStore(QueueContract, ThenClaimContract):
+class TestSQLiteQueueStore(QueueContract, ThenClaimContract, EnqueueManyContract):
     @pytest.fixture
     def db_path(self, tmp_path: Path) -> Path:
         return tmp_path / "queue.db"
