@@ -2,14 +2,15 @@
 
 Every backend passes the same contract suite (`tests/contract/oplog_contract.py`). The values
 the verbs take and answer live in the pure `values.py` (re-exported here): the commit pipeline
-imports them from there, so this seam may import asyncio for `append_nowait`.
+imports them from there. Neither imports asyncio: the commit pipeline is loaded without it
+(`test_the_commit_pipeline_imports_no_io_module`), and this package's `__init__` loads this seam.
 """
 
 from __future__ import annotations
 
 import abc
-import asyncio
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from cv_mutations import SubDocState
 from cv_server.oplog.values import (
@@ -21,6 +22,9 @@ from cv_server.oplog.values import (
     Rejected,
     SubDocHead,
 )
+
+if TYPE_CHECKING:  # the seam names the future's type; it never makes one (no asyncio here)
+    import asyncio
 
 __all__ = [
     "Committed",
@@ -87,9 +91,10 @@ class OpLogStore(abc.ABC):
         *,
         atomic: bool = False,
     ) -> asyncio.Future[tuple[list[Outcome], list[LogEntry]]]:
-        """`append` as a future (a task unless the store can do better). Commit order across
-        calls is only promised when `appends_in_order`."""
-        return asyncio.ensure_future(self.append(workspace_id, sub_doc, ops, atomic=atomic))
+        """`append` as a future whose commit order follows the order of the calls. Callers call it
+        only when `appends_in_order` (otherwise they await `append`), so only the stores that set
+        it implement it: both backends do."""
+        raise NotImplementedError(f"{type(self).__name__} does not keep appends in order")
 
     def observe_commits(self, observer: Callable[[float, int], None] | None) -> None:
         """Call `observer(seconds, ops)` after each group commit this process makes: its
