@@ -25,6 +25,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from aiohttp import web
 
+from cv_mutations.logs import LOG_FORMATS, JsonFormatter, LogFormat, configure_logging
 from cv_server.app import create_app
 from cv_server.auth import check_grant, mint_token
 from cv_server.backends import DatabaseUnusable, hold_serving_lock, open_sqlite_database
@@ -35,7 +36,6 @@ from cv_server.sqlite.meta import (
     rotate_sqlite_token_secret,
     sqlite_token_secret,
 )
-from cv_workspace_client.logs import LOG_FORMATS, JsonFormatter, LogFormat, configure_logging
 
 __all__ = ["EXIT_CODES", "main"]
 
