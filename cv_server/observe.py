@@ -18,10 +18,10 @@ from typing import Final
 
 from aiohttp import web
 
-from cv_server.backends import Stores
 from cv_server.keys import METRICS
 from cv_server.metrics import Metrics
 from cv_server.queue.model import RequestEvent
+from cv_server.stores import Stores
 
 __all__ = [
     "REQUEST_ID",
