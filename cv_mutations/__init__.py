@@ -1,6 +1,8 @@
 """cv_mutations: typed workspace ops with an `OpIdEnvelope`, and the pure reducers that apply them.
 
-See docs/concepts.md. Everything here is pure: no I/O, no clock, no asyncio.
+See docs/concepts.md. Everything here is pure: no I/O, no clock, no asyncio. `cv_mutations.logs`
+(the log line formats both packages' commands write) is the one module not about ops, and is
+not imported here.
 """
 
 from cv_mutations.envelope import META_MAX_BYTES, OpIdEnvelope

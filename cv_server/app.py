@@ -25,7 +25,7 @@ from cv_server import (
     observe,
 )
 from cv_server.api_models import Health, Ready
-from cv_server.backends import Stores, open_stores
+from cv_server.backends import open_stores
 from cv_server.config import ServerConfig
 from cv_server.http_ratelimit import RateLimits, rate_limit_middleware
 from cv_server.hub import Connection, Hub
@@ -46,6 +46,7 @@ from cv_server.metrics import CONTENT_TYPE, Metrics
 from cv_server.openapi import Doc, Media, build_document, documented, render_docs_page
 from cv_server.problems import Problem, problem_response
 from cv_server.security import TokenSecret
+from cv_server.stores import Stores
 from cv_server.waiters import Waiters, WorkSignals
 
 __all__ = ["create_app"]

@@ -1,144 +1,20 @@
-"""Opening the stores a server needs, on SQLite (embedded default) or PostgreSQL (scale-out)."""
+"""Which backend serves a configuration: PostgreSQL (scale-out) when it names a database URL,
+else the embedded SQLite file. The stores' seam (`Stores`, `DatabaseUnusable`) is
+`cv_server/stores.py`, re-exported here; each backend opens its stores in its own `stores.py`.
+"""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO, Final, TypeAlias
-
-import sqlite_utils
-
 from cv_server.config import ServerConfig
-from cv_server.locks.store import ComputeLockStore
-from cv_server.oplog import OpLogStore
-from cv_server.queue import BlobStore, IdempotencyStore, QueueStore
-from cv_server.sqlite import blobs as blobs_sqlite
-from cv_server.sqlite import idempotency as idempotency_sqlite
-from cv_server.sqlite import locks as locks_sqlite
-from cv_server.sqlite import meta
-from cv_server.sqlite import oplog as oplog_sqlite
-from cv_server.sqlite import queue as queue_sqlite
-from cv_server.sqlite.engine import SQLiteDatabase
+from cv_server.sqlite.stores import open_sqlite_stores
+from cv_server.stores import DatabaseUnusable, FollowCommits, FollowSecret, Stores
 
-__all__ = [
-    "SQLITE_SCHEMA_VERSION",
-    "DatabaseUnusable",
-    "FollowCommits",
-    "FollowSecret",
-    "Stores",
-    "hold_serving_lock",
-    "open_sqlite_database",
-    "open_stores",
-]
-
-#: The SQLite schema this code creates, stamped in the file's `PRAGMA user_version`.
-SQLITE_SCHEMA_VERSION: Final = 1
-
-
-class DatabaseUnusable(RuntimeError):
-    """The database cannot be served by this process (in use by another server, or written by a
-    newer cv-server). The message says why and what to do; `cv-server` prints it and exits."""
-
-
-#: `await follow(on_head, on_reconnect)`: from now on, call `on_head(workspace_id, sub_doc,
-#: clock)` when any instance commits to a sub-doc, and `on_reconnect()` when such news may have
-#: been lost (subscribers then catch up from the log). Only backends shared by several
-#: instances have one.
-FollowCommits: TypeAlias = Callable[
-    [Callable[[str, str, int], None], Callable[[], None]], Awaitable[None]
-]
-
-#: `await follow(on_secret)`: from now on, call `on_secret(secret)` with the token secret stored
-#: in the database whenever it may have been replaced (`cv-server rotate-secret`), the value
-#: read at start included if it changed since. Only backends shared by several instances have
-#: one: an embedded server's file is not rotated while it is served.
-FollowSecret: TypeAlias = Callable[[Callable[[bytes], None]], Awaitable[None]]
-
-
-@dataclass
-class Stores:
-    """Every store of one server, on one backend."""
-
-    oplog: OpLogStore
-    queue: QueueStore
-    idempotency: IdempotencyStore
-    blobs: BlobStore
-    locks: ComputeLockStore
-    secret: bytes
-    follow_commits: FollowCommits | None = None
-    follow_secret: FollowSecret | None = None
-    _closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
-
-    async def close(self) -> None:
-        for close in reversed(self._closers):
-            await close()
-
-
-def _sqlite_schema(db: sqlite_utils.Database) -> None:
-    # A file a newer cv-server wrote may hold tables or constraints this code does not know:
-    # refuse it at start rather than fail (or write rows it cannot read back) mid-traffic.
-    version = int(db.execute("PRAGMA user_version").fetchone()[0])
-    if version > SQLITE_SCHEMA_VERSION:
-        raise DatabaseUnusable(
-            f"schema version {version} is newer than this cv-server's"
-            f" ({SQLITE_SCHEMA_VERSION}): upgrade cv-server to serve this file"
-        )
-    meta.create_schema(db)
-    oplog_sqlite.create_schema(db)
-    queue_sqlite.create_schema(db)
-    idempotency_sqlite.create_schema(db)
-    blobs_sqlite.create_schema(db)
-    locks_sqlite.create_schema(db)
-    if version < SQLITE_SCHEMA_VERSION:  # in the schema's transaction: stamped with the tables
-        db.execute(f"PRAGMA user_version = {SQLITE_SCHEMA_VERSION}")
-
-
-def hold_serving_lock(db_path: Path) -> IO[str] | None:
-    """Take the exclusive lock that makes this process the only server of `db_path`, or raise
-    `DatabaseUnusable`; keep the returned file open while serving. The kernel drops the lock
-    when the process dies, SIGKILL included. `cv-server serve` takes it; `open_stores` does not,
-    so tests may still run two apps on one file in one process (the races contract does).
-
-    Why: the op-log store caches each sub-doc's head on its writer thread, and the queue's
-    start-up repair (`abandon_all_in_progress`) assumes nothing else runs. A second server on
-    the same file would make the first answer 500 on every write to a sub-doc the second wrote
-    (its cached clock is behind the disk) and serve stale state. A sidecar file, not the
-    database: flock on the database could clash with SQLite's own POSIX locks (on NFS flock is
-    emulated with them). `cv-server token` does not take it, so tokens can be minted while the
-    server runs.
-    """
-    if str(db_path) == ":memory:":
-        return None
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows: no flock; one server per file is on you
-        return None
-    db_path.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = Path(f"{db_path}.lock")
-    file = lock_path.open("a+")
-    try:
-        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        file.seek(0)
-        holder = file.read().strip() or "?"
-        file.close()
-        raise DatabaseUnusable(
-            f"{db_path} is already served by another cv-server process (pid {holder};"
-            f" lock {lock_path}): one server per SQLite file, use PostgreSQL to scale out"
-        ) from None
-    file.truncate(0)
-    file.write(f"{os.getpid()}\n")
-    file.flush()
-    return file
-
-
-async def open_sqlite_database(path: str) -> SQLiteDatabase:
-    return await SQLiteDatabase.open(path, schema=_sqlite_schema)
+__all__ = ["DatabaseUnusable", "FollowCommits", "FollowSecret", "Stores", "open_stores"]
 
 
 async def open_stores(config: ServerConfig) -> Stores:
+    """Every store of one server, on the backend `config` names. Raises `DatabaseUnusable` for
+    a database the backend cannot serve."""
     if config.database_url:
         # Imported here: asyncpg is needed only where PostgreSQL is used (the `postgres` extra).
         from cv_server.pg.stores import open_postgres_stores
@@ -146,31 +22,4 @@ async def open_stores(config: ServerConfig) -> Stores:
         return await open_postgres_stores(config)
     if config.db_path is None:
         raise ValueError("ServerConfig needs db_path (SQLite) or database_url (PostgreSQL)")
-    db = await open_sqlite_database(str(config.db_path))
-    oplog = oplog_sqlite.SQLiteOpLogStore(
-        db, snapshot_every=config.snapshot_every, cache_limit=config.subdoc_cache_limit
-    )
-    queue = queue_sqlite.SQLiteQueueStore(db)
-    idempotency = idempotency_sqlite.SQLiteIdempotencyStore(
-        db, retention=config.idempotency_retention_seconds
-    )
-    blobs = blobs_sqlite.SQLiteBlobStore(db, retention=config.blob_retention_seconds)
-    locks = locks_sqlite.SQLiteComputeLockStore(db)
-    # The embedded server is the only process serving its file (`cv-server serve` holds
-    # `hold_serving_lock`): at start nothing is running.
-    try:
-        await idempotency.abandon_all_in_progress()
-        secret = config.token_secret or await meta.sqlite_token_secret(db)
-    except BaseException:
-        await db.close()
-        raise
-    return Stores(
-        oplog=oplog,
-        queue=queue,
-        idempotency=idempotency,
-        blobs=blobs,
-        locks=locks,
-        secret=secret,
-        # Closed in reverse: the stores first (finishing queued writes), the database last.
-        _closers=[db.close, locks.close, blobs.close, idempotency.close, queue.close, oplog.close],
-    )
+    return await open_sqlite_stores(config)

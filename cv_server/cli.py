@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import signal
-import sqlite3
 import sys
 import time
 from collections.abc import Coroutine
@@ -25,17 +24,14 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from aiohttp import web
 
+from cv_mutations.logs import LOG_FORMATS, JsonFormatter, LogFormat, configure_logging
 from cv_server.app import create_app
 from cv_server.auth import check_grant, mint_token
-from cv_server.backends import DatabaseUnusable, hold_serving_lock, open_sqlite_database
 from cv_server.config import ServerConfig
 from cv_server.serving import ServerRunner
-from cv_server.sqlite.meta import (
-    read_sqlite_token_secret,
-    rotate_sqlite_token_secret,
-    sqlite_token_secret,
-)
-from cv_workspace_client.logs import LOG_FORMATS, JsonFormatter, LogFormat, configure_logging
+from cv_server.sqlite.meta import read_sqlite_token_secret, rotate_sqlite_token_secret
+from cv_server.sqlite.stores import hold_serving_lock, set_up_sqlite_database
+from cv_server.stores import DatabaseUnusable
 
 __all__ = ["EXIT_CODES", "main"]
 
@@ -69,27 +65,6 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name) or default
 
 
-def _startup_errors() -> tuple[type[BaseException], ...]:
-    """What a bad database, a bad setting or a taken port raise at start-up: reported in one
-    line and exit status 1 (a supervisor restarting on a traceback would only loop), with the
-    traceback kept for --log-level DEBUG. PostgreSQL's: a missing schema, database or role, as
-    the backend's own errors (only when the `postgres` extra is installed)."""
-    errors: list[type[BaseException]] = [
-        DatabaseUnusable,
-        sqlite3.Error,
-        ValueError,
-        OSError,
-        _MissingPostgresExtra,
-    ]
-    # Only with the extra: `cv_server.pg` imports asyncpg, which `[server]` alone lacks. The
-    # backend raises its driver's refusals as `PostgresRefused`, one of its own errors.
-    if importlib.util.find_spec("asyncpg") is not None:
-        from cv_server.pg.errors import PostgresBackendError
-
-        errors.append(PostgresBackendError)
-    return tuple(errors)
-
-
 class _MissingPostgresExtra(RuntimeError):
     """`--database-url` without asyncpg installed."""
 
@@ -103,7 +78,17 @@ def _needs_asyncpg(database_url: str | None) -> None:
         )
 
 
-_STARTUP_ERRORS = _startup_errors()
+#: What a bad database, a bad setting or a taken port raise at start-up: reported in one line
+#: and exit status 1 (a supervisor restarting on a traceback would only loop), with the
+#: traceback kept for --log-level DEBUG. Both backends raise a database they cannot serve (a
+#: file SQLite cannot read; a missing PostgreSQL schema, database or role) as the seam's
+#: `DatabaseUnusable`: their drivers' errors never reach this module.
+_STARTUP_ERRORS: tuple[type[BaseException], ...] = (
+    DatabaseUnusable,
+    ValueError,
+    OSError,
+    _MissingPostgresExtra,
+)
 
 
 def _add_backend_args(parser: argparse.ArgumentParser) -> None:
@@ -402,11 +387,7 @@ async def _init(db_path: Path, database_url: str | None) -> str:
             return f"set up schema {done.schema!r}"
         return f"schema {done.schema!r} is already set up; its token secret is kept"
     existed = _holds_a_secret(db_path)
-    db = await open_sqlite_database(str(db_path))
-    try:
-        await sqlite_token_secret(db)
-    finally:
-        await db.close()
+    await set_up_sqlite_database(db_path)
     if existed:
         return f"{db_path} is already set up; its token secret is kept"
     return f"set up a new database at {db_path}"
@@ -419,7 +400,7 @@ def _holds_a_secret(db_path: Path) -> bool:
         return False
     try:
         return read_sqlite_token_secret(db_path) is not None
-    except sqlite3.Error:
+    except DatabaseUnusable:
         return False
 
 
@@ -437,7 +418,7 @@ def _sqlite_token_secret(db_path: Path, command: str = "token") -> bytes:
         raise SystemExit(f"cv-server {command}: {db_path} is not a database file")
     try:
         secret = read_sqlite_token_secret(db_path)
-    except sqlite3.Error as exc:
+    except DatabaseUnusable as exc:
         raise SystemExit(
             f"cv-server {command}: cannot read the token secret of {db_path}: {exc}"
         ) from None
@@ -471,7 +452,7 @@ def _rotate_sqlite(db_path: Path) -> str:
         ) from None
     try:
         rotated = rotate_sqlite_token_secret(db_path)
-    except sqlite3.Error as exc:
+    except DatabaseUnusable as exc:
         raise SystemExit(
             f"cv-server rotate-secret: cannot replace the token secret of {db_path}: {exc}"
         ) from None

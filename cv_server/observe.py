@@ -3,7 +3,7 @@ and websocket session, request ids, and the queue and op-log observers behind th
 the queue's log lines (docs/observability.md).
 
 Log lines carry their fields as `LogRecord` attributes (`extra=`): the JSON format writes each as
-a member, the text format as `key=value` (`cv_workspace_client.logs`). No line carries a header,
+a member, the text format as `key=value` (`cv_mutations.logs`). No line carries a header,
 a query string or a body: tokens travel in those, and must never reach a log.
 """
 
@@ -18,10 +18,10 @@ from typing import Final
 
 from aiohttp import web
 
-from cv_server.backends import Stores
 from cv_server.keys import METRICS
 from cv_server.metrics import Metrics
 from cv_server.queue.model import RequestEvent
+from cv_server.stores import Stores
 
 __all__ = [
     "REQUEST_ID",

@@ -7,15 +7,15 @@ A route is documented by decorating its handler with `@documented(...)`: its sum
 answers and the problem codes it can answer beyond the ones every route of its kind can (see
 `_common_problems`). `build_document` walks the app's router, so a new route appears in the
 document as soon as it is decorated, and `undocumented_routes` (and the drift test) names any
-route that is not.
+route that is not. Every function here takes the app (or the document) as an argument: the app
+imports this module for `@documented`, so this module never imports the app
+(`cv_server.api_schema` is the shell that builds one).
 """
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -415,45 +415,3 @@ def _docs_operation(path: str, method: str, op: Mapping[str, Any]) -> str:
         )
     parts.append("</table>")
     return "".join(parts)
-
-
-# -- the checked-in copy --------------------------------------------------------------------------
-
-
-def _app() -> web.Application:
-    from cv_server.app import create_app
-    from cv_server.config import ServerConfig
-
-    return create_app(ServerConfig(db_path=Path("unused.db"), token_secret=b"x" * 32))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cv_server.api_schema",
-        description="Write or check schemas/openapi.json against the server's routes.",
-    )
-    parser.add_argument("--write", action="store_true", help="regenerate the checked-in file")
-    parser.add_argument("--check", action="store_true", help="exit 1 if it is out of date")
-    parser.add_argument("--path", type=Path, default=OPENAPI_PATH)
-    args = parser.parse_args(argv)
-    app = _app()
-    missing = undocumented_routes(app)
-    if missing:
-        print(f"routes without @documented: {', '.join(missing)}", file=sys.stderr)
-        return 1
-    text = render_document(build_document(app))
-    if args.write:
-        args.path.parent.mkdir(parents=True, exist_ok=True)
-        args.path.write_text(text, encoding="utf-8")
-        return 0
-    if args.check:
-        current = args.path.read_text(encoding="utf-8") if args.path.exists() else ""
-        if current != text:
-            print(
-                f"{args.path.name} is out of date: run python -m cv_server.api_schema --write",
-                file=sys.stderr,
-            )
-            return 1
-        return 0
-    sys.stdout.write(text)
-    return 0

@@ -1,11 +1,11 @@
 """The op-log: dedupe, commit, read back (docs/concepts.md)."""
 
-from cv_server.oplog.store import (
+from cv_server.oplog.store import OpLogStore
+from cv_server.oplog.values import (
     Committed,
     IncomingOp,
     LogEntry,
     OpLogCorrupted,
-    OpLogStore,
     Outcome,
     Rejected,
     SubDocHead,

@@ -40,7 +40,7 @@ from typing import Final
 from cv_mutations import Node, OpRejected, SubDocState, Undo, apply_op
 from cv_mutations.ops import parse_op
 from cv_mutations.state import copy_json
-from cv_server.oplog.store import (
+from cv_server.oplog.values import (
     Committed,
     IncomingOp,
     LogEntry,

@@ -1,18 +1,29 @@
 """The op-log storage seam: domain verbs every backend implements (SQLite, PostgreSQL).
 
-Every backend passes the same contract suite (`tests/contract/oplog_contract.py`).
+Every backend passes the same contract suite (`tests/contract/oplog_contract.py`). The values
+the verbs take and answer live in the pure `values.py` (re-exported here): the commit pipeline
+imports them from there. Neither imports asyncio: the commit pipeline is loaded without it
+(`test_the_commit_pipeline_imports_no_io_module`), and this package's `__init__` loads this seam.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from cv_mutations import Op, SubDocState
+from cv_mutations import SubDocState
+from cv_server.oplog.values import (
+    Committed,
+    IncomingOp,
+    LogEntry,
+    OpLogCorrupted,
+    Outcome,
+    Rejected,
+    SubDocHead,
+)
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the seam names the future's type; it never makes one (no asyncio here)
     import asyncio
 
 __all__ = [
@@ -25,90 +36,6 @@ __all__ = [
     "Rejected",
     "SubDocHead",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class IncomingOp:
-    """One op as the server received it: parsed, plus what dedupe needs.
-
-    `raw` is the JSON object as received (stored in the log and sent to subscribers verbatim);
-    `fingerprint` is `cv_mutations.fingerprint(raw)`.
-    """
-
-    op: Op
-    raw: dict[str, Any]
-    fingerprint: str
-
-    @property
-    def op_id(self) -> str | None:
-        return self.op.op_id
-
-
-@dataclass(frozen=True, slots=True)
-class Committed:
-    """The op is in the log at `clock`. `duplicate` is true when this is the stored answer of an
-    earlier send of the same op."""
-
-    op_id: str | None
-    clock: int
-    duplicate: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {"op_id": self.op_id, "clock": self.clock, "duplicate": self.duplicate}
-
-
-@dataclass(frozen=True, slots=True)
-class Rejected:
-    """The op was not applied. Reducer rejections are recorded and answered verbatim again on retry
-    (`duplicate: true`); `op_id_reuse` and `atomic_aborted` are answers, never recorded."""
-
-    op_id: str | None
-    code: str
-    message: str
-    duplicate: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "op_id": self.op_id,
-            "error": {"code": self.code, "message": self.message},
-            "duplicate": self.duplicate,
-        }
-
-
-Outcome = Committed | Rejected
-
-
-class OpLogCorrupted(RuntimeError):
-    """The stored log cannot be rebuilt into a state (a gap, an op its own history rejects, or a
-    snapshot ahead of the log). Every backend raises this one class; the server answers it as
-    an internal error and never serves the half-built state."""
-
-    code = "internal"
-
-
-@dataclass(frozen=True, slots=True)
-class LogEntry:
-    """A committed op as subscribers see it."""
-
-    clock: int
-    op_id: str | None
-    op: dict[str, Any]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"clock": self.clock, "op_id": self.op_id, "op": self.op}
-
-
-@dataclass(frozen=True, slots=True)
-class SubDocHead:
-    """A written sub-doc as a listing shows it: its head clock and when that op committed
-    (epoch seconds, on the committing server's clock)."""
-
-    sub_doc: str
-    clock: int
-    committed_at: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {"sub_doc": self.sub_doc, "clock": self.clock, "committed_at": self.committed_at}
 
 
 class OpLogStore(abc.ABC):

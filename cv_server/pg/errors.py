@@ -1,10 +1,14 @@
 """The PostgreSQL backend's exceptions: one hierarchy, each with a stable string `code`.
 
 Driver errors that callers must branch on are translated here (STYLE: eventsourcing), so code
-above the backend never imports asyncpg to understand what went wrong.
+above the backend never imports asyncpg to understand what went wrong. The errors that mean
+"this database cannot be served" (refused, not migrated, not set up) are also the seam's
+`DatabaseUnusable`, which `cv-server` reports in one line whichever backend raised it.
 """
 
 from __future__ import annotations
+
+from cv_server.stores import DatabaseUnusable
 
 __all__ = ["MigrationError", "NotifyPayloadTooLarge", "PostgresBackendError", "PostgresRefused"]
 
@@ -19,7 +23,7 @@ class PostgresBackendError(Exception):
         self.message = message
 
 
-class MigrationError(PostgresBackendError):
+class MigrationError(PostgresBackendError, DatabaseUnusable):
     """The migration files are inconsistent (duplicate or malformed versions) or one failed."""
 
     code = "migration_failed"
@@ -31,7 +35,7 @@ class NotifyPayloadTooLarge(PostgresBackendError):
     code = "notify_payload_too_large"
 
 
-class PostgresRefused(PostgresBackendError):
+class PostgresRefused(PostgresBackendError, DatabaseUnusable):
     """PostgreSQL refused to open or set up a deployment: no such database or role, no right to
     create the tables, a bad setting. The message is the server's own; `cv-server` prints it in
     one line and exits (pinned by

@@ -22,7 +22,6 @@ from typing import Any, Final, NamedTuple, ParamSpec, TypeVar
 
 import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
 
-from cv_server.backends import Stores
 from cv_server.config import ServerConfig
 from cv_server.pg.blobs import PostgresBlobStore
 from cv_server.pg.errors import PostgresBackendError, PostgresRefused
@@ -39,6 +38,7 @@ from cv_server.pg.notifier import Notifier, reconnect_delays
 from cv_server.pg.oplog import OPLOG_CHANNEL, PostgresOpLogStore, parse_oplog_payload
 from cv_server.pg.pool import PostgresSettings, close_pool, create_pool
 from cv_server.pg.queue import QUEUE_CHANNEL, PostgresQueueStore
+from cv_server.stores import DatabaseUnusable, Stores
 
 __all__ = [
     "NotSetUp",
@@ -82,7 +82,7 @@ OWN_PUBLISH_GRACE_SECONDS: Final = 0.005
 _MAX_CHANNEL_BYTES: Final = 63
 
 
-class SchemaMissing(PostgresBackendError):
+class SchemaMissing(PostgresBackendError, DatabaseUnusable):
     """The DSN's search_path names no schema that exists: create it first."""
 
     code = "schema_missing"
@@ -121,7 +121,7 @@ async def _prepared_pool(dsn: str, settings: PostgresSettings) -> tuple[asyncpg.
     return pool, schema
 
 
-class NotSetUp(PostgresBackendError):
+class NotSetUp(PostgresBackendError, DatabaseUnusable):
     """The database holds no cv-server deployment (no token secret): `cv-server init` first."""
 
     code = "not_set_up"

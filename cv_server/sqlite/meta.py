@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 import sqlite_utils
 
 from cv_server.auth import new_secret
 from cv_server.sqlite.engine import SQLiteDatabase, Transaction
+from cv_server.stores import DatabaseUnusable
 
 __all__ = [
     "create_schema",
@@ -16,6 +20,24 @@ __all__ = [
     "rotate_sqlite_token_secret",
     "sqlite_token_secret",
 ]
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _driver_errors_translated(fn: Callable[P, R]) -> Callable[P, R]:
+    """`fn` with `sqlite3.Error` raised as `DatabaseUnusable` (SQLite's message kept): the
+    commands that read or rotate a file's secret never import the driver to report it."""
+
+    @functools.wraps(fn)
+    def translated(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except sqlite3.Error as exc:
+            raise DatabaseUnusable(str(exc) or type(exc).__name__) from exc
+
+    return translated
 
 
 def create_schema(db: sqlite_utils.Database) -> None:
@@ -36,9 +58,10 @@ async def sqlite_token_secret(db: SQLiteDatabase) -> bytes:
     return await db.write(get_or_create)
 
 
+@_driver_errors_translated
 def read_sqlite_token_secret(path: Path) -> bytes | None:
     """The secret stored in the existing database file `path`, or None when it holds none (not
-    a cv-server database, or one no server has started on yet). Raises `sqlite3.Error` for a
+    a cv-server database, or one no server has started on yet). Raises `DatabaseUnusable` for a
     file SQLite cannot read ("file is not a database").
 
     For `cv-server token`, which must never create a database or write into one: the file is
@@ -60,10 +83,11 @@ def read_sqlite_token_secret(path: Path) -> bytes | None:
     return None if row is None else bytes(row[0])
 
 
+@_driver_errors_translated
 def rotate_sqlite_token_secret(path: Path) -> bool:
     """Replace the secret stored in the existing database file `path` with a new one, in one
-    transaction; False (nothing written) when it holds none. Raises `sqlite3.Error` for a file
-    SQLite cannot read or write.
+    transaction; False (nothing written) when it holds none. Raises `DatabaseUnusable` for a
+    file SQLite cannot read or write.
 
     For `cv-server rotate-secret`, which must never create a database: the file is opened
     `mode=rw` (a missing one is an error, not a new file), and the server's tables are not

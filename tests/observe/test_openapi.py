@@ -12,12 +12,12 @@ from aiohttp.test_utils import TestClient
 from jsonschema import Draft202012Validator
 
 from cv_server import ServerConfig, create_app
+from cv_server.api_schema import main
 from cv_server.openapi import (
     OPENAPI_PATH,
     Doc,
     build_document,
     documented,
-    main,
     render_document,
     undocumented_routes,
 )

@@ -1,0 +1,106 @@
+"""The op-log's values: what an append takes and answers, what a read returns, and the error a
+broken log raises. Pure (no asyncio, no storage): the commit pipeline (`pipeline.py`), the seam
+(`store.py`) and both backends share them, and the architecture contract keeps this module and
+the pipeline free of I/O imports ([tool.importlinter] in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cv_mutations import Op
+
+__all__ = [
+    "Committed",
+    "IncomingOp",
+    "LogEntry",
+    "OpLogCorrupted",
+    "Outcome",
+    "Rejected",
+    "SubDocHead",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class IncomingOp:
+    """One op as the server received it: parsed, plus what dedupe needs.
+
+    `raw` is the JSON object as received (stored in the log and sent to subscribers verbatim);
+    `fingerprint` is `cv_mutations.fingerprint(raw)`.
+    """
+
+    op: Op
+    raw: dict[str, Any]
+    fingerprint: str
+
+    @property
+    def op_id(self) -> str | None:
+        return self.op.op_id
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """The op is in the log at `clock`. `duplicate` is true when this is the stored answer of an
+    earlier send of the same op."""
+
+    op_id: str | None
+    clock: int
+    duplicate: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op_id": self.op_id, "clock": self.clock, "duplicate": self.duplicate}
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """The op was not applied. Reducer rejections are recorded and answered verbatim again on retry
+    (`duplicate: true`); `op_id_reuse` and `atomic_aborted` are answers, never recorded."""
+
+    op_id: str | None
+    code: str
+    message: str
+    duplicate: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "op_id": self.op_id,
+            "error": {"code": self.code, "message": self.message},
+            "duplicate": self.duplicate,
+        }
+
+
+Outcome = Committed | Rejected
+
+
+class OpLogCorrupted(RuntimeError):
+    """The stored log cannot be rebuilt into a state (a gap, an op its own history rejects, or a
+    snapshot ahead of the log). Every backend raises this one class; the server answers it as
+    an internal error and never serves the half-built state."""
+
+    code = "internal"
+
+
+@dataclass(frozen=True, slots=True)
+class LogEntry:
+    """A committed op as subscribers see it."""
+
+    clock: int
+    op_id: str | None
+    op: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"clock": self.clock, "op_id": self.op_id, "op": self.op}
+
+
+@dataclass(frozen=True, slots=True)
+class SubDocHead:
+    """A written sub-doc as a listing shows it: its head clock and when that op committed
+    (epoch seconds, on the committing server's clock)."""
+
+    sub_doc: str
+    clock: int
+    committed_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sub_doc": self.sub_doc, "clock": self.clock, "committed_at": self.committed_at}

@@ -1,0 +1,59 @@
+"""The backend-neutral seam of a server's storage: the bundle of stores every backend returns,
+and the one error both translate a database they cannot serve into.
+
+`cv_server/sqlite/stores.py` and `cv_server/pg/stores.py` open a `Stores` on their engine;
+`cv_server/backends.py` picks one from the configuration. Nothing here imports a driver.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+from cv_server.locks.store import ComputeLockStore
+from cv_server.oplog import OpLogStore
+from cv_server.queue import BlobStore, IdempotencyStore, QueueStore
+
+__all__ = ["DatabaseUnusable", "FollowCommits", "FollowSecret", "Stores"]
+
+
+class DatabaseUnusable(RuntimeError):
+    """The database cannot be served by this process (in use by another server, written by a
+    newer cv-server, unreadable, or refused by PostgreSQL). The message says why and what to do;
+    `cv-server` prints it in one line and exits. Each backend translates its driver's errors at
+    opening into this (or a subclass of it), so no caller imports a driver to report them."""
+
+
+#: `await follow(on_head, on_reconnect)`: from now on, call `on_head(workspace_id, sub_doc,
+#: clock)` when any instance commits to a sub-doc, and `on_reconnect()` when such news may have
+#: been lost (subscribers then catch up from the log). Only backends shared by several
+#: instances have one.
+FollowCommits: TypeAlias = Callable[
+    [Callable[[str, str, int], None], Callable[[], None]], Awaitable[None]
+]
+
+#: `await follow(on_secret)`: from now on, call `on_secret(secret)` with the token secret stored
+#: in the database whenever it may have been replaced (`cv-server rotate-secret`), the value
+#: read at start included if it changed since. Only backends shared by several instances have
+#: one: an embedded server's file is not rotated while it is served.
+FollowSecret: TypeAlias = Callable[[Callable[[bytes], None]], Awaitable[None]]
+
+
+@dataclass
+class Stores:
+    """Every store of one server, on one backend."""
+
+    oplog: OpLogStore
+    queue: QueueStore
+    idempotency: IdempotencyStore
+    blobs: BlobStore
+    locks: ComputeLockStore
+    secret: bytes
+    follow_commits: FollowCommits | None = None
+    follow_secret: FollowSecret | None = None
+    _closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    async def close(self) -> None:
+        for close in reversed(self._closers):
+            await close()
