@@ -8,6 +8,7 @@ import contextlib
 import os
 import sqlite3
 import time
+from typing import Any
 
 from cv_workspace_client._machine_effects import LaneBacklog, OutboxRow
 from cv_workspace_client._outbox import OutboxWrite, take_page
@@ -73,44 +74,63 @@ _INSERT = (
     " atomic_group) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
 
+_COUNT_ATTEMPT = "UPDATE outbox SET attempts = attempts + 1 WHERE seq = ?"
+_DELETE = "DELETE FROM outbox WHERE seq = ?"
+_DELETE_RANGE = "DELETE FROM outbox WHERE workspace_id = ? AND sub_doc = ? AND seq > ? AND seq <= ?"
+
 #: How long opening waits for another connection's lock before reporting `outbox_locked`
 #: (the previous client of a restart may still be closing its file).
 BUSY_TIMEOUT_MS = 5000
 
 
+def _row_values(r: OutboxRow) -> tuple[Any, ...]:
+    return (
+        r.seq,
+        r.workspace_id,
+        r.sub_doc,
+        r.op_id,
+        r.op_json,
+        r.created_at,
+        r.attempts,
+        r.atomic_group,
+    )
+
+
+def _statements(job: OutboxWrite) -> list[tuple[str, list[tuple[Any, ...]]]]:
+    """The job as (statement, parameter rows), in the order they must run."""
+    statements: list[tuple[str, list[tuple[Any, ...]]]] = []
+    if job.inserts:
+        statements.append((_INSERT, [_row_values(r) for r in job.inserts]))
+    if job.attempts:
+        statements.append((_COUNT_ATTEMPT, [(seq,) for seq in job.attempts]))
+    if job.deletes:
+        statements.append((_DELETE, [(seq,) for seq in job.deletes]))
+    for lane in job.ranges:
+        statements.append(
+            (_DELETE_RANGE, [(lane.workspace_id, lane.sub_doc, lane.after_seq, lane.up_to_seq)])
+        )
+    return statements
+
+
 def apply_write(conn: sqlite3.Connection, job: OutboxWrite) -> None:
+    """Commit `job` as one transaction (on return it is in the WAL: it survives the process).
+
+    A job of one statement on one row (an op's insert, an answered op's delete: what a writer
+    awaiting each op makes) runs in autocommit: SQLite wraps the statement in its own
+    transaction, as atomic and as durable as BEGIN ... COMMIT, two statements fewer
+    (tests/client/test_outbox.py::test_a_one_row_write_commits_on_its_own)."""
+    statements = _statements(job)
+    if len(statements) == 1 and len(statements[0][1]) == 1:
+        sql, (params,) = statements[0]
+        conn.execute(sql, params)
+        return
     conn.execute("BEGIN IMMEDIATE")
     try:
-        if job.inserts:
-            conn.executemany(
-                _INSERT,
-                [
-                    (
-                        r.seq,
-                        r.workspace_id,
-                        r.sub_doc,
-                        r.op_id,
-                        r.op_json,
-                        r.created_at,
-                        r.attempts,
-                        r.atomic_group,
-                    )
-                    for r in job.inserts
-                ],
-            )
-        if job.attempts:
-            conn.executemany(
-                "UPDATE outbox SET attempts = attempts + 1 WHERE seq = ?",
-                [(seq,) for seq in job.attempts],
-            )
-        if job.deletes:
-            conn.executemany("DELETE FROM outbox WHERE seq = ?", [(seq,) for seq in job.deletes])
-        for lane in job.ranges:
-            conn.execute(
-                "DELETE FROM outbox WHERE workspace_id = ? AND sub_doc = ? AND seq > ?"
-                " AND seq <= ?",
-                (lane.workspace_id, lane.sub_doc, lane.after_seq, lane.up_to_seq),
-            )
+        for sql, rows in statements:
+            if len(rows) == 1:
+                conn.execute(sql, rows[0])
+            else:
+                conn.executemany(sql, rows)
         conn.execute("COMMIT")
     except BaseException:
         with contextlib.suppress(sqlite3.Error):

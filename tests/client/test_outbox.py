@@ -96,6 +96,30 @@ async def test_before_send_reports_a_write_only_after_its_fsync(tmp_path: Path) 
     assert seen == [(None, True)]
 
 
+async def test_a_one_row_write_commits_on_its_own(tmp_path: Path) -> None:
+    """One statement on one row runs in autocommit (its own transaction); anything more is
+    one BEGIN ... COMMIT. Either way the rows are in the file when `done` runs (the crash test
+    above writes one row, so it covers the autocommit path)."""
+    outbox = await SQLiteOutbox.open(tmp_path / "app.outbox")
+    statements: list[str] = []
+    try:
+        assert outbox._conn is not None
+        outbox._conn.set_trace_callback(statements.append)
+        assert await write(outbox, OutboxWrite(inserts=[row(1)])) is None
+        assert await write(outbox, OutboxWrite(deletes=[1])) is None
+        one_row = list(statements)
+        statements.clear()
+        assert await write(outbox, OutboxWrite(inserts=[row(2), row(3)], deletes=[2])) is None
+        several = list(statements)
+        outbox._conn.set_trace_callback(None)
+        pending = [r.seq for r in await outbox.pending()]
+    finally:
+        await outbox.close()
+    assert [s.split()[0] for s in one_row] == ["INSERT", "DELETE"]
+    assert [s.split()[0] for s in several] == ["BEGIN", "INSERT", "INSERT", "DELETE", "COMMIT"]
+    assert pending == [3]
+
+
 async def test_deletes_need_no_fsync_of_their_own(tmp_path: Path) -> None:
     outbox = await SQLiteOutbox.open(tmp_path / "app.outbox")
     try:

@@ -174,6 +174,23 @@ async def test_a_job_raising_a_base_exception_fails_alone_and_the_writer_lives_o
     assert await wait(db.write(insert_marker(3))) == 3
 
 
+async def test_a_job_alone_in_its_group_that_raises_leaves_no_write_and_no_open_transaction(
+    db: SQLiteDatabase,
+) -> None:
+    # A lone job runs without a savepoint: its failure rolls back the whole transaction.
+    await create_markers(db)
+
+    def explode(tx: Transaction) -> None:
+        tx.execute("INSERT INTO markers VALUES (98)")
+        raise ValueError("refused")
+
+    with pytest.raises(ValueError, match="refused"):
+        await wait(db.write(explode))
+    assert await markers(db) == []
+    assert await wait(db.write(insert_marker(4))) == 4
+    assert await markers(db) == [4]
+
+
 async def test_a_job_raising_stop_iteration_does_not_strand_the_rest_of_its_group(
     db: SQLiteDatabase,
 ) -> None:
