@@ -21,13 +21,14 @@ from cv_server.sqlite.engine import SQLiteDatabase, Transaction
 from cv_server.sqlite.oplog import (
     OPS_TABLE,
     SNAPSHOTS_TABLE,
-    OpLogCorrupted,
     SQLiteOpLogStore,
     create_schema,
 )
 from tests.contract.oplog_contract import (
     DOC,
     WS,
+    LogRows,
+    OpenStore,
     OpLogContract,
     Reopen,
     all_entries,
@@ -66,6 +67,47 @@ class TestSQLiteOpLogStore(OpLogContract):
         yield reopen
         for store in opened:
             await store.close()
+
+    @pytest.fixture
+    async def open_store(self, db_path: Path) -> AsyncIterator[OpenStore]:
+        opened: list[OpLogStore] = []
+
+        async def open_store(**kwargs: Any) -> OpLogStore:
+            opened.append(await SQLiteOpLogStore.open(db_path, **kwargs))
+            return opened[-1]
+
+        yield open_store
+        for store in opened:
+            await store.close()
+
+    @pytest.fixture
+    def log_rows(self, db_path: Path) -> LogRows:
+        return SQLiteLogRows(db_path)
+
+
+class SQLiteLogRows:
+    """`LogRows` on the SQLite file, through a connection of its own (as another process)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    async def snapshot_clock(self) -> int | None:
+        def read() -> int | None:
+            with contextlib.closing(sqlite3.connect(self.path)) as conn:
+                row = conn.execute(
+                    f"SELECT clock FROM {SNAPSHOTS_TABLE} WHERE workspace_id = ? AND sub_doc = ?",
+                    (WS, DOC),
+                ).fetchone()
+            return None if row is None else int(row[0])
+
+        return await asyncio.to_thread(read)
+
+    async def delete_ops(self, where: str) -> None:
+        def delete() -> None:
+            with contextlib.closing(sqlite3.connect(self.path)) as conn, conn:
+                conn.execute(f"DELETE FROM {OPS_TABLE} WHERE {where}")
+
+        await asyncio.to_thread(delete)
 
 
 @pytest.fixture
@@ -255,51 +297,6 @@ async def test_a_snapshot_is_written_every_snapshot_every_ops(db: SQLiteDatabase
         seen.append(await read_snapshot_clock(db))
     assert seen == [None] * 4 + [5] * 5 + [10] * 3
     await store.close()
-
-
-async def test_a_snapshot_is_written_by_the_commit_that_crosses_a_multiple(
-    db: SQLiteDatabase,
-) -> None:
-    # The rule PostgreSQL follows too: a commit whose clocks pass a multiple of snapshot_every
-    # writes one, however far the previous snapshot lies behind.
-    store = SQLiteOpLogStore(db, snapshot_every=5)
-    seen = []
-    for size in (1, 3, 2, 1, 3, 1):  # clocks 1, 4, 6, 7, 10, 11
-        await wait(store.append(WS, DOC, [increment() for _ in range(size)]))
-        seen.append(await read_snapshot_clock(db))
-    assert seen == [None, None, 6, 6, 10, 10]
-    await store.close()
-
-
-async def test_a_restart_replays_only_the_log_after_the_snapshot(tmp_path: Path) -> None:
-    path = tmp_path / "oplog.db"
-    store = await SQLiteOpLogStore.open(path, snapshot_every=5)
-    await store.append(WS, DOC, [increment() for _ in range(7)])
-    await store.close()
-
-    db = await SQLiteDatabase.open(path, schema=create_schema)
-    # Remove the log rows the snapshot covers: a restart that still needs them would now fail.
-    await db.write(lambda tx: tx.execute(f"DELETE FROM {OPS_TABLE} WHERE clock <= 5"))
-    store = SQLiteOpLogStore(db, snapshot_every=5)
-    assert (await store.get_state(WS, DOC))[0] == 7
-    assert await field_value(store) == 7
-    await store.close()
-    await db.close()
-
-
-async def test_a_gap_in_the_log_is_reported_as_corruption_not_replayed(tmp_path: Path) -> None:
-    path = tmp_path / "oplog.db"
-    store = await SQLiteOpLogStore.open(path, snapshot_every=100)
-    await store.append(WS, DOC, [increment() for _ in range(3)])
-    await store.close()
-
-    db = await SQLiteDatabase.open(path, schema=create_schema)
-    await db.write(lambda tx: tx.execute(f"DELETE FROM {OPS_TABLE} WHERE clock = 2"))
-    store = SQLiteOpLogStore(db, snapshot_every=100)
-    with pytest.raises(OpLogCorrupted, match="clock 1 to 3"):
-        await store.append(WS, DOC, [increment()])
-    await store.close()
-    await db.close()
 
 
 async def test_committed_at_comes_from_the_injected_clock(db: SQLiteDatabase) -> None:
