@@ -53,6 +53,10 @@ class LogRows(Protocol):
         """Delete the op rows matching the SQL condition `where` (on the `clock` column)."""
         ...
 
+    def cached_sub_docs(self, store: OpLogStore) -> int:
+        """How many sub-doc states `store` holds in its cache."""
+        ...
+
 
 _node_ids = itertools.count()
 
@@ -591,3 +595,16 @@ class OpLogContract:
             await fresh.append(WS, DOC, [increment()])
         with pytest.raises(OpLogCorrupted, match="clock 1 to 3"):
             await fresh.get_state(WS, DOC)
+
+    async def test_the_state_cache_is_bounded_and_evicted_sub_docs_come_back_intact(
+        self, open_store: OpenStore, log_rows: LogRows
+    ) -> None:
+        store = await open_store(snapshot_every=3, cache_limit=2)
+        for round_ in range(4):  # each round touches 5 sub-docs through a cache of 2
+            for n in range(5):
+                outcome = await append_one(store, increment(new_op_id(), by=n + 1), doc=f"doc{n}")
+                assert outcome == Committed(outcome.op_id, round_ + 1)
+        assert log_rows.cached_sub_docs(store) <= 2
+        for n in range(5):
+            clock, state = await store.get_state(WS, f"doc{n}")
+            assert (clock, state.nodes["root"].fields["n"]) == (4, 4 * (n + 1))

@@ -77,3 +77,7 @@ class PostgresLogRows:
 
     async def delete_ops(self, where: str) -> None:
         await self.pool.execute(f"DELETE FROM {OPS_TABLE} WHERE {where}")
+
+    def cached_sub_docs(self, store: OpLogStore) -> int:
+        assert isinstance(store, PostgresOpLogStore)
+        return len(store._lanes)

@@ -187,16 +187,3 @@ async def test_a_failed_transaction_leaves_cache_and_database_unchanged(
     assert outcomes == [Committed(retried, 2), Committed(None, 3)]
     assert [e.clock for e in await all_entries(store)] == [1, 2, 3]
     assert await field_value(store) == 3
-
-
-async def test_idle_sub_doc_states_are_evicted_past_the_cache_limit_and_come_back_intact(
-    open_store: Opener,
-) -> None:
-    store = await open_store(cache_limit=2, snapshot_every=3)
-    for round_ in range(4):  # each round touches 5 sub-docs through a cache of 2
-        for n in range(5):
-            outcome = await append_one(store, increment(new_op_id(), by=n + 1), doc=f"doc{n}")
-            assert outcome == Committed(outcome.op_id, round_ + 1)
-    assert len(store._lanes) <= 2
-    for n in range(5):
-        assert await field_value(store, doc=f"doc{n}") == 4 * (n + 1)
