@@ -211,7 +211,9 @@ async def session_for(token: str) -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-async def run_audit(servers: list[ServerProcess], token: str, snapshot: Snapshot) -> None:
+async def check_against_snapshot(
+    servers: list[ServerProcess], token: str, snapshot: Snapshot
+) -> None:
     load = Load(servers)
     try:
         idle = [server for server in servers if server.proc is None]
@@ -247,7 +249,7 @@ async def test_sqlite_state_equals_the_fold_of_its_log_after_a_sigkill_mid_load(
 
     snapshot = sqlite_snapshot_reader(db)
     server = ServerProcess(db, free_port(), tmp_path / "server.log", settings=TUNING)
-    await run_audit([server], token, snapshot)
+    await check_against_snapshot([server], token, snapshot)
 
 
 @pytest.mark.postgres
@@ -272,6 +274,6 @@ async def test_postgres_state_equals_the_fold_of_its_log_after_one_instance_is_s
             # The first start migrates the schema; the token needs it.
             await asyncio.to_thread(servers[1].start)
             token = await asyncio.to_thread(mint_cli_token, None, "*", database_url=url)
-            await run_audit(servers, token, snapshot)
+            await check_against_snapshot(servers, token, snapshot)
         finally:
             await conn.close()

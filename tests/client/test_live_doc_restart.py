@@ -202,8 +202,7 @@ async def test_a_views_snapshot_reopens_it_offline_with_each_pending_edit_once(
 ) -> None:
     """What an app keeps to reopen a view offline is `doc.snapshot()`: the confirmed state.
     A copy of `doc.state` holds the pending edits, which the outbox applies again on it: each
-    edit would show twice (the audit's finding; there was no way to get the state without
-    them)."""
+    edit would show twice. This test pins that the snapshot carries each pending edit once."""
     outbox = tmp_path / "app.outbox"
     async with FaultProxy(server_url) as proxy:
         async with WorkspaceClient(server_url, token=token_for(WS)) as theirs:

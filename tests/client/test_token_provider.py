@@ -331,8 +331,9 @@ async def test_a_provider_that_never_answers_is_given_up_after_the_request_timeo
 
 
 async def test_a_failing_provider_is_asked_again_with_the_backoff_within_one_refresh() -> None:
-    """A blip of the auth server: one failure no longer makes the refusal stand (a worker
-    stopped, a websocket's subscriptions ended)."""
+    """A blip of the auth server: one failure does not make the refusal stand (which would stop
+    a worker and end a websocket's subscriptions); the provider is asked again with the backoff
+    within the same refresh."""
     answers: list[BaseException | str] = [OSError("down"), OSError("still down"), "t1"]
 
     async def flaky() -> str:

@@ -1,8 +1,8 @@
 """A token the server refuses (expired, revoked, for another workspace) is no answer about the ops
 sent with it: they stay in the outbox under their op_ids, the app hears `StillPendingError`
-carrying the auth error, and `set_token()` sends them, once each, in order. Refused ops used to
-leave the outbox as if answered: an offline app whose token expired before it reconnected lost
-every op it had queued, and ops restored from the outbox were dropped without a word."""
+carrying the auth error, and `set_token()` sends them, once each, in order. So an offline app
+whose token expired before it reconnects keeps every op it queued, and ops restored from the
+outbox are kept too: the tests below pin each of these paths."""
 
 from __future__ import annotations
 

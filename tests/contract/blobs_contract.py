@@ -1,13 +1,15 @@
 """The result-blob contract (docs/queue.md), written once and run against every backend.
 
-A backend's test class subclasses `BlobsContract` and overrides the `store` fixture, built with
-`RETENTION` as its retention. Time is passed explicitly: expiry needs no clock.
+A backend's test class subclasses `BlobsContract` and overrides two fixtures: `store`, built with
+`RETENTION` as its retention, and `new_store`, a callable that builds another store of the backend
+on the same database from constructor keywords (`retention=`, `new_ref=`), closed at teardown.
+Time is passed explicitly: expiry needs no clock.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -18,6 +20,9 @@ RETENTION = ServerConfig().blob_retention_seconds
 WS = "ws-1"
 OTHER_WS = "ws-2"
 
+#: `new_store(**constructor_keywords)`: another store of the backend on the test's database.
+NewStore = Callable[..., BlobStore]
+
 
 class BlobsContract:
     """Every `BlobStore` keeps these rules."""
@@ -25,6 +30,11 @@ class BlobsContract:
     @pytest.fixture
     async def store(self) -> AsyncIterator[BlobStore]:
         raise NotImplementedError("a backend's test class provides the store")
+        yield  # noqa: PT022 - an async generator, like the overrides
+
+    @pytest.fixture
+    async def new_store(self) -> AsyncIterator[NewStore]:
+        raise NotImplementedError("a backend's test class provides new_store")
         yield  # noqa: PT022 - an async generator, like the overrides
 
     async def test_a_blob_reads_back_byte_for_byte(self, store: BlobStore) -> None:
@@ -73,3 +83,13 @@ class BlobsContract:
         assert [await store.get(WS, ref, 0.0) for ref in old] == [None, None, None]
         with pytest.raises(ValueError, match="limit"):
             await store.sweep(RETENTION, limit=-1)
+
+    async def test_references_come_from_the_injected_minter(self, new_store: NewStore) -> None:
+        refs = iter(["b_1", "b_2"])
+        store = new_store(retention=RETENTION, new_ref=lambda: next(refs))
+        assert [await store.put(WS, b"a", 1.0), await store.put(WS, b"b", 1.0)] == ["b_1", "b_2"]
+        assert await store.get(WS, "b_2", 2.0) == b"b"
+
+    def test_a_retention_that_is_not_positive_is_refused(self, new_store: NewStore) -> None:
+        with pytest.raises(ValueError, match="retention"):
+            new_store(retention=float("inf"))

@@ -2,8 +2,9 @@
 
 A backend's test class subclasses `IdempotencyContract` and overrides the `store` fixture, built
 with `RETENTION` as its retention, and the `kill_owner` fixture: `await kill_owner(ws, key)` makes
-the owner of a key die for real, as a crash of its server would (no mock). Time is passed
-explicitly: expiry needs no clock.
+the owner of a key die for real, as a crash of its server would (no mock), and `new_store`: a
+callable that builds another store of the backend on the same database from constructor keywords
+(`retention=`), closed at teardown. Time is passed explicitly: expiry needs no clock.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ OTHER_FP = request_fingerprint("POST", "/v1/workspaces/tenant-a/requests", b'{"s
 CONCURRENT = 40
 
 KillOwner = Callable[[str, str], Awaitable[None]]
+#: `new_store(**constructor_keywords)`: another store of the backend on the test's database.
+NewStore = Callable[..., IdempotencyStore]
 
 
 class IdempotencyContract:
@@ -47,6 +50,15 @@ class IdempotencyContract:
     @pytest.fixture
     def kill_owner(self, store: IdempotencyStore) -> KillOwner:
         raise NotImplementedError("a backend's test class says how an owner dies")
+
+    @pytest.fixture
+    async def new_store(self) -> AsyncIterator[NewStore]:
+        raise NotImplementedError("a backend's test class provides new_store")
+        yield  # noqa: PT022 - an async generator, like the overrides
+
+    def test_a_retention_that_is_not_positive_is_refused(self, new_store: NewStore) -> None:
+        with pytest.raises(ValueError, match="retention"):
+            new_store(retention=0)
 
     async def test_the_first_request_owns_a_new_key(self, store: IdempotencyStore) -> None:
         assert await store.begin(WS, KEY, FP, 1.0) == Owned()

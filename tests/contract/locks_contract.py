@@ -1,6 +1,9 @@
 """The compute-lock contract (docs/stages.md), written once and run against every backend.
 
-A backend's test class subclasses `LocksContract` and overrides the `store` fixture.
+A backend's test class subclasses `LocksContract` and overrides three fixtures: `store`;
+`new_store`, a callable that builds another store of the backend on the same database from
+constructor keywords (`sweep_limit=`, `new_token=`), closed at teardown; and `count_rows`, which
+reads how many lock rows the database holds.
 Time is passed explicitly, so expiry is tested without waiting on any clock.
 """
 
@@ -8,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
@@ -20,6 +23,11 @@ TASK = "eval:salary"
 TTL = 60.0
 CONCURRENT_ACQUIRERS = 50
 
+#: `new_store(**constructor_keywords)`: another store of the backend on the test's database.
+NewStore = Callable[..., ComputeLockStore]
+#: `await count_rows()`: the lock rows in the database, live or dead.
+CountRows = Callable[[], Awaitable[int]]
+
 
 class LocksContract:
     """Every `ComputeLockStore` keeps these rules."""
@@ -28,6 +36,15 @@ class LocksContract:
     async def store(self) -> AsyncIterator[ComputeLockStore]:
         raise NotImplementedError("a backend's test class provides the store")
         yield  # noqa: PT022 - an async generator, like the overrides
+
+    @pytest.fixture
+    async def new_store(self) -> AsyncIterator[NewStore]:
+        raise NotImplementedError("a backend's test class provides new_store")
+        yield  # noqa: PT022 - an async generator, like the overrides
+
+    @pytest.fixture
+    def count_rows(self) -> CountRows:
+        raise NotImplementedError("a backend's test class says how to count lock rows")
 
     async def acquired(
         self,
@@ -206,3 +223,45 @@ class LocksContract:
         held = await self.acquired(store, "alice", 0.0, task="mine", ttl=100.0)
         assert await store.release(WS, JOB, "mine", held.token, 5.0) is True
         assert await store.get(WS, JOB, "dead", 0.0) is None
+
+    # -- sweeping and construction ----------------------------------------------------------------
+
+    async def test_the_sweep_of_other_keys_is_bounded_per_acquisition(
+        self, new_store: NewStore, count_rows: CountRows
+    ) -> None:
+        store = new_store(sweep_limit=3)
+        for i in range(10):
+            outcome = await store.acquire("ws", "job", f"dead-{i}", "w", 1.0, 0.0)
+            assert isinstance(outcome, Acquired)
+        assert await count_rows() == 10
+        assert isinstance(await store.acquire("ws", "job", "new", "w", 60.0, 5.0), Acquired)
+        assert await count_rows() == 10 - 3 + 1
+        # Each later acquisition sweeps another batch, so dead rows do not accumulate.
+        for i in range(3):
+            await store.acquire("ws", "job", f"new-{i}", "w", 60.0, 5.0)
+        assert await count_rows() == 1 + 3
+
+    async def test_a_dead_lock_is_taken_over_in_place_even_when_sweeping_is_off(
+        self, new_store: NewStore, count_rows: CountRows
+    ) -> None:
+        store = new_store(sweep_limit=0)
+        await store.acquire("ws", "job", "other", "w", 1.0, 0.0)
+        old = await store.acquire("ws", "job", "task", "crashed", 1.0, 0.0)
+        # Exactly at its expiry time the old lock is dead (expires_at <= now).
+        new = await store.acquire("ws", "job", "task", "bob", 60.0, 1.0)
+        assert isinstance(old, Acquired)
+        assert isinstance(new, Acquired)
+        assert new.token != old.token
+        assert await count_rows() == 2
+
+    async def test_tokens_come_from_the_injected_minter(self, new_store: NewStore) -> None:
+        tokens = iter(["t-1", "t-2"])
+        store = new_store(new_token=lambda: next(tokens))
+        first = await store.acquire("ws", "job", "a", "w", 60.0, 0.0)
+        second = await store.acquire("ws", "job", "b", "w", 60.0, 0.0)
+        assert first == Acquired(token="t-1", expires_at=60.0)
+        assert second == Acquired(token="t-2", expires_at=60.0)
+
+    def test_a_negative_sweep_limit_is_refused(self, new_store: NewStore) -> None:
+        with pytest.raises(ValueError, match="sweep_limit"):
+            new_store(sweep_limit=-1)

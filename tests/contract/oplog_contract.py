@@ -4,7 +4,12 @@ A backend's test class subclasses `OpLogContract` and overrides two fixtures:
 
 - `store`: a fresh, empty store whose snapshots are taken every `SNAPSHOT_EVERY` ops;
 - `reopen`: an async callable that closes a store and opens a new one on the same data (what a
-  server restart does), closing whatever it opened at teardown.
+  server restart does), closing whatever it opened at teardown;
+- `open_store`: an async callable that opens another store on the same data with constructor
+  keywords (`snapshot_every=`), as a restarted server or a second instance would, closed at
+  teardown;
+- `log_rows`: a `LogRows` that reads and edits the stored log behind every store's back (the
+  snapshot's clock, deleting op rows), to show what a store does with what it finds on disk.
 
 `node.increment` is deliberately not idempotent: a field's value counts how many times an op was
 applied, which is how these tests see a double apply.
@@ -15,17 +20,43 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import pytest
 
 from cv_mutations import fingerprint, new_op_id, parse_op
-from cv_server.oplog import Committed, IncomingOp, LogEntry, OpLogStore, Rejected
+from cv_server.oplog import (
+    Committed,
+    IncomingOp,
+    LogEntry,
+    OpLogCorrupted,
+    OpLogStore,
+    Rejected,
+)
 
 WS = "ws-1"
 DOC = "tree"
 
 Reopen = Callable[[OpLogStore], Awaitable[OpLogStore]]
+#: `await open_store(**constructor_keywords)`: another store on the test's data.
+OpenStore = Callable[..., Awaitable[OpLogStore]]
+
+
+class LogRows(Protocol):
+    """The stored log of `WS`/`DOC`, read and edited directly in the backend's database."""
+
+    async def snapshot_clock(self) -> int | None:
+        """The clock of the stored snapshot, None when there is none."""
+        ...
+
+    async def delete_ops(self, where: str) -> None:
+        """Delete the op rows matching the SQL condition `where` (on the `clock` column)."""
+        ...
+
+    def cached_sub_docs(self, store: OpLogStore) -> int:
+        """How many sub-doc states `store` holds in its cache."""
+        ...
+
 
 _node_ids = itertools.count()
 
@@ -89,6 +120,15 @@ class OpLogContract:
     async def reopen(self) -> AsyncIterator[Reopen]:
         raise NotImplementedError("a backend's test class provides reopen")
         yield  # noqa: PT022  # pragma: no cover
+
+    @pytest.fixture
+    async def open_store(self) -> AsyncIterator[OpenStore]:
+        raise NotImplementedError("a backend's test class provides open_store")
+        yield  # noqa: PT022  # pragma: no cover
+
+    @pytest.fixture
+    def log_rows(self) -> LogRows:
+        raise NotImplementedError("a backend's test class provides log_rows")
 
     # -- dedupe ----------------------------------------------------------------------------------
 
@@ -517,3 +557,54 @@ class OpLogContract:
         await store.close()
         with pytest.raises(RuntimeError, match="closed"):
             await store.append(WS, DOC, [increment()])
+
+    # -- snapshots and what a store finds in the log ---------------------------------------------
+
+    async def test_a_snapshot_is_written_by_the_commit_that_crosses_a_multiple(
+        self, open_store: OpenStore, log_rows: LogRows
+    ) -> None:
+        # A commit whose clocks pass a multiple of snapshot_every writes one, however far the
+        # previous snapshot lies behind.
+        store = await open_store(snapshot_every=5)
+        seen = []
+        for size in (1, 3, 2, 1, 3, 1):  # clocks 1, 4, 6, 7, 10, 11
+            await store.append(WS, DOC, [increment() for _ in range(size)])
+            seen.append(await log_rows.snapshot_clock())
+        assert seen == [None, None, 6, 6, 10, 10]
+
+    async def test_a_store_opened_later_replays_only_the_log_after_the_snapshot(
+        self, open_store: OpenStore, log_rows: LogRows
+    ) -> None:
+        writer = await open_store(snapshot_every=5)
+        await writer.append(WS, DOC, [increment() for _ in range(7)])
+        # Rows the snapshot covers are gone: a store that still needed them would fail.
+        await log_rows.delete_ops("clock <= 5")
+        fresh = await open_store(snapshot_every=5)
+        assert (await fresh.get_state(WS, DOC))[0] == 7
+        assert await field_value(fresh) == 7
+        assert await append_one(fresh, increment()) == Committed(None, 8)
+
+    async def test_a_gap_in_the_log_is_reported_as_corruption_not_replayed(
+        self, open_store: OpenStore, log_rows: LogRows
+    ) -> None:
+        writer = await open_store(snapshot_every=100)
+        await writer.append(WS, DOC, [increment() for _ in range(3)])
+        await log_rows.delete_ops("clock = 2")
+        fresh = await open_store(snapshot_every=100)
+        with pytest.raises(OpLogCorrupted, match="clock 1 to 3"):
+            await fresh.append(WS, DOC, [increment()])
+        with pytest.raises(OpLogCorrupted, match="clock 1 to 3"):
+            await fresh.get_state(WS, DOC)
+
+    async def test_the_state_cache_is_bounded_and_evicted_sub_docs_come_back_intact(
+        self, open_store: OpenStore, log_rows: LogRows
+    ) -> None:
+        store = await open_store(snapshot_every=3, cache_limit=2)
+        for round_ in range(4):  # each round touches 5 sub-docs through a cache of 2
+            for n in range(5):
+                outcome = await append_one(store, increment(new_op_id(), by=n + 1), doc=f"doc{n}")
+                assert outcome == Committed(outcome.op_id, round_ + 1)
+        assert log_rows.cached_sub_docs(store) <= 2
+        for n in range(5):
+            clock, state = await store.get_state(WS, f"doc{n}")
+            assert (clock, state.nodes["root"].fields["n"]) == (4, 4 * (n + 1))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
@@ -28,6 +29,7 @@ from tests.contract.idempotency_contract import (
     WS,
     IdempotencyContract,
     KillOwner,
+    NewStore,
 )
 from tests.pg.helpers import settings_for
 
@@ -70,6 +72,18 @@ class TestPostgresIdempotencyStore(IdempotencyContract):
             await terminate_owner(pool, schema, workspace_id, key)
 
         return kill
+
+    @pytest.fixture
+    async def new_store(self, pool: asyncpg.Pool) -> AsyncIterator[NewStore]:
+        opened: list[PostgresIdempotencyStore] = []
+
+        def new_store(**kwargs: Any) -> IdempotencyStore:
+            opened.append(PostgresIdempotencyStore(pool, **kwargs))
+            return opened[-1]
+
+        yield new_store
+        for store in opened:
+            await store.close()
 
 
 async def test_first_requests_on_separate_pools_own_the_key_exactly_once(
@@ -167,8 +181,3 @@ def test_a_pool_too_small_to_hold_a_key_and_run_its_effect_is_refused() -> None:
 
     with pytest.raises(ValueError, match="at least 2"):
         PostgresIdempotencyStore(OneConnection(), retention=RETENTION)
-
-
-def test_a_retention_that_is_not_positive_is_refused() -> None:
-    with pytest.raises(ValueError, match="retention"):
-        PostgresIdempotencyStore(None, retention=0)

@@ -4,23 +4,45 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cv_server.queue import IdempotencyStore
 from cv_server.sqlite.engine import SQLiteDatabase
 from cv_server.sqlite.idempotency import SQLiteIdempotencyStore, create_schema
-from tests.contract.idempotency_contract import RETENTION, IdempotencyContract, KillOwner
+from tests.contract.idempotency_contract import (
+    RETENTION,
+    IdempotencyContract,
+    KillOwner,
+    NewStore,
+)
 
 
 class TestSQLiteIdempotencyStore(IdempotencyContract):
     @pytest.fixture
-    async def store(self, tmp_path: Path) -> AsyncIterator[IdempotencyStore]:
+    async def database(self, tmp_path: Path) -> AsyncIterator[SQLiteDatabase]:
         db = await SQLiteDatabase.open(tmp_path / "keys.db", schema=create_schema)
-        store = SQLiteIdempotencyStore(db, retention=RETENTION)
+        yield db
+        await db.close()
+
+    @pytest.fixture
+    async def store(self, database: SQLiteDatabase) -> AsyncIterator[IdempotencyStore]:
+        store = SQLiteIdempotencyStore(database, retention=RETENTION)
         yield store
         await store.close()
-        await db.close()
+
+    @pytest.fixture
+    async def new_store(self, database: SQLiteDatabase) -> AsyncIterator[NewStore]:
+        opened: list[SQLiteIdempotencyStore] = []
+
+        def new_store(**kwargs: Any) -> IdempotencyStore:
+            opened.append(SQLiteIdempotencyStore(database, **kwargs))
+            return opened[-1]
+
+        yield new_store
+        for store in opened:
+            await store.close()
 
     @pytest.fixture
     def kill_owner(self, store: IdempotencyStore) -> KillOwner:
@@ -33,8 +55,3 @@ class TestSQLiteIdempotencyStore(IdempotencyContract):
             await sqlite_store.abandon_all_in_progress()
 
         return kill
-
-
-def test_a_retention_that_is_not_positive_is_refused() -> None:
-    with pytest.raises(ValueError, match="retention"):
-        SQLiteIdempotencyStore(None, retention=0)  # type: ignore[arg-type]

@@ -15,19 +15,20 @@ from typing import Any, TypeVar
 import pytest
 
 import cv_server
-from cv_mutations import fingerprint, new_op_id, parse_op
-from cv_server.oplog import Committed, IncomingOp, OpLogStore
+from cv_mutations import new_op_id
+from cv_server.oplog import Committed, OpLogStore
 from cv_server.sqlite.engine import SQLiteDatabase, Transaction
 from cv_server.sqlite.oplog import (
     OPS_TABLE,
     SNAPSHOTS_TABLE,
-    OpLogCorrupted,
     SQLiteOpLogStore,
     create_schema,
 )
 from tests.contract.oplog_contract import (
     DOC,
     WS,
+    LogRows,
+    OpenStore,
     OpLogContract,
     Reopen,
     all_entries,
@@ -66,6 +67,56 @@ class TestSQLiteOpLogStore(OpLogContract):
         yield reopen
         for store in opened:
             await store.close()
+
+    @pytest.fixture
+    async def open_store(self, db_path: Path) -> AsyncIterator[OpenStore]:
+        opened: list[OpLogStore] = []
+
+        async def open_store(**kwargs: Any) -> OpLogStore:
+            # `open` takes no cache_limit: it is a setting of the store, set once opened.
+            cache_limit = kwargs.pop("cache_limit", None)
+            store = await SQLiteOpLogStore.open(db_path, **kwargs)
+            if cache_limit is not None:
+                store.cache_limit = cache_limit
+            opened.append(store)
+            return store
+
+        yield open_store
+        for store in opened:
+            await store.close()
+
+    @pytest.fixture
+    def log_rows(self, db_path: Path) -> LogRows:
+        return SQLiteLogRows(db_path)
+
+
+class SQLiteLogRows:
+    """`LogRows` on the SQLite file, through a connection of its own (as another process)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    async def snapshot_clock(self) -> int | None:
+        def read() -> int | None:
+            with contextlib.closing(sqlite3.connect(self.path)) as conn:
+                row = conn.execute(
+                    f"SELECT clock FROM {SNAPSHOTS_TABLE} WHERE workspace_id = ? AND sub_doc = ?",
+                    (WS, DOC),
+                ).fetchone()
+            return None if row is None else int(row[0])
+
+        return await asyncio.to_thread(read)
+
+    async def delete_ops(self, where: str) -> None:
+        def delete() -> None:
+            with contextlib.closing(sqlite3.connect(self.path)) as conn, conn:
+                conn.execute(f"DELETE FROM {OPS_TABLE} WHERE {where}")
+
+        await asyncio.to_thread(delete)
+
+    def cached_sub_docs(self, store: OpLogStore) -> int:
+        assert isinstance(store, SQLiteOpLogStore)
+        return len(store._docs)
 
 
 @pytest.fixture
@@ -257,51 +308,6 @@ async def test_a_snapshot_is_written_every_snapshot_every_ops(db: SQLiteDatabase
     await store.close()
 
 
-async def test_a_snapshot_is_written_by_the_commit_that_crosses_a_multiple(
-    db: SQLiteDatabase,
-) -> None:
-    # The rule PostgreSQL follows too: a commit whose clocks pass a multiple of snapshot_every
-    # writes one, however far the previous snapshot lies behind.
-    store = SQLiteOpLogStore(db, snapshot_every=5)
-    seen = []
-    for size in (1, 3, 2, 1, 3, 1):  # clocks 1, 4, 6, 7, 10, 11
-        await wait(store.append(WS, DOC, [increment() for _ in range(size)]))
-        seen.append(await read_snapshot_clock(db))
-    assert seen == [None, None, 6, 6, 10, 10]
-    await store.close()
-
-
-async def test_a_restart_replays_only_the_log_after_the_snapshot(tmp_path: Path) -> None:
-    path = tmp_path / "oplog.db"
-    store = await SQLiteOpLogStore.open(path, snapshot_every=5)
-    await store.append(WS, DOC, [increment() for _ in range(7)])
-    await store.close()
-
-    db = await SQLiteDatabase.open(path, schema=create_schema)
-    # Remove the log rows the snapshot covers: a restart that still needs them would now fail.
-    await db.write(lambda tx: tx.execute(f"DELETE FROM {OPS_TABLE} WHERE clock <= 5"))
-    store = SQLiteOpLogStore(db, snapshot_every=5)
-    assert (await store.get_state(WS, DOC))[0] == 7
-    assert await field_value(store) == 7
-    await store.close()
-    await db.close()
-
-
-async def test_a_gap_in_the_log_is_reported_as_corruption_not_replayed(tmp_path: Path) -> None:
-    path = tmp_path / "oplog.db"
-    store = await SQLiteOpLogStore.open(path, snapshot_every=100)
-    await store.append(WS, DOC, [increment() for _ in range(3)])
-    await store.close()
-
-    db = await SQLiteDatabase.open(path, schema=create_schema)
-    await db.write(lambda tx: tx.execute(f"DELETE FROM {OPS_TABLE} WHERE clock = 2"))
-    store = SQLiteOpLogStore(db, snapshot_every=100)
-    with pytest.raises(OpLogCorrupted, match="clock 1 to 3"):
-        await store.append(WS, DOC, [increment()])
-    await store.close()
-    await db.close()
-
-
 async def test_committed_at_comes_from_the_injected_clock(db: SQLiteDatabase) -> None:
     store = SQLiteOpLogStore(db, now=lambda: 1_700_000_000.25)
     await store.append(WS, DOC, [increment(), increment()])
@@ -347,23 +353,3 @@ def test_the_commit_pipeline_imports_no_io_module() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
-
-
-async def test_the_state_cache_is_bounded_and_evicted_sub_docs_come_back_intact(
-    tmp_path: Path,
-) -> None:
-    store = await SQLiteOpLogStore.open(tmp_path / "bounded.db", snapshot_every=3)
-    store.cache_limit = 2
-    try:
-        for round_ in range(4):  # each round touches 5 sub-docs through a cache of 2
-            for n in range(5):
-                raw = {"type": "node.increment", "node_id": "root", "field": "n", "by": n + 1}
-                op = IncomingOp(parse_op(raw), raw, fingerprint(raw))
-                outcomes, _ = await store.append("ws", f"doc{n}", [op])
-                assert outcomes[0] == Committed(None, round_ + 1)
-        assert len(store._docs) <= 2
-        for n in range(5):
-            clock, state = await store.get_state("ws", f"doc{n}")
-            assert (clock, state.nodes["root"].fields["n"]) == (4, 4 * (n + 1))
-    finally:
-        await store.close()

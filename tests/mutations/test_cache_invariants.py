@@ -41,7 +41,7 @@ from cv_server.oplog.store import Committed, IncomingOp, Rejected
 from tests.mutations.helpers import outcome, start_state
 from tests.mutations.strategies import json_values, op_sequences, pool_ops, pool_trees
 
-AUDIT = settings(max_examples=150, deadline=None)
+PROPERTY = settings(max_examples=150, deadline=None)
 
 Sequence = tuple[list[NodeInsert], list[Op]]
 
@@ -74,7 +74,7 @@ def vandalize(value: Any) -> int:
 nested_values = json_values.filter(lambda value: isinstance(value, list | dict))
 
 
-@AUDIT
+@PROPERTY
 @given(nested_values)
 def test_editing_an_inserts_nested_fields_after_the_apply_does_not_edit_the_state(
     value: Any,
@@ -88,7 +88,7 @@ def test_editing_an_inserts_nested_fields_after_the_apply_does_not_edit_the_stat
     assert state.dumps() == before
 
 
-@AUDIT
+@PROPERTY
 @given(nested_values, st.booleans())
 def test_editing_an_updates_nested_values_after_the_apply_does_not_edit_the_state(
     value: Any, existed: bool
@@ -149,7 +149,7 @@ _look_alikes = st.sampled_from(
 )
 
 
-@AUDIT
+@PROPERTY
 @given(_look_alikes, _look_alikes)
 def test_states_are_equal_exactly_when_their_bytes_are(left: Any, right: Any) -> None:
     # The server's cache must equal the replay of its log; an `==` that takes True for 1 or 1.0
@@ -214,7 +214,7 @@ def test_increment_edges_apply_as_json_numbers_or_leave_the_state_alone(
 # -- a state reloaded from its snapshot goes on exactly like the cached one ----------------------
 
 
-@AUDIT
+@PROPERTY
 @given(op_sequences, st.data())
 def test_a_snapshot_reloaded_mid_sequence_answers_the_rest_like_the_cached_state(
     sequence: Sequence, data: st.DataObject
@@ -243,7 +243,7 @@ def test_a_float_keeps_its_canonical_text_next_to_a_big_integer(value: float) ->
     assert canonical_json({"big": BIG, "v": value}) == f'{{"big":{BIG},{alone[1:]}'
 
 
-@AUDIT
+@PROPERTY
 @given(json_values)
 def test_canonical_json_writes_one_text_per_value_whatever_its_neighbours(value: Any) -> None:
     # A fingerprint is only comparable if a value is written the same way in every op; it used

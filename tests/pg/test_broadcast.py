@@ -63,7 +63,7 @@ def make_config(postgres_url: str, schema: str) -> Callable[..., ServerConfig]:
 @pytest.fixture
 async def admin(postgres_url: str) -> AsyncIterator[asyncpg.Connection]:
     conn = await asyncpg.connect(
-        postgres_url, server_settings={"application_name": "cv-broadcast-audit"}
+        postgres_url, server_settings={"application_name": "cv-broadcast-test"}
     )
     try:
         yield conn
@@ -420,10 +420,10 @@ async def test_a_notifier_whose_connection_stops_answering_replaces_it_and_says_
     relay: Relay, admin: asyncpg.Connection, postgres_url: str
 ) -> None:
     through_relay = await relay.start()
-    name = f"cv-broadcast-audit-{id(relay):x}"
+    name = f"cv-broadcast-test-{id(relay):x}"
     settings = PostgresSettings(application_name=name, statement_timeout_seconds=0.5)
     notifier = Notifier(through_relay, settings, delays=no_delays, check_every=0.2)
-    channel = f"cv_test_audit_{id(relay):x}"
+    channel = f"cv_test_broadcast_{id(relay):x}"
     payloads: list[str] = []
     reconnected = asyncio.Event()
     heard = asyncio.Event()
@@ -461,10 +461,10 @@ async def test_a_reconnect_whose_listen_is_never_answered_is_given_up_and_retrie
     relay: Relay, admin: asyncpg.Connection
 ) -> None:
     through_relay = await relay.start()
-    name = f"cv-broadcast-audit-{id(relay):x}"
+    name = f"cv-broadcast-test-{id(relay):x}"
     settings = PostgresSettings(application_name=name, statement_timeout_seconds=0.5)
     notifier = Notifier(through_relay, settings, delays=no_delays, check_every=0.2)
-    channel = f"cv_test_audit_{id(relay):x}"
+    channel = f"cv_test_broadcast_{id(relay):x}"
     reconnected = asyncio.Event()
     await notifier.start()
     try:
@@ -532,7 +532,7 @@ async def test_instances_in_a_schema_named_at_the_identifier_limit_hear_each_oth
 async def test_closing_a_notifier_whose_connection_stopped_answering_does_not_hang(
     relay: Relay, admin: asyncpg.Connection
 ) -> None:
-    name = f"cv-broadcast-audit-{id(relay):x}"
+    name = f"cv-broadcast-test-{id(relay):x}"
     settings = PostgresSettings(application_name=name, statement_timeout_seconds=0.5)
     notifier = Notifier(await relay.start(), settings, delays=no_delays)
     await notifier.start()

@@ -12,11 +12,10 @@ from cv_mutations import new_op_id
 from cv_server.oplog import Committed
 from cv_server.pg import Notifier
 from cv_server.pg.oplog import (
-    OpLogCorrupted,
     oplog_payload,
     parse_oplog_payload,
 )
-from cv_server.pg.oplog_sql import OPS_TABLE, SNAPSHOTS_TABLE
+from cv_server.pg.oplog_sql import OPS_TABLE
 from tests.contract.oplog_contract import DOC, WS, all_entries, append_one, field_value, increment
 from tests.pg.conftest import Opener
 
@@ -188,65 +187,3 @@ async def test_a_failed_transaction_leaves_cache_and_database_unchanged(
     assert outcomes == [Committed(retried, 2), Committed(None, 3)]
     assert [e.clock for e in await all_entries(store)] == [1, 2, 3]
     assert await field_value(store) == 3
-
-
-async def snapshot_clock(pool: asyncpg.Pool) -> int | None:
-    async with pool.acquire() as conn:
-        value = await conn.fetchval(
-            f"SELECT clock FROM {SNAPSHOTS_TABLE} WHERE workspace_id = $1 AND sub_doc = $2",
-            WS,
-            DOC,
-        )
-    return None if value is None else int(value)
-
-
-async def test_a_snapshot_is_written_by_the_commit_that_crosses_a_multiple(
-    open_store: Opener, pool: asyncpg.Pool
-) -> None:
-    store = await open_store(snapshot_every=5)
-    seen = []
-    for size in (1, 3, 2, 1, 3, 1):  # clocks 1, 4, 6, 7, 10, 11
-        await store.append(WS, DOC, [increment() for _ in range(size)])
-        seen.append(await snapshot_clock(pool))
-    assert seen == [None, None, 6, 6, 10, 10]
-
-
-async def test_a_new_instance_replays_only_the_log_after_the_snapshot(
-    open_store: Opener, pool: asyncpg.Pool
-) -> None:
-    writer = await open_store(snapshot_every=5)
-    await writer.append(WS, DOC, [increment() for _ in range(7)])
-    async with pool.acquire() as conn:
-        # Rows the snapshot covers are gone: an instance that still needed them would fail.
-        await conn.execute(f"DELETE FROM {OPS_TABLE} WHERE clock <= 5")
-    fresh = await open_store(snapshot_every=5)
-    assert (await fresh.get_state(WS, DOC))[0] == 7
-    assert await field_value(fresh) == 7
-    assert await append_one(fresh, increment()) == Committed(None, 8)
-
-
-async def test_a_gap_in_the_log_is_reported_as_corruption_not_replayed(
-    open_store: Opener, pool: asyncpg.Pool
-) -> None:
-    writer = await open_store(snapshot_every=100)
-    await writer.append(WS, DOC, [increment() for _ in range(3)])
-    async with pool.acquire() as conn:
-        await conn.execute(f"DELETE FROM {OPS_TABLE} WHERE clock = 2")
-    fresh = await open_store(snapshot_every=100)
-    with pytest.raises(OpLogCorrupted, match="clock 1 to 3"):
-        await fresh.append(WS, DOC, [increment()])
-    with pytest.raises(OpLogCorrupted, match="clock 1 to 3"):
-        await fresh.get_state(WS, DOC)
-
-
-async def test_idle_sub_doc_states_are_evicted_past_the_cache_limit_and_come_back_intact(
-    open_store: Opener,
-) -> None:
-    store = await open_store(cache_limit=2, snapshot_every=3)
-    for round_ in range(4):  # each round touches 5 sub-docs through a cache of 2
-        for n in range(5):
-            outcome = await append_one(store, increment(new_op_id(), by=n + 1), doc=f"doc{n}")
-            assert outcome == Committed(outcome.op_id, round_ + 1)
-    assert len(store._lanes) <= 2
-    for n in range(5):
-        assert await field_value(store, doc=f"doc{n}") == 4 * (n + 1)

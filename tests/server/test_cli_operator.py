@@ -107,7 +107,7 @@ async def test_a_port_or_log_level_that_cannot_work_is_refused_before_anything_o
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    code, err = await _finish(proc, within=30)  # a regression serves until killed
+    code, err = await _finish(proc, within=30)  # bounded: an accepted setting would serve on
     assert "Traceback" not in err, err
     assert code == 2, err
     assert named in err

@@ -43,7 +43,7 @@ def test_zero_is_accepted_where_it_means_something() -> None:
 def test_serve_refuses_such_a_setting_in_one_line_before_opening_anything(tmp_path: Path) -> None:
     db = tmp_path / "cv.db"
     argv = ["serve", "--db", str(db), "--port", "0", "--set", "compute_lock_ttl_seconds=0"]
-    # A process of its own, bounded: a regression would start a server that runs until killed.
+    # A process of its own, bounded: had it accepted the setting, it would serve until killed.
     done = subprocess.run(
         [sys.executable, "-m", "cv_server.cli", *argv], capture_output=True, text=True, timeout=60
     )

@@ -42,7 +42,7 @@ async def wait(awaitable: Awaitable[T]) -> T:
 
 @pytest.fixture
 def path(tmp_path: Path) -> Path:
-    return tmp_path / "audit.db"
+    return tmp_path / "engine.db"
 
 
 @pytest.fixture

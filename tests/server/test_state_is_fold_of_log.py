@@ -67,26 +67,26 @@ def _marker(kind: str) -> str:
 
 
 SQLITE_POISON: Final = (
-    "CREATE TABLE audit_parent (id INTEGER PRIMARY KEY)",
-    "CREATE TABLE audit_child (parent INTEGER"
-    " REFERENCES audit_parent(id) DEFERRABLE INITIALLY DEFERRED)",
-    "CREATE TRIGGER audit_abort BEFORE INSERT ON workspace_sub_doc_ops"
-    f" WHEN NEW.op LIKE '{_marker(ABORT)}' BEGIN SELECT RAISE(ABORT, 'audit poison'); END",
-    "CREATE TRIGGER audit_rollback BEFORE INSERT ON workspace_sub_doc_ops"
-    f" WHEN NEW.op LIKE '{_marker(ROLLBACK)}' BEGIN SELECT RAISE(ROLLBACK, 'audit poison'); END",
+    "CREATE TABLE poison_parent (id INTEGER PRIMARY KEY)",
+    "CREATE TABLE poison_child (parent INTEGER"
+    " REFERENCES poison_parent(id) DEFERRABLE INITIALLY DEFERRED)",
+    "CREATE TRIGGER poison_abort BEFORE INSERT ON workspace_sub_doc_ops"
+    f" WHEN NEW.op LIKE '{_marker(ABORT)}' BEGIN SELECT RAISE(ABORT, 'poisoned op'); END",
+    "CREATE TRIGGER poison_rollback BEFORE INSERT ON workspace_sub_doc_ops"
+    f" WHEN NEW.op LIKE '{_marker(ROLLBACK)}' BEGIN SELECT RAISE(ROLLBACK, 'poisoned op'); END",
     # A row whose deferred foreign key fails at COMMIT: the whole group's COMMIT fails.
-    "CREATE TRIGGER audit_commit AFTER INSERT ON workspace_sub_doc_ops"
-    f" WHEN NEW.op LIKE '{_marker(COMMIT)}' BEGIN INSERT INTO audit_child VALUES (42); END",
+    "CREATE TRIGGER poison_commit AFTER INSERT ON workspace_sub_doc_ops"
+    f" WHEN NEW.op LIKE '{_marker(COMMIT)}' BEGIN INSERT INTO poison_child VALUES (42); END",
 )
 POSTGRES_POISON: Final = (
-    "CREATE FUNCTION audit_poison() RETURNS trigger LANGUAGE plpgsql"
-    " AS $$ BEGIN RAISE EXCEPTION 'audit poison'; END $$",
-    "CREATE TRIGGER audit_abort BEFORE INSERT ON workspace_sub_doc_ops FOR EACH ROW"
-    f" WHEN (NEW.op::text LIKE '{_marker(ABORT)}') EXECUTE FUNCTION audit_poison()",
+    "CREATE FUNCTION raise_poison() RETURNS trigger LANGUAGE plpgsql"
+    " AS $$ BEGIN RAISE EXCEPTION 'poisoned op'; END $$",
+    "CREATE TRIGGER poison_abort BEFORE INSERT ON workspace_sub_doc_ops FOR EACH ROW"
+    f" WHEN (NEW.op::text LIKE '{_marker(ABORT)}') EXECUTE FUNCTION raise_poison()",
     # Deferred: it fires at COMMIT, so the COMMIT itself fails.
-    "CREATE CONSTRAINT TRIGGER audit_commit AFTER INSERT ON workspace_sub_doc_ops"
+    "CREATE CONSTRAINT TRIGGER poison_commit AFTER INSERT ON workspace_sub_doc_ops"
     " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW"
-    f" WHEN (NEW.op::text LIKE '{_marker(COMMIT)}') EXECUTE FUNCTION audit_poison()",
+    f" WHEN (NEW.op::text LIKE '{_marker(COMMIT)}') EXECUTE FUNCTION raise_poison()",
 )
 
 
@@ -193,7 +193,7 @@ async def postgres_backend(postgres_url: str, **overrides: Any) -> AsyncIterator
             await conn.close()
 
 
-class Audit:
+class FoldCheck:
     """Drives the servers and checks the invariants of the module docstring."""
 
     def __init__(self, backend: Backend, data: st.DataObject) -> None:
@@ -537,7 +537,7 @@ def _settings(max_examples: int) -> settings:
 def test_sqlite_state_always_equals_the_fold_of_its_log(data: st.DataObject) -> None:
     async def run() -> None:
         async with sqlite_backend(**_overrides(data)) as backend:
-            await Audit(backend, data).run()
+            await FoldCheck(backend, data).run()
 
     asyncio.run(run())
 
@@ -550,6 +550,6 @@ def test_postgres_state_on_two_instances_always_equals_the_fold_of_its_log(
 ) -> None:
     async def run() -> None:
         async with postgres_backend(postgres_url, **_overrides(data)) as backend:
-            await Audit(backend, data).run()
+            await FoldCheck(backend, data).run()
 
     asyncio.run(run())

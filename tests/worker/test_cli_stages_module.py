@@ -52,7 +52,7 @@ async def _refused(proc: asyncio.subprocess.Process) -> tuple[int, str]:
     try:
         out, err = await asyncio.wait_for(proc.communicate(), 60)
     finally:
-        if proc.returncode is None:  # a regression that loaded the stages runs until killed
+        if proc.returncode is None:  # had it loaded the stages, it would run until killed
             proc.kill()
             await proc.wait()
     assert out == b""  # never "ready"

@@ -46,7 +46,7 @@ async def through(
 
 
 async def _finish(qc: api.QueueClient, request_id: str, result: object) -> None:
-    (claimed,) = await holder.claim(qc, ["s"], "auditor")
+    (claimed,) = await holder.claim(qc, ["s"], "second-holder")
     assert claimed.request.request_id == request_id
     await holder.complete(qc, WS, request_id, claimed.claim_token, result=result)
 
@@ -156,7 +156,7 @@ async def test_a_wait_whose_stream_is_cut_mid_way_reports_the_poison_and_its_err
             waiting = asyncio.create_task(client.wait_request(WS, answer.request_id, timeout=30))
             await _until(lambda: waiters.count == 1)  # the stream is open and parked
             assert proxy.drop_all() == 1  # both sides see a reset mid-stream
-            (claimed,) = await holder.claim(qc, ["s"], "auditor")
+            (claimed,) = await holder.claim(qc, ["s"], "second-holder")
             status, _ = await holder.fail(
                 qc, WS, answer.request_id, claimed.claim_token, {"code": "boom"}
             )
