@@ -36,16 +36,19 @@ def postgres_url() -> str:
 
 # -- cost markers ------------------------------------------------------------------------------
 #
-# Every test carries exactly one of `unit`, `contract`, `integration`, `acceptance`, so that
-# `./scripts/test -m unit` runs the fast pure tests alone. A test's own mark wins (a file that is
-# the exception to its directory says so with `pytestmark`); otherwise:
+# Every test carries exactly one of `unit`, `property`, `contract`, `integration`, `acceptance`,
+# so that `./scripts/test -m unit` runs the fast pure tests alone. A test's own mark wins (a file
+# that is the exception to its directory says so with `pytestmark`); otherwise:
 #   - tests/acceptance/ is `acceptance` (real processes, killed), tests/contract/ is `contract`
 #     (one suite per storage interface, on both backends);
 #   - tests/mutations/ and tests/queue/ are `unit` (the pure reducers and queue rules), unless the
 #     test asks for a fixture that reaches a file, a socket or a database;
 #   - everything else is `integration` (a real server on loopback, a real SQLite file).
+# A pure test that Hypothesis drives (`@given`, a state machine's TestCase, or marked `property`
+# itself because it calls `run_state_machine_as_test`) is `property`, not `unit`: pure, but
+# hundreds of generated examples each (`./scripts/test -m "unit or property"`: every pure test).
 
-COST_MARKS = ("unit", "contract", "integration", "acceptance")
+COST_MARKS = ("unit", "property", "contract", "integration", "acceptance")
 _UNIT_DIRS = ("mutations", "queue")
 _IO_FIXTURES = frozenset(
     {
@@ -73,7 +76,29 @@ def _cost_of(item: pytest.Item) -> str:
     return "integration"
 
 
+def _is_property(item: pytest.Item) -> bool:
+    if item.get_closest_marker("property"):
+        return True
+    if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+        return True
+    cls = getattr(item, "cls", None)
+    return cls is not None and cls.__module__ == "hypothesis.stateful"
+
+
+def _declared_cost(item: pytest.Item) -> str | None:
+    return next((name for name in COST_MARKS if item.get_closest_marker(name)), None)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    costs = []
     for item in items:
-        if not any(item.get_closest_marker(name) for name in COST_MARKS):
-            item.add_marker(getattr(pytest.mark, _cost_of(item)))
+        cost = _declared_cost(item) or _cost_of(item)
+        if cost == "unit" and _is_property(item):
+            cost = "property"
+        costs.append(cost)
+    for item, cost in zip(items, costs, strict=True):
+        # One cost per test: a module's `pytestmark = unit` yields to `property` for the
+        # Hypothesis-driven tests in it (tests/test_cost_marks.py).
+        for node in item.listchain():
+            node.own_markers[:] = [m for m in node.own_markers if m.name not in COST_MARKS]
+        item.add_marker(getattr(pytest.mark, cost))

@@ -207,6 +207,7 @@ class ClientServerAndOthers(RuleBasedStateMachine):
         assert self.doc.state.to_json() == self.server.to_json()
 
 
+@pytest.mark.property
 def test_the_view_follows_the_server_whatever_commits_interleave() -> None:
     run_state_machine_as_test(
         ClientServerAndOthers,
