@@ -20,6 +20,7 @@ __all__ = [
     "ApplyBody",
     "ApplyResults",
     "BatchCompleteBody",
+    "BatchCompleteClaimed",
     "BatchCompleteResults",
     "BatchCompletion",
     "ClaimBody",
@@ -29,6 +30,7 @@ __all__ = [
     "ClaimedRequest",
     "CompleteAnswer",
     "CompleteBody",
+    "CompleteClaimed",
     "CompletedItem",
     "DocList",
     "DocState",
@@ -37,6 +39,7 @@ __all__ = [
     "ErrorInfo",
     "FailAnswer",
     "FailBody",
+    "FailClaimed",
     "Health",
     "HeartbeatAnswer",
     "HeldLock",
@@ -53,6 +56,7 @@ __all__ = [
     "ProblemDetails",
     "QueueRequest",
     "Ready",
+    "RefusedClaimed",
     "RefusedItem",
     "RejectedOp",
     "RequestList",
@@ -284,6 +288,16 @@ class ClaimBody(_Body):
     )
 
 
+class _ClaimsNext(_Body):
+    """A report that may carry the worker's next claim (docs/queue.md, "report and claim")."""
+
+    claim_next: ClaimBody | None = Field(
+        default=None,
+        description="Claim as `POST /v1/queue/claim` would, in the report's transaction"
+        " (`limit` defaults to 1); the answer then lists the rows claimed as `claimed`",
+    )
+
+
 class ClaimOne(_Answer):
     request: ClaimedRequest
 
@@ -296,7 +310,7 @@ class ClaimTokenBody(_Body):
     claim_token: Token
 
 
-class CompleteBody(ClaimTokenBody):
+class _Completion(ClaimTokenBody):
     # Payloads are any JSON, checked by the route for what the store can keep (nesting, 64-bit
     # integers), not walked here: a result may be large.
     result: Any = Field(default=None, description="Any JSON: the stage's answer")
@@ -312,15 +326,19 @@ class CompleteBody(ClaimTokenBody):
     )
 
 
-class FailBody(ClaimTokenBody):
+class CompleteBody(_Completion, _ClaimsNext):
+    pass
+
+
+class FailBody(ClaimTokenBody, _ClaimsNext):
     error: Any = Field(default=None, description="Any JSON: the unexpected error, kept on the row")
 
 
-class BatchCompletion(CompleteBody):
+class BatchCompletion(_Completion):
     request_id: Token
 
 
-class BatchCompleteBody(_Body):
+class BatchCompleteBody(_ClaimsNext):
     completions: Annotated[list[BatchCompletion], Field(min_length=1, max_length=1000)]
 
 
@@ -345,6 +363,38 @@ class CompleteAnswer(_Answer):
 class FailAnswer(_Answer):
     status: RequestStatus
     available_at: float
+
+
+class _ClaimedAlong(_Answer):
+    claimed: list[ClaimedRequest] = Field(
+        description="The rows `claim_next` claimed in the report's transaction (maybe none)"
+    )
+
+
+class CompleteClaimed(_ClaimedAlong):
+    """`complete` with `claim_next`, the completion accepted."""
+
+    status: RequestStatus
+
+
+class FailClaimed(_ClaimedAlong):
+    """`fail` with `claim_next`, the failure accepted."""
+
+    status: RequestStatus
+    available_at: float
+
+
+class RefusedClaimed(_ClaimedAlong):
+    """`complete` / `fail` with `claim_next`, the report refused (`lease_lost`, ...: nothing
+    reported) while the claim went ahead."""
+
+    error: ErrorInfo
+
+
+class BatchCompleteClaimed(BatchCompleteResults):
+    """`POST /v1/queue/complete` with `claim_next`."""
+
+    claimed: list[ClaimedRequest]
 
 
 class HeartbeatAnswer(_Answer):
