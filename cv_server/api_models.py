@@ -21,6 +21,7 @@ __all__ = [
     "ApplyBody",
     "ApplyResults",
     "BatchCompleteBody",
+    "BatchCompleteClaimed",
     "BatchCompleteResults",
     "BatchCompletion",
     "BatchEnqueueBody",
@@ -32,6 +33,7 @@ __all__ = [
     "ClaimedRequest",
     "CompleteAnswer",
     "CompleteBody",
+    "CompleteClaimed",
     "CompletedItem",
     "DocList",
     "DocState",
@@ -40,6 +42,7 @@ __all__ = [
     "ErrorInfo",
     "FailAnswer",
     "FailBody",
+    "FailClaimed",
     "Health",
     "HeartbeatAnswer",
     "HeldLock",
@@ -56,6 +59,7 @@ __all__ = [
     "ProblemDetails",
     "QueueRequest",
     "Ready",
+    "RefusedClaimed",
     "RefusedItem",
     "RejectedOp",
     "RequestList",
@@ -300,6 +304,16 @@ class ClaimBody(_Body):
     )
 
 
+class _ClaimsNext(_Body):
+    """A report that may carry the worker's next claim (docs/queue.md, "report and claim")."""
+
+    claim_next: ClaimBody | None = Field(
+        default=None,
+        description="Claim as `POST /v1/queue/claim` would, in the report's transaction"
+        " (`limit` defaults to 1); the answer then lists the rows claimed as `claimed`",
+    )
+
+
 class ClaimOne(_Answer):
     request: ClaimedRequest
 
@@ -312,7 +326,7 @@ class ClaimTokenBody(_Body):
     claim_token: Token
 
 
-class CompleteBody(ClaimTokenBody):
+class _Completion(ClaimTokenBody):
     # Payloads are any JSON, checked by the route for what the store can keep (nesting, 64-bit
     # integers), not walked here: a result may be large.
     result: Any = Field(default=None, description="Any JSON: the stage's answer")
@@ -328,11 +342,15 @@ class CompleteBody(ClaimTokenBody):
     )
 
 
-class FailBody(ClaimTokenBody):
+class CompleteBody(_Completion, _ClaimsNext):
+    pass
+
+
+class FailBody(ClaimTokenBody, _ClaimsNext):
     error: Any = Field(default=None, description="Any JSON: the unexpected error, kept on the row")
 
 
-class BatchCompletion(CompleteBody):
+class BatchCompletion(_Completion):
     request_id: Token
 
 
@@ -341,7 +359,7 @@ class BatchCompletion(CompleteBody):
 BATCH_ITEMS_MAX: Final = 1000
 
 
-class BatchCompleteBody(_Body):
+class BatchCompleteBody(_ClaimsNext):
     completions: Annotated[list[BatchCompletion], Field(min_length=1, max_length=BATCH_ITEMS_MAX)]
 
 
@@ -366,6 +384,38 @@ class CompleteAnswer(_Answer):
 class FailAnswer(_Answer):
     status: RequestStatus
     available_at: float
+
+
+class _ClaimedAlong(_Answer):
+    claimed: list[ClaimedRequest] = Field(
+        description="The rows `claim_next` claimed in the report's transaction (maybe none)"
+    )
+
+
+class CompleteClaimed(_ClaimedAlong):
+    """`complete` with `claim_next`, the completion accepted."""
+
+    status: RequestStatus
+
+
+class FailClaimed(_ClaimedAlong):
+    """`fail` with `claim_next`, the failure accepted."""
+
+    status: RequestStatus
+    available_at: float
+
+
+class RefusedClaimed(_ClaimedAlong):
+    """`complete` / `fail` with `claim_next`, the report refused (`lease_lost`, ...: nothing
+    reported) while the claim went ahead."""
+
+    error: ErrorInfo
+
+
+class BatchCompleteClaimed(BatchCompleteResults):
+    """`POST /v1/queue/complete` with `claim_next`."""
+
+    claimed: list[ClaimedRequest]
 
 
 class HeartbeatAnswer(_Answer):

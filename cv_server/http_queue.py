@@ -28,6 +28,7 @@ from aiohttp import web
 from cv_server.api_models import (
     BATCH_ITEMS_MAX,
     BatchCompleteBody,
+    BatchCompleteClaimed,
     BatchCompleteResults,
     BatchEnqueueBody,
     BatchEnqueueResults,
@@ -37,15 +38,19 @@ from cv_server.api_models import (
     ClaimTokenBody,
     CompleteAnswer,
     CompleteBody,
+    CompleteClaimed,
     EnqueueAnswer,
     EnqueueBody,
     FailAnswer,
     FailBody,
+    FailClaimed,
     HeartbeatAnswer,
     Pending,
     QueueRequest,
+    RefusedClaimed,
     parse_body,
 )
+from cv_server.auth import TokenClaims
 from cv_server.bodies import read_body
 from cv_server.inputs import check_ids, decode_json
 from cv_server.keys import CONFIG, METRICS, STORES, WAITERS, WORK_SIGNALS
@@ -53,6 +58,7 @@ from cv_server.observe import log_coalesced
 from cv_server.openapi import Doc, Media, Param, documented
 from cv_server.problems import Problem
 from cv_server.queue import (
+    ClaimAsk,
     Completion,
     EnqueueAsk,
     Enqueued,
@@ -307,9 +313,14 @@ def _count_coalesced(request: web.Request, enqueued: Enqueued) -> None:
 async def row_of(request: web.Request) -> ProcessRequest:
     """The request the route's path names (`{ws}`, `{id}`), once the token is checked to grant
     its workspace; 404 `not_found` if there is none there."""
+    return (await _claims_and_row(request))[1]
+
+
+async def _claims_and_row(request: web.Request) -> tuple[TokenClaims, ProcessRequest]:
+    """`row_of`, and the token's claims (the scope of a `claim_next`)."""
     workspace_id, request_id = request.match_info["ws"], request.match_info["id"]
     check_ids(workspace_id)
-    authorize(request, workspace_id)
+    claims = authorize(request, workspace_id)
     row = (
         await request.app[STORES].queue.get(workspace_id, request_id)
         if storable(request_id)
@@ -317,7 +328,7 @@ async def row_of(request: web.Request) -> ProcessRequest:
     )
     if row is None:
         raise Problem(404, "not_found", f"no request {request_id!r} in {workspace_id!r}")
-    return row
+    return claims, row
 
 
 async def row_json(request: web.Request, row: ProcessRequest) -> dict[str, Any]:
@@ -402,39 +413,61 @@ async def stream_request(request: web.Request) -> web.StreamResponse:
 async def claim(request: web.Request) -> web.Response:
     claims = authenticate(request)
     _, body = await _json_body(request)
-    asked = parse_body(ClaimBody, body)
-    classes, worker_id = asked.worker_classes, asked.worker_id or "anonymous"
-    workspaces = None if "*" in claims.workspaces else sorted(claims.workspaces)
-    config = request.app[CONFIG]
+    parsed = parse_body(ClaimBody, body)
+    asked = _claim_ask(request, claims, parsed)
     queue = request.app[STORES].queue
-    limit = asked.limit
-    if limit is not None:  # batched: one transaction (one commit) for up to `limit` rows
+    if parsed.limit is not None:  # batched: one transaction (one commit) for `limit` rows
         rows = await queue.claim_many(
-            classes,
-            worker_id,
-            config.lease_seconds,
+            asked.worker_classes,
+            asked.worker_id,
+            asked.lease,
             now=None,
-            limit=limit,
-            workspace_ids=workspaces,
+            limit=asked.limit,
+            workspace_ids=asked.workspace_ids,
         )
         if not rows:
             return web.Response(status=204)
-        return web.json_response(
-            {"requests": [row.to_json(include_claim_token=True) for row in rows]}
-        )
+        return web.json_response({"requests": _claimed_json(rows)})
     row = await queue.claim(
-        classes, worker_id, config.lease_seconds, now=None, workspace_ids=workspaces
+        asked.worker_classes,
+        asked.worker_id,
+        asked.lease,
+        now=None,
+        workspace_ids=asked.workspace_ids,
     )
     if row is None:
         return web.Response(status=204)
     return web.json_response({"request": row.to_json(include_claim_token=True)})
 
 
+def _claim_ask(request: web.Request, claims: TokenClaims, asked: ClaimBody) -> ClaimAsk:
+    """What a claim body asks for, as the store takes it: the server's lease, the token's
+    workspaces (None: all), `limit` 1 when the body names none. The claim route and every
+    report's `claim_next` read a body through this one function, so the two cannot drift."""
+    return ClaimAsk(
+        worker_classes=asked.worker_classes,
+        worker_id=asked.worker_id or "anonymous",
+        lease=request.app[CONFIG].lease_seconds,
+        limit=1 if asked.limit is None else asked.limit,
+        workspace_ids=None if "*" in claims.workspaces else sorted(claims.workspaces),
+    )
+
+
+def _claimed_json(rows: list[ProcessRequest]) -> list[dict[str, Any]]:
+    """Claimed rows as the claim route renders them (with their claim tokens)."""
+    return [row.to_json(include_claim_token=True) for row in rows]
+
+
+def _refused_json(exc: QueueError) -> dict[str, Any]:
+    return {"code": exc.code, "message": exc.message}
+
+
 @routes.post("/v1/queue/complete")
 @documented(
     Doc(
-        "Workers: complete many requests in one transaction (one outcome per item)",
-        {200: BatchCompleteResults},
+        "Workers: complete many requests in one transaction (one outcome per item);"
+        " `claim_next` claims in the same one",
+        {200: (BatchCompleteResults, BatchCompleteClaimed)},
         body=BatchCompleteBody,
         problems={403: ("forbidden_workspace",)},
         tag="workers",
@@ -444,14 +477,18 @@ async def complete_batch(request: web.Request) -> web.Response:
     """Complete many requests in one transaction: `{"completions": [{"request_id",
     "claim_token", "result"? | "blob_ref"?, "error"?, "cache"?, "telemetry"?}]}` → one outcome
     per item, in order (`{"request_id", "status"}` or `{"request_id", "error": {"code",
-    "message"}}`). A `blob_ref` names an uploaded result (`POST .../result`)."""
+    "message"}}`). A `blob_ref` names an uploaded result (`POST .../result`). With
+    `claim_next`, the answer adds `claimed`: the rows claimed in the same transaction."""
     claims = authenticate(request)
     _, body = await _json_body(request)
     items = body.get("completions")
-    if not isinstance(items, list) or not 0 < len(items) <= 1000:
-        raise Problem(422, "invalid_field", "completions must be a list of 1..1000 items")
+    if not isinstance(items, list) or not 0 < len(items) <= BATCH_ITEMS_MAX:
+        raise Problem(
+            422, "invalid_field", f"completions must be a list of 1..{BATCH_ITEMS_MAX} items"
+        )
     stores, config = request.app[STORES], request.app[CONFIG]
     asked = parse_body(BatchCompleteBody, body)  # payloads are checked one by one below
+    claim_next = _next_ask(request, claims, asked.claim_next)
     completions: list[Completion] = []
     for item, parsed in zip(items, asked.completions, strict=True):
         result = _payload(item, "result")
@@ -485,19 +522,30 @@ async def complete_batch(request: web.Request) -> web.Response:
     for completion, item in zip(completions, items, strict=True):
         if completion.blob_ref is not None and completion.request_id in workspaces:
             await _uploaded(request, workspaces[completion.request_id], item)
-    outcomes = await stores.queue.complete_many(completions, now=None)
+    claimed: list[ProcessRequest] | None = None
+    if claim_next is None:
+        outcomes = await stores.queue.complete_many(completions, now=None)
+    else:
+        outcomes, claimed = await stores.queue.complete_then_claim(
+            completions, now=None, claim_next=claim_next
+        )
     answers: list[dict[str, Any]] = []
     for completion, outcome in zip(completions, outcomes, strict=True):
         if isinstance(outcome, QueueError):
-            answers.append(
-                {
-                    "request_id": completion.request_id,
-                    "error": {"code": outcome.code, "message": outcome.message},
-                }
-            )
+            answers.append({"request_id": completion.request_id, "error": _refused_json(outcome)})
         else:
             answers.append({"request_id": completion.request_id, "status": outcome.status})
-    return web.json_response({"results": answers})
+    if claimed is None:
+        return web.json_response({"results": answers})
+    return web.json_response({"results": answers, "claimed": _claimed_json(claimed)})
+
+
+def _next_ask(
+    request: web.Request, claims: TokenClaims, asked: ClaimBody | None
+) -> ClaimAsk | None:
+    """A report's `claim_next`, as the claim route reads its body (`_claim_ask`). Parsed with
+    the report's body, before anything is written: a bad one is refused (422) whole."""
+    return None if asked is None else _claim_ask(request, claims, asked)
 
 
 @routes.get("/v1/queue/pending")
@@ -576,17 +624,23 @@ async def _uploaded(request: web.Request, workspace_id: str, item: dict[str, Any
 @routes.post("/v1/workspaces/{ws}/requests/{id}/complete")
 @documented(
     Doc(
-        "Workers: the run's answer (a result, or an expected error); only after its writes",
-        {200: CompleteAnswer},
+        "Workers: the run's answer (a result, or an expected error); only after its writes."
+        " `claim_next` claims in the same transaction",
+        {200: (CompleteAnswer, CompleteClaimed, RefusedClaimed)},
         body=CompleteBody,
         problems=HOLDER_PROBLEMS,
         tag="workers",
     )
 )
 async def complete(request: web.Request) -> web.Response:
-    row = await row_of(request)
+    """The holder's completion. With `claim_next` it and the claim commit together and the
+    answer adds `claimed`; a refused completion (`lease_lost`, ...) is then answered 200 with
+    its `error` next to `claimed`, since the claim went ahead (docs/queue.md;
+    `tests/server/test_queue_claim_next.py` pins both)."""
+    claims, row = await _claims_and_row(request)
     _, body = await _json_body(request)
     asked = parse_body(CompleteBody, body)
+    claim_next = _next_ask(request, claims, asked.claim_next)
     token, cache = asked.claim_token, asked.cache
     result, error = _payload(body, "result"), _payload(body, "error")
     telemetry = _telemetry(body)
@@ -598,14 +652,35 @@ async def complete(request: web.Request) -> web.Response:
         # after a lost answer stored every attempt's copy, and a holder whose lease was lost
         # stored one the row would never name; each stayed for the whole blob retention (24 h).
         # The store fences again below (the row may change meanwhile); this only saves the put.
-        if row.status == "done" and row.claim_token == token:
+        # With `claim_next` the store still answers it (its claim goes ahead): no put either.
+        retried = row.status == "done" and row.claim_token == token
+        if retried and claim_next is None:
             return web.json_response({"status": row.status})
         try:
-            fence(row, token)
+            if not retried:
+                fence(row, token)
         except QueueError as exc:
-            raise queue_problem(exc) from None
-        blob_ref = await stores.blobs.put(row.workspace_id, encoded, time.time())
-        result = None
+            if claim_next is None:
+                raise queue_problem(exc) from None
+            result = None
+        else:
+            if not retried:
+                blob_ref = await stores.blobs.put(row.workspace_id, encoded, time.time())
+            result = None
+    completion = Completion(
+        request_id=row.request_id,
+        claim_token=token,
+        result=result,
+        error=error,
+        blob_ref=blob_ref,
+        cache=cache,
+        telemetry=telemetry,
+    )
+    if claim_next is not None:
+        (outcome,), claimed = await stores.queue.complete_then_claim(
+            [completion], now=None, claim_next=claim_next
+        )
+        return _then_claimed(outcome, claimed, {"status"})
     try:
         done = await stores.queue.complete(
             row.request_id,
@@ -622,21 +697,51 @@ async def complete(request: web.Request) -> web.Response:
     return web.json_response({"status": done.status})
 
 
+def _then_claimed(
+    outcome: ProcessRequest | QueueError, claimed: list[ProcessRequest], members: set[str]
+) -> web.Response:
+    """A single report's answer with `claim_next`: its usual `members` of the row (or the
+    refusal its plain route would raise, as `error`), and the rows claimed along."""
+    answer: dict[str, Any]
+    if isinstance(outcome, QueueError):
+        answer = {"error": _refused_json(outcome)}
+    else:
+        answer = {"status": outcome.status}
+        if "available_at" in members:
+            answer["available_at"] = outcome.available_at
+    answer["claimed"] = _claimed_json(claimed)
+    return web.json_response(answer)
+
+
 @routes.post("/v1/workspaces/{ws}/requests/{id}/fail")
 @documented(
     Doc(
-        "Workers: an unexpected error; pending again after the backoff, or poison",
-        {200: FailAnswer},
+        "Workers: an unexpected error; pending again after the backoff, or poison."
+        " `claim_next` claims in the same transaction",
+        {200: (FailAnswer, FailClaimed, RefusedClaimed)},
         body=FailBody,
         problems=HOLDER_PROBLEMS,
         tag="workers",
     )
 )
 async def fail(request: web.Request) -> web.Response:
-    row = await row_of(request)
+    """The holder's failure report; `claim_next` as on `complete`."""
+    claims, row = await _claims_and_row(request)
     _, body = await _json_body(request)
     config = request.app[CONFIG]
-    token, error = parse_body(FailBody, body).claim_token, _payload(body, "error")
+    asked = parse_body(FailBody, body)
+    claim_next = _next_ask(request, claims, asked.claim_next)
+    token, error = asked.claim_token, _payload(body, "error")
+    if claim_next is not None:
+        (outcome,), claimed = await request.app[STORES].queue.fail_then_claim(
+            row.request_id,
+            token,
+            error,
+            config.failure_backoff_seconds,
+            now=None,
+            claim_next=claim_next,
+        )
+        return _then_claimed(outcome, claimed, {"status", "available_at"})
     try:
         after = await request.app[STORES].queue.fail(
             row.request_id,

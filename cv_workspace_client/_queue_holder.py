@@ -8,22 +8,42 @@ nothing. `Worker` and its completer and heartbeat
 Retries (the rule is in `_queue_http`): the fenced verbs are safe to repeat — a retried
 `complete` is answered with the finished row. A claim is not retried: a lost answer leaves a row
 leased to nobody, which the lease re-drives.
+
+Report and claim: `complete`, `complete_many` and `fail` take a `claim_next` (`ClaimNext`), sent
+with the report and committed in its transaction, and then answer a `ThenClaimed` (the report's
+outcomes and the claimed rows) instead of their plain answer; a refused report (`lease_lost`) is
+an outcome then, not a raise, since the claim went ahead. Only the first attempt carries the
+claim: the retries of a report lost on the way send it alone (claiming nothing), so the claim is
+never retried either (docs/queue.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, overload
 
 from cv_workspace_client._queue_http import QueueHost, call, retried, ws_path
-from cv_workspace_client.errors import LeaseLostError, ProtocolError, error_from_problem
-from cv_workspace_client.queue_models import Claim, CompletionOutcome, QueuedRequest
+from cv_workspace_client.errors import (
+    LeaseLostError,
+    ProtocolError,
+    WorkspaceError,
+    error_from_problem,
+)
+from cv_workspace_client.queue_models import (
+    Claim,
+    ClaimNext,
+    CompletionOutcome,
+    QueuedRequest,
+    ThenClaimed,
+)
 
 __all__ = [
     "Claim",
+    "ClaimNext",
     "CompletionOutcome",
     "QueueHost",
     "QueuedRequest",
+    "ThenClaimed",
     "claim",
     "complete",
     "complete_many",
@@ -48,9 +68,47 @@ async def claim(
         return []
     try:
         rows = answer["requests"] if "requests" in answer else [answer["request"]]
+    except (KeyError, TypeError) as exc:
+        raise ProtocolError("bad_answer", f"claim answer: {exc!r}") from None
+    return _claims(rows)
+
+
+def _claims(rows: Any) -> list[Claim]:
+    """Claimed rows as the claim route renders them (`requests`, or a report's `claimed`)."""
+    try:
         return [Claim(str(row["claim_token"]), QueuedRequest.from_json(row)) for row in rows]
     except (KeyError, TypeError) as exc:
         raise ProtocolError("bad_answer", f"claim answer: {exc!r}") from None
+
+
+def _claimed_along(answer: Any) -> list[Claim]:
+    """The rows a report's `claim_next` claimed. An answer without `claimed` is a retry's (sent
+    without the claim) or an older server's (which ignores `claim_next`): nothing claimed."""
+    rows = answer.get("claimed") if isinstance(answer, dict) else None
+    return [] if rows is None else _claims(rows)
+
+
+def _refusal(error: Any) -> WorkspaceError:
+    """A report's refusal given as an outcome (`{"code", "message"}`), as its typed error."""
+    if not isinstance(error, dict):
+        raise ProtocolError("bad_answer", f"report refusal: {error!r}")
+    if error.get("code") == "lease_lost":
+        return LeaseLostError(str(error.get("message", "")))
+    return error_from_problem(409, error)
+
+
+async def _report_then_claim(
+    host: QueueHost, path: str, body: dict[str, Any], claim_next: ClaimNext
+) -> Any:
+    """POST a single report with `claim_next`; the decoded answer. A retry (the first answer
+    lost or refused with a 5xx) goes without the claim; one it gets refused with
+    `LeaseLostError` is answered as the refusal (`{"error": ...}`), as the first would be."""
+    try:
+        return await retried(
+            host, "POST", path, body={**body, "claim_next": claim_next.to_json()}, retry_body=body
+        )
+    except LeaseLostError as exc:
+        return {"error": {"code": exc.code, "message": exc.message}}
 
 
 async def wait_for_work(
@@ -92,6 +150,7 @@ async def upload_result(
         raise ProtocolError("bad_answer", f"upload answer: {exc!r}") from None
 
 
+@overload
 async def complete(
     host: QueueHost,
     workspace_id: str,
@@ -103,10 +162,45 @@ async def complete(
     blob_ref: str | None = None,
     cache: str | None = None,
     telemetry: Any = None,
-) -> str:
+    claim_next: None = None,
+) -> str: ...
+
+
+@overload
+async def complete(
+    host: QueueHost,
+    workspace_id: str,
+    request_id: str,
+    claim_token: str,
+    *,
+    result: Any = None,
+    error: Any = None,
+    blob_ref: str | None = None,
+    cache: str | None = None,
+    telemetry: Any = None,
+    claim_next: ClaimNext,
+) -> ThenClaimed: ...
+
+
+async def complete(
+    host: QueueHost,
+    workspace_id: str,
+    request_id: str,
+    claim_token: str,
+    *,
+    result: Any = None,
+    error: Any = None,
+    blob_ref: str | None = None,
+    cache: str | None = None,
+    telemetry: Any = None,
+    claim_next: ClaimNext | None = None,
+) -> str | ThenClaimed:
     """Mark the request done (fenced by `claim_token`) with `result`, or with the uploaded
     result `blob_ref` names (`upload_result`). Call only after the stage's writes committed
-    (never ack before the work). Raises `LeaseLostError` if refused."""
+    (never ack before the work). Raises `LeaseLostError` if refused.
+
+    With `claim_next`: the claim commits with the completion and the answer is a
+    `ThenClaimed`, whose one outcome holds the `LeaseLostError` of a refused completion."""
     body: dict[str, Any] = {"claim_token": claim_token, "result": result}
     for name, value in (
         ("error", error),
@@ -117,45 +211,117 @@ async def complete(
         if value is not None:
             body[name] = value
     path = ws_path(workspace_id, "requests", request_id, "complete")
-    answer = await retried(host, "POST", path, body=body)
-    return str(answer["status"])
+    if claim_next is None:
+        answer = await retried(host, "POST", path, body=body)
+        return str(answer["status"])
+    answer = await _report_then_claim(host, path, body, claim_next)
+    return ThenClaimed([_single_outcome(request_id, answer)], _claimed_along(answer))
+
+
+def _single_outcome(request_id: str, answer: Any) -> CompletionOutcome:
+    try:
+        if "error" in answer:
+            return CompletionOutcome(request_id, error=_refusal(answer["error"]))
+        return CompletionOutcome(request_id, status=str(answer["status"]))
+    except (KeyError, TypeError) as exc:
+        raise ProtocolError("bad_answer", f"report answer: {exc!r}") from None
+
+
+@overload
+async def complete_many(
+    host: QueueHost, completions: Sequence[Mapping[str, Any]], *, claim_next: None = None
+) -> list[CompletionOutcome]: ...
+
+
+@overload
+async def complete_many(
+    host: QueueHost, completions: Sequence[Mapping[str, Any]], *, claim_next: ClaimNext
+) -> ThenClaimed: ...
 
 
 async def complete_many(
-    host: QueueHost, completions: Sequence[Mapping[str, Any]]
-) -> list[CompletionOutcome]:
+    host: QueueHost,
+    completions: Sequence[Mapping[str, Any]],
+    *,
+    claim_next: ClaimNext | None = None,
+) -> list[CompletionOutcome] | ThenClaimed:
     """`POST /v1/queue/complete`: many completions in one commit, one outcome each, in order.
     Each item is `{"request_id", "claim_token", "result"? | "blob_ref"?, "error"?, "cache"?,
     "telemetry"?}`; results must be small (large ones are uploaded first, `upload_result`, and
-    completed by their `blob_ref`)."""
+    completed by their `blob_ref`). With `claim_next`, the claim commits with them and the
+    answer is a `ThenClaimed`."""
     body = {"completions": [dict(c) for c in completions]}
-    answer = await retried(host, "POST", "/v1/queue/complete", body=body)
+    if claim_next is None:
+        answer = await retried(host, "POST", "/v1/queue/complete", body=body)
+    else:
+        answer = await retried(
+            host,
+            "POST",
+            "/v1/queue/complete",
+            body={**body, "claim_next": claim_next.to_json()},
+            retry_body=body,
+        )
     outcomes: list[CompletionOutcome] = []
     try:
         for item in answer["results"]:
             error = item.get("error")
             if error is None:
                 outcomes.append(CompletionOutcome(item["request_id"], status=item["status"]))
-            elif error.get("code") == "lease_lost":
-                outcomes.append(
-                    CompletionOutcome(item["request_id"], error=LeaseLostError(error["message"]))
-                )
             else:
-                outcomes.append(
-                    CompletionOutcome(item["request_id"], error=error_from_problem(409, error))
-                )
+                outcomes.append(CompletionOutcome(item["request_id"], error=_refusal(error)))
     except (KeyError, TypeError, AttributeError) as exc:
         raise ProtocolError("bad_answer", f"complete answer: {exc!r}") from None
     if len(outcomes) != len(completions):
         raise ProtocolError("bad_answer", "one outcome per completion expected")
-    return outcomes
+    if claim_next is None:
+        return outcomes
+    return ThenClaimed(outcomes, _claimed_along(answer))
+
+
+@overload
+async def fail(
+    host: QueueHost,
+    workspace_id: str,
+    request_id: str,
+    claim_token: str,
+    error: Any,
+    *,
+    claim_next: None = None,
+) -> tuple[str, float | None]: ...
+
+
+@overload
+async def fail(
+    host: QueueHost,
+    workspace_id: str,
+    request_id: str,
+    claim_token: str,
+    error: Any,
+    *,
+    claim_next: ClaimNext,
+) -> ThenClaimed: ...
 
 
 async def fail(
-    host: QueueHost, workspace_id: str, request_id: str, claim_token: str, error: Any
-) -> tuple[str, float | None]:
+    host: QueueHost,
+    workspace_id: str,
+    request_id: str,
+    claim_token: str,
+    error: Any,
+    *,
+    claim_next: ClaimNext | None = None,
+) -> tuple[str, float | None] | ThenClaimed:
     """Record an unexpected error: `(status, available_at)` — pending again after the server's
-    failure backoff, or `poison` at `max_dequeues`. Raises `LeaseLostError` if refused."""
+    failure backoff, or `poison` at `max_dequeues`. Raises `LeaseLostError` if refused.
+
+    With `claim_next`: the claim commits with the failure and the answer is a `ThenClaimed`
+    (its `available_at` the failure's), whose one outcome holds a refusal's `LeaseLostError`."""
     path = ws_path(workspace_id, "requests", request_id, "fail")
-    answer = await retried(host, "POST", path, body={"claim_token": claim_token, "error": error})
-    return str(answer["status"]), answer.get("available_at")
+    body = {"claim_token": claim_token, "error": error}
+    if claim_next is None:
+        answer = await retried(host, "POST", path, body=body)
+        return str(answer["status"]), answer.get("available_at")
+    answer = await _report_then_claim(host, path, body, claim_next)
+    outcome = _single_outcome(request_id, answer)
+    available_at = None if outcome.error is not None else answer.get("available_at")
+    return ThenClaimed([outcome], _claimed_along(answer), available_at)

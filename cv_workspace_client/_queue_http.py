@@ -112,8 +112,12 @@ def config_of(host: object) -> ClientConfig:
     return config if isinstance(config, ClientConfig) else ClientConfig()
 
 
-async def retried(host: QueueHost, method: str, path: str, **kwargs: Any) -> Any:
-    """`call` under the SDK's retry rule; returns the decoded body."""
+async def retried(
+    host: QueueHost, method: str, path: str, *, retry_body: Any = None, **kwargs: Any
+) -> Any:
+    """`call` under the SDK's retry rule; returns the decoded body. A `retry_body` is what the
+    retries send instead of `body` (a report whose first attempt carried a `claim_next`: a
+    claim is never retried, the report is)."""
     try:  # the first attempt without tenacity: it is the worker's hot path (claim, complete)
         _, answer, _ = await call(host, method, path, **kwargs)
         return answer
@@ -121,6 +125,8 @@ async def retried(host: QueueHost, method: str, path: str, **kwargs: Any) -> Any
         if not is_retryable(exc):
             raise
         first_error = exc
+    if retry_body is not None:
+        kwargs["body"] = retry_body
     config = config_of(host)
     if config.retry_attempts <= 1:
         raise first_error

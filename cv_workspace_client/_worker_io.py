@@ -1,12 +1,13 @@
 """The worker's two I/O helpers: the heartbeat timer of a running stage, and the completer that
 sends completions made together in one call (docs/queue.md; `cv_workspace_client.worker` runs them).
+A batch may carry the worker's next claim (`ClaimAlong`): one call, one commit for both.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 from cv_workspace_client import _queue_holder as api
 from cv_workspace_client.errors import (
@@ -17,7 +18,7 @@ from cv_workspace_client.errors import (
 )
 from cv_workspace_client.stage import LeaseState
 
-__all__ = ["Completer", "Heartbeat"]
+__all__ = ["ClaimAlong", "Completer", "Heartbeat"]
 
 logger = logging.getLogger("cv_workspace_client.worker")
 
@@ -101,15 +102,28 @@ class Heartbeat:
             self._beating.cancel()
 
 
+class ClaimAlong(Protocol):
+    """The worker's side of a claim sent with a report (docs/queue.md, "report and claim")."""
+
+    def ask(self) -> api.ClaimNext | None:
+        """The claim to send with a report now, its slots reserved (None: none wanted). Every
+        ask is given back to `settle`, exactly once, whatever became of the report."""
+
+    def settle(self, ask: api.ClaimNext, claimed: list[api.Claim]) -> None:
+        """The rows the ask claimed (none if its call failed); its reservation ends."""
+
+
 class Completer:
     """Completions made together travel together: whatever is queued while one batch is in
-    flight goes in the next call (`POST /v1/queue/complete`, one commit for all)."""
+    flight goes in the next call (`POST /v1/queue/complete`, one commit for all), with the
+    worker's next claim if it wants one (`along`)."""
 
     #: The server's per-call cap.
     MAX_BATCH = 1000
 
-    def __init__(self, client: api.QueueHost) -> None:
+    def __init__(self, client: api.QueueHost, along: ClaimAlong | None = None) -> None:
         self._client = client
+        self._along = along
         #: (completion, its request's workspace, the future of its outcome)
         self._queued: list[tuple[dict[str, Any], str, asyncio.Future[api.CompletionOutcome]]] = []
         self._sender: asyncio.Task[None] | None = None
@@ -127,32 +141,57 @@ class Completer:
         if outcome.error is not None:
             raise outcome.error
 
+    @property
+    def holds_unsent(self) -> bool:
+        """Completions queued and not yet sent: the next call goes out soon, and carries the
+        worker's claim if it wants one (so the worker need not claim on its own)."""
+        return bool(self._queued)
+
     async def _send(self) -> None:
         await asyncio.sleep(0)  # gather everything completed in this tick
         while self._queued:
             batch = self._queued[: self.MAX_BATCH]
             del self._queued[: self.MAX_BATCH]
+            ask = None if self._along is None else self._along.ask()
+            claimed: list[api.Claim] = []
             try:
-                outcomes = await api.complete_many(self._client, [item for item, _, _ in batch])
+                items = [item for item, _, _ in batch]
+                if ask is None:
+                    outcomes = await api.complete_many(self._client, items)
+                else:
+                    reported = await api.complete_many(self._client, items, claim_next=ask)
+                    outcomes, claimed = reported.outcomes, reported.claimed
             except InvalidRequestError:
                 # The batch route refused the batch as a whole (a result over a smaller server
                 # threshold, say): complete one by one, so one item cannot sink the others.
+                # A refused batch wrote nothing, its claim neither.
                 outcomes = [await self._complete_alone(ws, item) for item, ws, _ in batch]
             except WorkspaceError as exc:
+                self._settle(ask, [])
                 for _, _, future in batch:
                     if not future.done():
                         future.set_exception(exc)
                 continue
             except BaseException as exc:
+                # Abandoned (the drain deadline): rows its claim leased, if it committed, are
+                # leased to nobody and re-drive after the lease, as a claim whose answer was lost.
+                self._settle(ask, [])
                 for _, _, future in batch:
                     if not future.done():
                         future.set_exception(
                             WorkspaceError("completion_aborted", f"{type(exc).__name__}")
                         )
                 raise
+            # The claimed rows start before the stages that reported hear back: a stage's task
+            # ends on its answer, and a drain waiting on the tasks must see the new ones.
+            self._settle(ask, claimed)
             for (_, _, future), outcome in zip(batch, outcomes, strict=True):
                 if not future.done():
                     future.set_result(outcome)
+
+    def _settle(self, ask: api.ClaimNext | None, claimed: list[api.Claim]) -> None:
+        if ask is not None and self._along is not None:
+            self._along.settle(ask, claimed)
 
     async def _complete_alone(
         self, workspace_id: str, item: dict[str, Any]

@@ -12,7 +12,7 @@ import math
 from typing import TYPE_CHECKING, Any, Literal
 
 from cv_workspace_client import _queue_holder as api
-from cv_workspace_client._worker_io import Completer
+from cv_workspace_client._worker_io import ClaimAlong, Completer
 from cv_workspace_client.errors import InvalidRequestError, WorkspaceError
 from cv_workspace_client.stage import LeaseLostError
 
@@ -34,8 +34,10 @@ class Reporter:
         stats: WorkerStats,
         *,
         batch_result_max_bytes: int,
+        along: ClaimAlong | None = None,
     ) -> None:
         self._client = client
+        self._along = along
         self._completer = completer
         self.stats = stats
         self._batch_result_max_bytes = batch_result_max_bytes
@@ -136,11 +138,30 @@ class Reporter:
         self.stats.expected_errors += 1
 
     async def failure(self, claimed: api.Claim, error: dict[str, Any]) -> None:
+        """Report an unexpected error, with the worker's next claim if it wants one (`along`):
+        a refused report still claims (docs/queue.md)."""
         row = claimed.request
+        ask = None if self._along is None else self._along.ask()
+        taken: list[api.Claim] = []
         try:
-            status, _ = await api.fail(
-                self._client, row.workspace_id, row.request_id, claimed.claim_token, error
-            )
+            if ask is None:
+                status, _ = await api.fail(
+                    self._client, row.workspace_id, row.request_id, claimed.claim_token, error
+                )
+            else:
+                reported = await api.fail(
+                    self._client,
+                    row.workspace_id,
+                    row.request_id,
+                    claimed.claim_token,
+                    error,
+                    claim_next=ask,
+                )
+                taken = reported.claimed
+                [outcome] = reported.outcomes
+                if outcome.error is not None:
+                    raise outcome.error
+                status = str(outcome.status)
         except LeaseLostError:
             self.lease_lost(row, "its failure report was refused")
             return
@@ -148,6 +169,9 @@ class Reporter:
             # The lease lapses and the row re-drives: the failure is retried all the same.
             logger.warning("could not report the failure of %s: %s", row.request_id, exc)
             return
+        finally:
+            if ask is not None and self._along is not None:
+                self._along.settle(ask, taken)
         self.stats.failed += 1
         logger.info("request %s failed, now %s", row.request_id, status)
 

@@ -4,6 +4,7 @@ outcomes, claims. Pure data: no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -13,6 +14,7 @@ __all__ = [
     "FINISHED_STATUSES",
     "STATUSES",
     "Claim",
+    "ClaimNext",
     "CompletionOutcome",
     "EnqueueItem",
     "EnqueuedRequest",
@@ -20,6 +22,7 @@ __all__ = [
     "QueuedRequest",
     "RequestOutcome",
     "RequestStatus",
+    "ThenClaimed",
 ]
 
 RequestStatus = Literal["pending", "in_progress", "done", "poison", "cancelled"]
@@ -226,3 +229,36 @@ class CompletionOutcome:
     request_id: str
     status: str | None = None
     error: WorkspaceError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimNext:
+    """A claim sent along with a report (`complete`, `complete_many`, `fail` with
+    `claim_next=`): the body of `POST /v1/queue/claim`, committed in the report's transaction
+    (docs/queue.md, "report and claim")."""
+
+    worker_classes: Sequence[str]
+    worker_id: str
+    limit: int = 1
+
+    def __post_init__(self) -> None:
+        if self.limit < 1:
+            raise ValueError("limit must be >= 1")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "worker_classes": list(self.worker_classes),
+            "worker_id": self.worker_id,
+            "limit": self.limit,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ThenClaimed:
+    """A report and the claim sent with it: one outcome per report, in order (the new status,
+    or the error that refused it — a refused report does not stop the claim), and the requests
+    claimed. `available_at` is a `fail`'s: when the request is claimable again."""
+
+    outcomes: list[CompletionOutcome]
+    claimed: list[Claim]
+    available_at: float | None = None

@@ -11,9 +11,11 @@ async with WorkspaceClient(url, token=token, outbox="worker.outbox.db") as clien
 The loop, in order of the rules it keeps:
 
 - **Claim** requests of all its stages' worker classes, as many as it has free slots
-  (`concurrency`, default 1), in one call; a stage whose report awaits the server's answer has
-  given its slot back, so the next claim overlaps that answer. When there is nothing, wait
-  100 ms doubling to 2 s, woken early by the server's `/v1/queue/pending` push.
+  (`concurrency`, default 1), in one call. A slot freed by a stage whose report is about to go
+  out is claimed by that report (`claim_next`: the report and the claim in one call, one
+  commit), so a busy worker makes one round trip per request. Claimed rows start at once:
+  nothing is claimed ahead of a free slot. When there is nothing, wait 100 ms doubling to 2 s,
+  woken early by the server's `/v1/queue/pending` push.
 - **Run** each under a heartbeat (every 60 s). A heartbeat answered `lease_lost` marks the
   context (`ensure_lease()` / `apply_op` raise `LeaseLostError`), cancels the handler and
   completes nothing: another worker re-drove the request (River #1302). A heartbeat answered
@@ -54,7 +56,7 @@ from cv_workspace_client._stage_outcome import (
     expected_payload,
     is_final_answer,
 )
-from cv_workspace_client._worker_io import Completer, Heartbeat
+from cv_workspace_client._worker_io import ClaimAlong, Completer, Heartbeat
 from cv_workspace_client._worker_parts import RunMeter, SingleFlight, TtlCache, request_key
 from cv_workspace_client._worker_report import Reporter
 from cv_workspace_client.errors import (
@@ -180,12 +182,14 @@ class Worker:
         self.stats = WorkerStats()
         self._cache: TtlCache[str] = TtlCache(self.config.cache_entries, self.config.clock)
         self._flight: SingleFlight[str] = SingleFlight()
-        self._completer = Completer(client)
+        along = _Along(self)
+        self._completer = Completer(client, along)
         self._report = Reporter(
             client,
             self._completer,
             self.stats,
             batch_result_max_bytes=self.config.batch_result_max_bytes,
+            along=along,
         )
         self._stopping = asyncio.Event()
         self._slot_freed = asyncio.Event()
@@ -193,6 +197,11 @@ class Worker:
         #: Stages running now (a stage whose outcome awaits the server's ack no longer counts:
         #: the next claim overlaps that ack; at most `concurrency` more await theirs).
         self._running = 0
+        #: Slots promised to claims in flight (the claim loop's, or one sent with a report).
+        self._reserved = 0
+        #: A claim sent with a report found less work than it asked for: the loop waits for a
+        #: push before it claims again (the same call would find the same nothing).
+        self._came_back_short = False
         #: `time.monotonic()` of the first `stop()`: where the drain deadline starts.
         self._stop_requested_at: float | None = None
 
@@ -233,15 +242,28 @@ class Worker:
     async def _claim_loop(self) -> WorkspaceError | None:
         delay = self.config.idle_initial_seconds
         while not self._stopping.is_set():
-            concurrency = self.config.concurrency
-            free = min(concurrency - self._running, 2 * concurrency - len(self._tasks))
-            if free <= 0:
+            free = self._free_slots()
+            # Completions about to go out claim the freed slots themselves (`_Along`).
+            if free <= 0 or self._completer.holds_unsent:
                 self._slot_freed.clear()
-                await self._slot_freed.wait()  # a stage ended, or stop()
+                await self._slot_freed.wait()  # a stage ended, a claim settled, or stop()
                 await asyncio.sleep(0)  # let every stage finishing in this tick free its slot
                 continue
+            if self._came_back_short:
+                self._came_back_short = False
+                pushed = await self._idle_wait(delay)
+                delay = (
+                    self.config.idle_initial_seconds
+                    if pushed
+                    else min(delay * 2, self.config.idle_max_seconds)
+                )
+                continue
             try:
-                claims = await self._claim(free)
+                self._reserved += free
+                try:
+                    claims = await self._claim(free)
+                finally:
+                    self._reserved -= free
             except (AuthError, ForbiddenError) as exc:
                 logger.error("worker %s: the server refused the token: %s", self.worker_id, exc)
                 return exc
@@ -260,12 +282,7 @@ class Worker:
                 await self._until(asyncio.sleep(delay))
                 delay = min(delay * 2, self.config.idle_max_seconds)
                 continue
-            for claimed in claims:  # even when stopping: a claimed row is ours to run
-                self.stats.claimed += 1
-                slot = _Slot(self)
-                task = asyncio.create_task(self._execute(claimed, slot))
-                self._tasks.add(task)
-                task.add_done_callback(functools.partial(self._task_done, slot))
+            self._start(claims)
             if claims:
                 delay = self.config.idle_initial_seconds
                 continue
@@ -276,6 +293,25 @@ class Worker:
                 else min(delay * 2, self.config.idle_max_seconds)
             )
         return None
+
+    def _free_slots(self) -> int:
+        """Slots no stage holds and no claim in flight has promised: stages run at most
+        `concurrency` at once, and at most `concurrency` more await their report's answer."""
+        concurrency = self.config.concurrency
+        return min(
+            concurrency - self._running - self._reserved,
+            2 * concurrency - len(self._tasks) - self._reserved,
+        )
+
+    def _start(self, claims: list[api.Claim]) -> None:
+        """Run each claimed row now (even when stopping: a claimed row is ours to run, and is
+        never held unstarted until its lease lapses)."""
+        for claimed in claims:
+            self.stats.claimed += 1
+            slot = _Slot(self)
+            task = asyncio.create_task(self._execute(claimed, slot))
+            self._tasks.add(task)
+            task.add_done_callback(functools.partial(self._task_done, slot))
 
     def _drain_left(self) -> float:
         """Seconds left of the drain deadline (its full length before any `stop()`)."""
@@ -355,27 +391,41 @@ class Worker:
         re-drive after their lease — nothing is acknowledged that did not happen)."""
         loop = asyncio.get_running_loop()
         # From `stop()` on (a claim in flight may have used part of it), or from now.
-        left = self._drain_left()
-        deadline = loop.time() + left
-        if self._tasks:
-            _, pending = await asyncio.wait(set(self._tasks), timeout=left)
-            if pending:
-                self.stats.cancelled_at_drain += len(pending)
-                logger.warning(
-                    "worker %s: drain deadline passed; cancelling %d stage(s), their requests "
-                    "re-drive after the lease",
-                    self.worker_id,
-                    len(pending),
-                )
-                for task in pending:
-                    task.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-        # The completions already handed to the completer get what is left of the same
-        # deadline: one whose answer never comes (a stalled server or link) otherwise held the
-        # drain for the client's whole request timeout and retries. Abandoned, it was either
-        # committed (the row is done) or not (the lease lapses and the row re-drives): never a
-        # completion of work that did not happen.
-        await self._completer.close(max(0.0, deadline - loop.time()))
+        deadline = loop.time() + self._drain_left()
+        # A report sent before `stop()` may bring rows its claim took: they start at once and
+        # are drained like the others (`tests/worker/test_worker_claim_next.py` pins it), so
+        # the drain goes round until no stage is left. No claim is sent once stopping.
+        while True:
+            await self._finish_stages(deadline)
+            # The completions already handed to the completer get what is left of the same
+            # deadline: one whose answer never comes (a stalled server or link) otherwise held
+            # the drain for the client's whole request timeout and retries. Abandoned, it was
+            # either committed (the row is done) or not (the lease lapses and the row
+            # re-drives): never a completion of work that did not happen.
+            await self._completer.close(max(0.0, deadline - loop.time()))
+            if not self._tasks:
+                return
+
+    async def _finish_stages(self, deadline: float) -> None:
+        """Wait for every stage (those started meanwhile too) until `deadline`; past it cancel
+        what still runs (its request re-drives after the lease)."""
+        loop = asyncio.get_running_loop()
+        while self._tasks:
+            _, pending = await asyncio.wait(
+                set(self._tasks), timeout=max(0.0, deadline - loop.time())
+            )
+            if not pending:
+                continue
+            self.stats.cancelled_at_drain += len(pending)
+            logger.warning(
+                "worker %s: drain deadline passed; cancelling %d stage(s), their requests "
+                "re-drive after the lease",
+                self.worker_id,
+                len(pending),
+            )
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     # -- one request -------------------------------------------------------------------------------
 
@@ -550,6 +600,32 @@ class Worker:
             return "result", await run_handler(), cache, False
         value, shared = await self._flight.run(key, run_handler)
         return "result", value, cache, shared
+
+
+class _Along(ClaimAlong):
+    """The worker's next claim, sent with a report when the worker would claim anyway: the
+    slots no stage holds nor any claim in flight has promised, none once stopping."""
+
+    __slots__ = ("_worker",)
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+
+    def ask(self) -> api.ClaimNext | None:
+        worker = self._worker
+        free = worker._free_slots()
+        if worker.stopping or free <= 0:
+            return None
+        worker._reserved += free
+        return api.ClaimNext(worker.worker_classes, worker.worker_id, limit=free)
+
+    def settle(self, ask: api.ClaimNext, claimed: list[api.Claim]) -> None:
+        worker = self._worker
+        worker._reserved -= ask.limit
+        worker._start(claimed)
+        if len(claimed) < ask.limit:
+            worker._came_back_short = True
+        worker._slot_freed.set()
 
 
 class _Slot:
