@@ -221,8 +221,9 @@ async def readyz(request: web.Request) -> web.Response:
     if not state.ready or state.shutting_down:
         raise Problem(503, "unavailable", "not ready")
     # A load balancer routes by this answer. While the database is unreachable every route
-    # answers 5xx, so the instance is not ready (it used to say "ready" regardless); /healthz
-    # stays 200, since a restart would not bring the database back. One cheap read; no timeout
+    # answers 5xx, so the instance is not ready (tests/acceptance/
+    # test_postgres_connection_chaos.py); /healthz stays 200, since a restart would not bring the
+    # database back. One cheap read; no timeout
     # of our own (none is configured): the prober's own timeout bounds a hung one, and on
     # PostgreSQL the statement_timeout guard does.
     try:

@@ -211,11 +211,10 @@ def claim_sql(restricted: bool) -> str:
     channel, $9 instance id.
 
     One statement, one implicit transaction, one round trip, of the same size whatever the
-    number of classes and workspaces: the scope travels as two arrays. (It used to be spelled
-    with one probe per class and workspace, each its own CTE and parameters: a worker naming
-    thousands of classes, or a token covering a thousand workspaces, made a statement the
-    server could not plan within the 5 s statement_timeout, or at all - "stack depth limit
-    exceeded" - so the claim answered 500 and such a worker could never claim.)
+    number of classes and workspaces: the scope travels as two arrays, so a worker naming
+    thousands of classes, or a token covering thousands of workspaces, gets a statement the
+    server plans within its statement_timeout
+    (tests/worker/test_lease_lifecycle.py::test_a_claim_naming_thousands_of_classes_is_served_not_a_server_error).
 
     - one pending probe per class (and per allowed workspace), a LATERAL index walk of its
       partial index in claimable-since order that stops after `limit` rows;
