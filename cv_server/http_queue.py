@@ -20,7 +20,8 @@ import json
 import math
 import secrets
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -79,6 +80,8 @@ from cv_server.queue.model import fence, input_differs
 from cv_server.security import authenticate, authorize
 
 __all__ = ["routes"]
+
+T = TypeVar("T")
 
 routes = web.RouteTableDef()
 
@@ -245,18 +248,40 @@ async def enqueue(request: web.Request) -> web.Response:
     authorize(request, workspace_id)
     raw, body = await _json_body(request)
     req, rerun = _new_request(workspace_id, body, request.app[CONFIG].max_dequeues)
+    queue = request.app[STORES].queue
+    enqueued = await _once_per_key(
+        request,
+        workspace_id,
+        raw,
+        lambda key: queue.enqueue(req, now=None, rerun=rerun, idempotency=key),
+        lambda answer: StoredResponse(202, _enqueue_answer(answer, req)),
+    )
+    if isinstance(enqueued, web.Response):  # the key's stored answer
+        return enqueued
+    _count_coalesced(request, enqueued)
+    return web.json_response(_enqueue_answer(enqueued, req), status=202)
+
+
+async def _once_per_key(
+    request: web.Request,
+    workspace_id: str,
+    raw: bytes,
+    write: Callable[[KeyCompletion[T] | None], Awaitable[T]],
+    respond: Callable[[T], StoredResponse],
+) -> T | web.Response:
+    """`write` under the request's `Idempotency-Key`, if any (docs/queue.md): the value it
+    committed, the key's answer completed in the same transaction; or, for a key already
+    answered, that stored answer, replayed. A `QueueError` becomes its problem."""
     stores = request.app[STORES]
     key = request.headers.get("Idempotency-Key")
     if key is None:
         try:
-            enqueued = await stores.queue.enqueue(req, now=None, rerun=rerun)
+            return await write(None)
         except QueueError as exc:
             raise queue_problem(exc) from None
-        _count_coalesced(request, enqueued)
-        return web.json_response(_enqueue_answer(enqueued, req), status=202)
 
     # Printable text only: a header that is not UTF-8 reaches us with lone surrogates, which no
-    # store can encode (the enqueue answered 500, and clients retry a 500).
+    # store can encode; it is refused as a 422, never a 500 that clients would retry.
     if not 0 < len(key) <= 255 or not key.isprintable():
         raise Problem(422, "invalid_field", "Idempotency-Key must be 1..255 printable chars")
     # Fingerprint of the raw bytes as received, scoped to the workspace.
@@ -279,14 +304,10 @@ async def enqueue(request: web.Request) -> web.Response:
     if isinstance(begun, Mismatch):
         raise Problem(422, "idempotency_key_reuse", "the key was used for a different request")
     assert isinstance(begun, Owned)
-    completion = KeyCompletion[Enqueued](
-        workspace_id, key, fingerprint, lambda e: StoredResponse(202, _enqueue_answer(e, req))
-    )
+    completion = KeyCompletion(workspace_id, key, fingerprint, respond)
     try:
         try:
-            enqueued = await stores.queue.enqueue(
-                req, now=None, rerun=rerun, idempotency=completion
-            )
+            return await write(completion)
         except BaseException as exc:
             await stores.idempotency.abandon(workspace_id, key, time.time())
             if isinstance(exc, QueueError):
@@ -297,8 +318,6 @@ async def enqueue(request: web.Request) -> web.Response:
         # a held connection and its advisory lock, and a retry that finds the lock free while
         # the key is still in progress takes it over as the key of a dead owner.
         await begun.release()
-    _count_coalesced(request, enqueued)
-    return web.json_response(_enqueue_answer(enqueued, req), status=202)
 
 
 def _count_coalesced(request: web.Request, enqueued: Enqueued) -> None:
@@ -819,52 +838,16 @@ async def enqueue_batch(request: web.Request) -> web.Response:
     authorize(request, workspace_id)
     raw, body = await _json_body(request)
     batch = _batch_of(workspace_id, body, request.app[CONFIG].max_dequeues)
-    stores = request.app[STORES]
-    key = request.headers.get("Idempotency-Key")
-    if key is None:
-        try:
-            answers = await stores.queue.enqueue_many(batch, now=None)
-        except QueueError as exc:
-            raise queue_problem(exc) from None
-        for enqueued in answers:
-            _count_coalesced(request, enqueued)
-        return web.json_response(_batch_answer(answers, batch), status=202)
-
-    # As the single route: printable text only, the fingerprint of the raw bytes.
-    if not 0 < len(key) <= 255 or not key.isprintable():
-        raise Problem(422, "invalid_field", "Idempotency-Key must be 1..255 printable chars")
-    fingerprint = request_fingerprint("POST", request.path_qs, raw)
-    begun = await stores.idempotency.begin(workspace_id, key, fingerprint, time.time())
-    if isinstance(begun, StoredAnswer):
-        return web.json_response(
-            begun.body, status=begun.status_code, headers={"Idempotency-Replayed": "true"}
-        )
-    if isinstance(begun, InProgress):
-        raise Problem(
-            409,
-            "idempotency_key_in_progress",
-            "the first request with this key is still running",
-            headers={"Retry-After": "1"},
-        )
-    if isinstance(begun, Mismatch):
-        raise Problem(422, "idempotency_key_reuse", "the key was used for a different request")
-    assert isinstance(begun, Owned)
-    completion = KeyCompletion[list[Enqueued]](
+    queue = request.app[STORES].queue
+    answers = await _once_per_key(
+        request,
         workspace_id,
-        key,
-        fingerprint,
-        lambda answers: StoredResponse(202, _batch_answer(answers, batch)),
+        raw,
+        lambda key: queue.enqueue_many(batch, now=None, idempotency=key),
+        lambda done: StoredResponse(202, _batch_answer(done, batch)),
     )
-    try:
-        try:
-            answers = await stores.queue.enqueue_many(batch, now=None, idempotency=completion)
-        except BaseException as exc:
-            await stores.idempotency.abandon(workspace_id, key, time.time())
-            if isinstance(exc, QueueError):
-                raise queue_problem(exc) from None
-            raise
-    finally:
-        await begun.release()  # only after the answer committed (see `enqueue`)
+    if isinstance(answers, web.Response):  # the key's stored answer
+        return answers
     for enqueued in answers:
         _count_coalesced(request, enqueued)
     return web.json_response(_batch_answer(answers, batch), status=202)
