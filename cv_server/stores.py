@@ -7,15 +7,19 @@ and the one error both translate a database they cannot serve into.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import functools
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Any, ParamSpec, TypeAlias, TypeVar
 
 from cv_server.locks.store import ComputeLockStore
 from cv_server.oplog import OpLogStore
 from cv_server.queue import BlobStore, IdempotencyStore, QueueStore
 
-__all__ = ["DatabaseUnusable", "FollowCommits", "FollowSecret", "Stores"]
+__all__ = ["DatabaseUnusable", "FollowCommits", "FollowSecret", "Stores", "translating"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class DatabaseUnusable(RuntimeError):
@@ -23,6 +27,27 @@ class DatabaseUnusable(RuntimeError):
     newer cv-server, unreadable, or refused by PostgreSQL). The message says why and what to do;
     `cv-server` prints it in one line and exits. Each backend translates its driver's errors at
     opening into this (or a subclass of it), so no caller imports a driver to report them."""
+
+
+def translating(
+    driver_error: type[Exception], into: Callable[[str], Exception]
+) -> Callable[[Callable[P, Coroutine[Any, Any, R]]], Callable[P, Coroutine[Any, Any, R]]]:
+    """A decorator for an adapter's opening verbs: `driver_error` raised by the verb comes out as
+    `into(message)` (the driver's message kept, the driver's error chained), so callers never
+    import a driver to report it (tests/server/test_cli_token.py,
+    tests/acceptance/test_lifecycle_edges.py: each refusal is one line)."""
+
+    def decorate(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+        @functools.wraps(fn)
+        async def translated(*args: P.args, **kwargs: P.kwargs) -> R:
+            try:
+                return await fn(*args, **kwargs)
+            except driver_error as exc:
+                raise into(str(exc) or type(exc).__name__) from exc
+
+        return translated
+
+    return decorate
 
 
 #: `await follow(on_head, on_reconnect)`: from now on, call `on_head(workspace_id, sub_doc,

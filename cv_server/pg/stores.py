@@ -17,8 +17,8 @@ import contextlib
 import functools
 import hashlib
 import logging
-from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, Final, NamedTuple, ParamSpec, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Final, NamedTuple
 
 import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
 
@@ -38,7 +38,7 @@ from cv_server.pg.notifier import Notifier, reconnect_delays
 from cv_server.pg.oplog import OPLOG_CHANNEL, PostgresOpLogStore, parse_oplog_payload
 from cv_server.pg.pool import PostgresSettings, close_pool, create_pool
 from cv_server.pg.queue import QUEUE_CHANNEL, PostgresQueueStore
-from cv_server.stores import DatabaseUnusable, Stores
+from cv_server.stores import DatabaseUnusable, Stores, translating
 
 __all__ = [
     "NotSetUp",
@@ -54,24 +54,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def _refusals_translated(
-    fn: Callable[P, Coroutine[Any, Any, R]],
-) -> Callable[P, Coroutine[Any, Any, R]]:
-    """`fn` with asyncpg's server errors raised as `PostgresRefused`: callers that open or set up
-    a deployment (the CLI, the app's start-up) never import asyncpg to report them."""
-
-    @functools.wraps(fn)
-    async def translated(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return await fn(*args, **kwargs)
-        except asyncpg.PostgresError as exc:
-            raise PostgresRefused(str(exc) or type(exc).__name__) from exc
-
-    return translated
+#: The opening verbs' server errors (`asyncpg.PostgresError`), as `PostgresRefused`: callers
+#: that open or set up a deployment (the CLI, the app's start-up) never import asyncpg.
+_refusals_translated = translating(asyncpg.PostgresError, PostgresRefused)
 
 
 #: How long a commit notification waits before it reaches the hub (see `follow_commits`): a

@@ -10,12 +10,10 @@ the driver to report them (pinned by
 
 from __future__ import annotations
 
-import functools
 import os
 import sqlite3
-from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import IO, Any, Final, ParamSpec, TypeVar
+from typing import IO, Final
 
 import sqlite_utils
 
@@ -27,7 +25,7 @@ from cv_server.sqlite import meta
 from cv_server.sqlite import oplog as oplog_sqlite
 from cv_server.sqlite import queue as queue_sqlite
 from cv_server.sqlite.engine import SQLiteDatabase
-from cv_server.stores import DatabaseUnusable, Stores
+from cv_server.stores import DatabaseUnusable, Stores, translating
 
 __all__ = [
     "SQLITE_SCHEMA_VERSION",
@@ -40,23 +38,8 @@ __all__ = [
 #: The SQLite schema this code creates, stamped in the file's `PRAGMA user_version`.
 SQLITE_SCHEMA_VERSION: Final = 1
 
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def _driver_errors_translated(
-    fn: Callable[P, Coroutine[Any, Any, R]],
-) -> Callable[P, Coroutine[Any, Any, R]]:
-    """`fn` with `sqlite3.Error` raised as `DatabaseUnusable` (SQLite's message kept)."""
-
-    @functools.wraps(fn)
-    async def translated(*args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return await fn(*args, **kwargs)
-        except sqlite3.Error as exc:
-            raise DatabaseUnusable(str(exc) or type(exc).__name__) from exc
-
-    return translated
+#: The opening verbs' `sqlite3.Error`, as `DatabaseUnusable` (SQLite's message kept).
+_driver_errors_translated = translating(sqlite3.Error, DatabaseUnusable)
 
 
 def _sqlite_schema(db: sqlite_utils.Database) -> None:
