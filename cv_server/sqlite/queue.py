@@ -266,7 +266,14 @@ def _update(
     by `test_a_rerun_stores_its_input_type_for_type` and
     `test_the_last_error_is_stored_type_for_type`).
     """
-    changed = [c for c in columns if _to_db(c, getattr(before, c)) != _to_db(c, getattr(after, c))]
+    changed = []
+    for column in columns:
+        old, new = getattr(before, column), getattr(after, column)
+        # The same object stores the same (the pure rules build `after` with
+        # `dataclasses.replace`, which keeps every field they do not set): only the others are
+        # serialized to compare.
+        if old is not new and _to_db(column, old) != _to_db(column, new):
+            changed.append(column)
     if not changed:
         return
     assignments = ", ".join(f"{column} = ?" for column in changed)
