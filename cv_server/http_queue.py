@@ -21,7 +21,7 @@ import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import orjson
 from aiohttp import web
@@ -221,20 +221,22 @@ def _new_request(
     return req, rerun
 
 
+#: The enqueue routes' optional header (`_once_per_key`), as the OpenAPI document shows it.
+IDEMPOTENCY_KEY: Final = Param(
+    "Idempotency-Key",
+    {"type": "string", "minLength": 1, "maxLength": 255},
+    "Retry-safe: the first answer is replayed for 24 h",
+    where="header",
+)
+
+
 @routes.post("/v1/workspaces/{ws}/requests")
 @documented(
     Doc(
         "Queue a stage run (or coalesce into the live request of the same id)",
         {202: EnqueueAnswer},
         body=EnqueueBody,
-        params=(
-            Param(
-                "Idempotency-Key",
-                {"type": "string", "minLength": 1, "maxLength": 255},
-                "Retry-safe: the first answer is replayed for 24 h",
-                where="header",
-            ),
-        ),
+        params=(IDEMPOTENCY_KEY,),
         problems={
             409: ("request_id_conflict", "idempotency_key_in_progress", "idempotency_key_lost"),
             422: ("idempotency_key_reuse",),
@@ -815,14 +817,7 @@ def _batch_answer(answers: list[Enqueued], batch: list[EnqueueAsk]) -> dict[str,
         "Queue many stage runs in one commit: one answer per item, in order, as the single route",
         {202: BatchEnqueueResults},
         body=BatchEnqueueBody,
-        params=(
-            Param(
-                "Idempotency-Key",
-                {"type": "string", "minLength": 1, "maxLength": 255},
-                "Retry-safe: the first answer is replayed for 24 h",
-                where="header",
-            ),
-        ),
+        params=(IDEMPOTENCY_KEY,),
         problems={
             409: ("request_id_conflict", "idempotency_key_in_progress", "idempotency_key_lost"),
             422: ("invalid_field", "idempotency_key_reuse"),
