@@ -4,6 +4,7 @@ a missing server is an error instead of a skip."""
 from __future__ import annotations
 
 import os
+import signal
 
 # Imported now, not first by Hypothesis's pytest plugin at the terminal summary: that late
 # import compiles modules, and on CPython 3.11 `ast.parse` there fails with "AST constructor
@@ -12,6 +13,13 @@ import os
 # alone). The full suite imports it early anyway; this makes a partial run behave the same.
 import hypothesis  # noqa: F401
 import pytest
+
+# A suite started in the background of a shell without job control (`nohup ... &`) inherits
+# SIGINT ignored, and an ignored signal stays ignored in every process it starts: their Ctrl-C
+# would do nothing. The processes the Ctrl-C tests start get the default, as from a terminal
+# (tests/server/test_cli_operator.py, tests/worker/test_cli_operator.py).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 POSTGRES_URL = os.environ.get("CV_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REQUIRE_POSTGRES = os.environ.get("CV_REQUIRE_POSTGRES") == "1"
