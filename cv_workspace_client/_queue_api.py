@@ -88,36 +88,9 @@ async def enqueue(
     # retry arrives, a repeat re-opens it once more (the stage runs twice). So a rerun is safe
     # to repeat only under an Idempotency-Key, deterministic id or not.
     safe = (bool(deterministic) and not body.get("rerun", False)) or idempotency_key is not None
-    answer: Any = None
-    replayed = False
     attempts = config.retry_attempts if safe else 1
-    for attempt in range(1, attempts + 1):
-        try:
-            _, answer, answer_headers = await call(
-                host, "POST", path, body=dict(body), headers=headers
-            )
-            replayed = answer_headers.get("Idempotency-Replayed") == "true"
-            break
-        except WorkspaceError as exc:
-            # 409 while the first request with the key is still running — try later.
-            in_progress = exc.code == "idempotency_key_in_progress"
-            if attempt == attempts or not (is_retryable(exc) or in_progress):
-                raise
-            delay = backoff_for(config)(attempt)
-            log_retry(exc, attempt, attempts, delay)
-            await config.sleep(delay)
-    try:
-        return EnqueuedRequest(
-            request_id=str(answer["request_id"]),
-            status=answer["status"],
-            coalesced=bool(answer["coalesced"]),
-            stream_url=str(answer["stream_url"]),
-            replayed=replayed,
-            # A server that predates the member coalesced without saying: False, as then.
-            input_differs=bool(answer.get("input_differs", False)),
-        )
-    except (KeyError, TypeError) as exc:
-        raise ProtocolError("bad_answer", f"enqueue answer: {exc!r}") from None
+    answer, replayed = await _post_enqueue(host, path, dict(body), headers, attempts)
+    return _enqueued(answer, replayed)
 
 
 async def get_request(host: QueueHost, workspace_id: str, request_id: str) -> QueuedRequest:
@@ -408,6 +381,33 @@ async def wait_request(
 # -- batched enqueue -------------------------------------------------------------------------------
 
 
+async def _post_enqueue(
+    host: QueueHost,
+    path: str,
+    payload: dict[str, Any],
+    headers: Mapping[str, str],
+    attempts: int,
+) -> tuple[Any, bool]:
+    """POST an enqueue (single or batched) up to `attempts` times: retried on connection
+    errors, timeouts, 5xx, 429, and while the first request with the key is still running
+    (409 `idempotency_key_in_progress`). The answer, and whether the key replayed it."""
+    config = config_of(host)
+    for attempt in range(1, attempts + 1):
+        try:
+            _, answer, answer_headers = await call(
+                host, "POST", path, body=payload, headers=dict(headers)
+            )
+            return answer, answer_headers.get("Idempotency-Replayed") == "true"
+        except WorkspaceError as exc:
+            in_progress = exc.code == "idempotency_key_in_progress"
+            if attempt == attempts or not (is_retryable(exc) or in_progress):
+                raise
+            delay = backoff_for(config)(attempt)
+            log_retry(exc, attempt, attempts, delay)
+            await config.sleep(delay)
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
 def _enqueued(answer: Any, replayed: bool) -> EnqueuedRequest:
     """One answer of an enqueue (single or batched) as `EnqueuedRequest`."""
     try:
@@ -417,6 +417,7 @@ def _enqueued(answer: Any, replayed: bool) -> EnqueuedRequest:
             coalesced=bool(answer["coalesced"]),
             stream_url=str(answer["stream_url"]),
             replayed=replayed,
+            # A server that predates the member coalesced without saying: False, as then.
             input_differs=bool(answer.get("input_differs", False)),
         )
     except (KeyError, TypeError, AttributeError) as exc:
@@ -438,21 +439,7 @@ async def enqueue_many(
     config = config_of(host)
     payload = {"requests": [dict(body) for body in bodies]}
     headers = {"Idempotency-Key": idempotency_key}
-    attempts = config.retry_attempts
-    for attempt in range(1, attempts + 1):
-        try:
-            _, answer, answer_headers = await call(
-                host, "POST", path, body=payload, headers=headers
-            )
-            break
-        except WorkspaceError as exc:
-            in_progress = exc.code == "idempotency_key_in_progress"
-            if attempt == attempts or not (is_retryable(exc) or in_progress):
-                raise
-            delay = backoff_for(config)(attempt)
-            log_retry(exc, attempt, attempts, delay)
-            await config.sleep(delay)
-    replayed = answer_headers.get("Idempotency-Replayed") == "true"
+    answer, replayed = await _post_enqueue(host, path, payload, headers, config.retry_attempts)
     results = answer.get("results") if isinstance(answer, dict) else None
     if not isinstance(results, list) or len(results) != len(bodies):
         raise ProtocolError("bad_answer", "batch enqueue answer: not one result per request")
