@@ -19,7 +19,7 @@ from typing import Any, cast
 import orjson
 
 from bench._client_outbox import OutboxFigure
-from cv_workspace_client._socket import SocketOwner, WorkspaceSocket
+from cv_workspace_client._io.socket import SocketOwner, WorkspaceSocket
 from cv_workspace_client.models import Committed
 from cv_workspace_client.stream import Subscription
 

@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cv_workspace_client._machine import OutboxMachine, OutboxRow, Send
-from cv_workspace_client._outbox import MemoryOutbox, Outbox, OutboxWrite
-from cv_workspace_client._outbox_sqlite import SQLiteOutbox
+from cv_workspace_client._core.machine import OutboxMachine, OutboxRow, Send
+from cv_workspace_client._outbox.base import MemoryOutbox, Outbox, OutboxWrite
+from cv_workspace_client._outbox.sqlite import SQLiteOutbox
 
 __all__ = ["OutboxFigure", "measure_outbox"]
 

@@ -56,7 +56,7 @@ import psutil  # type: ignore[import-untyped]  # no types-psutil in the dev extr
 
 from bench._procs import MachineLoad, ServerProcess, fsync_probe_ms
 from bench._progress import runs
-from cv_workspace_client._queue_api import QueueClient
+from cv_workspace_client._queue.requester import QueueClient
 from cv_workspace_client.queue_models import EnqueueItem
 
 REPO: Final = Path(__file__).resolve().parents[1]

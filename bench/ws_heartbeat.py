@@ -4,8 +4,8 @@ client in one process, alternated between three set-ups:
 - `off`: no heartbeat on either end;
 - `aiohttp`: aiohttp's `heartbeat=60` on both ends;
 - `shipped`: what runs now: aiohttp's on the server (`ServerConfig.socket_heartbeat_seconds`),
-  the SDK's own on the client (`cv_workspace_client._liveness`: pings answered and pongs seen by
-  the reader, one attribute store per message).
+  the SDK's own on the client (`cv_workspace_client._core.liveness`: pings answered and pongs
+  seen by the reader, one attribute store per message).
 
     .venv/bin/python -m bench.ws_heartbeat [--trips 5000] [--rounds 6]
 
@@ -24,7 +24,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from cv_workspace_client._liveness import Liveness
+from cv_workspace_client._core.liveness import Liveness
 
 HEARTBEAT = 60.0  # the default heartbeat of both ends
 

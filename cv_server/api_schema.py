@@ -1,8 +1,8 @@
 """`python -m cv_server.api_schema --check | --write`: the checked-in `schemas/openapi.json`
-against the document the server's routes generate (`cv_server.openapi`).
+against the document the server's routes generate (`cv_server.http.openapi`).
 
 The shell around the document builder: it builds an app and hands it to `build_document`, so
-`cv_server.openapi` never imports `cv_server.app` (which imports it for `@documented`).
+`cv_server.http.openapi` never imports `cv_server.app` (which imports it for `@documented`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,12 @@ from aiohttp import web
 
 from cv_server.app import create_app
 from cv_server.config import ServerConfig
-from cv_server.openapi import OPENAPI_PATH, build_document, render_document, undocumented_routes
+from cv_server.http.openapi import (
+    OPENAPI_PATH,
+    build_document,
+    render_document,
+    undocumented_routes,
+)
 
 __all__ = ["main"]
 

@@ -13,21 +13,15 @@ from typing import Any, Final
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from cv_server import (
-    http_dashboard,
-    http_docs,
-    http_listings,
-    http_locks,
-    http_queue,
-    http_queue_operators,
-    http_results,
-    http_socket,
-    observe,
-)
-from cv_server.api_models import Health, Ready
+from cv_server import observe
 from cv_server.backends import open_stores
 from cv_server.config import ServerConfig
-from cv_server.http_ratelimit import RateLimits, rate_limit_middleware
+from cv_server.http.models import Health, Ready
+from cv_server.http.openapi import Doc, Media, build_document, documented, render_docs_page
+from cv_server.http.problems import Problem, problem_response
+from cv_server.http.ratelimit import RateLimits, rate_limit_middleware
+from cv_server.http.routes import ROUTE_TABLES
+from cv_server.http.security import TokenSecret
 from cv_server.hub import Connection, Hub
 from cv_server.keys import (
     CONFIG,
@@ -43,9 +37,6 @@ from cv_server.keys import (
     ServerState,
 )
 from cv_server.metrics import CONTENT_TYPE, Metrics
-from cv_server.openapi import Doc, Media, build_document, documented, render_docs_page
-from cv_server.problems import Problem, problem_response
-from cv_server.security import TokenSecret
 from cv_server.stores import Stores
 from cv_server.waiters import Waiters, WorkSignals
 
@@ -303,12 +294,6 @@ def create_app(config: ServerConfig) -> web.Application:
     app.on_shutdown.append(_on_shutdown)
     app.on_response_prepare.append(observe.echo_request_id)
     app.add_routes(routes)
-    app.add_routes(http_docs.routes)
-    app.add_routes(http_socket.routes)
-    app.add_routes(http_queue.routes)
-    app.add_routes(http_results.routes)
-    app.add_routes(http_queue_operators.routes)
-    app.add_routes(http_locks.routes)
-    app.add_routes(http_listings.routes)
-    app.add_routes(http_dashboard.routes)
+    for table in ROUTE_TABLES:
+        app.add_routes(table)
     return app

@@ -18,8 +18,8 @@ from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from cv_server.http.problems import PROBLEM_BASE, Problem, problem_response
 from cv_server.keys import CONFIG
-from cv_server.problems import PROBLEM_BASE, Problem, problem_response
 
 __all__ = ["ServerRunner", "parser_problem"]
 

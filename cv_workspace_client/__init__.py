@@ -23,9 +23,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from cv_workspace_client._auth import TokenProvider
-from cv_workspace_client._queue_api import QueueClient
-from cv_workspace_client._reconnect import ReconnectPolicy
+from cv_workspace_client._core.reconnect import ReconnectPolicy
+from cv_workspace_client._io.auth import TokenProvider
+from cv_workspace_client._queue.requester import QueueClient
 from cv_workspace_client.client import WorkspaceClient
 from cv_workspace_client.compute import ComputeResult, LockExpiringError, compute_once
 from cv_workspace_client.config import ClientConfig

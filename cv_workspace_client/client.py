@@ -26,24 +26,24 @@ from cv_mutations import (
     new_op_id,
     parse_op,
 )
-from cv_workspace_client._auth import RefreshPolicy, TokenProvider, TokenRefresher
-from cv_workspace_client._discard import retrieve, settle_discard
-from cv_workspace_client._http import HttpApi
-from cv_workspace_client._machine import (
+from cv_workspace_client._core.machine import (
     BacklogRange,
     Discard,
     OutboxMachine,
     OutboxRow,
 )
-from cv_workspace_client._outbox import MemoryOutbox, Outbox, OutboxWrite
-from cv_workspace_client._outbox_sqlite import SQLiteOutbox
-from cv_workspace_client._pump import OpLike, OpPump
-from cv_workspace_client._queue_api import QueueMethods
-from cv_workspace_client._reads import Reads, check_ids
-from cv_workspace_client._retry import backoff_for, reconnect_policy_for
-from cv_workspace_client._socket import WorkspaceSocket
-from cv_workspace_client._status import SyncSignals
-from cv_workspace_client._url import check_server_url
+from cv_workspace_client._core.url import check_server_url
+from cv_workspace_client._io.auth import RefreshPolicy, TokenProvider, TokenRefresher
+from cv_workspace_client._io.http import HttpApi
+from cv_workspace_client._io.pump import OpLike, OpPump
+from cv_workspace_client._io.reads import Reads, check_ids
+from cv_workspace_client._io.retry import backoff_for, reconnect_policy_for
+from cv_workspace_client._io.socket import WorkspaceSocket
+from cv_workspace_client._io.status import SyncSignals
+from cv_workspace_client._outbox.base import MemoryOutbox, Outbox, OutboxWrite
+from cv_workspace_client._outbox.discard import retrieve, settle_discard
+from cv_workspace_client._outbox.sqlite import SQLiteOutbox
+from cv_workspace_client._queue.requester import QueueMethods
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
     ClientClosedError,

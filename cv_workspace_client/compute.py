@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import quote
 
-from cv_workspace_client._http import HttpApi
-from cv_workspace_client._retry import retrying
+from cv_workspace_client._io.http import HttpApi
+from cv_workspace_client._io.retry import retrying
 from cv_workspace_client.client import WorkspaceClient
 from cv_workspace_client.errors import ProtocolError, WorkspaceError
 

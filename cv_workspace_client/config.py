@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from cv_workspace_client._reconnect import AFTER_DROP_SECONDS, ReconnectPolicy
+from cv_workspace_client._core.reconnect import AFTER_DROP_SECONDS, ReconnectPolicy
 
 __all__ = ["ClientConfig"]
 

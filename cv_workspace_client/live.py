@@ -49,9 +49,9 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from cv_mutations import Op, SubDocState
-from cv_workspace_client._optimistic import Diverged, OptimisticDoc
-from cv_workspace_client._pump import as_op
-from cv_workspace_client._retry import retrying
+from cv_workspace_client._core.optimistic import Diverged, OptimisticDoc
+from cv_workspace_client._io.pump import as_op
+from cv_workspace_client._io.retry import retrying
 from cv_workspace_client.client import WorkspaceClient
 from cv_workspace_client.errors import (
     InvalidRequestError,

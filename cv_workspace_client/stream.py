@@ -12,7 +12,7 @@ from collections import deque
 from typing import Any, Protocol
 
 from cv_mutations import InvalidOp, parse_op
-from cv_workspace_client._subscription import ResumeTracker, Verdict
+from cv_workspace_client._core.subscription import ResumeTracker, Verdict
 from cv_workspace_client.errors import InvalidRequestError, ProtocolError, WorkspaceError
 from cv_workspace_client.models import Committed
 

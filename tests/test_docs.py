@@ -19,8 +19,8 @@ import pytest
 
 from cv_mutations import REJECTION_CODES, parse_op
 from cv_server import ServerConfig
+from cv_server.http.problems import CODES, Problem
 from cv_server.oplog.pipeline import ATOMIC_ABORTED, OP_ID_REUSE
-from cv_server.problems import CODES, Problem
 from cv_workspace_client import ClientConfig, WorkerConfig
 
 REPO = Path(__file__).resolve().parents[1]

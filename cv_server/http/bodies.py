@@ -20,8 +20,8 @@ from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from cv_server.http.problems import Problem
 from cv_server.keys import CONFIG
-from cv_server.problems import Problem
 
 __all__ = ["ACCEPTED_ENCODINGS", "decode_body", "read_body"]
 

@@ -16,8 +16,8 @@ from typing import Final
 
 from aiohttp import web
 
-from cv_server.openapi import Doc, Media, documented
-from cv_server.problems import Problem
+from cv_server.http.openapi import Doc, Media, documented
+from cv_server.http.problems import Problem
 
 __all__ = ["ASSETS", "CONTENT_SECURITY_POLICY", "routes"]
 

@@ -7,14 +7,14 @@ import asyncio
 import orjson
 from aiohttp import web
 
-from cv_server.api_models import ApplyBody, ApplyResults, DocState, OpsPage
-from cv_server.bodies import read_body
-from cv_server.inputs import MAX_CLOCK, check_ids, decode_json, parse_apply_body
+from cv_server.http.bodies import read_body
+from cv_server.http.inputs import MAX_CLOCK, check_ids, decode_json, parse_apply_body
+from cv_server.http.models import ApplyBody, ApplyResults, DocState, OpsPage
+from cv_server.http.openapi import Doc, Param, documented
+from cv_server.http.problems import Problem
+from cv_server.http.security import authorize
 from cv_server.keys import CONFIG, HUB, METRICS, STORES
-from cv_server.openapi import Doc, Param, documented
 from cv_server.oplog import IncomingOp, LogEntry, Outcome
-from cv_server.problems import Problem
-from cv_server.security import authorize
 
 __all__ = ["commit_and_publish", "routes"]
 

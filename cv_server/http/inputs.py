@@ -11,8 +11,8 @@ from typing import Any, Final
 import orjson
 
 from cv_mutations import InvalidOp, fingerprint, is_valid_sub_doc, is_valid_workspace_id, parse_op
+from cv_server.http.problems import Problem
 from cv_server.oplog import IncomingOp
-from cv_server.problems import Problem
 
 __all__ = ["MAX_CLOCK", "check_ids", "check_since", "decode_json", "parse_apply_body", "parse_ops"]
 

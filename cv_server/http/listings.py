@@ -21,12 +21,12 @@ import orjson
 from aiohttp import web
 
 from cv_mutations import is_valid_sub_doc
-from cv_server.api_models import DocList, LockList
-from cv_server.inputs import check_ids
+from cv_server.http.inputs import check_ids
+from cv_server.http.models import DocList, LockList
+from cv_server.http.openapi import Doc, Param, documented
+from cv_server.http.problems import Problem
+from cv_server.http.security import authorize
 from cv_server.keys import CONFIG, STORES
-from cv_server.openapi import Doc, Param, documented
-from cv_server.problems import Problem
-from cv_server.security import authorize
 
 __all__ = ["MAX_PAGE", "routes"]
 

@@ -19,7 +19,9 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from cv_server.api_models import (
+from cv_server.http.bodies import read_body
+from cv_server.http.inputs import check_ids, decode_json
+from cv_server.http.models import (
     LockAcquireBody,
     LockAcquired,
     LockLocked,
@@ -27,12 +29,10 @@ from cv_server.api_models import (
     LockReleased,
     parse_body,
 )
-from cv_server.bodies import read_body
-from cv_server.inputs import check_ids, decode_json
+from cv_server.http.openapi import Doc, documented
+from cv_server.http.security import authorize
 from cv_server.keys import CONFIG, METRICS, STORES
 from cv_server.locks.store import Acquired
-from cv_server.openapi import Doc, documented
-from cv_server.security import authorize
 
 __all__ = ["routes"]
 

@@ -1,5 +1,5 @@
 """The bodies of the HTTP API as pydantic models: what the routes parse requests with, and what
-the OpenAPI document (`cv_server.openapi`, `GET /openapi.json`) is generated from.
+the OpenAPI document (`cv_server.http.openapi`, `GET /openapi.json`) is generated from.
 
 Request models are strict (JSON types as sent: `"1"` is not an integer, `1` is not a boolean).
 Response models describe the answers the routes build; the schemathesis test
@@ -13,7 +13,7 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from cv_mutations import Op
-from cv_server.problems import Problem
+from cv_server.http.problems import Problem
 
 __all__ = [
     "BATCH_ITEMS_MAX",

@@ -1,5 +1,5 @@
 """The OpenAPI 3.1 document of the HTTP API, generated from the app's own routes and the pydantic
-models they parse with (`cv_server.api_models`): served at `GET /openapi.json`, rendered for
+models they parse with (`cv_server.http.models`): served at `GET /openapi.json`, rendered for
 people at `GET /docs`, checked in as `schemas/openapi.json` (`python -m cv_server.api_schema
 --check` fails when it drifts; `--write` regenerates it).
 
@@ -25,8 +25,8 @@ from aiohttp import web
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from cv_server.api_models import ProblemDetails
-from cv_server.problems import CODES
+from cv_server.http.models import ProblemDetails
+from cv_server.http.problems import CODES
 
 __all__ = [
     "OPENAPI_PATH",

@@ -26,7 +26,10 @@ from typing import Any, Final, TypeVar
 import orjson
 from aiohttp import web
 
-from cv_server.api_models import (
+from cv_server.auth import TokenClaims
+from cv_server.http.bodies import read_body
+from cv_server.http.inputs import check_ids, decode_json
+from cv_server.http.models import (
     BATCH_ITEMS_MAX,
     BatchCompleteBody,
     BatchCompleteClaimed,
@@ -51,13 +54,11 @@ from cv_server.api_models import (
     RefusedClaimed,
     parse_body,
 )
-from cv_server.auth import TokenClaims
-from cv_server.bodies import read_body
-from cv_server.inputs import check_ids, decode_json
+from cv_server.http.openapi import Doc, Media, Param, documented
+from cv_server.http.problems import Problem
+from cv_server.http.security import authenticate, authorize
 from cv_server.keys import CONFIG, METRICS, STORES, WAITERS, WORK_SIGNALS
 from cv_server.observe import log_coalesced
-from cv_server.openapi import Doc, Media, Param, documented
-from cv_server.problems import Problem
 from cv_server.queue import (
     ClaimAsk,
     Completion,
@@ -77,7 +78,6 @@ from cv_server.queue import (
     request_fingerprint,
 )
 from cv_server.queue.model import fence, input_differs
-from cv_server.security import authenticate, authorize
 
 __all__ = ["routes"]
 

@@ -8,13 +8,13 @@ import math
 from aiohttp import web
 
 from cv_mutations import is_valid_workspace_id
-from cv_server.api_models import QueueRequest, RequestList
-from cv_server.http_queue import NOT_FOUND_PROBLEMS, queue_problem, row_json, row_of, storable
+from cv_server.http.models import QueueRequest, RequestList
+from cv_server.http.openapi import Doc, Param, documented
+from cv_server.http.problems import Problem
+from cv_server.http.queue import NOT_FOUND_PROBLEMS, queue_problem, row_json, row_of, storable
+from cv_server.http.security import authenticate
 from cv_server.keys import STORES
-from cv_server.openapi import Doc, Param, documented
-from cv_server.problems import Problem
 from cv_server.queue import STATUSES, QueueError
-from cv_server.security import authenticate
 
 __all__ = ["routes"]
 

@@ -16,8 +16,9 @@ from typing import Final
 from aiohttp import web
 
 from cv_server.config import ServerConfig
+from cv_server.http.problems import Problem, problem_response
+from cv_server.http.security import authenticate, bearer_token
 from cv_server.keys import METRICS, RATE_LIMITS
-from cv_server.problems import Problem, problem_response
 from cv_server.ratelimit import (
     ROUTE_CLASSES,
     Rate,
@@ -26,7 +27,6 @@ from cv_server.ratelimit import (
     buckets_for,
     retry_after_header,
 )
-from cv_server.security import authenticate, bearer_token
 
 __all__ = ["ROUTE_CLASS_OF", "RateLimits", "rate_limit_middleware", "rates_of"]
 

@@ -17,22 +17,22 @@ from typing import Final
 import orjson
 from aiohttp import web
 
-from cv_server.api_models import UploadAnswer
-from cv_server.bodies import read_body
-from cv_server.http_queue import (
+from cv_server.http.bodies import read_body
+from cv_server.http.inputs import check_ids
+from cv_server.http.models import UploadAnswer
+from cv_server.http.openapi import Doc, Media, Param, documented
+from cv_server.http.problems import Problem
+from cv_server.http.queue import (
     HOLDER_PROBLEMS,
     NOT_FOUND_PROBLEMS,
     queue_problem,
     row_of,
     storable,
 )
-from cv_server.inputs import check_ids
+from cv_server.http.security import authorize
 from cv_server.keys import CONFIG, STORES
-from cv_server.openapi import Doc, Media, Param, documented
-from cv_server.problems import Problem
 from cv_server.queue import QueueError
 from cv_server.queue.model import fence
-from cv_server.security import authorize
 
 __all__ = ["CLAIM_TOKEN_HEADER", "routes"]
 

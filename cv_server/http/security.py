@@ -11,8 +11,8 @@ from collections.abc import Callable
 from aiohttp import web
 
 from cv_server.auth import TokenClaims, TokenError, verify_token
+from cv_server.http.problems import Problem
 from cv_server.keys import TOKEN_SECRET
-from cv_server.problems import Problem
 
 __all__ = [
     "BEARER_SUBPROTOCOL_PREFIX",

@@ -21,9 +21,19 @@ import orjson
 from aiohttp import WSMsgType, web
 
 from cv_mutations import is_valid_sub_doc, is_valid_workspace_id
-from cv_server.http_docs import commit_and_publish, publish
+from cv_server.http.docs import commit_and_publish, publish
+from cv_server.http.inputs import check_since, decode_json, parse_apply_body
+from cv_server.http.openapi import Doc, Param, documented
+from cv_server.http.problems import Problem
+from cv_server.http.security import (
+    SOCKET_SUBPROTOCOL,
+    authenticate,
+    bearer_token,
+    seconds_left,
+    signed_with,
+)
+from cv_server.http.socket_close import LingeringWebSocketResponse
 from cv_server.hub import Connection, Subscription
-from cv_server.inputs import check_since, decode_json, parse_apply_body
 from cv_server.keys import (
     CONFIG,
     CONNECTIONS,
@@ -34,17 +44,7 @@ from cv_server.keys import (
     STORES,
     TOKEN_SECRET,
 )
-from cv_server.openapi import Doc, Param, documented
 from cv_server.oplog import LogEntry, Outcome
-from cv_server.problems import Problem
-from cv_server.security import (
-    SOCKET_SUBPROTOCOL,
-    authenticate,
-    bearer_token,
-    seconds_left,
-    signed_with,
-)
-from cv_server.socket_close import LingeringWebSocketResponse
 
 __all__ = ["CLOSE_FORBIDDEN", "CLOSE_UNAUTHORIZED", "routes"]
 

@@ -9,7 +9,7 @@ machine keeps.
 They live apart from the machine because they are a different concept with different readers:
 the outbox storage and the I/O shells build and consume these values without needing the
 machine's lane, batch and retry logic. Plain data, sans-I/O like the machine (STYLE habit 1).
-`_machine` re-exports every name, so `from cv_workspace_client._machine import X` still works.
+`_machine` re-exports every name, so `from cv_workspace_client._core.machine import X` still works.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # The vocabulary (values in, decisions out) has its own module; re-exported here (`__all__`).
-from cv_workspace_client._machine_effects import (
+from cv_workspace_client._core.effects import (
     BacklogRange,
     CountAttempt,
     Decision,
@@ -61,7 +61,7 @@ from cv_workspace_client._machine_effects import (
     Send,
     Wait,
 )
-from cv_workspace_client._machine_wire import dumps_body, parse_results, row_size
+from cv_workspace_client._core.wire import dumps_body, parse_results, row_size
 from cv_workspace_client.errors import (
     AuthError,
     ForbiddenError,

@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from cv_workspace_client._machine_effects import OutboxRow
+from cv_workspace_client._core.effects import OutboxRow
 from cv_workspace_client.errors import OpRejectedError, ProtocolError, WorkspaceError
 from cv_workspace_client.models import Commit
 

@@ -14,8 +14,8 @@ import aiohttp
 from aiohttp.payload import TOO_LARGE_BYTES_BODY
 
 from cv_mutations import SubDocState, parse_op
-from cv_workspace_client._answers import not_an_answer, parse_retry_after, read_answer
-from cv_workspace_client._auth import TokenRefresher, with_token
+from cv_workspace_client._core.answers import not_an_answer, parse_retry_after, read_answer
+from cv_workspace_client._io.auth import TokenRefresher, with_token
 from cv_workspace_client.errors import ConnectionFailedError, ProtocolError
 from cv_workspace_client.logs import context_fields
 from cv_workspace_client.models import Committed

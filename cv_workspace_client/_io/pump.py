@@ -22,8 +22,7 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from cv_mutations import InvalidOp, Op, parse_op
-from cv_workspace_client._http import HttpApi
-from cv_workspace_client._machine import (
+from cv_workspace_client._core.machine import (
     CountAttempt,
     Forget,
     Load,
@@ -33,10 +32,11 @@ from cv_workspace_client._machine import (
     Send,
     Wait,
 )
-from cv_workspace_client._outbox import Outbox, OutboxWrite
-from cv_workspace_client._reads import check_ids
-from cv_workspace_client._socket import WorkspaceSocket
-from cv_workspace_client._status import SyncSignals
+from cv_workspace_client._io.http import HttpApi
+from cv_workspace_client._io.reads import check_ids
+from cv_workspace_client._io.socket import WorkspaceSocket
+from cv_workspace_client._io.status import SyncSignals
+from cv_workspace_client._outbox.base import Outbox, OutboxWrite
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
     ConnectionFailedError,

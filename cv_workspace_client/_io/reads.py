@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from cv_mutations import SubDocState, is_valid_sub_doc, is_valid_workspace_id
-from cv_workspace_client._http import HttpApi, log_answer, state_answer
-from cv_workspace_client._retry import retrying
+from cv_workspace_client._io.http import HttpApi, log_answer, state_answer
+from cv_workspace_client._io.retry import retrying
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import InvalidRequestError
 from cv_workspace_client.models import Committed

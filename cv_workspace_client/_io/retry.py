@@ -19,7 +19,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from cv_workspace_client._reconnect import ReconnectPolicy
+from cv_workspace_client._core.reconnect import ReconnectPolicy
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import WorkspaceError
 

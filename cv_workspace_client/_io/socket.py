@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import aiohttp
 import orjson
 
-from cv_workspace_client._auth import TokenRefresher, bearer_of
-from cv_workspace_client._liveness import Liveness, Verdict
-from cv_workspace_client._machine import Send
-from cv_workspace_client._reconnect import ReconnectPolicy, Streak
-from cv_workspace_client._socket_io import ping, release, utf8_len, write_frames
+from cv_workspace_client._core.liveness import Liveness, Verdict
+from cv_workspace_client._core.machine import Send
+from cv_workspace_client._core.reconnect import ReconnectPolicy, Streak
+from cv_workspace_client._io.auth import TokenRefresher, bearer_of
+from cv_workspace_client._io.frames import ping, release, utf8_len, write_frames
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
     AuthError,

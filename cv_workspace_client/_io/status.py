@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 from cv_workspace_client.models import SyncStatus
 
 if TYPE_CHECKING:
-    from cv_workspace_client._machine import OutboxMachine
+    from cv_workspace_client._core.machine import OutboxMachine
 
 __all__ = ["SyncSignals"]
 

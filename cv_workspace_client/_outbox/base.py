@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from cv_workspace_client._machine_effects import BacklogRange, LaneBacklog, OutboxRow
+from cv_workspace_client._core.effects import BacklogRange, LaneBacklog, OutboxRow
 
 __all__ = ["MemoryOutbox", "Outbox", "OutboxSync", "OutboxWrite", "take_page"]
 

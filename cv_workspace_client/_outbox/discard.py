@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from cv_workspace_client._outbox import Outbox
+from cv_workspace_client._outbox.base import Outbox
 from cv_workspace_client.errors import OutboxError, WorkspaceError
 from cv_workspace_client.models import Commit
 

@@ -10,8 +10,8 @@ import sqlite3
 import time
 from typing import Any
 
-from cv_workspace_client._machine_effects import LaneBacklog, OutboxRow
-from cv_workspace_client._outbox import OutboxWrite, take_page
+from cv_workspace_client._core.effects import LaneBacklog, OutboxRow
+from cv_workspace_client._outbox.base import OutboxWrite, take_page
 from cv_workspace_client.errors import OutboxError
 
 __all__ = [

@@ -45,9 +45,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cv_workspace_client._machine_effects import LaneBacklog, OutboxRow
-from cv_workspace_client._outbox import Outbox, OutboxSync, OutboxWrite
-from cv_workspace_client._outbox_file import (
+from cv_workspace_client._core.effects import LaneBacklog, OutboxRow
+from cv_workspace_client._outbox.base import Outbox, OutboxSync, OutboxWrite
+from cv_workspace_client._outbox.file import (
     BUSY_TIMEOUT_MS,
     apply_write,
     as_outbox_error,

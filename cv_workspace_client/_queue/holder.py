@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, overload
 
-from cv_workspace_client._queue_http import QueueHost, call, retried, ws_path
+from cv_workspace_client._queue.transport import QueueHost, call, retried, ws_path
 from cv_workspace_client.errors import (
     LeaseLostError,
     ProtocolError,

@@ -22,12 +22,12 @@ from typing import Any
 
 import aiohttp
 
-from cv_workspace_client._answers import answer_error
-from cv_workspace_client._auth import TokenRefresher, bearer_of, with_token
-from cv_workspace_client._http import exchange
-from cv_workspace_client._queue_http import QueueHost, call, config_of, retried, ws_path
-from cv_workspace_client._retry import backoff_for, is_retryable, log_retry, retrying
-from cv_workspace_client._url import check_server_url
+from cv_workspace_client._core.answers import answer_error
+from cv_workspace_client._core.url import check_server_url
+from cv_workspace_client._io.auth import TokenRefresher, bearer_of, with_token
+from cv_workspace_client._io.http import exchange
+from cv_workspace_client._io.retry import backoff_for, is_retryable, log_retry, retrying
+from cv_workspace_client._queue.transport import QueueHost, call, config_of, retried, ws_path
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
     AuthError,

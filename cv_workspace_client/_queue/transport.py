@@ -26,10 +26,10 @@ from urllib.parse import quote
 
 import aiohttp
 
-from cv_workspace_client._answers import ANY_SUCCESS, parse_retry_after, read_answer
-from cv_workspace_client._auth import TokenRefresher, with_token
-from cv_workspace_client._http import exchange
-from cv_workspace_client._retry import backoff_for, is_retryable, log_retry, retrying
+from cv_workspace_client._core.answers import ANY_SUCCESS, parse_retry_after, read_answer
+from cv_workspace_client._io.auth import TokenRefresher, with_token
+from cv_workspace_client._io.http import exchange
+from cv_workspace_client._io.retry import backoff_for, is_retryable, log_retry, retrying
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import WorkspaceError, error_from_problem
 

@@ -37,11 +37,11 @@ import traceback
 from collections.abc import Coroutine, Mapping
 from typing import Any, NoReturn
 
-from cv_workspace_client._auth import TokenProvider
-from cv_workspace_client._progress import Progress, watching
-from cv_workspace_client._queue_api import QueueClient
-from cv_workspace_client._retry import backoff_for
-from cv_workspace_client._url import check_server_url
+from cv_workspace_client._core.url import check_server_url
+from cv_workspace_client._io.auth import TokenProvider
+from cv_workspace_client._io.retry import backoff_for
+from cv_workspace_client._queue.requester import QueueClient
+from cv_workspace_client.cli.progress import Progress, watching
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import ForbiddenError, WorkspaceError
 from cv_workspace_client.logs import LOG_FORMATS, JsonFormatter, configure_logging

@@ -26,7 +26,7 @@ from mcp.server.connection import Connection
 from mcp.server.session import ServerSession
 from mcp.server.subscriptions import ListenHandler, ResourceUpdated, SubscriptionBus
 
-from cv_workspace_client._retry import is_retryable
+from cv_workspace_client._io.retry import is_retryable
 from cv_workspace_client.client import WorkspaceClient
 from cv_workspace_client.errors import WorkspaceError
 

@@ -39,7 +39,10 @@ from mcp_types import (
 from pydantic import Field, JsonValue, ValidationError
 
 from cv_mutations import Op
-from cv_workspace_client._mcp_answers import (
+from cv_workspace_client._queue.requester import get_blob
+from cv_workspace_client.client import WorkspaceClient
+from cv_workspace_client.errors import OpRejectedError, ProtocolError, WorkspaceError
+from cv_workspace_client.mcp_server.answers import (
     ApplyAnswer,
     CommittedOp,
     EnqueueAnswer,
@@ -53,11 +56,13 @@ from cv_workspace_client._mcp_answers import (
     tool_error,
     workspace_error,
 )
-from cv_workspace_client._mcp_feeds import DOC_URI, ResourceFeeds, parse_doc_uri
-from cv_workspace_client._mcp_transports import DRAIN_SECONDS, ListenFailed, run_http, run_stdio
-from cv_workspace_client._queue_api import get_blob
-from cv_workspace_client.client import WorkspaceClient
-from cv_workspace_client.errors import OpRejectedError, ProtocolError, WorkspaceError
+from cv_workspace_client.mcp_server.feeds import DOC_URI, ResourceFeeds, parse_doc_uri
+from cv_workspace_client.mcp_server.transports import (
+    DRAIN_SECONDS,
+    ListenFailed,
+    run_http,
+    run_stdio,
+)
 from cv_workspace_client.queue_models import QueuedRequest
 
 __all__ = [

@@ -22,7 +22,7 @@ from mcp.server import MCPServer
 from mcp.server.stdio import stdio_server
 from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE
 
-from cv_workspace_client._mcp_feeds import ResourceFeeds
+from cv_workspace_client.mcp_server.feeds import ResourceFeeds
 from cv_workspace_client.worker import WorkerConfig
 
 __all__ = ["DRAIN_SECONDS", "ListenFailed", "run_http", "run_stdio"]

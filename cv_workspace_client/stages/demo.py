@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 
 from cv_mutations import NodeInsert
-from cv_workspace_client import _queue_api as api
+from cv_workspace_client._queue import requester as api
 from cv_workspace_client.client import WorkspaceClient
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.models import Committed

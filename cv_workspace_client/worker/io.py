@@ -9,7 +9,7 @@ import asyncio
 import logging
 from typing import Any, Protocol
 
-from cv_workspace_client import _queue_holder as api
+from cv_workspace_client._queue import holder as api
 from cv_workspace_client.errors import (
     InvalidRequestError,
     LeaseLostError,

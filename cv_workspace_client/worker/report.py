@@ -11,13 +11,13 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any, Literal
 
-from cv_workspace_client import _queue_holder as api
-from cv_workspace_client._worker_io import ClaimAlong, Completer
+from cv_workspace_client._queue import holder as api
 from cv_workspace_client.errors import InvalidRequestError, WorkspaceError
 from cv_workspace_client.stage import LeaseLostError
+from cv_workspace_client.worker.io import ClaimAlong, Completer
 
 if TYPE_CHECKING:
-    from cv_workspace_client.worker import WorkerStats
+    from cv_workspace_client.worker.stats import WorkerStats
 
 __all__ = ["Reporter"]
 

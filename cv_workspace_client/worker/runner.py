@@ -49,16 +49,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from cv_workspace_client import _queue_holder as api
-from cv_workspace_client._stage_outcome import (
-    answer_payload,
-    error_payload,
-    expected_payload,
-    is_final_answer,
-)
-from cv_workspace_client._worker_io import ClaimAlong, Completer, Heartbeat
-from cv_workspace_client._worker_parts import RunMeter, SingleFlight, TtlCache, request_key
-from cv_workspace_client._worker_report import Reporter
+from cv_workspace_client._queue import holder as api
 from cv_workspace_client.errors import (
     AuthError,
     ForbiddenError,
@@ -77,11 +68,21 @@ from cv_workspace_client.stage import (
     StageContext,
     StageRequest,
 )
+from cv_workspace_client.worker.io import ClaimAlong, Completer, Heartbeat
+from cv_workspace_client.worker.outcome import (
+    answer_payload,
+    error_payload,
+    expected_payload,
+    is_final_answer,
+)
+from cv_workspace_client.worker.parts import RunMeter, SingleFlight, TtlCache, request_key
+from cv_workspace_client.worker.report import Reporter
+from cv_workspace_client.worker.stats import WorkerStats
 
 if TYPE_CHECKING:
     from cv_workspace_client.client import WorkspaceClient
 
-__all__ = ["Worker", "WorkerConfig", "WorkerStats"]
+__all__ = ["Worker", "WorkerConfig"]
 
 logger = logging.getLogger("cv_workspace_client.worker")
 
@@ -115,29 +116,6 @@ class WorkerConfig:
             raise ValueError("need 0 < idle_initial_seconds <= idle_max_seconds")
         if self.heartbeat_seconds <= 0 or self.drain_seconds < 0:
             raise ValueError("heartbeat_seconds must be > 0 and drain_seconds >= 0")
-
-
-@dataclass
-class WorkerStats:
-    """What the worker did; `run()` returns it after the drain."""
-
-    claimed: int = 0
-    completed: int = 0
-    #: Completed with an error payload: an `ExpectedError`, or a downstream's final refusal.
-    expected_errors: int = 0
-    failed: int = 0
-    cache_hits: int = 0
-    shared_runs: int = 0
-    leases_lost: int = 0
-    #: Stages stopped because someone cancelled their request (reported back: `cancelled`).
-    cancelled: int = 0
-    #: Stages still running at the drain deadline, cancelled without a report (they re-drive).
-    cancelled_at_drain: int = 0
-
-    @property
-    def clean(self) -> bool:
-        """True if the drain finished every in-flight stage."""
-        return self.cancelled_at_drain == 0
 
 
 Outcome = tuple[Literal["result", "error"], Any, Literal["hit", "miss"] | None, bool]

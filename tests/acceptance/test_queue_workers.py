@@ -22,7 +22,7 @@ import pytest
 
 from cv_mutations import NodeInsert
 from cv_workspace_client import WorkspaceClient
-from cv_workspace_client._queue_api import QueueClient
+from cv_workspace_client._queue.requester import QueueClient
 from tests.acceptance.procs import free_port, mint_cli_token
 from tests.acceptance.queue_stages import COUNTER_DOC, COUNTER_NODE
 from tests.acceptance.short_server import ShortServer

@@ -19,7 +19,7 @@ import aiohttp
 
 from cv_mutations import NodeInsert
 from cv_workspace_client import Committed, WorkspaceClient
-from cv_workspace_client import _queue_api as api
+from cv_workspace_client._queue import requester as api
 from cv_workspace_client.queue_models import RequestOutcome
 from cv_workspace_client.stages import JOBS
 

@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from cv_workspace_client._machine import Decision, OutboxMachine, Persist, Send
+from cv_workspace_client._core.machine import Decision, OutboxMachine, Persist, Send
 
 D = TypeVar("D")
 

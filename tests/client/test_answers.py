@@ -1,4 +1,4 @@
-"""The SDK's one reading of an HTTP answer (`cv_workspace_client._answers`), as pure rules, and
+"""The SDK's one reading of an HTTP answer (`cv_workspace_client._core.answers`), as pure rules, and
 the same reading on the op-log path and the queue path through real HTTP on loopback."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from cv_workspace_client import (
     ServerError,
     WorkspaceClient,
 )
-from cv_workspace_client._answers import ANY_SUCCESS, answer_error, read_answer
+from cv_workspace_client._core.answers import ANY_SUCCESS, answer_error, read_answer
 
 from .helpers import RecordingSleep
 

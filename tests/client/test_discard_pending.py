@@ -23,7 +23,7 @@ from cv_workspace_client import (
     StillPendingError,
     WorkspaceClient,
 )
-from cv_workspace_client._machine import (
+from cv_workspace_client._core.machine import (
     Discard,
     LaneBacklog,
     Load,

@@ -481,7 +481,7 @@ async def test_an_outbox_whose_directory_cannot_be_made_fails_with_a_typed_error
 async def test_an_unexpected_failure_of_a_send_is_retried_instead_of_wedging_the_sub_doc(
     server_url: str, token: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cv_workspace_client._http import HttpApi
+    from cv_workspace_client._io.http import HttpApi
 
     real_post = HttpApi.post_ops
     calls = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cv_workspace_client._http import parse_retry_after
+from cv_workspace_client._io.http import parse_retry_after
 from cv_workspace_client.errors import (
     AuthError,
     ForbiddenError,

@@ -31,8 +31,8 @@ from multidict import CIMultiDict
 
 import cv_server
 from cv_mutations import NodeIncrement, NodeInsert
-from cv_server import problems
-from cv_server.http_queue import _ERROR_STATUS
+from cv_server.http import problems
+from cv_server.http.queue import _ERROR_STATUS
 from cv_server.queue.errors import QueueError
 from cv_workspace_client import (
     AuthError,
@@ -51,8 +51,8 @@ from cv_workspace_client import (
     WorkspaceClient,
     WorkspaceError,
 )
-from cv_workspace_client._http import parse_retry_after
-from cv_workspace_client._queue_http import queue_error
+from cv_workspace_client._io.http import parse_retry_after
+from cv_workspace_client._queue.transport import queue_error
 from cv_workspace_client.errors import error_from_problem
 from cv_workspace_client.testing import FaultProxy, restart_client
 
@@ -482,7 +482,7 @@ def codes_the_server_sends() -> set[tuple[int | None, str]]:
 
 
 def test_every_code_the_server_sends_is_listed_and_mapped_to_its_typed_error() -> None:
-    """A new code in the server fails here until it is listed in `cv_server.problems.CODES`
+    """A new code in the server fails here until it is listed in `cv_server.http.problems.CODES`
     (with a title) and given its SDK type in `EXPECTED`."""
     sent = codes_the_server_sends()
     assert {code for _, code in sent} <= set(problems.CODES)

@@ -12,7 +12,7 @@ import pytest
 
 from cv_mutations import NodeDelete, NodeIncrement, NodeInsert, SubDocState, apply_op, new_op_id
 from cv_workspace_client import StillPendingError, WorkspaceClient
-from cv_workspace_client._optimistic import OptimisticDoc
+from cv_workspace_client._core.optimistic import OptimisticDoc
 from cv_workspace_client.live import LiveDoc
 from cv_workspace_client.testing import FaultProxy
 from tests.acceptance.procs import ServerProcess, free_port, mint_cli_token

@@ -18,7 +18,7 @@ from cv_workspace_client import (
     StillPendingError,
     WorkspaceClient,
 )
-from cv_workspace_client._machine import BacklogRange, LaneBacklog, Load, OutboxRow, Send
+from cv_workspace_client._core.machine import BacklogRange, LaneBacklog, Load, OutboxRow, Send
 from cv_workspace_client.live import LiveDoc
 from cv_workspace_client.testing import FaultProxy
 

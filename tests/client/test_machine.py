@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cv_workspace_client._machine import (
+from cv_workspace_client._core.machine import (
     CountAttempt,
     Forget,
     OutboxRow,

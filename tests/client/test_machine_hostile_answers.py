@@ -26,7 +26,7 @@ from hypothesis.stateful import invariant, precondition, rule, run_state_machine
 
 from cv_mutations import NodeIncrement, NodeInsert, NodeUpdate
 from cv_workspace_client import Commit, StillPendingError, WorkspaceClient
-from cv_workspace_client._machine import (
+from cv_workspace_client._core.machine import (
     CountAttempt,
     Discard,
     Forget,
@@ -37,7 +37,7 @@ from cv_workspace_client._machine import (
     Send,
     Wait,
 )
-from cv_workspace_client._socket_io import write_frames
+from cv_workspace_client._io.frames import write_frames
 from cv_workspace_client.errors import (
     InvalidRequestError,
     OpDiscardedError,

@@ -39,7 +39,7 @@ from hypothesis.stateful import (
 from cv_mutations import NodeInsert, fingerprint, parse_op
 from cv_server.oplog import IncomingOp, LogEntry
 from cv_server.sqlite.oplog import SQLiteOpLogStore
-from cv_workspace_client._machine import (
+from cv_workspace_client._core.machine import (
     CountAttempt,
     Discard,
     Forget,
@@ -50,7 +50,7 @@ from cv_workspace_client._machine import (
     Send,
     Wait,
 )
-from cv_workspace_client._subscription import ResumeTracker, Verdict
+from cv_workspace_client._core.subscription import ResumeTracker, Verdict
 from cv_workspace_client.errors import (
     ConnectionFailedError,
     OpDiscardedError,

@@ -18,9 +18,9 @@ from pydantic import ValidationError
 
 from cv_mutations import NodeInsert
 from cv_workspace_client import ForbiddenError, StillPendingError, WorkspaceClient
-from cv_workspace_client._mcp_answers import arguments_error, workspace_error
-from cv_workspace_client._mcp_feeds import ResourceFeeds, doc_uri, parse_doc_uri
 from cv_workspace_client.mcp_server import build_server
+from cv_workspace_client.mcp_server.answers import arguments_error, workspace_error
+from cv_workspace_client.mcp_server.feeds import ResourceFeeds, doc_uri, parse_doc_uri
 
 from .helpers import WS
 

@@ -29,7 +29,7 @@ from cv_mutations import (
     SubDocState,
     apply_op,
 )
-from cv_workspace_client._optimistic import Diverged, OptimisticDoc
+from cv_workspace_client._core.optimistic import Diverged, OptimisticDoc
 
 # Pure: no file, socket or database (the `unit` cost mark; see tests/conftest.py).
 pytestmark = pytest.mark.unit

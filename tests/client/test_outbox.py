@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from cv_workspace_client._machine import OutboxRow
-from cv_workspace_client._outbox import MemoryOutbox, OutboxWrite
-from cv_workspace_client._outbox_sqlite import SQLiteOutbox
+from cv_workspace_client._core.machine import OutboxRow
+from cv_workspace_client._outbox.base import MemoryOutbox, OutboxWrite
+from cv_workspace_client._outbox.sqlite import SQLiteOutbox
 from cv_workspace_client.errors import OutboxError
 
 #: Bound on every wait for the outbox's writer thread.
@@ -58,9 +58,9 @@ async def test_a_committed_write_survives_a_crash_before_its_fsync(tmp_path: Pat
     path = tmp_path / "app.outbox"
     script = (
         "import asyncio, json, os, signal, sys\n"
-        "from cv_workspace_client._machine import OutboxRow\n"
-        "from cv_workspace_client._outbox import OutboxWrite\n"
-        "from cv_workspace_client._outbox_sqlite import SQLiteOutbox\n"
+        "from cv_workspace_client._core.machine import OutboxRow\n"
+        "from cv_workspace_client._outbox.base import OutboxWrite\n"
+        "from cv_workspace_client._outbox.sqlite import SQLiteOutbox\n"
         "async def main():\n"
         "    outbox = await SQLiteOutbox.open(sys.argv[1])\n"
         "    op = json.dumps({'type': 'node.increment', 'node_id': 'n', 'field': 'c',"
@@ -229,11 +229,12 @@ async def test_an_open_cancelled_while_it_waits_for_the_lock_leaves_the_file_fre
     with `outbox_locked`."""
     import fcntl
 
-    from cv_workspace_client import _outbox_file, _outbox_sqlite
+    from cv_workspace_client._outbox import file as outbox_file
+    from cv_workspace_client._outbox import sqlite as outbox_sqlite
 
     path = tmp_path / "app.outbox"
     entered, taken = threading.Event(), threading.Event()
-    take = _outbox_file.take_file_lock
+    take = outbox_file.take_file_lock
 
     def take_noting_entry(p: str, busy_timeout_ms: int) -> int | None:
         entered.set()
@@ -242,7 +243,7 @@ async def test_an_open_cancelled_while_it_waits_for_the_lock_leaves_the_file_fre
         finally:
             taken.set()
 
-    monkeypatch.setattr(_outbox_sqlite, "take_file_lock", take_noting_entry)
+    monkeypatch.setattr(outbox_sqlite, "take_file_lock", take_noting_entry)
     holder = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(holder, fcntl.LOCK_EX)  # another client holds the outbox
     opening = asyncio.ensure_future(SQLiteOutbox.open(path, busy_timeout_ms=TIMEOUT * 1000))

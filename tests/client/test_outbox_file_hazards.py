@@ -25,10 +25,10 @@ from pydantic import JsonValue
 from cv_mutations import NodeIncrement, NodeInsert, NodeUpdate
 from cv_server import ServerConfig, create_app
 from cv_workspace_client import StillPendingError, WorkspaceClient
-from cv_workspace_client._machine import OutboxRow
-from cv_workspace_client._outbox import OutboxWrite
-from cv_workspace_client._outbox_file import APPLICATION_ID
-from cv_workspace_client._outbox_sqlite import SQLiteOutbox
+from cv_workspace_client._core.machine import OutboxRow
+from cv_workspace_client._outbox.base import OutboxWrite
+from cv_workspace_client._outbox.file import APPLICATION_ID
+from cv_workspace_client._outbox.sqlite import SQLiteOutbox
 from cv_workspace_client.errors import OutboxError
 
 from .helpers import SECRET, WS, fast_config, server_log, server_state, token_for
@@ -310,8 +310,8 @@ async def test_a_frozen_holder_keeps_the_outbox_and_a_sigkilled_one_frees_it_at_
 
 RACER = """
 import asyncio, os, sys
-from cv_workspace_client._outbox import OutboxWrite
-from cv_workspace_client._outbox_sqlite import SQLiteOutbox
+from cv_workspace_client._outbox.base import OutboxWrite
+from cv_workspace_client._outbox.sqlite import SQLiteOutbox
 from cv_workspace_client.errors import OutboxError
 from tests.client.test_outbox_file_hazards import increment
 
@@ -461,7 +461,7 @@ DISK_FULL = """
 import asyncio, json, os, sys
 from cv_mutations import NodeUpdate
 from cv_workspace_client import StillPendingError, WorkspaceClient
-from cv_workspace_client._outbox_sqlite import SQLiteOutbox
+from cv_workspace_client._outbox.sqlite import SQLiteOutbox
 from cv_workspace_client.errors import OutboxError
 from tests.client.helpers import WS, fast_config, token_for
 from tests.client.test_outbox_file_hazards import silent_server
@@ -576,7 +576,7 @@ FLOATS: list[JsonValue] = [*FLOAT_VALUES]
 
 
 def op_text(op: NodeUpdate | NodeIncrement) -> str:
-    from cv_workspace_client._machine_wire import dumps_body
+    from cv_workspace_client._core.wire import dumps_body
 
     return dumps_body(op.model_dump(mode="json", exclude_none=True))
 

@@ -33,15 +33,15 @@ from hypothesis.stateful import (
 
 from cv_mutations import NodeInsert
 from cv_workspace_client import Commit, WorkspaceClient
-from cv_workspace_client._machine import (
+from cv_workspace_client._core.machine import (
     LaneBacklog,
     Load,
     OutboxMachine,
     OutboxRow,
     Send,
 )
-from cv_workspace_client._outbox import MemoryOutbox, OutboxWrite
-from cv_workspace_client._outbox_sqlite import SQLiteOutbox
+from cv_workspace_client._outbox.base import MemoryOutbox, OutboxWrite
+from cv_workspace_client._outbox.sqlite import SQLiteOutbox
 from cv_workspace_client.errors import OutboxError, StillPendingError
 
 from .helpers import WS, fast_config, server_log

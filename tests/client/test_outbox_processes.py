@@ -24,9 +24,9 @@ from aiohttp.test_utils import TestServer
 from cv_mutations import NodeIncrement, NodeInsert
 from cv_server import ServerConfig, create_app
 from cv_workspace_client import WorkspaceClient
-from cv_workspace_client._machine import OutboxRow
-from cv_workspace_client._outbox import OutboxWrite
-from cv_workspace_client._outbox_sqlite import SQLiteOutbox
+from cv_workspace_client._core.machine import OutboxRow
+from cv_workspace_client._outbox.base import OutboxWrite
+from cv_workspace_client._outbox.sqlite import SQLiteOutbox
 from cv_workspace_client.errors import OutboxError
 
 from .helpers import SECRET, WS, fast_config, server_log, token_for
@@ -97,9 +97,9 @@ async def insert_counter_node(url: str) -> None:
 #: (`w <highest seq>`) and delete (`d <highest deleted seq>`) once its callback ran.
 KILLED_WRITER = """
 import asyncio, json, sys
-from cv_workspace_client._machine import OutboxRow
-from cv_workspace_client._outbox import OutboxWrite
-from cv_workspace_client._outbox_sqlite import SQLiteOutbox
+from cv_workspace_client._core.machine import OutboxRow
+from cv_workspace_client._outbox.base import OutboxWrite
+from cv_workspace_client._outbox.sqlite import SQLiteOutbox
 from tests.client.test_outbox_processes import increment
 
 async def main():

@@ -15,7 +15,7 @@ from hypothesis.stateful import precondition, rule, run_state_machine_as_test
 
 from cv_mutations import NodeIncrement, NodeInsert, new_op_id
 from cv_workspace_client import StillPendingError, WorkspaceClient
-from cv_workspace_client._machine import BacklogRange, OutboxRow
+from cv_workspace_client._core.machine import BacklogRange, OutboxRow
 from cv_workspace_client.live import LiveDoc
 from cv_workspace_client.testing import FaultProxy
 

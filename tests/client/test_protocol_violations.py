@@ -28,7 +28,7 @@ from cv_workspace_client import (
     WorkspaceClient,
     WorkspaceError,
 )
-from cv_workspace_client._subscription import ResumeTracker, Verdict
+from cv_workspace_client._core.subscription import ResumeTracker, Verdict
 
 from .helpers import WS, RecordingSleep, fast_config, token_for
 

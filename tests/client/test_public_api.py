@@ -90,9 +90,9 @@ def test_test_fakes_live_under_testing_only() -> None:
 #: the example stages, the providers, the CLI and the test helpers.
 NOT_ON_IMPORT = (
     "cv_workspace_client.worker",
-    "cv_workspace_client._worker_io",
-    "cv_workspace_client._worker_parts",
-    "cv_workspace_client._queue_holder",
+    "cv_workspace_client.worker.io",
+    "cv_workspace_client.worker.parts",
+    "cv_workspace_client._queue.holder",
     "cv_workspace_client.stage",
     "cv_workspace_client.stages",
     "cv_workspace_client.providers",

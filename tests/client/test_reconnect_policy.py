@@ -1,5 +1,5 @@
-"""The websocket's reconnect policy as pure rules (`cv_workspace_client._reconnect`): which refused
-upgrades are final, when the waits start over, and how long each wait may be. The same rules
+"""The websocket's reconnect policy as pure rules (`cv_workspace_client._core.reconnect`): which
+refused upgrades are final, when the waits start over, and how long each wait may be. The same rules
 through a real socket and `FaultProxy` are in `test_reconnect_backoff.py`."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from cv_workspace_client import ClientConfig, ReconnectPolicy
-from cv_workspace_client._reconnect import AFTER_DROP_SECONDS, Streak
-from cv_workspace_client._retry import reconnect_policy_for
+from cv_workspace_client._core.reconnect import AFTER_DROP_SECONDS, Streak
+from cv_workspace_client._io.retry import reconnect_policy_for
 
 
 def ceiling(low: float, high: float) -> float:

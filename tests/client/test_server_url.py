@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cv_workspace_client import WorkspaceClient
-from cv_workspace_client._queue_api import QueueClient
+from cv_workspace_client._queue.requester import QueueClient
 
 # Pure: no file, socket or database (the `unit` cost mark; see tests/conftest.py).
 pytestmark = pytest.mark.unit

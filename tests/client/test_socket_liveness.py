@@ -11,7 +11,7 @@ import pytest
 
 from cv_mutations import NodeIncrement, NodeInsert
 from cv_workspace_client import ClientConfig, WorkspaceClient
-from cv_workspace_client._liveness import Liveness, Verdict
+from cv_workspace_client._core.liveness import Liveness, Verdict
 from cv_workspace_client.testing import FaultProxy
 
 from .helpers import WS, fast_config, server_log

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cv_workspace_client._subscription import ResumeTracker, Verdict
+from cv_workspace_client._core.subscription import ResumeTracker, Verdict
 
 # Pure: no file, socket or database (the `unit` cost mark; see tests/conftest.py).
 pytestmark = pytest.mark.unit

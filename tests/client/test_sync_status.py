@@ -12,8 +12,8 @@ import pytest
 
 from cv_mutations import NodeIncrement, NodeInsert
 from cv_workspace_client import SyncStatus, WorkspaceClient
-from cv_workspace_client._machine import OutboxMachine
-from cv_workspace_client._status import SyncSignals
+from cv_workspace_client._core.machine import OutboxMachine
+from cv_workspace_client._io.status import SyncSignals
 from cv_workspace_client.testing import FaultProxy
 
 from .helpers import WS, fast_config, server_state, token_for

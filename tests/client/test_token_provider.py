@@ -21,8 +21,8 @@ from cv_workspace_client import (
     StillPendingError,
     WorkspaceClient,
 )
-from cv_workspace_client._auth import RefreshPolicy, TokenRefresher
-from cv_workspace_client._queue_api import enqueue, get_request, wait_request
+from cv_workspace_client._io.auth import RefreshPolicy, TokenRefresher
+from cv_workspace_client._queue.requester import enqueue, get_request, wait_request
 from cv_workspace_client.stage import StageContext
 from cv_workspace_client.worker import Worker, WorkerConfig
 

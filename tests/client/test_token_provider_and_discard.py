@@ -23,7 +23,7 @@ from cv_workspace_client import (
     SyncStatus,
     WorkspaceClient,
 )
-from cv_workspace_client._outbox_sqlite import SQLiteOutbox
+from cv_workspace_client._outbox.sqlite import SQLiteOutbox
 from cv_workspace_client.testing import FaultProxy
 
 from .helpers import WS, fast_config, server_log, token_for

@@ -18,7 +18,7 @@ from typing import Any
 
 from cv_mutations import NodeIncrement, NodeInsert
 from cv_workspace_client import Commit, WorkspaceClient
-from cv_workspace_client import _queue_api as api
+from cv_workspace_client._queue import requester as api
 from cv_workspace_client.stage import Handler, StageContext
 from cv_workspace_client.stages import JOBS, make_evaluate
 from cv_workspace_client.stages.evaluate import column_prompt, parse_columns

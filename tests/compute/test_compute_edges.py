@@ -17,7 +17,6 @@ from pydantic import JsonValue
 
 from cv_mutations import NodeIncrement, NodeInsert
 from cv_server import ServerConfig, create_app
-from cv_workspace_client._worker_parts import SingleFlight
 from cv_workspace_client.compute import (
     ComputeResult,
     LockExpiringError,
@@ -25,6 +24,7 @@ from cv_workspace_client.compute import (
     acquire_lock,
     compute_once,
 )
+from cv_workspace_client.worker.parts import SingleFlight
 
 from .conftest import OpenClient, ServerFactory, StartServer
 from .helpers import (

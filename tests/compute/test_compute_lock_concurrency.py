@@ -23,7 +23,6 @@ from pydantic import JsonValue
 
 from cv_server import ServerConfig, create_app
 from cv_server.cli import _with_schema
-from cv_workspace_client._worker_parts import TtlCache, request_key
 from cv_workspace_client.compute import (
     ComputeResult,
     LockExpiringError,
@@ -35,6 +34,7 @@ from cv_workspace_client.compute import (
 from cv_workspace_client.providers import ProviderResult, fake_answer
 from cv_workspace_client.stage import StageRequest
 from cv_workspace_client.stages.fake_provider import create_fake_provider_app
+from cv_workspace_client.worker.parts import TtlCache, request_key
 from tests.pg.helpers import fresh_schema
 
 from .conftest import OpenClient, ServerFactory, StartServer

@@ -18,7 +18,7 @@ from pydantic import JsonValue
 
 from cv_mutations import NodeInsert
 from cv_server import ServerConfig, create_app
-from cv_workspace_client import _queue_api as queue_api
+from cv_workspace_client._queue import requester as queue_api
 from cv_workspace_client.compute import ComputeResult, LockPolling, acquire_lock, compute_once
 from cv_workspace_client.errors import InvalidRequestError, StillPendingError
 from cv_workspace_client.providers import ProviderResult, ProviderUnavailable, fake_answer

@@ -13,7 +13,7 @@ from jsonschema import Draft202012Validator
 
 from cv_server import ServerConfig, create_app
 from cv_server.api_schema import main
-from cv_server.openapi import (
+from cv_server.http.openapi import (
     OPENAPI_PATH,
     Doc,
     build_document,
@@ -21,7 +21,7 @@ from cv_server.openapi import (
     render_document,
     undocumented_routes,
 )
-from cv_server.problems import CODES
+from cv_server.http.problems import CODES
 
 
 def _app(tmp_path: Path) -> web.Application:

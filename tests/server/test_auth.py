@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-import cv_server.security
+import cv_server.http.security
 from cv_server.auth import TokenError, mint_token, verify_token
 from tests.server.conftest import SECRET, auth
 from tests.server.helpers import insert, post_ops
@@ -98,7 +98,7 @@ async def test_an_expired_token_is_refused_by_the_server_even_after_it_was_accep
     headers = {"Authorization": f"Bearer {token}"}
     assert (await client.get("/v1/workspaces/ws1/docs/tree", headers=headers)).status == 200
     # The verified token is cached now; move the server's clock past its expiry.
-    monkeypatch.setattr(cv_server.security, "now", lambda: now + 61)
+    monkeypatch.setattr(cv_server.http.security, "now", lambda: now + 61)
     resp = await client.get("/v1/workspaces/ws1/docs/tree", headers=headers)
     assert resp.status == 401
     assert "expired" in (await resp.json(content_type=None))["detail"]

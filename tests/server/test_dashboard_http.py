@@ -11,8 +11,8 @@ import pytest
 from aiohttp import WSMsgType
 from aiohttp.test_utils import TestClient
 
-from cv_server.http_dashboard import ASSETS
-from cv_server.security import BEARER_SUBPROTOCOL_PREFIX, SOCKET_SUBPROTOCOL
+from cv_server.http.dashboard import ASSETS
+from cv_server.http.security import BEARER_SUBPROTOCOL_PREFIX, SOCKET_SUBPROTOCOL
 from tests.server.conftest import token_for
 from tests.server.helpers import insert, post_ops
 

@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp.test_utils import TestClient
 
 from cv_server import ServerConfig, create_app
-from cv_server.api_models import BATCH_ITEMS_MAX
+from cv_server.http.models import BATCH_ITEMS_MAX
 from tests.observe.scrape import scrape
 from tests.server.conftest import ClientFactory, auth
 

@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestClient
 
 from cv_mutations import fingerprint, new_op_id, parse_op
 from cv_server import ServerConfig, create_app
-from cv_server.http_docs import commit_and_publish
+from cv_server.http.docs import commit_and_publish
 from cv_server.keys import HUB
 from cv_server.oplog import IncomingOp
 from tests.server.conftest import ClientFactory, auth

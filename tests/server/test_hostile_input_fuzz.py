@@ -33,7 +33,7 @@ import pytest
 
 from cv_mutations import new_op_id
 from cv_server import ServerConfig
-from cv_server.problems import CODES
+from cv_server.http.problems import CODES
 from tests.server.conftest import SECRET, auth
 from tests.server.wire import RawAnswer, RawSocket, Served, frame, post, raw_http, served
 

@@ -12,7 +12,7 @@ import pytest
 
 from cv_server import ServerConfig, create_app
 from cv_server.cli import parse_overrides
-from cv_server.problems import PROBLEM_BASE
+from cv_server.http.problems import PROBLEM_BASE
 from tests.server.conftest import SECRET, ClientFactory, auth
 from tests.server.wire import raw_http, served
 

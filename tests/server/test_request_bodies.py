@@ -15,9 +15,9 @@ import pytest
 import cv_server
 from cv_mutations import new_op_id
 from cv_server import ServerConfig
-from cv_server.bodies import decode_body
+from cv_server.http.bodies import decode_body
+from cv_server.http.problems import Problem
 from cv_server.keys import STORES
-from cv_server.problems import Problem
 from tests.server.conftest import SECRET
 from tests.server.helpers import insert
 from tests.server.wire import RawAnswer, Served, post, raw_http, served

@@ -15,7 +15,7 @@ import pytest
 
 from cv_mutations import new_op_id
 from cv_server import ServerConfig
-from cv_server.http_socket import _Session
+from cv_server.http.socket import _Session
 from cv_server.keys import CONNECTIONS, STORES
 from tests.server.conftest import SECRET
 from tests.server.helpers import insert

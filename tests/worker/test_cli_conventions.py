@@ -20,8 +20,8 @@ from aiohttp.test_utils import TestServer
 
 from cv_server import ServerConfig, create_app
 from cv_server.cli import _parser as server_parser
-from cv_workspace_client import _queue_api as api
-from cv_workspace_client.cli import (
+from cv_workspace_client._queue import requester as api
+from cv_workspace_client.cli.main import (
     EXIT_USAGE,
     _warnings_to_stderr,
     _worker_parser,

@@ -19,8 +19,8 @@ from aiohttp.test_utils import TestServer
 
 from cv_server.keys import WAITERS
 from cv_workspace_client import WorkspaceClient
-from cv_workspace_client import _queue_api as api
-from cv_workspace_client.cli import (
+from cv_workspace_client._queue import requester as api
+from cv_workspace_client.cli.main import (
     EXIT_USAGE,
     main,
     worker_main,

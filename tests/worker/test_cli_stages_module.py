@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import TestServer
 
-from cv_workspace_client import _queue_api as api
+from cv_workspace_client._queue import requester as api
 from tests.worker.conftest import WS, token_for, url_of
 
 #: The console script pip installed next to the interpreter (`.venv/bin/cv-worker`): run as a

@@ -23,7 +23,7 @@ from cv_server.cli import _with_schema
 from cv_server.keys import STORES, WAITERS, WORK_SIGNALS
 from cv_server.queue import RequestEvent
 from cv_workspace_client import WorkspaceClient
-from cv_workspace_client import _queue_api as api
+from cv_workspace_client._queue import requester as api
 from cv_workspace_client.stage import StageContext
 from cv_workspace_client.worker import Worker, WorkerConfig
 from tests.pg.helpers import fresh_schema

@@ -10,7 +10,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cv_workspace_client._worker_parts import RunMeter, SingleFlight, TtlCache, request_key
 from cv_workspace_client.stage import (
     ExpectedError,
     LeaseLostError,
@@ -20,6 +19,7 @@ from cv_workspace_client.stage import (
     op_id_for,
 )
 from cv_workspace_client.worker import WorkerConfig
+from cv_workspace_client.worker.parts import RunMeter, SingleFlight, TtlCache, request_key
 
 # Pure: no file, socket or database (the `unit` cost mark; see tests/conftest.py).
 pytestmark = pytest.mark.unit

@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from cv_workspace_client import _queue_api as api
-from cv_workspace_client import _queue_holder as holder
+from cv_workspace_client._queue import holder as holder
+from cv_workspace_client._queue import requester as api
 from cv_workspace_client.errors import InvalidRequestError, NotFoundError
 from cv_workspace_client.stage import LeaseLostError
 from tests.worker.conftest import (

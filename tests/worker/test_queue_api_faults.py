@@ -17,8 +17,8 @@ from aiohttp.test_utils import TestServer
 
 from cv_server.keys import WAITERS
 from cv_workspace_client import WorkspaceClient
-from cv_workspace_client import _queue_api as api
-from cv_workspace_client import _queue_holder as holder
+from cv_workspace_client._queue import holder as holder
+from cv_workspace_client._queue import requester as api
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import WorkspaceError
 from cv_workspace_client.testing import FaultProxy

@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 
-from cv_workspace_client import _queue_api as api
+from cv_workspace_client._queue import requester as api
 from cv_workspace_client.stage import StageContext
 from cv_workspace_client.worker import Worker, WorkerConfig
 from tests.worker.conftest import WS, MakeServer, open_client, running, url_of

@@ -17,9 +17,9 @@ from aiohttp.test_utils import TestServer
 from cv_mutations import NodeInsert
 from cv_server.keys import WAITERS
 from cv_workspace_client import InvalidRequestError, NotFoundError, ProtocolError, WorkspaceClient
-from cv_workspace_client import _queue_api as api
-from cv_workspace_client import _queue_holder as holder
-from cv_workspace_client.cli import workspace_main
+from cv_workspace_client._queue import holder as holder
+from cv_workspace_client._queue import requester as api
+from cv_workspace_client.cli.main import workspace_main
 from cv_workspace_client.stage import StageContext
 from cv_workspace_client.worker import Worker, WorkerConfig
 from tests.worker.conftest import (

@@ -16,9 +16,9 @@ from cv_workspace_client import (
     StillPendingError,
     WorkspaceError,
 )
-from cv_workspace_client._stage_outcome import answer_payload, is_final_answer
 from cv_workspace_client.providers import ProviderRejected, ProviderUnavailable
 from cv_workspace_client.stage import LeaseLostError, RequestCancelledError
+from cv_workspace_client.worker.outcome import answer_payload, is_final_answer
 
 # Pure: no file, socket or database (the `unit` cost mark; see tests/conftest.py).
 pytestmark = pytest.mark.unit

@@ -20,8 +20,8 @@ from aiohttp import web
 from cv_mutations import NodeIncrement, NodeInsert
 from cv_server import ServerConfig, create_app
 from cv_workspace_client import WorkspaceClient
-from cv_workspace_client import _queue_api as api
-from cv_workspace_client import _queue_holder as holder
+from cv_workspace_client._queue import holder as holder
+from cv_workspace_client._queue import requester as api
 from cv_workspace_client.errors import OpRejectedError
 from cv_workspace_client.stage import (
     ExpectedError,

@@ -10,7 +10,7 @@ from aiohttp.test_utils import TestServer
 
 from cv_mutations import NodeIncrement, NodeInsert
 from cv_workspace_client import WorkspaceClient
-from cv_workspace_client import _queue_api as api
+from cv_workspace_client._queue import requester as api
 from cv_workspace_client.stage import ExpectedError, LeaseLostError, Stage, StageContext
 from cv_workspace_client.testing import FaultProxy
 from cv_workspace_client.worker import Worker, WorkerConfig

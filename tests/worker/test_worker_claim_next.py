@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 from cv_server import ServerConfig, create_app
 from cv_server.keys import STORES
 from cv_workspace_client import WorkspaceClient
-from cv_workspace_client import _queue_api as api
+from cv_workspace_client._queue import requester as api
 from cv_workspace_client.stage import StageContext
 from cv_workspace_client.worker import Worker, WorkerConfig
 from tests.observe.scrape import Samples

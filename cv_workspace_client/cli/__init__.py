@@ -1,0 +1,10 @@
+"""The two commands, `cv-worker` and `cv-workspace` (docs/stages.md, docs/queue.md).
+
+Also runnable as `python -m cv_workspace_client.cli worker|workspace ARGS`.
+"""
+
+from __future__ import annotations
+
+from cv_workspace_client.cli.main import EXIT_CODES, load_stages, worker_main, workspace_main
+
+__all__ = ["EXIT_CODES", "load_stages", "worker_main", "workspace_main"]

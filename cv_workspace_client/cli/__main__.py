@@ -1,0 +1,5 @@
+"""`python -m cv_workspace_client.cli worker|workspace ARGS`."""
+
+from cv_workspace_client.cli.main import main
+
+raise SystemExit(main())
