@@ -19,9 +19,8 @@ from cv_server.config import ServerConfig
 from cv_server.http.models import Health, Ready
 from cv_server.http.openapi import Doc, Media, build_document, documented, render_docs_page
 from cv_server.http.problems import Problem, problem_response
-from cv_server.http.ratelimit import RateLimits, rate_limit_middleware
+from cv_server.http.ratelimit import rate_limit_middleware
 from cv_server.http.routes import ROUTE_TABLES
-from cv_server.http.security import TokenSecret
 from cv_server.hub import Connection, Hub
 from cv_server.keys import (
     CONFIG,
@@ -37,6 +36,8 @@ from cv_server.keys import (
     ServerState,
 )
 from cv_server.metrics import CONTENT_TYPE, Metrics
+from cv_server.ratelimit import RateLimits
+from cv_server.secret import TokenSecret
 from cv_server.stores import Stores
 from cv_server.waiters import Waiters, WorkSignals
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from cv_mutations import is_valid_workspace_id
+from cv_server.errors import CvServerError
 
 __all__ = [
     "ALL_WORKSPACES",
@@ -34,7 +35,7 @@ _PREFIX: Final = "cvt1"
 ALL_WORKSPACES: Final = "*"
 
 
-class TokenError(Exception):
+class TokenError(CvServerError):
     """The token is missing, malformed, forged or expired."""
 
 

@@ -28,6 +28,7 @@ from cv_mutations.logs import LOG_FORMATS, JsonFormatter, LogFormat, configure_l
 from cv_server.app import create_app
 from cv_server.auth import check_grant, mint_token
 from cv_server.config import ServerConfig
+from cv_server.errors import CvServerError
 from cv_server.serving import ServerRunner
 from cv_server.sqlite.meta import read_sqlite_token_secret, rotate_sqlite_token_secret
 from cv_server.sqlite.stores import hold_serving_lock, set_up_sqlite_database
@@ -65,7 +66,7 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name) or default
 
 
-class _MissingPostgresExtra(RuntimeError):
+class _MissingPostgresExtra(CvServerError):
     """`--database-url` without asyncpg installed."""
 
 

@@ -9,10 +9,10 @@ from aiohttp import web
 from cv_server.config import ServerConfig
 
 if TYPE_CHECKING:
-    from cv_server.http.ratelimit import RateLimits
-    from cv_server.http.security import TokenSecret
     from cv_server.hub import Connection, Hub
     from cv_server.metrics import Metrics
+    from cv_server.ratelimit import RateLimits
+    from cv_server.secret import TokenSecret
     from cv_server.stores import Stores
     from cv_server.waiters import Waiters, WorkSignals
 

@@ -21,16 +21,21 @@ token secret.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Mapping
+import time
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Final, Literal
+
+from cv_server.config import ServerConfig
 
 __all__ = [
     "ROUTE_CLASSES",
     "Rate",
+    "RateLimits",
     "RouteClass",
     "TokenBuckets",
     "buckets_for",
+    "rates_of",
     "retry_after_header",
 ]
 
@@ -105,3 +110,35 @@ def retry_after_header(seconds: float) -> str:
 def buckets_for(rates: Mapping[RouteClass, Rate | None]) -> dict[RouteClass, TokenBuckets]:
     """A `TokenBuckets` per limited class (a class whose rate is None is not limited)."""
     return {cls: TokenBuckets(rate) for cls, rate in rates.items() if rate is not None}
+
+
+def rates_of(config: ServerConfig) -> dict[RouteClass, Rate | None]:
+    """Each class's rate from `config.rate_limit_<class>_per_second` (None: not limited); a
+    bucket holds `rate_limit_burst_seconds` of its rate, at least one request."""
+    rates: dict[RouteClass, Rate | None] = {}
+    for cls in ROUTE_CLASSES:
+        per_second: float | None = getattr(config, f"rate_limit_{cls}_per_second")
+        rates[cls] = (
+            None
+            if per_second is None
+            else Rate(per_second, max(1.0, per_second * config.rate_limit_burst_seconds))
+        )
+    return rates
+
+
+class RateLimits:
+    """The buckets of one server process, one `TokenBuckets` per limited class."""
+
+    def __init__(self, config: ServerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self._buckets: dict[RouteClass, TokenBuckets] = buckets_for(rates_of(config))
+        self._clock = clock
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._buckets)
+
+    def take(self, route_class: RouteClass, token: str) -> float:
+        """0.0 when `token` may make one more request of `route_class`, else the seconds until
+        it may."""
+        buckets = self._buckets.get(route_class)
+        return 0.0 if buckets is None else buckets.take(token, self._clock())

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeAlias, TypeVar
 
+from cv_server.errors import CvServerError
 from cv_server.locks.store import ComputeLockStore
 from cv_server.oplog import OpLogStore
 from cv_server.queue import BlobStore, IdempotencyStore, QueueStore
@@ -22,7 +23,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class DatabaseUnusable(RuntimeError):
+class DatabaseUnusable(CvServerError):
     """The database cannot be served by this process (in use by another server, written by a
     newer cv-server, unreadable, or refused by PostgreSQL). The message says why and what to do;
     `cv-server` prints it in one line and exits. Each backend translates its driver's errors at

@@ -13,38 +13,12 @@ from cv_server.http.models import ApplyBody, ApplyResults, DocState, OpsPage
 from cv_server.http.openapi import Doc, Param, documented
 from cv_server.http.problems import Problem
 from cv_server.http.security import authorize
-from cv_server.keys import CONFIG, HUB, METRICS, STORES
-from cv_server.oplog import IncomingOp, LogEntry, Outcome
+from cv_server.keys import CONFIG, STORES
+from cv_server.publish import commit_and_publish
 
-__all__ = ["commit_and_publish", "routes"]
+__all__ = ["routes"]
 
 routes = web.RouteTableDef()
-
-
-async def commit_and_publish(
-    app: web.Application, workspace_id: str, sub_doc: str, ops: list[IncomingOp], atomic: bool
-) -> list[Outcome]:
-    """Commit, and only once the commit is durable, publish (docs/concepts.md).
-
-    Shielded by callers: a client that hangs up mid-request must not cancel the publish of a
-    commit that happened anyway.
-    """
-    outcomes, entries = await app[STORES].oplog.append(workspace_id, sub_doc, ops, atomic=atomic)
-    publish(app, workspace_id, sub_doc, outcomes, entries)
-    return outcomes
-
-
-def publish(
-    app: web.Application,
-    workspace_id: str,
-    sub_doc: str,
-    outcomes: list[Outcome],
-    entries: list[LogEntry],
-) -> None:
-    """Broadcast what a commit produced and count its outcomes: right after the commit is
-    durable, never before (docs/concepts.md)."""
-    app[HUB].publish(workspace_id, sub_doc, entries)
-    app[METRICS].record_outcomes(outcomes)
 
 
 @routes.post("/v1/workspaces/{ws}/docs/{sub_doc}/ops")

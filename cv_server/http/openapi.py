@@ -39,7 +39,7 @@ __all__ = [
     "undocumented_routes",
 ]
 
-OPENAPI_PATH: Final = Path(__file__).resolve().parent.parent / "schemas" / "openapi.json"
+OPENAPI_PATH: Final = Path(__file__).resolve().parents[2] / "schemas" / "openapi.json"
 
 H = TypeVar("H", bound=Callable[..., Any])
 

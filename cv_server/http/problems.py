@@ -12,6 +12,8 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from cv_server.errors import CvServerError
+
 __all__ = ["CODES", "PROBLEM_BASE", "Problem", "problem_response"]
 
 #: The default `type` prefix (`ServerConfig.problem_type_base`): docs/problems.md has an anchor
@@ -55,7 +57,7 @@ CODES: Final[Mapping[str, str]] = {
 }
 
 
-class Problem(Exception):
+class Problem(CvServerError):
     """An HTTP error answer. `extra` members are added to the problem document."""
 
     def __init__(

@@ -9,26 +9,20 @@ in `cv_rate_limited_total{route_class}`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 from typing import Final
 
 from aiohttp import web
 
-from cv_server.config import ServerConfig
 from cv_server.http.problems import Problem, problem_response
 from cv_server.http.security import authenticate, bearer_token
 from cv_server.keys import METRICS, RATE_LIMITS
 from cv_server.ratelimit import (
-    ROUTE_CLASSES,
-    Rate,
     RouteClass,
-    TokenBuckets,
-    buckets_for,
     retry_after_header,
 )
 
-__all__ = ["ROUTE_CLASS_OF", "RateLimits", "rate_limit_middleware", "rates_of"]
+__all__ = ["ROUTE_CLASS_OF", "rate_limit_middleware", "refusal"]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -61,46 +55,16 @@ ROUTE_CLASS_OF: Final[dict[tuple[str, str], RouteClass]] = {
 }
 
 
-def rates_of(config: ServerConfig) -> dict[RouteClass, Rate | None]:
-    """Each class's rate from `config.rate_limit_<class>_per_second` (None: not limited); a
-    bucket holds `rate_limit_burst_seconds` of its rate, at least one request."""
-    rates: dict[RouteClass, Rate | None] = {}
-    for cls in ROUTE_CLASSES:
-        per_second: float | None = getattr(config, f"rate_limit_{cls}_per_second")
-        rates[cls] = (
-            None
-            if per_second is None
-            else Rate(per_second, max(1.0, per_second * config.rate_limit_burst_seconds))
-        )
-    return rates
-
-
-class RateLimits:
-    """The buckets of one server process, one `TokenBuckets` per limited class."""
-
-    def __init__(self, config: ServerConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        self._buckets: dict[RouteClass, TokenBuckets] = buckets_for(rates_of(config))
-        self._clock = clock
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self._buckets)
-
-    def take(self, route_class: RouteClass, token: str) -> float:
-        """0.0 when `token` may make one more request of `route_class`, else the seconds until
-        it may."""
-        buckets = self._buckets.get(route_class)
-        return 0.0 if buckets is None else buckets.take(token, self._clock())
-
-    def refusal(self, route_class: RouteClass, wait: float) -> Problem:
-        return Problem(
-            429,
-            "rate_limited",
-            f"too many {route_class} requests for this token; retry in {wait:.3f} s",
-            headers={"Retry-After": retry_after_header(wait)},
-            retry_after=round(wait, 3),
-            route_class=route_class,
-        )
+def refusal(route_class: RouteClass, wait: float) -> Problem:
+    """The answer to a request of `route_class` whose bucket is empty for `wait` more seconds."""
+    return Problem(
+        429,
+        "rate_limited",
+        f"too many {route_class} requests for this token; retry in {wait:.3f} s",
+        headers={"Retry-After": retry_after_header(wait)},
+        retry_after=round(wait, 3),
+        route_class=route_class,
+    )
 
 
 @web.middleware
@@ -122,5 +86,5 @@ async def rate_limit_middleware(request: web.Request, handler: Handler) -> web.S
     wait = limits.take(cls, token)
     if wait > 0:
         request.app[METRICS].count_rate_limited(cls)
-        return problem_response(limits.refusal(cls, wait))
+        return problem_response(refusal(cls, wait))
     return await handler(request)

@@ -21,10 +21,10 @@ import orjson
 from aiohttp import WSMsgType, web
 
 from cv_mutations import is_valid_sub_doc, is_valid_workspace_id
-from cv_server.http.docs import commit_and_publish, publish
 from cv_server.http.inputs import check_since, decode_json, parse_apply_body
 from cv_server.http.openapi import Doc, Param, documented
 from cv_server.http.problems import Problem
+from cv_server.http.ratelimit import refusal
 from cv_server.http.security import (
     SOCKET_SUBPROTOCOL,
     authenticate,
@@ -45,6 +45,7 @@ from cv_server.keys import (
     TOKEN_SECRET,
 )
 from cv_server.oplog import LogEntry, Outcome
+from cv_server.publish import commit_and_publish, publish
 
 __all__ = ["CLOSE_FORBIDDEN", "CLOSE_UNAUTHORIZED", "routes"]
 
@@ -167,7 +168,7 @@ class _Session:
                 wait = limits.take("ops", self.token)
                 if wait > 0:
                     self.app[METRICS].count_rate_limited("ops")
-                    raise limits.refusal("ops", wait)
+                    raise refusal("ops", wait)
                 self.apply(sub_doc, req, ops, atomic)
             else:
                 raise Problem(400, "unknown_message_type", f"unknown frame type {_describe(kind)}")

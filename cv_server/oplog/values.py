@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cv_mutations import Op
+from cv_server.errors import CvServerError
 
 __all__ = [
     "Committed",
@@ -73,7 +74,7 @@ class Rejected:
 Outcome = Committed | Rejected
 
 
-class OpLogCorrupted(RuntimeError):
+class OpLogCorrupted(CvServerError):
     """The stored log cannot be rebuilt into a state (a gap, an op its own history rejects, or a
     snapshot ahead of the log). Every backend raises this one class; the server answers it as
     an internal error and never serves the half-built state."""

@@ -8,12 +8,13 @@ above the backend never imports asyncpg to understand what went wrong. The error
 
 from __future__ import annotations
 
+from cv_server.errors import CvServerError
 from cv_server.stores import DatabaseUnusable
 
 __all__ = ["MigrationError", "NotifyPayloadTooLarge", "PostgresBackendError", "PostgresRefused"]
 
 
-class PostgresBackendError(Exception):
+class PostgresBackendError(CvServerError):
     """Base of every error the PostgreSQL backend raises on purpose."""
 
     code: str = "postgres_error"

@@ -5,6 +5,8 @@ The HTTP routes map `code` to a problem+json answer; the SDK maps it back to the
 
 from __future__ import annotations
 
+from cv_server.errors import CvServerError
+
 __all__ = [
     "IdempotencyKeyLost",
     "InvalidTransition",
@@ -17,7 +19,7 @@ __all__ = [
 ]
 
 
-class QueueError(Exception):
+class QueueError(CvServerError):
     """Base of every queue error; `code` is stable and travels on the wire."""
 
     code: str = "queue_error"

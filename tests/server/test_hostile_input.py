@@ -13,9 +13,9 @@ from aiohttp.test_utils import TestClient
 
 from cv_mutations import fingerprint, new_op_id, parse_op
 from cv_server import ServerConfig, create_app
-from cv_server.http.docs import commit_and_publish
 from cv_server.keys import HUB
 from cv_server.oplog import IncomingOp
+from cv_server.publish import commit_and_publish
 from tests.server.conftest import ClientFactory, auth
 from tests.server.helpers import counter, get_ops, increment, insert, post_ops
 

@@ -13,8 +13,8 @@ from aiohttp.test_utils import TestClient
 
 from cv_server import ServerConfig, create_app
 from cv_server.cli import parse_overrides
-from cv_server.http.ratelimit import ROUTE_CLASS_OF, rates_of
-from cv_server.ratelimit import ROUTE_CLASSES, Rate, TokenBuckets, retry_after_header
+from cv_server.http.ratelimit import ROUTE_CLASS_OF
+from cv_server.ratelimit import ROUTE_CLASSES, Rate, TokenBuckets, rates_of, retry_after_header
 from tests.server.conftest import ClientFactory, auth, token_for
 
 WS = "ws1"

@@ -1,0 +1,42 @@
+"""Commit, then publish: the one step every write route takes (docs/concepts.md).
+
+An op is broadcast to subscribers only once its commit is durable, and every commit's outcomes
+are counted. The HTTP route (`cv_server.http.docs`) and the websocket (`cv_server.http.socket`)
+both write through here, so neither can publish what was not committed
+(tests/server/test_oplog_pipeline.py, tests/server/test_socket_ordering.py).
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from cv_server.keys import HUB, METRICS, STORES
+from cv_server.oplog import IncomingOp, LogEntry, Outcome
+
+__all__ = ["commit_and_publish", "publish"]
+
+
+async def commit_and_publish(
+    app: web.Application, workspace_id: str, sub_doc: str, ops: list[IncomingOp], atomic: bool
+) -> list[Outcome]:
+    """Commit, and only once the commit is durable, publish (docs/concepts.md).
+
+    Shielded by callers: a client that hangs up mid-request must not cancel the publish of a
+    commit that happened anyway.
+    """
+    outcomes, entries = await app[STORES].oplog.append(workspace_id, sub_doc, ops, atomic=atomic)
+    publish(app, workspace_id, sub_doc, outcomes, entries)
+    return outcomes
+
+
+def publish(
+    app: web.Application,
+    workspace_id: str,
+    sub_doc: str,
+    outcomes: list[Outcome],
+    entries: list[LogEntry],
+) -> None:
+    """Broadcast what a commit produced and count its outcomes: right after the commit is
+    durable, never before (docs/concepts.md)."""
+    app[HUB].publish(workspace_id, sub_doc, entries)
+    app[METRICS].record_outcomes(outcomes)
