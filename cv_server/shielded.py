@@ -1,7 +1,7 @@
 """The shell both queue backends write through (`cv_server/sqlite/queue.py`,
 `cv_server/pg/queue.py`): a transaction that, once started, commits and is announced whatever
 happens to its caller. Kept out of `cv_server/queue/`, whose modules import no asyncio
-(tests/queue/test_purity.py)."""
+(the pure-cores contract, tests/test_architecture.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The shell owns the I/O and nothing else: the outbox file, one aiohttp session for HTTP, one
 websocket per workspace in use, timers. Every decision — what to persist, what to send and when,
-what to retry, when to give up — is `OutboxMachine`'s, and `OpPump` (`_pump.py`) carries the
+what to retry, when to give up — is `OutboxMachine`'s, and `OpPump` (`_io/pump.py`) carries the
 decisions out. This module holds the client's lifetime and its public verbs.
 """
 
@@ -152,7 +152,7 @@ class WorkspaceClient(QueueMethods):
         )
         self._reads = Reads(self.config, self._api)
         #: Every refusal of the token goes through it (HTTP, queue calls, websockets): the app's
-        #: provider, if any, is asked once for all of them (`_auth.py`).
+        #: provider, if any, is asked once for all of them (`_io/auth.py`).
         self.token_refresher: TokenRefresher = TokenRefresher(
             token_provider,
             current=lambda: self.token,

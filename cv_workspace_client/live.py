@@ -9,7 +9,7 @@
 not answered on top, in order (those applied here, and those the client's outbox held when the
 view opened): an edit shows the moment it is made,
 offline included, and moves into place as the server commits it, rebased on whatever other
-clients committed first. The rules are `OptimisticDoc`'s (pure, `_optimistic.py`); this module
+clients committed first. The rules are `OptimisticDoc`'s (pure, `_core/optimistic.py`); this module
 only wires the client's reads, subscription and answers into it.
 
 Opening: the state comes first (`get_state`, or the `initial` state the app cached, for a view

@@ -35,7 +35,7 @@ routes = web.RouteTableDef()
 #: The largest page of a listing: the queue listing's bound, so every operator listing pages alike.
 MAX_PAGE: Final = 1000
 _DEFAULT_PAGE: Final = 100
-#: A compute lock's job_id and task are 1..256 characters (`http_locks`).
+#: A compute lock's job_id and task are 1..256 characters (`http.locks`).
 _MAX_KEY_PART: Final = 256
 
 

@@ -1,7 +1,7 @@
 """HTTP routes of the work queue (layer 1, docs/protocol.md, docs/queue.md): enqueue, read and
 stream a request, and the worker verbs (claim / heartbeat / complete / fail). The upload and
-download of large results are in `http_results`, the operators' verbs (list, replay, cancel) in
-`http_queue_operators`; both use this module's request helpers (`row_of`, `row_json`, ...).
+download of large results are in `http.results`, the operators' verbs (list, replay, cancel) in
+`http.queue_operators`; both use this module's request helpers (`row_of`, `row_json`, ...).
 
 A completion may name an uploaded result (`blob_ref`) instead of carrying it: it is checked to
 be a blob of the request's workspace (docs/queue.md).
@@ -141,7 +141,7 @@ def _payload(body: dict[str, Any], name: str) -> Any:
 def _telemetry(body: dict[str, Any]) -> Any:
     """The worker's telemetry, or None when the route could not store it (nested too deeply, an
     integer past 64 bits): telemetry is fire-and-forget, so what is wrong with it never fails
-    the completion it rides on (`tests/server/test_metrics_workload.py` pins it)."""
+    the completion it rides on (`tests/observe/test_metrics_workload.py` pins it)."""
     try:
         return _payload(body, "telemetry")
     except Problem:

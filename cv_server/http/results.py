@@ -5,7 +5,7 @@ holder uploads one (`POST .../requests/{id}/result`), the requester downloads it
 The upload's body is the result's JSON itself, fenced by the claim token in its `Claim-Token`
 header and bounded by `ServerConfig.max_result_bytes`, not by the `max_body_bytes` every other
 body keeps: a result of several MB must complete on its first attempt. The completion then
-names the stored blob (`blob_ref`, checked by `http_queue`). See docs/queue.md.
+names the stored blob (`blob_ref`, checked by `http.queue`). See docs/queue.md.
 """
 
 from __future__ import annotations

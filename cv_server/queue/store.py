@@ -69,7 +69,7 @@ class QueueStore(abc.ABC):
 
     def __init__(self, *, new_token: Callable[[], str]) -> None:
         # The seam draws no randomness: each backend passes its token minter
-        # (`cv_server.tokens.new_claim_token` by default; tests/queue/test_purity.py).
+        # (`cv_server.tokens.new_claim_token` by default; tests/contract/test_queue_sqlite.py).
         self._new_token = new_token
         self._listeners: builtins.list[QueueListener] = []
         self._observers: builtins.list[QueueListener] = []

@@ -3,13 +3,13 @@
 `OutboxRow` (an op as the outbox stores it) and `LaneBacklog` (what the outbox holds for a lane
 at start) are what the shell feeds `OutboxMachine`; `Persist`, `Send`, `Resolve`, `Forget`,
 `CountAttempt`, `Wait`, `Load` and `Discard` (together `Decision`) are what it drains from it
-and carries out. See `_machine` for which event leads to which decision, and the rules the
+and carries out. See `machine` for which event leads to which decision, and the rules the
 machine keeps.
 
 They live apart from the machine because they are a different concept with different readers:
 the outbox storage and the I/O shells build and consume these values without needing the
 machine's lane, batch and retry logic. Plain data, sans-I/O like the machine (STYLE habit 1).
-`_machine` re-exports every name, so `from cv_workspace_client._core.machine import X` still works.
+`machine` re-exports every name, so its users import from it alone.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """When the workspace websocket connects again, and when it stops trying: the pure policy the
-socket's run loop asks (`_socket.py`). No I/O and no clock; the jitter source is a parameter.
+socket's run loop asks (`_io/socket.py`). No I/O and no clock; the jitter source is a parameter.
 
 As in websockets' `process_exception` + `backoff()`, the policy answers two questions:
 

@@ -1,6 +1,6 @@
 """What the outbox machine writes to and reads from the wire, without I/O: an op's body encoded
 once (as the outbox stores it and the server receives it) and a batch's answer checked against
-the request it answers. Pure functions; the machine (`_machine.py`) decides what follows."""
+the request it answers. Pure functions; the machine (`_core/machine.py`) decides what follows."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What one websocket connection of the SDK does on the wire, beside the protocol: its one
 writer (frames packed into messages within the server's byte limit), a ping that tolerates a
-closing connection, and giving the connection back however it ended. Used by `_socket.py`."""
+closing connection, and giving the connection back however it ended. Used by `_io/socket.py`."""
 
 from __future__ import annotations
 

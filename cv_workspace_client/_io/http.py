@@ -84,7 +84,7 @@ class HttpApi:
         self.session = session
         self.base_url = base_url.rstrip("/")
         self.headers: dict[str, str] = {}
-        #: Asked when the server refuses the token (`_auth.py`); None: a refusal is the answer.
+        #: Asked when the server refuses the token (`_io/auth.py`); None: a refusal is the answer.
         self.token_refresher = refresher
         self.set_token(token)
 

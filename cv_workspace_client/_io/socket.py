@@ -301,7 +301,7 @@ class WorkspaceSocket:
         self._forget_in_flight()
 
     async def _run(self) -> None:
-        """Connect, serve, and connect again as `owner.reconnect` says (`_reconnect.py`)."""
+        """Connect, serve, and connect again as `owner.reconnect` says (`_core/reconnect.py`)."""
         policy = self.owner.reconnect
         streak = Streak()
         wait = False  # the first connect, and one with a fresh token, go at once
@@ -562,7 +562,7 @@ class WorkspaceSocket:
         in since the connect (the server closes a socket at its token's expiry, 4001, and apps
         refresh before that: taken as final, the socket died and the subscriptions failed
         though the client held a valid token), or, for a refused token, one the app's
-        `token_provider` gave (`_auth.py`)."""
+        `token_provider` gave (`_io/auth.py`)."""
         refresher = self.owner.token_refresher
         if self._closed:
             return True

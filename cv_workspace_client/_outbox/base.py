@@ -1,6 +1,6 @@
 """The client's outbox: ops written down before their first send, deleted once answered.
 
-Two implementations behind one small seam: `SQLiteOutbox` (`_outbox_sqlite.py`: a file, survives
+Two implementations behind one small seam: `SQLiteOutbox` (`_outbox/sqlite.py`: a file, survives
 crashes and restarts; the default whenever the app passes a path) and `MemoryOutbox`
 (`outbox=None`: retries and reconnects are still safe, a process restart loses what was pending).
 """

@@ -1,4 +1,4 @@
-"""The outbox file's SQL, identity and lock, for `SQLiteOutbox` (`_outbox_sqlite.py`): the
+"""The outbox file's SQL, identity and lock, for `SQLiteOutbox` (`_outbox/sqlite.py`): the
 schema and the check that a file is an outbox, the loads and pages of a backlog, the write of one
 `OutboxWrite`, and the sidecar file lock that picks one client of two starting at once."""
 

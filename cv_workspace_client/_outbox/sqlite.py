@@ -1,6 +1,6 @@
 """`SQLiteOutbox`: the outbox in a SQLite file (the default whenever the app passes a path).
 
-Its SQL, the file's identity checks and its lock are in `_outbox_file.py`. How the file is
+Its SQL, the file's identity checks and its lock are in `_outbox/file.py`. How the file is
 written, and why:
 
 - Every write is one short transaction committed **on the calling (event-loop) thread**, in WAL

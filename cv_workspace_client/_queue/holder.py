@@ -3,9 +3,9 @@ long-poll until there is some), keep the lease alive, and finish the request —
 `complete_many` or `fail` (a large result uploaded first, `upload_result`), each fenced by the
 claim token, so a holder whose lease was reclaimed is told `LeaseLostError` and changes
 nothing. `Worker` and its completer and heartbeat
-(`_worker_io`) drive these; the requester's verbs are in `_queue_api`.
+(`worker.io`) drive these; the requester's verbs are in `_queue.requester`.
 
-Retries (the rule is in `_queue_http`): the fenced verbs are safe to repeat — a retried
+Retries (the rule is in `_queue.transport`): the fenced verbs are safe to repeat — a retried
 `complete` is answered with the finished row. A claim is not retried: a lost answer leaves a row
 leased to nobody, which the lease re-drives.
 

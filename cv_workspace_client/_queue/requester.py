@@ -3,10 +3,10 @@ request (and the blob of a large result), list requests for operators, replay a 
 wait for an outcome over the SSE stream — and `QueueMethods`, the enqueue / wait / inspect verbs
 `WorkspaceClient` mixes in.
 
-Everything here needs only a *host* (`QueueHost`, see `_queue_http`, whose transport and retry
+Everything here needs only a *host* (`QueueHost`, see `_queue.transport`, whose transport and retry
 rule these verbs use). `WorkspaceClient` is one; `QueueClient` is a light one for shells (the
 `cv-workspace` command) that need no outbox and no websocket. The verbs of a worker holding a
-claim are in `_queue_holder`.
+claim are in `_queue.holder`.
 """
 
 from __future__ import annotations

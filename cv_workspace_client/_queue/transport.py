@@ -4,7 +4,7 @@ a queue route with the host's token, its answer read by the SDK's one interprete
 `LeaseLostError` when a fenced verb is refused, `RequestCancelledError` when a heartbeat finds
 its request cancelled), and the SDK's retry rule around it.
 
-The requester's verbs (`_queue_api`) and the claim holder's (`_queue_holder`) both go through
+The requester's verbs (`_queue.requester`) and the claim holder's (`_queue.holder`) both go through
 here. Each needs only a *host* (`QueueHost`): an object with `url`, `session` (an aiohttp
 session) and `auth_headers()`.
 

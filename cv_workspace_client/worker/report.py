@@ -1,7 +1,7 @@
 """How the worker reports a run to the queue (docs/queue.md; docs/stages.md): complete it with its
 result (uploading a big one to the blob store first) or with an error payload, fail it, or report it
 cancelled — each fenced by the claim token, so a report refused with `lease_lost` changes
-nothing. `Worker` decides which; `_stage_outcome` says what is an answer.
+nothing. `Worker` decides which; `worker.outcome` says what is an answer.
 """
 
 from __future__ import annotations

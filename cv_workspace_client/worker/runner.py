@@ -25,7 +25,7 @@ The loop, in order of the rules it keeps:
   writes committed (a result too large for a completion's body is uploaded to the blob store
   first, and completed by its reference; one past the server's `max_result_bytes` completes
   with a `result_too_large` error payload); `ExpectedError`, or a downstream's final refusal
-  (one of the stage's own writes refused for good, a provider's 4xx: `_stage_outcome`) →
+  (one of the stage's own writes refused for good, a provider's 4xx: `worker.outcome`) →
   `complete` with the error payload, after one attempt; any other exception → `fail` (the
   server applies the backoff, then poison at `max_dequeues`). Completions made together travel
   together (one call, one commit).
