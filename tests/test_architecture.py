@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -181,3 +182,31 @@ def test_every_import_contract_is_broken_by_a_deliberate_violation(tmp_path: Pat
     assert broken.returncode == 1, broken.stdout + broken.stderr
     for contract_id in CONTRACTS:
         assert f"{CONTRACTS[contract_id]['name']} BROKEN" in broken.stdout, contract_id
+
+
+#: A path of the repository as the code, the docs and the tests name it in prose.
+_NAMED_PATH = re.compile(
+    r"(?<![\w/.-])((?:cv_mutations|cv_workspace_client|cv_server|tests|docs|bench|examples"
+    r"|scripts|schemas)/[\w/.-]*\w\.(?:py|md|json|sql|mjs))"
+)
+
+
+def test_every_file_the_code_docs_and_tests_name_exists() -> None:
+    # A module or a test that moves leaves no reference to its old room behind. The changelog
+    # tells history, so it may name what is gone.
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py", "*.md", "*.toml"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert len(tracked) > 100
+    missing = sorted(
+        f"{source}: {named}"
+        for source in tracked
+        if source != "CHANGELOG.md"
+        for named in _NAMED_PATH.findall((ROOT / source).read_text(encoding="utf-8"))
+        if not (ROOT / named).exists()
+    )
+    assert missing == []
