@@ -3,7 +3,7 @@
 An op is broadcast to subscribers only once its commit is durable, and every commit's outcomes
 are counted. The HTTP route (`cv_server.http.docs`) and the websocket (`cv_server.http.socket`)
 both write through here, so neither can publish what was not committed
-(tests/server/test_oplog_pipeline.py, tests/server/test_socket_ordering.py).
+(tests/server/test_oplog_pipeline.py, tests/server/http/test_socket_ordering.py).
 """
 
 from __future__ import annotations

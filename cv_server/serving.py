@@ -6,7 +6,7 @@ method, a malformed header) never reaches the app or its middleware: aiohttp ans
 connection handler (`RequestHandler.handle_error`) with a bare text/plain 400, and offers no hook
 for it (aio-libs/aiohttp#3287). The runner's connection handler overrides that one method; the
 logging, and the refusal to write a second response once one has started, stay aiohttp's.
-Pinned by tests/server/test_parser_refusals.py.
+Pinned by tests/server/test_serving.py.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import pytest
 # A suite started in the background of a shell without job control (`nohup ... &`) inherits
 # SIGINT ignored, and an ignored signal stays ignored in every process it starts: their Ctrl-C
 # would do nothing. The processes the Ctrl-C tests start get the default, as from a terminal
-# (tests/server/test_cli_operator.py, tests/worker/test_cli_operator.py).
+# (tests/server/test_cli_operator.py, tests/cli/test_operator.py).
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = [
-    "tests/client/test_optimistic.py",  # pytestmark = unit; one test runs a state machine
+    "tests/client/core/test_optimistic.py",  # pytestmark = unit; one test runs a state machine
     "tests/queue/test_lifecycle_properties.py",  # a state machine's TestCase, by directory unit
     "tests/mutations/test_ops.py",  # @given tests beside example tests
 ]

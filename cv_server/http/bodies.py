@@ -8,7 +8,7 @@ unknown coding (`compress`) or a stack of two as if there were none. Here: `iden
 (and its alias `x-gzip`) and `deflate` are accepted, one coding at most; anything else is 415
 `unsupported_content_encoding`, a body that does not decode is 400 `malformed_body`, and one that
 decodes past the limit is 413 `body_too_large` as soon as it does (a gzip bomb is never inflated
-past the limit). Pinned by tests/server/test_request_bodies.py.
+past the limit). Pinned by tests/server/http/test_bodies.py.
 """
 
 from __future__ import annotations

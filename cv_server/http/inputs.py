@@ -111,7 +111,7 @@ def parse_apply_body(body: object, max_ops: int) -> tuple[list[IncomingOp], bool
         raise Problem(400, "malformed_json", 'body must be an object {"ops": [...]}')
     # One vocabulary on every route (docs/problems.md): a body that is not JSON, or not an
     # object, is `malformed_json`; a member that is unknown or of the wrong type is
-    # `invalid_field` (tests/server/test_bad_input.py).
+    # `invalid_field` (tests/server/http/test_inputs.py).
     unknown = set(body) - {"ops", "atomic"}
     if unknown:
         raise Problem(422, "invalid_field", f"unknown members: {sorted(unknown)}")

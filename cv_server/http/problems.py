@@ -21,7 +21,7 @@ __all__ = ["CODES", "PROBLEM_BASE", "Problem", "problem_response"]
 PROBLEM_BASE: Final = "docs/problems.md#"
 
 #: Every code the server answers with (problem+json bodies, websocket `error` frames), and its
-#: title. The SDK maps each to a typed exception; tests/client/test_http_path.py holds the
+#: title. The SDK maps each to a typed exception; tests/client/io/test_http.py holds the
 #: two together, so a code the server starts sending fails there until it is listed here and
 #: given its SDK type.
 CODES: Final[Mapping[str, str]] = {

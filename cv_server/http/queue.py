@@ -657,7 +657,7 @@ async def complete(request: web.Request) -> web.Response:
     """The holder's completion. With `claim_next` it and the claim commit together and the
     answer adds `claimed`; a refused completion (`lease_lost`, ...) is then answered 200 with
     its `error` next to `claimed`, since the claim went ahead (docs/queue.md;
-    `tests/server/test_queue_claim_next.py` pins both)."""
+    `tests/server/http/test_queue_claim_next.py` pins both)."""
     claims, row = await _claims_and_row(request)
     _, body = await _json_body(request)
     asked = parse_body(CompleteBody, body)
@@ -782,7 +782,8 @@ async def fail(request: web.Request) -> web.Response:
 def _batch_of(workspace_id: str, body: dict[str, Any], max_dequeues: int) -> list[EnqueueAsk]:
     """The enqueues `{"requests": [...]}` asks for, each item read as the single route reads its
     body (`_new_request`). A bad item refuses the whole call: 422 with the item's own code and
-    `item_index`, and nothing is enqueued (pinned by `tests/server/test_enqueue_many.py`)."""
+    `item_index`, and nothing is enqueued (pinned by
+    `tests/server/http/test_queue_enqueue_many.py`)."""
     items = body.get("requests")
     if set(body) != {"requests"} or not isinstance(items, list):
         raise Problem(422, "invalid_field", 'the body is {"requests": [...]}')

@@ -67,7 +67,7 @@ _REQ_PROBLEM: Final = (
 def _check_req(req: Any) -> None:
     """Refuse a `req` no answer could carry. Checked before anything else of the frame: an
     apply whose `req` could not be encoded committed its ops, then its ack failed to encode
-    and the client never learnt they were applied (tests/server/test_socket_frames.py)."""
+    and the client never learnt they were applied (tests/server/http/test_socket_frames.py)."""
     if (
         req is None
         or isinstance(req, bool | float)
@@ -139,7 +139,7 @@ class _Session:
             kind = frame.get("type")
             if kind not in ("subscribe", "unsubscribe", "apply"):
                 # Before its other members: a frame of a type the server does not know is
-                # refused for that (tests/server/test_socket.py).
+                # refused for that (tests/server/http/test_socket.py).
                 raise Problem(400, "unknown_message_type", f"unknown frame type {_describe(kind)}")
             sub_doc = frame.get("sub_doc")
             if not isinstance(sub_doc, str) or not is_valid_sub_doc(sub_doc):

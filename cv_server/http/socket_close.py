@@ -11,7 +11,7 @@ reads the close frame waiting in its buffer: the client saw a connection reset i
 Here the connection lingers instead, as HTTP servers do for a refused body: the close frame goes
 out, the write side is shut (the peer reads the close frame, then end-of-stream), and what the
 peer still sends is read and discarded until it closes its side, for at most `linger_seconds`.
-Pinned by tests/server/test_socket_frames.py.
+Pinned by tests/server/http/test_socket_frames.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ headers in; the decoded JSON or the typed `WorkspaceError` out.
   403, 413 and 429 are answers whoever sent them, a 5xx is a server error; any other bare 4xx
   never reached the server, so it is `bad_answer` (retried), not a final refusal.
 
-Pinned by `tests/client/test_answers.py` and the HTTP path tests of each caller.
+Pinned by `tests/client/core/test_answers.py` and the HTTP path tests of each caller.
 """
 
 from __future__ import annotations

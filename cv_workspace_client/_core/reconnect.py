@@ -21,8 +21,8 @@ that accepts, answers and drops is still never reconnected to in a tight loop.
 Until a connection proves the server up (the first connect, connections that delivered nothing),
 each failed attempt waits the client's retry backoff (full jitter, base 1 s, cap 300 s).
 
-Pinned by `tests/client/test_reconnect_policy.py` (the pure rules) and
-`tests/client/test_reconnect_backoff.py` (a real socket, and through `FaultProxy`).
+Pinned by `tests/client/core/test_reconnect.py` (the pure rules) and
+`tests/client/io/test_socket_reconnects.py` (a real socket, and through `FaultProxy`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A URL that cannot work is a configuration error, not a network blip: `127.0.0.1:8080` (no
 scheme) was retried for seconds as if the server were down. It is refused at once with a
-`ValueError` that says what is wrong (tests/client/test_server_url.py).
+`ValueError` that says what is wrong (tests/client/core/test_url.py).
 """
 
 from __future__ import annotations

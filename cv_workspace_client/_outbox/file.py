@@ -118,7 +118,7 @@ def apply_write(conn: sqlite3.Connection, job: OutboxWrite) -> None:
     A job of one statement on one row (an op's insert, an answered op's delete: what a writer
     awaiting each op makes) runs in autocommit: SQLite wraps the statement in its own
     transaction, as atomic and as durable as BEGIN ... COMMIT, two statements fewer
-    (tests/client/test_outbox.py::test_a_one_row_write_commits_on_its_own)."""
+    (tests/client/outbox/test_sqlite.py::test_a_one_row_write_commits_on_its_own)."""
     statements = _statements(job)
     if len(statements) == 1 and len(statements[0][1]) == 1:
         sql, (params,) = statements[0]

@@ -371,7 +371,7 @@ class Worker:
         # From `stop()` on (a claim in flight may have used part of it), or from now.
         deadline = loop.time() + self._drain_left()
         # A report sent before `stop()` may bring rows its claim took: they start at once and
-        # are drained like the others (`tests/worker/test_worker_claim_next.py` pins it), so
+        # are drained like the others (`tests/worker/test_runner_claim_next.py` pins it), so
         # the drain goes round until no stage is left. No claim is sent once stopping.
         while True:
             await self._finish_stages(deadline)

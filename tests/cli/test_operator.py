@@ -2,7 +2,7 @@
 (`| head -1`), given arguments that cannot work, interrupted mid-wait, asked for `--help`.
 
 Real processes against the in-process server of `conftest.py`, except where an argument is
-refused before anything is sent (then in-process, as `test_cli.py` does)."""
+refused before anything is sent (then in-process, as `test_main.py` does)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from cv_workspace_client.stage import Handler, Stage, StageContext
 from cv_workspace_client.stages import demo
 from cv_workspace_client.testing import FaultProxy
 from cv_workspace_client.worker import Worker, WorkerConfig
+from tests.cli.test_edges import _worker_process
 from tests.worker.cli_stages import STAGES as DOUBLE_STAGES
 from tests.worker.conftest import (
     WS,
@@ -40,7 +41,6 @@ from tests.worker.conftest import (
     token_for,
     url_of,
 )
-from tests.worker.test_cli_edges import _worker_process
 
 FAST = WorkerConfig(idle_initial_seconds=0.01, idle_max_seconds=0.05)
 #: What a shell reports for a program that died of SIGPIPE, and what the commands now exit with
@@ -413,7 +413,7 @@ async def test_ctrl_c_on_enqueue_wait_still_prints_the_request_id(server: TestSe
 
 
 def __getattr__(name: str) -> Any:
-    """`--stages tests.worker.test_cli_operator:SLOW_STAGES`: stages whose module takes its time to
+    """`--stages tests.cli.test_operator:SLOW_STAGES`: stages whose module takes its time to
     load (a model read from disk, say) — here until stdin closes — so that a signal can arrive
     before the worker is ready."""
     if name == "SLOW_STAGES":
@@ -428,7 +428,7 @@ async def test_ctrl_c_while_the_worker_loads_its_stages_exits_without_a_tracebac
 ) -> None:
     proc = await asyncio.create_subprocess_exec(
         *_command(
-            "worker", *_auth(server), "--stages", "tests.worker.test_cli_operator:SLOW_STAGES"
+            "worker", *_auth(server), "--stages", "tests.cli.test_operator:SLOW_STAGES"
         ),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,

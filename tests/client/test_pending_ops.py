@@ -19,10 +19,10 @@ from cv_workspace_client._core.machine import BacklogRange, OutboxRow
 from cv_workspace_client.live import LiveDoc
 from cv_workspace_client.testing import FaultProxy
 
+from .core.test_machine_stateful import SUB_DOCS
 from .helpers import WS, fast_config, server_log, server_state, token_for
 from .live_helpers import BOUND, count_of, until
-from .test_machine_stateful import SUB_DOCS
-from .test_outbox_paging import ClientRestoredPageByPage, page_of
+from .outbox.test_paging import ClientRestoredPageByPage, page_of
 
 
 def _inc() -> NodeIncrement:

@@ -21,8 +21,7 @@ from cv_workspace_client import ForbiddenError, StillPendingError, WorkspaceClie
 from cv_workspace_client.mcp_server import build_server
 from cv_workspace_client.mcp_server.answers import arguments_error, workspace_error
 from cv_workspace_client.mcp_server.feeds import ResourceFeeds, doc_uri, parse_doc_uri
-
-from .helpers import WS
+from tests.client.helpers import WS
 
 
 @contextlib.asynccontextmanager

@@ -25,7 +25,7 @@ from cv_workspace_client import (
 )
 from cv_workspace_client._core.answers import ANY_SUCCESS, answer_error, read_answer
 
-from .helpers import RecordingSleep
+from ..helpers import RecordingSleep
 
 PROBLEM = {"Content-Type": "application/problem+json"}
 

@@ -29,7 +29,7 @@ from cv_workspace_client.errors import (
 )
 from cv_workspace_client.models import Commit
 
-from .machine_helpers import commit_results, inc, make_machine, of_type, persist_all
+from ..machine_helpers import commit_results, inc, make_machine, of_type, persist_all
 
 # Pure: no file, socket or database (the `unit` cost mark; see tests/conftest.py).
 pytestmark = pytest.mark.unit

@@ -47,7 +47,7 @@ from cv_workspace_client.errors import (
 )
 from cv_workspace_client.testing import FaultProxy
 
-from .helpers import WS, fast_config, server_log, server_state
+from ..helpers import WS, fast_config, server_log, server_state
 from .test_machine_stateful import SUB_DOCS, ClientThroughHostileLink, index
 
 TIMEOUT = 30

@@ -59,7 +59,7 @@ from cv_workspace_client.errors import (
 from cv_workspace_client.models import Commit
 from tests.stateful import AsyncStateMachine
 
-from .machine_helpers import counting_minter
+from ..machine_helpers import counting_minter
 
 WS = "ws1"
 SUB_DOCS = ("a", "b")

@@ -1,6 +1,6 @@
 """The websocket's reconnect policy as pure rules (`cv_workspace_client._core.reconnect`): which
 refused upgrades are final, when the waits start over, and how long each wait may be. The same rules
-through a real socket and `FaultProxy` are in `test_reconnect_backoff.py`."""
+through a real socket and `FaultProxy` are in `tests/client/io/test_socket_reconnects.py`."""
 
 from __future__ import annotations
 

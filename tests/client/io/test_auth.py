@@ -26,7 +26,7 @@ from cv_workspace_client._queue.requester import enqueue, get_request, wait_requ
 from cv_workspace_client.stage import StageContext
 from cv_workspace_client.worker import Worker, WorkerConfig
 
-from .helpers import SECRET, WS, RecordingSleep, collect, fast_config, server_log, token_for
+from ..helpers import SECRET, WS, RecordingSleep, collect, fast_config, server_log, token_for
 
 BOUND = 20.0
 

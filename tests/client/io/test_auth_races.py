@@ -26,7 +26,7 @@ from cv_workspace_client import (
 from cv_workspace_client._outbox.sqlite import SQLiteOutbox
 from cv_workspace_client.testing import FaultProxy
 
-from .helpers import WS, fast_config, server_log, token_for
+from ..helpers import WS, fast_config, server_log, token_for
 
 #: Every wait is bounded: what never comes fails the test instead of hanging it.
 BOUND = 10.0

@@ -5,9 +5,9 @@ problem+json, a final 4xx, a recorded rejection, or when the app itself gives up
 
 Against the real server on loopback (through `FaultProxy` where the network must fail) or, where a
 misbehaviour must be injected, a small aiohttp server (`Misbehaving`). Tests of the same family that
-are not repeated here: test_client_retries.py (429/503 Retry-After as delta-seconds, 5xx jitter,
-give-up after 5 sends, 413 halving), test_protocol_violations.py (HTML, truncated JSON, wrong
-results, 2xx/3xx that are not answers, a cut body, a proxy's 408/413), test_edge_cases.py (an
+are not repeated here: test_retry.py (429/503 Retry-After as delta-seconds, 5xx jitter, give-up
+after 5 sends, 413 halving), test_protocol_violations.py (HTML, truncated JSON, wrong results,
+2xx/3xx that are not answers, a cut body, a proxy's 408/413), tests/client/test_client_edges.py (an
 `apply_op` cancelled while its request is in flight)."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from cv_workspace_client._queue.transport import queue_error
 from cv_workspace_client.errors import error_from_problem
 from cv_workspace_client.testing import FaultProxy, restart_client
 
-from .helpers import WS, RecordingSleep, fast_config, server_log, server_state, token_for
+from ..helpers import WS, RecordingSleep, fast_config, server_log, server_state, token_for
 
 TIMEOUT = 10
 SUB = "tree"

@@ -30,7 +30,7 @@ from cv_workspace_client import (
 )
 from cv_workspace_client._core.subscription import ResumeTracker, Verdict
 
-from .helpers import WS, RecordingSleep, fast_config, token_for
+from ..helpers import WS, RecordingSleep, fast_config, token_for
 
 TIMEOUT = 10
 SUB = "tree"

@@ -24,7 +24,7 @@ from cv_workspace_client import (
     WorkspaceClient,
 )
 
-from .helpers import WS, RecordingSleep, fast_config
+from ..helpers import WS, RecordingSleep, fast_config
 
 ServerFactory = Callable[..., Awaitable[TestServer]]
 

@@ -14,7 +14,7 @@ from cv_workspace_client import ClientConfig, WorkspaceClient
 from cv_workspace_client._core.liveness import Liveness, Verdict
 from cv_workspace_client.testing import FaultProxy
 
-from .helpers import WS, fast_config, server_log
+from ..helpers import WS, fast_config, server_log
 
 SUB = "tree"
 #: Short enough that a test notices a silent connection in well under a second.

@@ -7,7 +7,7 @@ however short the connection lived, so a subscriber whose link recovers is curre
 seconds. It is never at once, so a server in a crash loop that accepts, answers and drops is not
 reconnected to in a tight loop. A connection that delivered nothing counts as a failure, and the
 wait grows as after a refused connect (the retry backoff, full jitter up to the cap).
-The pure rules are pinned in `test_reconnect_policy.py`.
+The pure rules are pinned in `tests/client/core/test_reconnect.py`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from cv_mutations import NodeInsert
 from cv_workspace_client import ClientConfig, ReconnectPolicy, StillPendingError, WorkspaceClient
 from cv_workspace_client.testing import FaultProxy
 
-from .helpers import WS, RecordingSleep, fast_config, server_log, token_for
+from ..helpers import WS, RecordingSleep, fast_config, server_log, token_for
 
 #: Every wait here is bounded.
 TIMEOUT = 10.0

@@ -16,7 +16,7 @@ from cv_workspace_client._core.machine import OutboxMachine
 from cv_workspace_client._io.status import SyncSignals
 from cv_workspace_client.testing import FaultProxy
 
-from .helpers import WS, fast_config, server_state, token_for
+from ..helpers import WS, fast_config, server_state, token_for
 
 #: Every wait is bounded: a status that never comes fails the test instead of hanging it.
 BOUND = 20.0

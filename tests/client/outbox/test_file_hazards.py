@@ -31,10 +31,10 @@ from cv_workspace_client._outbox.file import APPLICATION_ID
 from cv_workspace_client._outbox.sqlite import SQLiteOutbox
 from cv_workspace_client.errors import OutboxError
 
-from .helpers import SECRET, WS, fast_config, server_log, server_state, token_for
+from ..helpers import SECRET, WS, fast_config, server_log, server_state, token_for
 
 TIMEOUT = 30
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 #: The outbox DDL of the SDK releases that did not stamp `application_id` yet.
 LEGACY_SCHEMA = """
@@ -313,7 +313,7 @@ import asyncio, os, sys
 from cv_workspace_client._outbox.base import OutboxWrite
 from cv_workspace_client._outbox.sqlite import SQLiteOutbox
 from cv_workspace_client.errors import OutboxError
-from tests.client.test_outbox_file_hazards import increment
+from tests.client.outbox.test_file_hazards import increment
 
 async def main():
     try:
@@ -464,7 +464,7 @@ from cv_workspace_client import StillPendingError, WorkspaceClient
 from cv_workspace_client._outbox.sqlite import SQLiteOutbox
 from cv_workspace_client.errors import OutboxError
 from tests.client.helpers import WS, fast_config, token_for
-from tests.client.test_outbox_file_hazards import silent_server
+from tests.client.outbox.test_file_hazards import silent_server
 
 async def main(directory):
     url, stop = await silent_server()

@@ -16,13 +16,13 @@ import pytest
 from cv_mutations import NodeInsert
 from cv_workspace_client import WorkspaceClient
 
-from .helpers import WS, fast_config, server_log, server_state
+from ..helpers import WS, fast_config, server_log, server_state
 
 pytestmark = pytest.mark.acceptance
 
 TIMEOUT = 60
 KILLS = 6
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def outbox_op_ids(path: Path) -> list[str]:
@@ -50,7 +50,7 @@ async def run_until_killed(
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "tests.client.outbox_writer",
+        "tests.client.outbox.writer",
         *args,
         cwd=REPO,
         stdout=asyncio.subprocess.PIPE,

@@ -1,6 +1,6 @@
 """A large outbox backlog is restored a page per sub-doc at a time, never whole.
 
-- The Hypothesis model of `test_machine_hostile_answers` (hostile link, refusals, crashes) with
+- The Hypothesis model of `core/test_machine_hostile_answers` (hostile link, refusals, crashes) with
   restores of 1-3 rows per page, page reads answered (or failing) at any moment among submits, acks,
   failures, reorders and crashes, and readers that do or do not keep atomic groups whole.
 - The machine's barrier, step by step: no new op of a sub-doc leaves before its restored ops
@@ -44,11 +44,11 @@ from cv_workspace_client._outbox.base import MemoryOutbox, OutboxWrite
 from cv_workspace_client._outbox.sqlite import SQLiteOutbox
 from cv_workspace_client.errors import OutboxError, StillPendingError
 
-from .helpers import WS, fast_config, server_log
-from .machine_helpers import commit_results, inc, make_machine, of_type
-from .test_machine_hostile_answers import INCREMENT, RETRY_AFTER_CAP, ClientFacingEveryAnswer
-from .test_machine_stateful import SUB_DOCS, index
-from .test_outbox_file_hazards import (
+from ..core.test_machine_hostile_answers import INCREMENT, RETRY_AFTER_CAP, ClientFacingEveryAnswer
+from ..core.test_machine_stateful import SUB_DOCS, index
+from ..helpers import WS, fast_config, server_log
+from ..machine_helpers import commit_results, inc, make_machine, of_type
+from .test_file_hazards import (
     damage_file,
     digest,
     siblings,

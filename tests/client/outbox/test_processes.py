@@ -29,10 +29,10 @@ from cv_workspace_client._outbox.base import OutboxWrite
 from cv_workspace_client._outbox.sqlite import SQLiteOutbox
 from cv_workspace_client.errors import OutboxError
 
-from .helpers import SECRET, WS, fast_config, server_log, token_for
+from ..helpers import SECRET, WS, fast_config, server_log, token_for
 
 TIMEOUT = 30
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PAGE = 4096
 #: SQLite's automatic checkpoint threshold (pages): the WAL is reset once it is reached.
 AUTOCHECKPOINT_PAGES = 1000
@@ -100,7 +100,7 @@ import asyncio, json, sys
 from cv_workspace_client._core.machine import OutboxRow
 from cv_workspace_client._outbox.base import OutboxWrite
 from cv_workspace_client._outbox.sqlite import SQLiteOutbox
-from tests.client.test_outbox_processes import increment
+from tests.client.outbox.test_processes import increment
 
 async def main():
     outbox = await SQLiteOutbox.open(sys.argv[1])

@@ -2,7 +2,7 @@
 forever, WINDOW at a time, printing `committed <op_id>` (flushed) for each answer it gets, until it
 is killed.
 
-Usage: python -m tests.client.outbox_writer URL TOKEN OUTBOX SUB_DOC WINDOW websocket|http
+Usage: python -m tests.client.outbox.writer URL TOKEN OUTBOX SUB_DOC WINDOW websocket|http
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from cv_mutations import NodeIncrement
 from cv_workspace_client import StillPendingError, WorkspaceClient
 
-from .helpers import WS, fast_config
+from ..helpers import WS, fast_config
 
 
 async def main(url: str, token: str, outbox: str, sub_doc: str, window: int, mode: str) -> None:
