@@ -1,5 +1,7 @@
-"""Through the real server on loopback: subscriptions held weakly, `sync_status` /
-`watch_sync_status()`, and `set_token()` after a refused token."""
+"""`set_token()` racing what the old token is still doing, through the real server on loopback: a
+token refreshed before it expires keeps the websocket and its subscriptions, an op refused for the
+token just replaced is sent with the new one, and a token set while the websocket connects with
+the old one is used."""
 
 from __future__ import annotations
 
