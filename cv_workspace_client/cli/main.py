@@ -8,13 +8,14 @@ shell or an agent, with no browser present.
     cv-workspace requests list|show|wait|replay|rerun|cancel --workspace W ...
     cv-workspace mcp [--transport stdio | --transport http --host H --port P] [--outbox PATH]
 
-Every flag has an environment variable (named in its help: `CV_URL`, `CV_TOKEN_FILE`,
-`CV_WORKSPACE`, ...). `--token-file` reads the token from a file, which `cv-worker` reads again
-whenever the server refuses the token it holds (a file a secret manager rotates); `--token` also
-works but shows in `ps`. A path in the URL is kept as a prefix of every route (a server behind a
-reverse proxy at `https://gateway/cv`). Answers are JSON on stdout; an error is one line on
-stderr (`--json`: a JSON object `{"error": {"code", "message"}}` instead). The exit statuses are
-`EXIT_CODES`, printed by `--help`. Reference: docs/stages.md, docs/queue.md.
+A flag backed by an environment variable names it at the end of its help (`(env: CV_URL)`;
+`CV_TOKEN_FILE`, `CV_WORKSPACE`, ...); a flag given wins over it. `--token-file` reads the token
+from a file, which `cv-worker` reads again whenever the server refuses the token it holds (a file
+a secret manager rotates); `--token` also works but shows in `ps`. A path in the URL is kept as a
+prefix of every route (a server behind a reverse proxy at `https://gateway/cv`). Answers are JSON
+on stdout; an error is one line on stderr (`--json`: a JSON object `{"error": {"code",
+"message"}}` instead). The exit statuses are `EXIT_CODES`, printed by `--help`. Reference:
+docs/stages.md, docs/queue.md.
 
 Also runnable as `python -m cv_workspace_client.cli worker|workspace ARGS`.
 """
@@ -37,6 +38,7 @@ import traceback
 from collections.abc import Coroutine, Mapping
 from typing import Any, NoReturn
 
+from cv_mutations.cli_flags import add_argument
 from cv_workspace_client._core.url import check_server_url
 from cv_workspace_client._io.auth import TokenProvider
 from cv_workspace_client._io.retry import backoff_for
@@ -128,19 +130,19 @@ class _ErrorStyle:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--url", default=os.environ.get("CV_URL"), help="the server's http(s) URL ($CV_URL)"
-    )
-    parser.add_argument(
+    add_argument(parser, "--url", envvar="CV_URL", help="the server's http(s) URL")
+    add_argument(
+        parser,
         "--token",
-        default=os.environ.get("CV_TOKEN"),
-        help="bearer token; prefer --token-file: a flag shows in `ps` ($CV_TOKEN)",
+        envvar="CV_TOKEN",
+        help="bearer token; prefer --token-file: a flag shows in `ps`",
     )
-    parser.add_argument(
+    add_argument(
+        parser,
         "--token-file",
-        default=os.environ.get("CV_TOKEN_FILE"),
+        envvar="CV_TOKEN_FILE",
         help="file holding the token, read again whenever the server refuses it: a token a "
-        "secret manager rotates in place ($CV_TOKEN_FILE)",
+        "secret manager rotates in place",
     )
     parser.add_argument(
         "--json",
@@ -408,51 +410,59 @@ def _worker_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     _common(parser)
-    env = os.environ.get
-    parser.add_argument(
+    add_argument(
+        parser,
         "--stages",
-        default=env("CV_STAGES"),
+        envvar="CV_STAGES",
         help="pkg.module:STAGES, a dict of stage name -> handler; the module is looked for in"
-        " the current directory first ($CV_STAGES; required)",
+        " the current directory first (required)",
     )
-    parser.add_argument(
+    add_argument(
+        parser,
         "--worker-class",
-        default=env("CV_WORKER_CLASS"),
-        help="claim this worker class for every stage ($CV_WORKER_CLASS)",
+        envvar="CV_WORKER_CLASS",
+        help="claim this worker class for every stage",
     )
-    parser.add_argument(
+    add_argument(
+        parser,
         "--worker-id",
-        default=env("CV_WORKER_ID"),
-        help="shown as claimed_by on the rows it holds (default: host and pid; $CV_WORKER_ID)",
+        envvar="CV_WORKER_ID",
+        help="shown as claimed_by on the rows it holds (default: host and pid)",
     )
-    parser.add_argument(
+    add_argument(
+        parser,
         "--concurrency",
+        envvar="CV_CONCURRENCY",
         type=int,
-        default=env("CV_CONCURRENCY", "1"),
-        help="stages run at once (default 1; $CV_CONCURRENCY)",
+        default=1,
+        help="stages run at once (default 1)",
     )
-    parser.add_argument(
+    add_argument(
+        parser,
         "--provider",
+        envvar="CV_PROVIDER",
         choices=["openai", "fake"],
-        default=env("CV_PROVIDER"),
         help="the provider handed to stages: an OpenAI-compatible API, or the counting fake"
-        " for tests ($CV_PROVIDER); the API key is read from $" + PROVIDER_KEY_ENV,
+        f" for tests; the API key is read from ${PROVIDER_KEY_ENV}",
     )
-    parser.add_argument(
+    add_argument(
+        parser,
         "--provider-url",
-        default=env("CV_PROVIDER_URL"),
-        help="with --provider openai: the API's base URL ($CV_PROVIDER_URL)",
+        envvar="CV_PROVIDER_URL",
+        help="with --provider openai: the API's base URL",
     )
-    parser.add_argument(
+    add_argument(
+        parser,
         "--model",
-        default=env("CV_MODEL"),
-        help="with --provider openai: the model name sent with every call ($CV_MODEL)",
+        envvar="CV_MODEL",
+        help="with --provider openai: the model name sent with every call",
     )
-    parser.add_argument(
+    add_argument(
+        parser,
         "--outbox",
-        default=env("CV_OUTBOX"),
+        envvar="CV_OUTBOX",
         help="SQLite file for the durable op outbox: stage writes survive a worker's restart"
-        " ($CV_OUTBOX; default: in memory)",
+        " (default: in memory)",
     )
     defaults = WorkerConfig()
     parser.add_argument(
@@ -468,17 +478,21 @@ def _worker_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, how long running stages may take to finish before they are cancelled"
         f" (default {defaults.drain_seconds:g})",
     )
-    parser.add_argument(
+    add_argument(
+        parser,
         "--log-level",
-        default=env("CV_LOG_LEVEL", "INFO"),
-        help="DEBUG, INFO, WARNING or ERROR (default INFO; $CV_LOG_LEVEL)",
+        envvar="CV_LOG_LEVEL",
+        default="INFO",
+        help="DEBUG, INFO, WARNING or ERROR (default INFO)",
     )
-    parser.add_argument(
+    add_argument(
+        parser,
         "--log-format",
+        envvar="CV_LOG_FORMAT",
         choices=LOG_FORMATS,
-        default=env("CV_LOG_FORMAT") or "text",
+        default="text",
         help="json: every line the worker writes is one JSON object, each line of a stage run"
-        " carrying its queue_request_id (default text; $CV_LOG_FORMAT; docs/observability.md)",
+        " carrying its queue_request_id (default text; docs/observability.md)",
     )
     return parser
 
@@ -585,8 +599,6 @@ def worker_main(argv: list[str] | None = None) -> int:
             raise UsageError("cv-worker: --stages (or $CV_STAGES) is required")
         # Validated here, not left to `logging`/`WorkerConfig`: their ValueError would escape
         # as a traceback with exit 1 instead of a usage error (exit 2).
-        if args.log_format not in LOG_FORMATS:  # from $CV_LOG_FORMAT, which argparse does not check
-            raise UsageError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
         try:
             configure_logging(args.log_format, args.log_level)
         except ValueError:
@@ -614,12 +626,12 @@ def worker_main(argv: list[str] | None = None) -> int:
 
 def _add_workspace_arg(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     """`--workspace W` on every command that touches a workspace ($CV_WORKSPACE)."""
-    workspace = os.environ.get("CV_WORKSPACE")
-    parser.add_argument(
+    add_argument(
+        parser,
         "--workspace",
-        default=workspace,
-        required=required and not workspace,
-        help="the workspace ($CV_WORKSPACE)"
+        envvar="CV_WORKSPACE",
+        required=required,
+        help="the workspace"
         + ("" if required else "; without it, every workspace a `*` token grants"),
     )
 
@@ -736,7 +748,6 @@ def _workspace_parser() -> argparse.ArgumentParser:
     _common(rerun)
     _add_enqueue_args(rerun, rerun_flag=False)
 
-    env = os.environ.get
     mcp = commands.add_parser(
         "mcp",
         help="serve the workspace tools to agents over MCP (needs the `mcp` extra)",
@@ -746,30 +757,37 @@ def _workspace_parser() -> argparse.ArgumentParser:
         **_HELP_LAYOUT,
     )
     _common(mcp)
-    mcp.add_argument(
+    add_argument(
+        mcp,
         "--transport",
+        envvar="CV_MCP_TRANSPORT",
         choices=["stdio", "http"],
-        default=env("CV_MCP_TRANSPORT", "stdio"),
+        default="stdio",
         help="stdio (default: the agent host starts this command) or http, streamable HTTP at "
-        "http://HOST:PORT/mcp ($CV_MCP_TRANSPORT)",
+        "http://HOST:PORT/mcp",
     )
-    mcp.add_argument(
+    add_argument(
+        mcp,
         "--host",
-        default=env("CV_HOST", "127.0.0.1"),
+        envvar="CV_HOST",
+        default="127.0.0.1",
         help="with --transport http: the address to bind (default 127.0.0.1: whoever reaches "
-        "it acts with this command's token; $CV_HOST)",
+        "it acts with this command's token)",
     )
-    mcp.add_argument(
+    add_argument(
+        mcp,
         "--port",
+        envvar="CV_PORT",
         type=int,
-        default=env("CV_PORT", "8000"),
-        help="with --transport http: the port (default 8000; 0: a free one; $CV_PORT)",
+        default=8000,
+        help="with --transport http: the port (default 8000; 0: a free one)",
     )
-    mcp.add_argument(
+    add_argument(
+        mcp,
         "--outbox",
-        default=env("CV_OUTBOX"),
+        envvar="CV_OUTBOX",
         help="SQLite file for the durable op outbox: ops not yet answered survive a restart of "
-        "this command, one per file ($CV_OUTBOX; default: in memory)",
+        "this command, one per file (default: in memory)",
     )
     return parser
 
