@@ -22,7 +22,7 @@ from aiohttp.test_utils import TestServer
 from cv_server import ServerConfig, create_app
 from cv_server.cli import _parser as server_parser
 from cv_workspace_client._queue import requester as api
-from cv_workspace_client.cli.main import (
+from cv_workspace_client.cli.workspace import (
     EXIT_USAGE,
     _warnings_to_stderr,
     _worker_parser,

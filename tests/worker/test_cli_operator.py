@@ -20,7 +20,7 @@ from aiohttp.test_utils import TestServer
 from cv_server.keys import WAITERS
 from cv_workspace_client import WorkspaceClient
 from cv_workspace_client._queue import requester as api
-from cv_workspace_client.cli.main import (
+from cv_workspace_client.cli.workspace import (
     EXIT_USAGE,
     main,
     worker_main,

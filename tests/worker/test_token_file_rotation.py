@@ -9,7 +9,7 @@ from pathlib import Path
 from aiohttp.test_utils import TestServer
 
 from cv_workspace_client import WorkspaceClient
-from cv_workspace_client.cli.main import _token_file_provider
+from cv_workspace_client.cli.workspace import _token_file_provider
 from cv_workspace_client.stage import StageContext
 from cv_workspace_client.worker import Worker, WorkerConfig
 from tests.worker.conftest import WS, fast_client_config, token_for, url_of
