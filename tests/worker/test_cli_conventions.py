@@ -22,13 +22,9 @@ from aiohttp.test_utils import TestServer
 from cv_server import ServerConfig, create_app
 from cv_server.cli import _parser as server_parser
 from cv_workspace_client._queue import requester as api
-from cv_workspace_client.cli.workspace import (
-    EXIT_USAGE,
-    _warnings_to_stderr,
-    _worker_parser,
-    _workspace_parser,
-    workspace_main,
-)
+from cv_workspace_client.cli.conventions import EXIT_USAGE
+from cv_workspace_client.cli.worker import _worker_parser
+from cv_workspace_client.cli.workspace import _warnings_to_stderr, _workspace_parser, workspace_main
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import ConnectionFailedError
 from tests.acceptance.procs import free_port
