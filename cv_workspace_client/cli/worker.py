@@ -17,6 +17,7 @@ import os
 import signal
 
 from cv_mutations.cli_flags import add_argument
+from cv_workspace_client._fakes.provider import CountingFakeProvider
 from cv_workspace_client.cli.connection import (
     add_connection_args,
     need_token,
@@ -42,7 +43,6 @@ from cv_workspace_client.errors import WorkspaceError
 from cv_workspace_client.logs import LOG_FORMATS, JsonFormatter, configure_logging
 from cv_workspace_client.providers import OpenAICompatibleProvider, Provider
 from cv_workspace_client.stage import Handler, Stage
-from cv_workspace_client.testing import CountingFakeProvider
 from cv_workspace_client.worker import Worker, WorkerConfig
 
 __all__ = ["PROVIDER_KEY_ENV", "worker_main"]
