@@ -1,8 +1,8 @@
 """cv_mutations: typed workspace ops with an `OpIdEnvelope`, and the pure reducers that apply them.
 
-See docs/concepts.md. Everything here is pure: no I/O, no clock, no asyncio. `cv_mutations.logs`
-(the log line formats both packages' commands write) is the one module not about ops, and is
-not imported here.
+See docs/concepts.md. Everything here is pure: no I/O, no clock, no asyncio. Two modules are not
+about ops, and are not imported here: `cv_mutations.logs` (the log line formats both packages'
+commands write) and `cv_mutations.cli_flags` (the flags both declare with an environment variable).
 """
 
 from cv_mutations.envelope import META_MAX_BYTES, OpIdEnvelope

@@ -1,7 +1,8 @@
 """`cv-server`: serve the op-log, set up its database, mint tokens, rotate their secret.
 
-Every flag has an environment variable (named in its help); a flag given wins over it. Errors are
-one line on stderr. Reference: docs/configuration.md, docs/operating.md.
+A flag backed by an environment variable names it at the end of its help (`(env: CV_PORT)`); a
+flag given wins over it. Errors are one line on stderr. Reference: docs/configuration.md,
+docs/operating.md.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from aiohttp import web
 
+from cv_mutations.cli_flags import add_argument
 from cv_mutations.logs import LOG_FORMATS, JsonFormatter, LogFormat, configure_logging
 from cv_server.app import create_app
 from cv_server.auth import check_grant, mint_token
@@ -43,7 +45,7 @@ DEFAULT_DB = Path("data/cv.db")
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 EXIT_READER_GONE = 128 + signal.SIGPIPE
 
-#: The exit statuses, as `--help` prints them (tests/server/test_cli_help.py).
+#: The exit statuses, as `--help` prints them (tests/worker/test_cli_conventions.py).
 EXIT_CODES = """exit status:
   0    success (serve: stopped by SIGTERM/SIGINT after draining)
   1    a setting, a database or a port that cannot work (one line on stderr says which)
@@ -59,11 +61,6 @@ def _version() -> str:
         return version("cv-workspace")
     except PackageNotFoundError:  # run from a checkout that was never installed
         return "unknown"
-
-
-def _env(name: str, default: str | None = None) -> str | None:
-    """The value of environment variable `name`, or `default` when unset or empty."""
-    return os.environ.get(name) or default
 
 
 class _MissingPostgresExtra(CvServerError):
@@ -93,23 +90,24 @@ _STARTUP_ERRORS: tuple[type[BaseException], ...] = (
 
 
 def _add_backend_args(parser: argparse.ArgumentParser) -> None:
-    db = _env("CV_DB")
-    parser.add_argument(
+    add_argument(
+        parser,
         "--db",
+        envvar="CV_DB",
         type=Path,
-        default=Path(db) if db else None,
-        help=f"the SQLite file, the embedded default backend (default {DEFAULT_DB}; $CV_DB)",
+        help=f"the SQLite file, the embedded default backend (default {DEFAULT_DB})",
     )
-    parser.add_argument(
+    add_argument(
+        parser,
         "--database-url",
-        default=_env("CV_DATABASE_URL"),
-        help="PostgreSQL DSN, the scale-out backend; wins over --db (docs/postgres.md;"
-        " $CV_DATABASE_URL)",
+        envvar="CV_DATABASE_URL",
+        help="PostgreSQL DSN, the scale-out backend; wins over --db (docs/postgres.md)",
     )
-    parser.add_argument(
+    add_argument(
+        parser,
         "--schema",
-        default=_env("CV_SCHEMA"),
-        help="with --database-url: the (existing) schema to keep the tables in ($CV_SCHEMA)",
+        envvar="CV_SCHEMA",
+        help="with --database-url: the (existing) schema to keep the tables in",
     )
 
 
@@ -193,7 +191,7 @@ def _log_level(raw: str) -> str:
 
 
 def _log_format(raw: str) -> LogFormat:
-    """`text` or `json` (also from $CV_LOG_FORMAT, which argparse checks through this type)."""
+    """`text` or `json`."""
     for known in LOG_FORMATS:
         if raw == known:
             return known
@@ -224,29 +222,37 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the server", **_HELP_LAYOUT)
     _add_backend_args(serve)
-    serve.add_argument(
+    add_argument(
+        serve,
         "--host",
-        default=_env("CV_HOST", "127.0.0.1"),
-        help="address to listen on (default 127.0.0.1, loopback only; $CV_HOST)",
+        envvar="CV_HOST",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1, loopback only)",
     )
-    serve.add_argument(
+    add_argument(
+        serve,
         "--port",
+        envvar="CV_PORT",
         type=_port,
-        default=_env("CV_PORT", "8080"),
-        help="TCP port; 0 picks a free one (default 8080; $CV_PORT)",
+        default=8080,
+        help="TCP port; 0 picks a free one (default 8080)",
     )
-    serve.add_argument(
+    add_argument(
+        serve,
         "--log-level",
+        envvar="CV_LOG_LEVEL",
         type=_log_level,
-        default=_env("CV_LOG_LEVEL", "INFO"),
-        help="DEBUG, INFO, WARNING or ERROR (default INFO; $CV_LOG_LEVEL)",
+        default="INFO",
+        help="DEBUG, INFO, WARNING or ERROR (default INFO)",
     )
-    serve.add_argument(
+    add_argument(
+        serve,
         "--log-format",
+        envvar="CV_LOG_FORMAT",
         type=_log_format,
-        default=_env("CV_LOG_FORMAT", "text"),
+        default="text",
         help="text, or json: every line the server writes is one JSON object (default text;"
-        " $CV_LOG_FORMAT; docs/observability.md)",
+        " docs/observability.md)",
     )
     serve.add_argument(
         "--set",

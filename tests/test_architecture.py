@@ -159,6 +159,7 @@ VIOLATIONS = [
     ("no-cycles", "cv_workspace_client/_core/url.py", "import cv_workspace_client.client"),
     ("stores-below-edge", "cv_server/sqlite/locks.py", "import cv_server.http.problems"),
     ("drivers-in-adapters", "cv_server/hub.py", "import sqlite3"),
+    ("no-test-helpers", "cv_workspace_client/stages/demo.py", "import cv_workspace_client.testing"),
 ]
 
 

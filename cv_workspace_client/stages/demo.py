@@ -22,13 +22,13 @@ from typing import Any
 import aiohttp
 
 from cv_mutations import NodeInsert
+from cv_workspace_client._fakes.proxy import FaultProxy
 from cv_workspace_client._queue import requester as api
 from cv_workspace_client.client import WorkspaceClient
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.models import Committed
 from cv_workspace_client.queue_models import EnqueuedRequest, RequestOutcome
 from cv_workspace_client.stages.jobs import JOBS
-from cv_workspace_client.testing import FaultProxy
 
 __all__ = ["enqueue_evaluations", "enqueue_summary", "main"]
 

@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import json
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -21,13 +22,9 @@ from aiohttp.test_utils import TestServer
 from cv_server import ServerConfig, create_app
 from cv_server.cli import _parser as server_parser
 from cv_workspace_client._queue import requester as api
-from cv_workspace_client.cli.main import (
-    EXIT_USAGE,
-    _warnings_to_stderr,
-    _worker_parser,
-    _workspace_parser,
-    workspace_main,
-)
+from cv_workspace_client.cli.conventions import EXIT_USAGE
+from cv_workspace_client.cli.worker import _worker_parser
+from cv_workspace_client.cli.workspace import _warnings_to_stderr, _workspace_parser, workspace_main
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import ConnectionFailedError
 from tests.acceptance.procs import free_port
@@ -68,19 +65,38 @@ ALL_PARSERS = [
 
 #: Flags whose value may come from the environment, and the variable their help must name.
 ENVIRONMENT = {
-    "--url": "$CV_URL",
-    "--token": "$CV_TOKEN",
-    "--token-file": "$CV_TOKEN_FILE",
-    "--db": "$CV_DB",
-    "--database-url": "$CV_DATABASE_URL",
-    "--schema": "$CV_SCHEMA",
-    "--host": "$CV_HOST",
-    "--port": "$CV_PORT",
-    "--log-level": "$CV_LOG_LEVEL",
-    "--log-format": "$CV_LOG_FORMAT",
-    "--stages": "$CV_STAGES",
-    "--outbox": "$CV_OUTBOX",
+    "--url": "CV_URL",
+    "--token": "CV_TOKEN",
+    "--token-file": "CV_TOKEN_FILE",
+    "--workspace": "CV_WORKSPACE",
+    "--db": "CV_DB",
+    "--database-url": "CV_DATABASE_URL",
+    "--schema": "CV_SCHEMA",
+    "--host": "CV_HOST",
+    "--port": "CV_PORT",
+    "--log-level": "CV_LOG_LEVEL",
+    "--log-format": "CV_LOG_FORMAT",
+    "--stages": "CV_STAGES",
+    "--worker-class": "CV_WORKER_CLASS",
+    "--worker-id": "CV_WORKER_ID",
+    "--concurrency": "CV_CONCURRENCY",
+    "--provider": "CV_PROVIDER",
+    "--provider-url": "CV_PROVIDER_URL",
+    "--model": "CV_MODEL",
+    "--outbox": "CV_OUTBOX",
+    "--transport": "CV_MCP_TRANSPORT",
 }
+
+#: Flags of those names that mean something else where they are, and read no variable: the
+#: workspaces a token grants, the worker class a request asks for.
+NOT_FROM_ENVIRONMENT = {
+    ("cv-server token", "--workspace"),
+    ("cv-workspace enqueue", "--worker-class"),
+    ("cv-workspace requests rerun", "--worker-class"),
+}
+
+#: The environment variable named by the help of a flag backed by one (cv_mutations/cli_flags.py).
+_NAMED = re.compile(r"\(env: (CV_[A-Z_]+)\)$")
 
 
 @pytest.mark.parametrize("parser", ALL_PARSERS, ids=lambda p: p.prog)
@@ -95,8 +111,27 @@ def test_every_flag_has_help_and_every_help_lists_the_exit_statuses(
             continue
         assert action.help, f"{parser.prog} {action.option_strings or action.dest} has no help"
         for flag in action.option_strings:
-            if flag in ENVIRONMENT:
-                assert ENVIRONMENT[flag] in action.help, f"{parser.prog} {flag}"
+            if flag in ENVIRONMENT and (parser.prog, flag) not in NOT_FROM_ENVIRONMENT:
+                assert action.help.endswith(f"(env: {ENVIRONMENT[flag]})"), f"{parser.prog} {flag}"
+
+
+def _variables_in_help() -> set[str]:
+    return {
+        named[1]
+        for parser in ALL_PARSERS
+        for action in parser._actions
+        if action.help and (named := _NAMED.search(action.help))
+    }
+
+
+def test_every_variable_a_flag_reads_is_in_the_configuration_docs() -> None:
+    """The table of docs/configuration.md lists the variables the commands' flags read, and the
+    provider's API key, which has no flag (`ps` would show it)."""
+    docs = Path(__file__).parents[2] / "docs" / "configuration.md"
+    rows = re.findall(r"^  \| (`CV_[^|]+)\|", docs.read_text(encoding="utf-8"), re.MULTILINE)
+    documented = {name for row in rows for name in re.findall(r"`(CV_[A-Z_]+)`", row)}
+    assert documented == _variables_in_help() | {"CV_PROVIDER_API_KEY"}
+    assert _variables_in_help() == set(ENVIRONMENT.values())
 
 
 def test_the_server_takes_its_settings_from_the_environment(tmp_path: Path) -> None:

@@ -21,7 +21,8 @@ from pytest_aiohttp import AiohttpServer
 
 from cv_workspace_client import WorkspaceClient
 from cv_workspace_client._queue import requester as api
-from cv_workspace_client.cli.main import EXIT_FAILED, EXIT_OK, EXIT_USAGE, workspace_main
+from cv_workspace_client.cli.conventions import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from cv_workspace_client.cli.workspace import workspace_main
 from cv_workspace_client.providers import OpenAICompatibleProvider
 from cv_workspace_client.stage import ExpectedError, StageContext
 from cv_workspace_client.stages import STAGES

@@ -15,7 +15,9 @@ from aiohttp.test_utils import TestServer
 
 from cv_workspace_client import WorkspaceClient
 from cv_workspace_client._queue import requester as api
-from cv_workspace_client.cli.main import EXIT_TIMEOUT, load_stages, workspace_main
+from cv_workspace_client.cli.conventions import EXIT_TIMEOUT
+from cv_workspace_client.cli.stages_module import load_stages
+from cv_workspace_client.cli.workspace import workspace_main
 from cv_workspace_client.stage import StageContext
 from cv_workspace_client.worker import Worker, WorkerConfig
 from tests.worker.conftest import WS, MakeServer, running, token_for, url_of
@@ -128,7 +130,7 @@ async def test_bad_usage_and_refusals_exit_with_their_codes(
 
 
 def test_load_stages_accepts_a_dict_and_refuses_anything_else() -> None:
-    from cv_workspace_client.cli.main import UsageError
+    from cv_workspace_client.cli.conventions import UsageError
 
     assert set(load_stages("tests.worker.cli_stages:STAGES")) == {"double"}
     for spec in (

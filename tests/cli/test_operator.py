@@ -20,12 +20,10 @@ from aiohttp.test_utils import TestServer
 from cv_server.keys import WAITERS
 from cv_workspace_client import WorkspaceClient
 from cv_workspace_client._queue import requester as api
-from cv_workspace_client.cli.main import (
-    EXIT_USAGE,
-    main,
-    worker_main,
-    workspace_main,
-)
+from cv_workspace_client.cli.__main__ import main
+from cv_workspace_client.cli.conventions import EXIT_USAGE
+from cv_workspace_client.cli.worker import worker_main
+from cv_workspace_client.cli.workspace import workspace_main
 from cv_workspace_client.stage import Handler, Stage, StageContext
 from cv_workspace_client.stages import demo
 from cv_workspace_client.testing import FaultProxy

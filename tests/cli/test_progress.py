@@ -13,8 +13,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from cv_workspace_client import WorkspaceClient
-from cv_workspace_client.cli.main import workspace_main
 from cv_workspace_client.cli.progress import Progress
+from cv_workspace_client.cli.workspace import workspace_main
 from cv_workspace_client.stage import StageContext
 from cv_workspace_client.worker import Worker, WorkerConfig
 from tests.worker.conftest import WS, running, token_for, url_of

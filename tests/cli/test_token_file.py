@@ -19,7 +19,8 @@ from aiohttp.test_utils import TestServer
 
 from cv_server.auth import mint_token
 from cv_workspace_client._queue import requester as api
-from cv_workspace_client.cli.main import EXIT_USAGE, workspace_main
+from cv_workspace_client.cli.conventions import EXIT_USAGE
+from cv_workspace_client.cli.workspace import workspace_main
 from tests.worker.conftest import SECRET, WS, token_for, url_of
 
 BOUND = 60.0

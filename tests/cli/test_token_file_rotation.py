@@ -9,7 +9,7 @@ from pathlib import Path
 from aiohttp.test_utils import TestServer
 
 from cv_workspace_client import WorkspaceClient
-from cv_workspace_client.cli.main import _token_file_provider
+from cv_workspace_client.cli.connection import token_file_provider
 from cv_workspace_client.stage import StageContext
 from cv_workspace_client.worker import Worker, WorkerConfig
 from tests.worker.conftest import WS, fast_client_config, token_for, url_of
@@ -25,7 +25,7 @@ async def test_a_token_file_caught_empty_mid_rotation_does_not_stop_the_worker(
     and the worker stopped (exit 1 for `cv-worker`) in the middle of a rotation going well."""
     token_file = tmp_path / "token"
     token_file.write_text("")  # truncated: the new token is being written
-    read_file = _token_file_provider(str(token_file))
+    read_file = token_file_provider(str(token_file))
     calls = 0
 
     async def provider() -> str:

@@ -87,7 +87,7 @@ def test_test_fakes_live_under_testing_only() -> None:
 
 
 #: What `import cv_workspace_client` must not load: the worker, its parts, the stage runtime,
-#: the example stages, the providers, the CLI and the test helpers.
+#: the example stages, the providers, the CLI, the test helpers and the fakes behind them.
 NOT_ON_IMPORT = (
     "cv_workspace_client.worker",
     "cv_workspace_client.worker.io",
@@ -98,6 +98,7 @@ NOT_ON_IMPORT = (
     "cv_workspace_client.providers",
     "cv_workspace_client.cli",
     "cv_workspace_client.testing",
+    "cv_workspace_client._fakes",
 )
 
 

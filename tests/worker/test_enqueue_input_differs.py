@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestServer
 
 from cv_server.queue import model
 from cv_workspace_client import WorkspaceClient
-from cv_workspace_client.cli.main import workspace_main
+from cv_workspace_client.cli.workspace import workspace_main
 from cv_workspace_client.stage import StageContext
 from cv_workspace_client.worker import Worker, WorkerConfig
 from tests.worker.conftest import WS, running, token_for, url_of

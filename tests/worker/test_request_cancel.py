@@ -19,7 +19,7 @@ from cv_server.keys import WAITERS
 from cv_workspace_client import InvalidRequestError, NotFoundError, ProtocolError, WorkspaceClient
 from cv_workspace_client._queue import holder as holder
 from cv_workspace_client._queue import requester as api
-from cv_workspace_client.cli.main import workspace_main
+from cv_workspace_client.cli.workspace import workspace_main
 from cv_workspace_client.stage import StageContext
 from cv_workspace_client.worker import Worker, WorkerConfig
 from tests.worker.conftest import (

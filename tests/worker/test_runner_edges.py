@@ -22,7 +22,7 @@ from cv_mutations import NodeInsert
 from cv_server import ServerConfig, create_app
 from cv_workspace_client import WorkspaceClient
 from cv_workspace_client._queue import requester as api
-from cv_workspace_client.cli.main import EXIT_FAILED, EXIT_USAGE
+from cv_workspace_client.cli.conventions import EXIT_FAILED, EXIT_USAGE
 from cv_workspace_client.compute import LockPolling, compute_once
 from cv_workspace_client.errors import InvalidRequestError
 from cv_workspace_client.stage import ExpectedError, StageContext, op_id_for
