@@ -45,7 +45,7 @@ DEFAULT_DB = Path("data/cv.db")
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 EXIT_READER_GONE = 128 + signal.SIGPIPE
 
-#: The exit statuses, as `--help` prints them (tests/worker/test_cli_conventions.py).
+#: The exit statuses, as `--help` prints them (tests/cli/test_conventions.py).
 EXIT_CODES = """exit status:
   0    success (serve: stopped by SIGTERM/SIGINT after draining)
   1    a setting, a database or a port that cannot work (one line on stderr says which)

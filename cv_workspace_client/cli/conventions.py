@@ -1,5 +1,5 @@
 """What `cv-worker` and `cv-workspace` share, and how they say it
-(tests/worker/test_cli_conventions.py): the exit statuses `--help` prints (`EXIT_CODES`), one
+(tests/cli/test_conventions.py): the exit statuses `--help` prints (`EXIT_CODES`), one
 error style (a line on stderr, or a JSON object with `--json`) that argparse's own refusals follow
 too, answers as JSON on stdout, a reader of stdout that leaves early, and the checks of durations
 and counts every command makes before it sends anything.
@@ -49,7 +49,7 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT
 EXIT_TERMINATED = 128 + signal.SIGTERM
 EXIT_READER_GONE = 128 + signal.SIGPIPE
 
-#: The exit statuses, as every command's `--help` prints them (tests/worker/test_cli_conventions.py,
+#: The exit statuses, as every command's `--help` prints them (tests/cli/test_conventions.py,
 #: `test_every_flag_has_help_and_every_help_lists_the_exit_statuses`).
 EXIT_CODES = """exit status:
   0    success (cv-worker: drained after SIGTERM/SIGINT)

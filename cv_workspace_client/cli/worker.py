@@ -163,7 +163,7 @@ async def _wait_for_server(url: str, config: WorkerConfig) -> None:
     """Return once the server at `url` answers `GET /readyz` with 200; until then, say on
     stderr why not, once per reason, and try again on the worker's idle schedule (100 ms
     doubling to 2 s). `ready` means a reachable server, never merely a started process
-    (tests/worker/test_cli_conventions.py). A URL that answers as something other than a
+    (tests/cli/test_conventions.py). A URL that answers as something other than a
     cv-server is a usage error, at once."""
     import aiohttp
 

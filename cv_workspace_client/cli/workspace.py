@@ -115,7 +115,7 @@ class _WarningLine(logging.Formatter):
 
 def _warnings_to_stderr() -> logging.Handler:
     """`cv-workspace` says every retry on stderr as it happens: a call waiting out a server
-    that does not answer is never silent (tests/worker/test_cli_conventions.py). The caller
+    that does not answer is never silent (tests/cli/test_conventions.py). The caller
     removes the handler when the command ends."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_WarningLine())

@@ -2,7 +2,7 @@
 (`| head -1`), given arguments that cannot work, interrupted mid-wait, asked for `--help`.
 
 Real processes against the in-process server of `conftest.py`, except where an argument is
-refused before anything is sent (then in-process, as `test_main.py` does)."""
+refused before anything is sent (then in-process, as `test_commands.py` does)."""
 
 from __future__ import annotations
 
