@@ -48,6 +48,14 @@ async def client(
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
 
+@pytest.fixture
+async def server(
+    aiohttp_client: ClientFactory, make_server_config: Callable[..., ServerConfig]
+) -> TestClient[Any, Any]:
+    """A server on loopback, on each backend in turn (`make_server_config`)."""
+    return await aiohttp_client(create_app(make_server_config()))
+
+
 @pytest.fixture(params=BACKENDS)
 async def make_server_config(
     request: pytest.FixtureRequest, tmp_path: Path

@@ -67,3 +67,30 @@ async def get_ops(
 async def counter(client: TestClient[Any, Any], node_id: str = "n", sub_doc: str = "tree") -> Any:
     doc = await get_doc(client, sub_doc)
     return doc["state"]["nodes"][node_id]["fields"].get("count")
+
+
+async def enqueue(
+    client: TestClient[Any, Any],
+    body: dict[str, Any],
+    *,
+    workspace: str = "ws1",
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, Any]]:
+    """`POST .../requests`: the status and the answer."""
+    resp = await client.post(
+        f"/v1/workspaces/{workspace}/requests",
+        json=body,
+        headers={**auth(workspace), **(headers or {})},
+    )
+    return resp.status, await resp.json(content_type=None)
+
+
+async def claim(client: TestClient[Any, Any], workspace: str = "ws1") -> Any:
+    """Claim one `evaluate` request: its row, or None when there is none."""
+    resp = await client.post(
+        "/v1/queue/claim", json={"worker_classes": ["evaluate"]}, headers=auth(workspace)
+    )
+    if resp.status == 204:
+        return None
+    assert resp.status == 200, await resp.text()
+    return (await resp.json())["request"]

@@ -9,36 +9,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 from aiohttp.test_utils import TestClient
 
 from cv_server import ServerConfig, create_app
 from cv_server.keys import STORES
 from cv_server.queue import request_fingerprint
 from tests.server.conftest import ClientFactory, auth
-
-
-@pytest.fixture
-async def server(
-    aiohttp_client: ClientFactory, make_server_config: Callable[..., ServerConfig]
-) -> TestClient[Any, Any]:
-    return await aiohttp_client(create_app(make_server_config()))
-
-
-async def _enqueue(
-    client: TestClient[Any, Any],
-    body: dict[str, Any],
-    *,
-    workspace: str = "ws1",
-    headers: dict[str, str] | None = None,
-) -> tuple[int, dict[str, Any]]:
-    resp = await client.post(
-        f"/v1/workspaces/{workspace}/requests",
-        json=body,
-        headers={**auth(workspace), **(headers or {})},
-    )
-    return resp.status, await resp.json(content_type=None)
-
+from tests.server.helpers import enqueue
 
 # -- idempotency keys ------------------------------------------------------------------------------
 
@@ -48,8 +25,8 @@ async def test_one_idempotency_key_in_two_workspaces_names_two_independent_reque
 ) -> None:
     body = {"stage": "scrape", "input": {"url": "x"}}
     key = {"Idempotency-Key": "shared-key"}
-    status1, first = await _enqueue(server, body, workspace="ws1", headers=key)
-    status2, second = await _enqueue(server, body, workspace="ws2", headers=key)
+    status1, first = await enqueue(server, body, workspace="ws1", headers=key)
+    status2, second = await enqueue(server, body, workspace="ws2", headers=key)
     assert status1 == status2 == 202
     assert first["request_id"] != second["request_id"]
     assert second["stream_url"].startswith("/v1/workspaces/ws2/")
@@ -61,7 +38,7 @@ async def test_one_idempotency_key_in_two_workspaces_names_two_independent_reque
         assert resp.headers.get("Idempotency-Replayed") == "true"
         assert await resp.json() == expected
     # A reuse with another body is refused in the one workspace and leaves the other alone.
-    _, refused = await _enqueue(
+    _, refused = await enqueue(
         server, {**body, "input": {"url": "y"}}, workspace="ws2", headers=key
     )
     assert refused["code"] == "idempotency_key_reuse"
@@ -78,13 +55,13 @@ async def test_a_reused_key_is_refused_with_the_same_code_whatever_the_first_out
     """A key whose first request was refused (bad input, before the key was taken) stays free;
     one whose first request was accepted refuses a different body, never replaying its answer."""
     key = {"Idempotency-Key": "k2"}
-    status, refused = await _enqueue(server, {"stage": ""}, headers=key)
+    status, refused = await enqueue(server, {"stage": ""}, headers=key)
     assert (status, refused["code"]) == (422, "invalid_field")
-    status, accepted = await _enqueue(server, {"stage": "evaluate"}, headers=key)
+    status, accepted = await enqueue(server, {"stage": "evaluate"}, headers=key)
     assert status == 202
     assert not accepted["coalesced"]
     for other in ({"stage": "evaluate", "input": 1}, {"stage": "other"}, {"stage": ""}):
-        status, answer = await _enqueue(server, other, headers=key)
+        status, answer = await enqueue(server, other, headers=key)
         if other == {"stage": ""}:  # invalid input is refused before the key is looked at
             assert (status, answer["code"]) == (422, "invalid_field")
             continue

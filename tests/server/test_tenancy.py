@@ -10,48 +10,13 @@ import hashlib
 import hmac
 import json
 import time
-from collections.abc import Callable
 from typing import Any
 
-import pytest
 from aiohttp.test_utils import TestClient
 
-from cv_server import ServerConfig, create_app
 from cv_server.auth import mint_token
-from tests.server.conftest import SECRET, ClientFactory, auth, token_for
-
-
-@pytest.fixture
-async def server(
-    aiohttp_client: ClientFactory, make_server_config: Callable[..., ServerConfig]
-) -> TestClient[Any, Any]:
-    return await aiohttp_client(create_app(make_server_config()))
-
-
-async def _enqueue(
-    client: TestClient[Any, Any],
-    body: dict[str, Any],
-    *,
-    workspace: str = "ws1",
-    headers: dict[str, str] | None = None,
-) -> tuple[int, dict[str, Any]]:
-    resp = await client.post(
-        f"/v1/workspaces/{workspace}/requests",
-        json=body,
-        headers={**auth(workspace), **(headers or {})},
-    )
-    return resp.status, await resp.json(content_type=None)
-
-
-async def _claim(client: TestClient[Any, Any], workspace: str = "ws1") -> Any:
-    resp = await client.post(
-        "/v1/queue/claim", json={"worker_classes": ["evaluate"]}, headers=auth(workspace)
-    )
-    if resp.status == 204:
-        return None
-    assert resp.status == 200, await resp.text()
-    return (await resp.json())["request"]
-
+from tests.server.conftest import SECRET, auth, token_for
+from tests.server.helpers import claim, enqueue
 
 # -- tokens ----------------------------------------------------------------------------------------
 
@@ -93,8 +58,8 @@ async def test_a_request_of_one_workspace_is_not_found_under_another_on_any_rout
     server: TestClient[Any, Any],
 ) -> None:
     """ws2's token on ws2's paths naming ws1's request id: nothing found, nothing changed."""
-    _, answer = await _enqueue(server, {"stage": "evaluate", "job_id": "J"})
-    row = await _claim(server)
+    _, answer = await enqueue(server, {"stage": "evaluate", "job_id": "J"})
+    row = await claim(server)
     request_id, claim_token = answer["request_id"], row["claim_token"]
     base = f"/v1/workspaces/ws2/requests/{request_id}"
     for method, path, body in [
@@ -116,8 +81,8 @@ async def test_a_request_of_one_workspace_is_not_found_under_another_on_any_rout
 async def test_a_token_for_another_workspace_touches_nothing_on_any_queue_lock_or_blob_route(
     server: TestClient[Any, Any],
 ) -> None:
-    _, answer = await _enqueue(server, {"stage": "evaluate", "job_id": "J"})
-    row = await _claim(server)
+    _, answer = await enqueue(server, {"stage": "evaluate", "job_id": "J"})
+    row = await claim(server)
     request_id, claim_token = answer["request_id"], row["claim_token"]
     base = f"/v1/workspaces/ws1/requests/{request_id}"
     lock = {"job_id": "J", "task": "t"}
@@ -160,7 +125,7 @@ async def test_a_token_for_another_workspace_touches_nothing_on_any_queue_lock_o
 async def test_a_token_naming_no_workspace_may_touch_none(server: TestClient[Any, Any]) -> None:
     # `mint_token` refuses an empty list, but a signed payload may still carry one.
     assert server.app is not None
-    await _enqueue(server, {"stage": "evaluate", "job_id": "J"})
+    await enqueue(server, {"stage": "evaluate", "job_id": "J"})
     prefix = mint_token(SECRET, ["ws1"], now=time.time()).split(".")[0]
 
     def b64(data: bytes) -> str:
@@ -170,10 +135,10 @@ async def test_a_token_naming_no_workspace_may_touch_none(server: TestClient[Any
     signed = f"{prefix}.{body}"
     token = f"{signed}.{b64(hmac.new(SECRET, signed.encode(), hashlib.sha256).digest())}"
     headers = {"Authorization": f"Bearer {token}"}
-    claim = await server.post(
+    claimed = await server.post(
         "/v1/queue/claim", json={"worker_classes": ["evaluate"]}, headers=headers
     )
-    assert claim.status == 204
+    assert claimed.status == 204
     listing = await server.get("/v1/queue/requests", headers=headers)
     assert listing.status == 403
     doc = await server.get("/v1/workspaces/ws1/docs/tree", headers=headers)
@@ -181,7 +146,7 @@ async def test_a_token_naming_no_workspace_may_touch_none(server: TestClient[Any
     ws = await server.ws_connect("/v1/workspaces/ws1/socket", headers=headers)
     await ws.receive(timeout=5)
     assert ws.close_code == 4003
-    assert await _claim(server) is not None  # the work was left for a worker of ws1
+    assert await claim(server) is not None  # the work was left for a worker of ws1
 
 
 async def test_an_invalid_workspace_id_on_the_socket_closes_4003_even_with_a_wildcard_token(

@@ -15,40 +15,8 @@ from aiohttp.test_utils import TestClient
 
 from cv_server import ServerConfig, create_app
 from cv_server.keys import WAITERS
-from tests.server.conftest import ClientFactory, auth
-
-
-@pytest.fixture
-async def server(
-    aiohttp_client: ClientFactory, make_server_config: Callable[..., ServerConfig]
-) -> TestClient[Any, Any]:
-    return await aiohttp_client(create_app(make_server_config()))
-
-
-async def _enqueue(
-    client: TestClient[Any, Any],
-    body: dict[str, Any],
-    *,
-    workspace: str = "ws1",
-    headers: dict[str, str] | None = None,
-) -> tuple[int, dict[str, Any]]:
-    resp = await client.post(
-        f"/v1/workspaces/{workspace}/requests",
-        json=body,
-        headers={**auth(workspace), **(headers or {})},
-    )
-    return resp.status, await resp.json(content_type=None)
-
-
-async def _claim(client: TestClient[Any, Any], workspace: str = "ws1") -> Any:
-    resp = await client.post(
-        "/v1/queue/claim", json={"worker_classes": ["evaluate"]}, headers=auth(workspace)
-    )
-    if resp.status == 204:
-        return None
-    assert resp.status == 200, await resp.text()
-    return (await resp.json())["request"]
-
+from tests.server.conftest import auth
+from tests.server.helpers import claim, enqueue
 
 # -- request streams (SSE) -------------------------------------------------------------------------
 
@@ -105,7 +73,7 @@ async def test_many_streams_on_one_request_all_get_its_outcome_and_release_their
     server: TestClient[Any, Any],
 ) -> None:
     assert server.app is not None
-    _, answer = await _enqueue(server, {"stage": "evaluate", "job_id": "many"})
+    _, answer = await enqueue(server, {"stage": "evaluate", "job_id": "many"})
     url = answer["stream_url"]
 
     async def events() -> list[str]:
@@ -119,7 +87,7 @@ async def test_many_streams_on_one_request_all_get_its_outcome_and_release_their
     streams = [asyncio.create_task(events()) for _ in range(40)]
     waiters = server.app[WAITERS]
     await _until(lambda: waiters.count == 40)  # every stream registered before the outcome
-    row = await _claim(server)
+    row = await claim(server)
     resp = await server.post(
         f"/v1/workspaces/ws1/requests/{row['request_id']}/complete",
         json={"claim_token": row["claim_token"], "result": 1},

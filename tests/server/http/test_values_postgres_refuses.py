@@ -4,47 +4,12 @@ SQLite would have stored them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-import pytest
 from aiohttp.test_utils import TestClient
 
-from cv_server import ServerConfig, create_app
-from tests.server.conftest import ClientFactory, auth
-
-
-@pytest.fixture
-async def server(
-    aiohttp_client: ClientFactory, make_server_config: Callable[..., ServerConfig]
-) -> TestClient[Any, Any]:
-    return await aiohttp_client(create_app(make_server_config()))
-
-
-async def _enqueue(
-    client: TestClient[Any, Any],
-    body: dict[str, Any],
-    *,
-    workspace: str = "ws1",
-    headers: dict[str, str] | None = None,
-) -> tuple[int, dict[str, Any]]:
-    resp = await client.post(
-        f"/v1/workspaces/{workspace}/requests",
-        json=body,
-        headers={**auth(workspace), **(headers or {})},
-    )
-    return resp.status, await resp.json(content_type=None)
-
-
-async def _claim(client: TestClient[Any, Any], workspace: str = "ws1") -> Any:
-    resp = await client.post(
-        "/v1/queue/claim", json={"worker_classes": ["evaluate"]}, headers=auth(workspace)
-    )
-    if resp.status == 204:
-        return None
-    assert resp.status == 200, await resp.text()
-    return (await resp.json())["request"]
-
+from tests.server.conftest import auth
+from tests.server.helpers import claim, enqueue
 
 # -- NUL and other values a PostgreSQL text column cannot hold -------------------------------------
 
@@ -86,8 +51,8 @@ async def test_nul_in_ids_and_names_is_refused_or_not_found_never_a_server_error
         resp = await server.request(method, path, json=body, headers=h)
         assert resp.status == expected, (method, path, body, await resp.text())
     # A real claim token with a NUL appended is refused, and the holder keeps its lease.
-    _, answer = await _enqueue(server, {"stage": "evaluate", "job_id": "J"})
-    row = await _claim(server)
+    _, answer = await enqueue(server, {"stage": "evaluate", "job_id": "J"})
+    row = await claim(server)
     base = f"/v1/workspaces/ws1/requests/{answer['request_id']}"
     for verb in ("heartbeat", "complete", "fail"):
         resp = await server.post(
@@ -103,7 +68,7 @@ async def test_nul_in_ids_and_names_is_refused_or_not_found_never_a_server_error
 async def test_a_negative_listing_limit_is_refused_not_a_server_error(
     server: TestClient[Any, Any],
 ) -> None:
-    await _enqueue(server, {"stage": "evaluate", "job_id": "J"})
+    await enqueue(server, {"stage": "evaluate", "job_id": "J"})
     resp = await server.get(
         "/v1/queue/requests", params={"workspace": "ws1", "limit": "-1"}, headers=auth("ws1")
     )
