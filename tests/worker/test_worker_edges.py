@@ -278,7 +278,7 @@ async def test_a_holder_cancelled_mid_write_keeps_the_key_until_its_write_can_la
     # on the way out let the worker that re-drove the request take the key, double-check before
     # the write landed, and pay for the same call again (once, however many race).
     slow = SlowCellWrites()
-    url = await slow.serve(aiohttp_server, tmp_path / "slow.db", lock_ttl=3.0)
+    url = await slow.serve(aiohttp_server, tmp_path / "slow.db")  # the real 60 s lock TTL
     token = compute_token_for(COMPUTE_WS)
     async with (
         WorkspaceClient(url, token=token, config=fast_config(ops_over_websocket=False)) as mine,
@@ -312,7 +312,7 @@ async def test_a_holder_cancelled_mid_write_keeps_the_key_until_its_write_can_la
             await slow.acquisitions.reach(polls + 1)
             if slow.granted[polls]:
                 await provider.arrived.reach(2)
-            slow.let_go.set()  # the write commits, inside the holder's lock TTL
+            slow.let_go.set()  # the write commits, long inside the holder's lock TTL
             result = await asyncio.wait_for(waiter, BOUND)
         finally:
             slow.let_go.set()

@@ -1,0 +1,45 @@
+"""Clocks a test drives, for the places the product takes a clock: a lock, a lease or a token
+lapses when the test says so, not when a few hundred milliseconds of wall time happen to pass
+on a loaded machine."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import pytest
+
+__all__ = ["SkippingClock"]
+
+
+class _ClockedStore(Protocol):
+    """A store that says which clock its times are on (`ComputeLockStore.clock`)."""
+
+    def clock(self) -> Awaitable[float]: ...
+
+
+class SkippingClock:
+    """The wall clock plus every `skip` so far: time passes as usual, and a whole TTL passes at
+    once when the test says so. The lapse of a lock (or token) judged on it is then an event the
+    test places, while what must not lapse keeps its TTL of real time."""
+
+    def __init__(self) -> None:
+        self.skipped = 0.0
+
+    def now(self) -> float:
+        """Epoch seconds, `skipped` ahead of the wall clock (for code that takes `now=`)."""
+        return time.time() + self.skipped
+
+    def skip(self, seconds: float) -> None:
+        self.skipped += seconds
+
+    def drive(self, store: _ClockedStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Make `store` judge on its own clock plus the skipped seconds. On PostgreSQL its own is
+        the database's: instances driven by the same `SkippingClock` still agree."""
+        own: Callable[[], Awaitable[float]] = store.clock
+
+        async def clock() -> float:
+            return await own() + self.skipped
+
+        monkeypatch.setattr(store, "clock", clock)
