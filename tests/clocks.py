@@ -10,7 +10,7 @@ from typing import Protocol
 
 import pytest
 
-__all__ = ["SkippingClock"]
+__all__ = ["SkippingClock", "TickingClock"]
 
 
 class _ClockedStore(Protocol):
@@ -43,3 +43,17 @@ class SkippingClock:
             return await own() + self.skipped
 
         monkeypatch.setattr(store, "clock", clock)
+
+
+class TickingClock:
+    """A monotonic clock that moves only when read, `step` seconds per reading. A rate limit on
+    it sees requests `step` seconds apart however fast or slow the machine sends them, so which
+    of them it refuses depends on their order alone."""
+
+    def __init__(self, step: float) -> None:
+        self.step = step
+        self._now = 0.0
+
+    def __call__(self) -> float:
+        self._now += self.step
+        return self._now
