@@ -10,7 +10,9 @@ from typing import Protocol
 
 import pytest
 
-__all__ = ["SkippingClock", "TickingClock"]
+import cv_server.security
+
+__all__ = ["SkippingClock", "TickingClock", "stop_token_clock"]
 
 
 class _ClockedStore(Protocol):
@@ -57,3 +59,13 @@ class TickingClock:
     def __call__(self) -> float:
         self._now += self.step
         return self._now
+
+
+def stop_token_clock(monkeypatch: pytest.MonkeyPatch) -> float:
+    """Stop the in-process server's token clock (`cv_server.security.now`) at the current whole
+    second, and return it. A token minted at that second for `ttl` seconds is then accepted at
+    any handshake, however long the machine took to get there, and the socket it opens is closed
+    (4001) `ttl` seconds of real time after its handshake."""
+    stopped = float(int(time.time()))
+    monkeypatch.setattr(cv_server.security, "now", lambda: stopped)
+    return stopped
