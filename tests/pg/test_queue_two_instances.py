@@ -295,5 +295,5 @@ async def test_a_completion_whose_notification_is_lost_reaches_the_waiter_by_the
         await deaf.complete(request_id, held["claim_token"], {"ok": 1}, None)
     finally:
         await pool.close()
-    text = await asyncio.wait_for(waiter, 5)
+    text = await asyncio.wait_for(waiter, TIMEOUT)  # a sweep (0.2 s) away; the deadline: 60 s
     assert "event: done" in text

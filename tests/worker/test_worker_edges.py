@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -231,10 +230,12 @@ async def test_stop_during_a_stalled_claim_returns_within_the_drain_deadline(
         run = asyncio.create_task(worker.run())
         try:
             await asyncio.wait_for(entered.wait(), BOUND)
-            began = time.monotonic()
             worker.stop()
-            stats = await asyncio.wait_for(asyncio.shield(run), drain + 3.0)
-            assert time.monotonic() - began < drain + 3.0
+            # Back with its claim still unanswered (the server holds it until `release`): the
+            # drain did not wait for it. The bound only tells the drain (0.3 s) from the
+            # request timeout (5 min).
+            stats = await asyncio.wait_for(asyncio.shield(run), BOUND)
+            assert not release.is_set()
             assert stats.claimed == 0
         finally:
             release.set()  # the test's own cleanup: let the stalled handler end
