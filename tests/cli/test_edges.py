@@ -235,9 +235,9 @@ async def test_a_signal_mid_provider_call_lets_the_stage_complete_once_and_claim
 async def test_past_the_drain_deadline_the_stage_is_cancelled_unacknowledged_and_redriven(
     make_server: MakeServer, endpoint: Endpoint
 ) -> None:
-    server = await make_server(
-        lease_seconds=1.0, compute_lock_ttl_seconds=5.0, failure_backoff_seconds=0.0
-    )
+    # A short lease, for the re-drive to come soon; the compute lock keeps its 60 s (a stage
+    # cancelled mid-call hands its key back at once, so the re-drive's budget is the whole TTL).
+    server = await make_server(lease_seconds=1.0, failure_backoff_seconds=0.0)
     proc = await _start_worker(server, endpoint, "--drain-seconds", "0.3")
     async with WorkspaceClient(url_of(server), token=token_for(WS)) as client:
         answer = await client.enqueue(WS, stage="evaluate", job_id="J1", input={"columns": ["fit"]})

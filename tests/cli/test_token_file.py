@@ -17,10 +17,12 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestServer
 
+import cv_server.http.security
 from cv_server.auth import mint_token
 from cv_workspace_client._queue import requester as api
 from cv_workspace_client.cli.conventions import EXIT_USAGE
 from cv_workspace_client.cli.workspace import workspace_main
+from tests.clocks import SkippingClock
 from tests.worker.conftest import SECRET, WS, token_for, url_of
 
 BOUND = 60.0
@@ -33,12 +35,13 @@ async def _workspace(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[in
 
 
 async def test_the_worker_reads_a_rotated_token_file_when_its_token_expires(
-    server: TestServer, tmp_path: Path
+    server: TestServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A token that expires within the next second (`exp` is in whole seconds): minted 59 s ago
-    # for 60 s. The secret manager rotates the file before then, as they do.
-    minted = time.time() - 59
-    expiring = mint_token(SECRET, [WS], now=minted, ttl=60)
+    # The server judges tokens on the test's clock: the worker's token is good for a minute, the
+    # secret manager rotates the file before then, as they do, and then the minute passes at once.
+    token_clock = SkippingClock()
+    monkeypatch.setattr(cv_server.http.security, "now", token_clock.now)
+    expiring = mint_token(SECRET, [WS], now=time.time(), ttl=60)
     token_file = tmp_path / "token"
     token_file.write_text(expiring + "\n")
     proc = await asyncio.create_subprocess_exec(
@@ -54,9 +57,7 @@ async def test_the_worker_reads_a_rotated_token_file_when_its_token_expires(
         ready = await asyncio.wait_for(proc.stdout.readline(), BOUND)
         assert ready.decode().startswith("cv-worker rotating ready")
         token_file.write_text(token_for(WS) + "\n")  # rotated in place
-        expiry = int(minted + 60)
-        while time.time() < expiry + 0.05:  # noqa: ASYNC110  (a state: the old token has expired)
-            await asyncio.sleep(0.05)
+        token_clock.skip(60)  # the old token has expired
         async with api.QueueClient(url_of(server), token_for(WS)) as qc:
             answer = await qc.enqueue(WS, stage="double", job_id="J1", input=21)
             done = await qc.wait_request(WS, answer.request_id, timeout=BOUND)

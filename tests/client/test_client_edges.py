@@ -62,7 +62,9 @@ async def test_a_cancelled_apply_op_is_still_committed_once_and_not_overtaken(
         ) as client,
     ):
         await client.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
-        proxy.delay = 0.2  # every answer from now on takes a while: the op is in flight
+        # Every answer from now on is held a while: the op is in flight, and still unanswered
+        # when the app gives up on it, a few loop steps later however loaded the machine.
+        proxy.delay = 2.0
         proxy.drop_all()  # over HTTP the op then needs a new connection: a visible send
         before = proxy.stats.accepted
         first = asyncio.ensure_future(

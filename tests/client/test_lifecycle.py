@@ -232,8 +232,11 @@ async def test_a_websocket_upgrade_never_answered_is_bounded_by_the_request_time
         async with WorkspaceClient(url, token="t", config=config) as client:
             with pytest.raises(TimeoutError):
                 await client.connect(WS, timeout=1.0)
-            # Each hanging upgrade was given up after the request timeout and tried again.
-            assert len(accepted) >= 2
+            # Each hanging upgrade is given up after the request timeout and tried again: a
+            # second one comes (a state, polled: however few fit in that second on this machine).
+            async with asyncio.timeout(10):
+                while len(accepted) < 2:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
         assert len(accepted) <= 1.0 / 0.2 + 2
 
 

@@ -16,7 +16,10 @@ from aiohttp.test_utils import TestServer
 
 from cv_mutations import NodeIncrement, NodeInsert
 from cv_server import ServerConfig, create_app
+from cv_server.keys import RATE_LIMITS
+from cv_server.ratelimit import RateLimits
 from cv_workspace_client import WorkspaceClient
+from tests.clocks import TickingClock
 
 from .conftest import ServerFactory
 from .helpers import SECRET, WS, fast_config, server_log, server_state, token_for
@@ -39,15 +42,18 @@ async def _refusals(url: str) -> int:
 async def test_a_client_behind_the_limit_gets_every_op_applied_once_in_order(
     aiohttp_server: ServerFactory, tmp_path: Path, transport: str
 ) -> None:
-    # 10 ops requests a second per token, 2 saved up: three sub-docs written at once, one op
-    # per request (each waits for the last), ask for ~3x that.
+    # 10 ops requests a second per token, 2 saved up. The limit's clock ticks a thirtieth of a
+    # second per request, as if three sub-docs written at once asked for 3x that, however fast
+    # this machine sends them: the limit is hit, and every third request gets through.
     config = ServerConfig(
         db_path=tmp_path / "server.db",
         token_secret=SECRET,
         rate_limit_ops_per_second=10.0,
         rate_limit_burst_seconds=0.2,
     )
-    server: TestServer = await aiohttp_server(create_app(config))
+    app = create_app(config)
+    app[RATE_LIMITS] = RateLimits(config, clock=TickingClock(1 / 30))
+    server: TestServer = await aiohttp_server(app)
     url = str(server.make_url("")).rstrip("/")
     client_config = fast_config(retry_attempts=100, ops_over_websocket=transport == "ws")
     intended: dict[str, list[str]] = {doc: [] for doc in DOCS}

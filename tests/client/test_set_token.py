@@ -6,13 +6,15 @@ the old one is used."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
+
+import pytest
 
 from cv_mutations import NodeIncrement, NodeInsert
 from cv_server.auth import mint_token
 from cv_workspace_client import SyncStatus, WorkspaceClient
 from cv_workspace_client.testing import FaultProxy
+from tests.clocks import stop_token_clock
 
 from .helpers import SECRET, WS, fast_config, server_log, token_for
 
@@ -30,13 +32,15 @@ async def _until(client: WorkspaceClient, predicate: Callable[[SyncStatus], bool
 
 
 async def test_a_token_refreshed_before_it_expires_keeps_the_websocket_and_subscriptions(
-    server_url: str,
+    server_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The usual refresh: a new token set before the old one expires. The server closes a socket
     with 4001 when the token it was opened with expires; the socket took that for a refusal of
     the client's token and stopped for good, failing every subscription with `AuthError`, though
     the client held a valid token."""
-    short = mint_token(SECRET, [WS], now=time.time(), ttl=2)
+    # Accepted at the handshake whenever it comes, the token then closes the socket 5 s later:
+    # time enough to subscribe and set the new one first.
+    short = mint_token(SECRET, [WS], now=stop_token_clock(monkeypatch), ttl=5)
     async with WorkspaceClient(server_url, token=short, config=fast_config()) as client:
         await client.connect(WS, timeout=BOUND)
         await client.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))

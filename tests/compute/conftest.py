@@ -11,7 +11,9 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from cv_server import ServerConfig, create_app
+from cv_server.keys import STORES
 from cv_workspace_client import WorkspaceClient
+from tests.clocks import SkippingClock
 
 from .helpers import SECRET, WS, RequestLog, fast_config, token_for
 
@@ -26,10 +28,22 @@ def request_log() -> RequestLog:
 
 
 @pytest.fixture
+def lock_clock() -> SkippingClock:
+    """The clock the compute locks of every server `start_server` starts are judged on: the
+    test skips it a TTL ahead to lapse a holder's lock at the moment it chooses."""
+    return SkippingClock()
+
+
+@pytest.fixture
 def start_server(
-    aiohttp_server: ServerFactory, tmp_path: Path, request_log: RequestLog
+    aiohttp_server: ServerFactory,
+    tmp_path: Path,
+    request_log: RequestLog,
+    lock_clock: SkippingClock,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> StartServer:
-    """`await start_server(**config_overrides)` → the base URL of a fresh server."""
+    """`await start_server(**config_overrides)` → the base URL of a fresh server (its compute
+    locks judged on `lock_clock`)."""
 
     async def start(**overrides: Any) -> str:
         values: dict[str, Any] = {"db_path": tmp_path / "cv.db", "token_secret": SECRET}
@@ -37,6 +51,7 @@ def start_server(
         app = create_app(ServerConfig(**values))
         app.middlewares.insert(0, request_log.middleware)
         server = await aiohttp_server(app)
+        lock_clock.drive(app[STORES].locks, monkeypatch)
         return str(server.make_url("")).rstrip("/")
 
     return start

@@ -23,15 +23,24 @@ from cv_mutations import NodeInsert, NodeUpdate
 from cv_server import ServerConfig, create_app
 from cv_server.auth import mint_token
 from cv_workspace_client import ClientConfig, WorkspaceClient
-from cv_workspace_client.compute import ComputeResult, LockPolling, compute_once
+from cv_workspace_client.compute import (
+    LOCK_MARGIN_FRACTION,
+    ComputeResult,
+    LockPolling,
+    compute_once,
+)
 from cv_workspace_client.providers import Provider, ProviderResult, fake_answer
 from cv_workspace_client.stage import StageContext, StageRequest
 from cv_workspace_client.stages import JOBS as JOBS  # re-exported: the cell's sub-doc
+from tests.clocks import SkippingClock
 
 SECRET = b"compute-test-secret-0123456789abcdef"
 WS = "ws1"
 JOB = "job1"
 FIELD = "eval:fit"
+#: The server's compute-lock TTL (60 s): the tests keep it, and skip a server's lock clock
+#: (`lock_clock`) by it to lapse a lock at the moment they choose.
+LOCK_TTL = ServerConfig().compute_lock_ttl_seconds
 
 Check = Callable[[], Awaitable[JsonValue | None]]
 Compute = Callable[[], Awaitable[JsonValue]]
@@ -92,12 +101,10 @@ class SlowCellWrites:
             await self.acquisitions.add()
         return response
 
-    async def serve(self, aiohttp_server: Any, db_path: Path, lock_ttl: float) -> str:
-        """Start the server (SQLite at `db_path`, the compute lock's TTL `lock_ttl`); its URL."""
-        config = ServerConfig(
-            db_path=db_path, token_secret=SECRET, compute_lock_ttl_seconds=lock_ttl
-        )
-        app = create_app(config)
+    async def serve(self, aiohttp_server: Any, db_path: Path) -> str:
+        """Start the server (SQLite at `db_path`, the real 60 s lock TTL: no lock lapses within
+        a test unless someone hands it back); its URL."""
+        app = create_app(ServerConfig(db_path=db_path, token_secret=SECRET))
         app.middlewares.insert(0, self.middleware)
         server = await aiohttp_server(app)
         return str(server.make_url("")).rstrip("/")
@@ -268,6 +275,24 @@ async def compute_or_wait(
         wait=wait,
         polling=polling,
     )
+
+
+def stalled_after_acquiring(check: Check, clock: SkippingClock, budget: float = 0.5) -> Check:
+    """`check`, whose second call (the double-check, inside the lock) first skips `clock` ahead
+    until `budget` seconds of the compute's budget are left: the holder that times its compute
+    on `clock` (`compute_once(now=clock.now)`) was paused that long between its acquisition and
+    its compute. Its budget runs out `budget` seconds of real time later, while the server's lock
+    still has most of its TTL: no one can take the key over unless the holder hands it back."""
+    calls = 0
+
+    async def stalled() -> JsonValue | None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            clock.skip(LOCK_TTL * (1 - LOCK_MARGIN_FRACTION) - budget)
+        return await check()
+
+    return stalled
 
 
 def timed(compute: Compute, started: list[float]) -> Compute:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,12 +26,14 @@ from cv_workspace_client.compute import (
     compute_once,
 )
 from cv_workspace_client.worker.parts import SingleFlight
+from tests.clocks import SkippingClock
 
-from .conftest import OpenClient, ServerFactory, StartServer
+from .conftest import OpenClient, ServerFactory
 from .helpers import (
     FIELD,
     JOB,
     JOBS,
+    LOCK_TTL,
     SECRET,
     WS,
     GatedProvider,
@@ -43,24 +46,27 @@ from .helpers import (
     fast_config,
     holder_process,
     seed_job,
+    stalled_after_acquiring,
     timed,
 )
 
 FAST_POLL = LockPolling(initial_seconds=0.02, max_seconds=0.1)
+#: What a stalled holder has left of its compute budget: time enough for the provider's answer
+#: and the write to reach the server, which then holds the write until the budget is gone.
+WRITE_BUDGET = 5.0
 
 
 # -- waiting for a dead holder ---------------------------------------------------------------------
 
 
 async def test_a_waiter_takes_over_a_dead_holders_lock_while_the_sub_doc_keeps_changing(
-    start_server: StartServer, open_client: OpenClient
+    server_url: str, open_client: OpenClient, request_log: RequestLog, lock_clock: SkippingClock
 ) -> None:
     # The `jobs` sub-doc of a busy workspace never stops changing (other cells, other jobs).
     # Every change wakes the waiter, finds its cell still empty — and must not stop it from
     # polling the lock: a dead holder's lock lapses at its TTL and the waiter takes it over then,
     # not at the end of its wait (the stage would fail `compute_locked` and be re-driven later).
-    url = await start_server(compute_lock_ttl_seconds=0.5)
-    client = await open_client(url)
+    client = await open_client(server_url)
     await seed_job(client)
     await client.apply_op(WS, JOBS, NodeInsert(node_id="busy", parent_id="root"))
     dead = await acquire_lock(client, WS, JOB, FIELD, "sigkilled-worker")  # never released
@@ -75,29 +81,40 @@ async def test_a_waiter_takes_over_a_dead_holders_lock_while_the_sub_doc_keeps_c
         await client.apply_op(WS, JOBS, NodeIncrement(node_id="busy", field="n"))
         return await read()
 
-    result = await compute_or_wait(
-        client,
-        provider,
-        "w",
-        wait=4.0,
-        polling=FAST_POLL,
-        check=check,
-        compute=timed(compute, started),
+    waiter = asyncio.create_task(
+        compute_or_wait(
+            client,
+            provider,
+            "w",
+            wait=LOCK_TTL,
+            polling=FAST_POLL,
+            check=check,
+            compute=timed(compute, started),
+        )
     )
+    # Woken by every change, it still polls: its first acquisition and two polls, refused.
+    await request_log.wait_for(lambda log: len(log.locked) >= 3)
+    lapsed_at = time.time()
+    lock_clock.skip(LOCK_TTL)  # the dead holder's lock lapses now
+
+    async with asyncio.timeout(10):  # at its next poll, not only at the end of its wait
+        result = await waiter
 
     assert result.status == "computed"
     assert provider.calls == 1
-    assert started[0] >= dead.expires_at  # not before the dead holder's lock lapsed
-    assert started[0] <= dead.expires_at + 1.5  # and not only at the end of the wait
+    assert started[0] >= lapsed_at  # not before the dead holder's lock lapsed
 
 
 async def test_a_holder_process_sigkilled_mid_call_is_taken_over_once_after_its_ttl(
-    start_server: StartServer, open_client: OpenClient, tmp_path: Path
+    server_url: str,
+    open_client: OpenClient,
+    request_log: RequestLog,
+    lock_clock: SkippingClock,
+    tmp_path: Path,
 ) -> None:
-    url = await start_server(compute_lock_ttl_seconds=1.0)
-    client = await open_client(url)
+    client = await open_client(server_url)
     await seed_job(client)
-    async with holder_process(url, tmp_path) as proc:
+    async with holder_process(server_url, tmp_path) as proc:
         assert proc.stdout is not None
         async with asyncio.timeout(30):
             line = await proc.stdout.readline()
@@ -112,13 +129,26 @@ async def test_a_holder_process_sigkilled_mid_call_is_taken_over_once_after_its_
     _, compute = cell(client, provider)
     started: list[float] = []
 
-    result = await compute_or_wait(
-        client, provider, "next", wait=10, polling=FAST_POLL, compute=timed(compute, started)
+    waiter = asyncio.create_task(
+        compute_or_wait(
+            client,
+            provider,
+            "next",
+            wait=LOCK_TTL,
+            polling=FAST_POLL,
+            compute=timed(compute, started),
+        )
     )
+    await request_log.wait_for(lambda log: len(log.locked) >= 2)  # the probe, and the waiter
+    lapsed_at = time.time()
+    lock_clock.skip(LOCK_TTL)  # the dead holder's lock lapses now
+
+    async with asyncio.timeout(10):  # at the waiter's next poll, not at the end of its wait
+        result = await waiter
 
     assert result.status == "computed"
     assert provider.calls == 1  # the survivors pay once (the dead one's call is lost with it)
-    assert held.expires_at <= started[0] <= held.expires_at + 1.5
+    assert started[0] >= lapsed_at
     assert await cell_writes(client) == 1
 
 
@@ -320,8 +350,11 @@ async def test_a_write_still_in_flight_when_the_budget_runs_out_is_not_raced_by_
     # before that write lands and pay for the same cell again. The key must stay locked until
     # its TTL, by when the late write is in and the waiter finds it. The same if the holder is
     # itself cancelled while it waits for that write (the drain deadline, a lost lease).
+    # The holder's clock jumps after its acquisition (`stalled_after_acquiring`): its budget
+    # runs out WRITE_BUDGET seconds into the compute, with the write held by the server, while
+    # the lock keeps most of its 60 s TTL there.
     slow = SlowCellWrites()
-    url = await slow.serve(aiohttp_server, tmp_path / "slow.db", lock_ttl=3.0)
+    url = await slow.serve(aiohttp_server, tmp_path / "slow.db")
     holder_client = await open_client(url, config=fast_config(ops_over_websocket=False))
     waiter_client = await open_client(url)
     await seed_job(holder_client)
@@ -338,8 +371,18 @@ async def test_a_write_still_in_flight_when_the_budget_runs_out_is_not_raced_by_
             cut.set()  # the budget ran out: the compute is cancelled mid-write
             raise
 
+    worker = SkippingClock()
     holder = asyncio.create_task(
-        compute_once(holder_client, WS, JOB, FIELD, check=check, compute=cut_compute, holder="a")
+        compute_once(
+            holder_client,
+            WS,
+            JOB,
+            FIELD,
+            check=stalled_after_acquiring(check, worker, budget=WRITE_BUDGET),
+            compute=cut_compute,
+            holder="a",
+            now=worker.now,
+        )
     )
     await asyncio.wait_for(slow.held.wait(), 10)  # paid, and the write is on its way
     waiter = asyncio.create_task(
@@ -356,7 +399,7 @@ async def test_a_write_still_in_flight_when_the_budget_runs_out_is_not_raced_by_
     await slow.acquisitions.reach(polls + 1)
     if slow.granted[polls]:
         await provider.arrived.reach(2)
-    slow.let_go.set()  # the slow write commits, still inside the holder's lock TTL (0.3 s margin)
+    slow.let_go.set()  # the slow write commits, the holder's lock still live on the server
 
     if not holder_cancelled:
         with pytest.raises(LockExpiringError):

@@ -23,6 +23,7 @@ from pydantic import JsonValue
 
 from cv_server import ServerConfig, create_app
 from cv_server.cli import _with_schema
+from cv_server.keys import STORES
 from cv_workspace_client.compute import (
     ComputeResult,
     LockExpiringError,
@@ -35,19 +36,23 @@ from cv_workspace_client.providers import ProviderResult, fake_answer
 from cv_workspace_client.stage import StageRequest
 from cv_workspace_client.stages.fake_provider import create_fake_provider_app
 from cv_workspace_client.worker.parts import TtlCache, request_key
+from tests.clocks import SkippingClock
 from tests.pg.helpers import fresh_schema
 
 from .conftest import OpenClient, ServerFactory, StartServer
 from .helpers import (
     FIELD,
     JOB,
+    LOCK_TTL,
     SECRET,
     WS,
+    RequestLog,
     cell,
     cell_writes,
     compute_or_wait,
     holder_process,
     seed_job,
+    stalled_after_acquiring,
     token_for,
 )
 
@@ -72,16 +77,23 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
 
 
 @pytest.fixture
-def start_server(backend: dict[str, Any], aiohttp_server: ServerFactory) -> StartServer:
+def start_server(
+    backend: dict[str, Any],
+    aiohttp_server: ServerFactory,
+    lock_clock: SkippingClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> StartServer:
     """`await start_server(*middlewares, **config)` → the base URL of a fresh server on the
-    test's backend (several calls on PostgreSQL: several instances on one schema). `backend`
-    comes first: the servers stop before their schema is dropped."""
+    test's backend (several calls on PostgreSQL: several instances on one schema), its compute
+    locks judged on `lock_clock`. `backend` comes first: the servers stop before their schema is
+    dropped."""
 
     async def start(*middlewares: Any, **overrides: Any) -> str:
         app = create_app(ServerConfig(**{"token_secret": SECRET, **backend, **overrides}))
         for middleware in middlewares:
             app.middlewares.insert(0, middleware)
         server: TestServer = await aiohttp_server(app)
+        lock_clock.drive(app[STORES].locks, monkeypatch)
         return str(server.make_url("")).rstrip("/")
 
     return start
@@ -250,9 +262,11 @@ async def test_sixteen_racers_in_four_processes_pay_for_one_call(
 async def test_a_sigkilled_holder_is_taken_over_by_exactly_one_of_eight_waiters_after_its_ttl(
     start_server: StartServer,
     open_client: OpenClient,
+    lock_clock: SkippingClock,
     tmp_path: Path,
 ) -> None:
-    url = await start_server(compute_lock_ttl_seconds=1.0)
+    log = RequestLog()
+    url = await start_server(log.middleware)  # the real 60 s TTL: the survivor's lock outlasts it
     clients = [await open_client(url) for _ in range(2)]
     await seed_job(clients[0])
     async with holder_process(url, tmp_path) as proc:
@@ -277,11 +291,15 @@ async def test_a_sigkilled_holder_is_taken_over_by_exactly_one_of_eight_waiters_
             client, Instant(), f"w{i}", wait=15, polling=FAST_POLL, prompt=PROMPT
         )
 
+    waiters = [asyncio.create_task(waiter(i)) for i in range(8)]
+    await log.wait_for(lambda log: len(log.locked) >= 1 + 8)  # the probe's, and the waiters'
+    lapsed_at = time.time()
+    lock_clock.skip(LOCK_TTL)  # the dead holder's lock lapses now, with the waiters waiting
     async with asyncio.timeout(30):
-        results = await asyncio.gather(*(waiter(i) for i in range(8)))
+        results = await asyncio.gather(*waiters)
 
     assert len(started) == 1  # one survivor paid, once
-    assert started[0] >= dead.expires_at  # not before the dead holder's TTL (same host clock)
+    assert started[0] >= lapsed_at  # not before the dead holder's lock lapsed
     assert [r.status for r in results].count("computed") == 1
     assert {r.value for r in results} == {fake_answer(f"{WS}/{JOB}/{FIELD}")}
     assert await cell_writes(clients[0]) == 1
@@ -301,18 +319,28 @@ async def test_a_compute_longer_than_the_lock_is_cancelled_before_a_racer_can_ta
     # compute before the lock can lapse. A worker whose wall clock is behind the server's must
     # not compute its budget from the server's `expires_at` against its own clock: the lock
     # would lapse (server time) while the holder still thinks it has half a minute left.
-    url = await start_server(compute_lock_ttl_seconds=1.0)
+    # The holder's clock jumps between its acquisition and its compute (a paused process) to
+    # leave it half a second of its budget, while the server's lock keeps its whole TTL: the
+    # racer gets the key only if the holder cancels and hands it back. Judged from `expires_at`
+    # on the clock 30 s behind, the budget would be half a minute, and the racer would give up.
+    url = await start_server()
     clients = [await open_client(url) for _ in range(2)]
     await seed_job(clients[0])
     provider = HangingFirstProvider()
     check, compute = cell(clients[0], provider, prompt=PROMPT)
-
-    def skewed() -> float:
-        return time.time() + worker_skew
+    worker = SkippingClock()
+    worker.skip(worker_skew)
 
     holder = asyncio.create_task(
         compute_once(
-            clients[0], WS, JOB, FIELD, check=check, compute=compute, holder="slow", now=skewed
+            clients[0],
+            WS,
+            JOB,
+            FIELD,
+            check=stalled_after_acquiring(check, worker),
+            compute=compute,
+            holder="slow",
+            now=worker.now,
         )
     )
     async with asyncio.timeout(10):
@@ -413,15 +441,14 @@ async def test_an_instance_whose_clock_is_ahead_does_not_take_over_a_live_lock(
 
 
 async def test_a_partitioned_holders_late_release_does_not_free_the_new_holders_lock(
-    start_server: StartServer, open_client: OpenClient
+    start_server: StartServer, open_client: OpenClient, lock_clock: SkippingClock
 ) -> None:
-    url = await start_server(compute_lock_ttl_seconds=0.3)
+    url = await start_server()  # the real 60 s TTL: the new holder's lock outlasts the test
     old_client, new_client = [await open_client(url) for _ in range(2)]
     old = await acquire_lock(old_client, WS, JOB, FIELD, "partitioned")
     assert old.acquired
     assert old.token is not None
-    # Waiting out the TTL is the point (same host: the server's and the database's clock are ours).
-    await asyncio.sleep(max(0.0, old.expires_at - time.time()) + 0.01)
+    lock_clock.skip(LOCK_TTL)  # the partition outlasts the old holder's lock
     new = await acquire_lock(new_client, WS, JOB, FIELD, "new")
     assert new.acquired
     assert new.token is not None
@@ -503,7 +530,8 @@ async def test_hostile_lock_requests_get_stable_4xx_codes_and_change_nothing(
                 assert resp.status == 200
                 assert answer["acquired"] is True
                 assert math.isfinite(answer["expires_at"])
-                assert 55 <= answer["expires_at"] - time.time() <= 61, ttl
+                assert answer["ttl"] == LOCK_TTL, ttl  # the server's own
+                assert answer["expires_in"] == pytest.approx(LOCK_TTL), ttl
         # Another workspace's path, with this workspace's token: refused, key untouched.
         async with session.post(
             f"{url}/v1/workspaces/other/locks/release",

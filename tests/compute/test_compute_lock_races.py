@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from pydantic import JsonValue
 
 from cv_mutations import NodeInsert
 from cv_server import ServerConfig, create_app
+from cv_server.keys import STORES
 from cv_workspace_client._queue import requester as queue_api
 from cv_workspace_client.compute import ComputeResult, LockPolling, acquire_lock, compute_once
 from cv_workspace_client.errors import InvalidRequestError, StillPendingError
@@ -25,12 +27,14 @@ from cv_workspace_client.providers import ProviderResult, ProviderUnavailable, f
 from cv_workspace_client.stage import Stage
 from cv_workspace_client.stages import make_evaluate
 from cv_workspace_client.worker import Worker, WorkerConfig
+from tests.clocks import SkippingClock
 
 from .conftest import OpenClient, ServerFactory, StartServer
 from .helpers import (
     FIELD,
     JOB,
     JOBS,
+    LOCK_TTL,
     SECRET,
     WS,
     GatedProvider,
@@ -250,14 +254,20 @@ async def test_racers_on_a_long_unicode_key_pay_once_and_similar_keys_stay_apart
 
 @pytest.mark.postgres
 async def test_a_sigkilled_holder_on_one_instance_is_taken_over_once_by_waiters_on_two(
-    pg_dsn: str, aiohttp_server: ServerFactory, open_client: OpenClient, tmp_path: Path
+    pg_dsn: str,
+    aiohttp_server: ServerFactory,
+    open_client: OpenClient,
+    lock_clock: SkippingClock,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
+    log = RequestLog()
     urls = []
-    for _ in range(2):
-        app = create_app(
-            ServerConfig(token_secret=SECRET, database_url=pg_dsn, compute_lock_ttl_seconds=2.0)
-        )
+    for _ in range(2):  # the real 60 s TTL, on the database's clock as the test skips it
+        app = create_app(ServerConfig(token_secret=SECRET, database_url=pg_dsn))
+        app.middlewares.insert(0, log.middleware)
         server: TestServer = await aiohttp_server(app)
+        lock_clock.drive(app[STORES].locks, monkeypatch)
         urls.append(str(server.make_url("")).rstrip("/"))
     clients = [await open_client(urls[i % 2]) for i in range(4)]
     await seed_job(clients[0])
@@ -266,16 +276,16 @@ async def test_a_sigkilled_holder_on_one_instance_is_taken_over_once_by_waiters_
         assert (await asyncio.wait_for(proc.stdout.readline(), 30)).strip() == b"calling"
     provider = GatedProvider()
     provider.gate.set()
+    waiters = [
+        asyncio.create_task(
+            compute_or_wait(clients[i % 4], provider, f"w{i}", wait=LOCK_TTL, polling=FAST_POLL)
+        )
+        for i in range(12)
+    ]
+    await log.wait_for(lambda log: len(log.locked) >= 12)  # the waiters are waiting
+    lock_clock.skip(LOCK_TTL)  # the dead holder's lock lapses now, on both instances
 
-    results = await asyncio.wait_for(
-        asyncio.gather(
-            *(
-                compute_or_wait(clients[i % 4], provider, f"w{i}", wait=15, polling=FAST_POLL)
-                for i in range(12)
-            )
-        ),
-        25,
-    )
+    results = await asyncio.wait_for(asyncio.gather(*waiters), 25)
 
     assert provider.calls == 1  # the dead holder's call was paid; the survivors' once more
     assert sorted(r.status for r in results) == ["computed"] + ["present"] * 11
@@ -348,12 +358,14 @@ async def test_a_key_whose_row_is_busy_blocks_no_other_key_nor_the_sweep(
         )
         async with busy.transaction():
             await busy.execute("SELECT 1 FROM compute_locks WHERE job_id = 'j' FOR UPDATE")
+            # Blocked behind the busy row, they would wait for this transaction, which ends only
+            # after the wait: the bound is a hang detector, far from the milliseconds they take.
             answers = await asyncio.wait_for(
                 asyncio.gather(
                     *(acquire_lock(client, WS, "j", f"other-{i}", "w") for i in range(10)),
                     acquire_lock(client, "ws2", "j", "t", "w"),
                 ),
-                3,
+                30,
             )
         assert all(answer.acquired for answer in answers)
     finally:
@@ -364,32 +376,43 @@ async def test_a_key_whose_row_is_busy_blocks_no_other_key_nor_the_sweep(
 
 
 async def test_a_dead_holders_lock_lapsing_after_the_last_poll_is_taken_over_at_the_deadline(
-    start_server: StartServer, open_client: OpenClient
+    server_url: str, open_client: OpenClient, lock_clock: SkippingClock
 ) -> None:
     # Racers arrive within milliseconds of the holder; the stages wait one TTL (60 s,
     # `LOCK_WAIT_SECONDS`) so that a dead holder's lock lapses inside the wait. But polls come
     # every 2 s at most: the lock lapses after the last one, and a waiter that gives up at its
     # deadline without asking again fails `compute_locked` and waits out the queue's backoff
-    # for a key that was free. Here (2 s TTL, 2.6 s wait) the polls are at 1.2 s and 3.6 s.
-    url = await start_server(compute_lock_ttl_seconds=2.0)
-    client = await open_client(url)
+    # for a key that was free. Here the waiter's next poll would come after its deadline, and
+    # the lock lapses just after its first acquisition was refused.
+    client = await open_client(server_url)
     await seed_job(client)
     dead = await acquire_lock(client, WS, JOB, FIELD, "sigkilled")  # never released
     assert dead.acquired
     provider = GatedProvider()
     provider.gate.set()
-    _, compute = cell(client, provider)
+    read, compute = cell(client, provider)
     started: list[float] = []
+    lapsed_at: list[float] = []
+    reads = 0
+
+    async def check() -> JsonValue | None:
+        nonlocal reads
+        reads += 1
+        if reads == 2:  # its acquisition was refused; it reads the cell once more, then waits
+            lapsed_at.append(time.time())
+            lock_clock.skip(LOCK_TTL)
+        return await read()
 
     result = await compute_or_wait(
         client,
         provider,
         "w",
-        wait=2.6,
-        polling=LockPolling(initial_seconds=1.2, max_seconds=2.4),
+        wait=0.5,
+        polling=LockPolling(initial_seconds=3600, max_seconds=3600),
+        check=check,
         compute=timed(compute, started),
     )
 
     assert result.status == "computed"
     assert provider.calls == 1
-    assert started[0] >= dead.expires_at  # not before the dead holder's lock lapsed
+    assert started[0] >= lapsed_at[0]  # not before the dead holder's lock lapsed

@@ -21,18 +21,21 @@ from cv_workspace_client.compute import (
 )
 from cv_workspace_client.stage import LeaseLostError
 from cv_workspace_client.testing import FaultProxy
+from tests.clocks import SkippingClock
 
-from .conftest import OpenClient, StartServer
+from .conftest import OpenClient
 from .helpers import (
     FIELD,
     JOB,
     JOBS,
+    LOCK_TTL,
     WS,
     GatedProvider,
     RequestLog,
     cell,
     compute_or_wait,
     seed_job,
+    stalled_after_acquiring,
     timed,
 )
 
@@ -143,11 +146,9 @@ async def test_a_write_landing_between_the_preflight_and_the_lock_is_caught_by_t
 
 
 async def test_a_crashed_holder_blocks_the_key_for_at_most_one_ttl(
-    start_server: StartServer, open_client: OpenClient
+    server_url: str, open_client: OpenClient, request_log: RequestLog, lock_clock: SkippingClock
 ) -> None:
-    ttl = 1.0
-    url = await start_server(compute_lock_ttl_seconds=ttl)
-    client = await open_client(url)
+    client = await open_client(server_url)
     await seed_job(client)
     crashed = await acquire_lock(client, WS, JOB, FIELD, "crashed-worker")  # never released
     assert crashed.acquired
@@ -155,16 +156,21 @@ async def test_a_crashed_holder_blocks_the_key_for_at_most_one_ttl(
     provider.gate.set()
     _, compute = cell(client, provider)
     started: list[float] = []
-
-    result = await compute_or_wait(
-        client, provider, "w", wait=10, polling=FAST_POLL, compute=timed(compute, started)
+    waiter = asyncio.create_task(
+        compute_or_wait(
+            client, provider, "w", wait=LOCK_TTL, polling=FAST_POLL, compute=timed(compute, started)
+        )
     )
+    await request_log.wait_locked(JOB, FIELD)
+    lapsed_at = time.time()
+    lock_clock.skip(LOCK_TTL)  # the crashed holder's lock lapses, with the waiter waiting
+
+    async with asyncio.timeout(10):  # a poll away, not at the end of its wait (one more TTL)
+        result = await waiter
 
     assert result.status == "computed"
     assert provider.calls == 1
-    # Not before the dead holder's lock lapsed, and not much later: one TTL, plus one poll.
-    assert started[0] >= crashed.expires_at
-    assert started[0] <= crashed.expires_at + FAST_POLL.max_seconds + 1.0
+    assert started[0] >= lapsed_at  # not before the crashed holder's lock lapsed
 
 
 async def test_a_waiter_takes_over_when_the_holder_gives_up_without_writing(
@@ -215,17 +221,16 @@ async def test_a_waiting_caller_gives_up_as_locked_at_its_deadline(
     )
 
     assert result == ComputeResult("locked", None)
-    assert 0.3 <= loop.time() - began < 5
+    assert 0.3 <= loop.time() - began < LOCK_TTL / 2  # at its deadline, not at the lock's lapse
     assert provider.calls == 0
     assert holder.token is not None
     assert await release_lock(client, WS, JOB, FIELD, holder.token)
 
 
 async def test_only_the_holder_releases_its_lock(
-    start_server: StartServer, open_client: OpenClient
+    server_url: str, open_client: OpenClient, lock_clock: SkippingClock
 ) -> None:
-    url = await start_server(compute_lock_ttl_seconds=0.5)
-    client = await open_client(url)
+    client = await open_client(server_url)
     first = await acquire_lock(client, WS, JOB, FIELD, "a")
     assert first.acquired
     assert first.token is not None
@@ -233,8 +238,7 @@ async def test_only_the_holder_releases_its_lock(
     assert not (await acquire_lock(client, WS, JOB, FIELD, "c")).acquired
 
     # `a` outlives its TTL; `b` takes the key over; `a`'s late release must not free `b`'s lock.
-    # Waiting out the TTL is the point here (same host: the server's clock is ours).
-    await asyncio.sleep(max(0.0, first.expires_at - time.time()) + 0.01)
+    lock_clock.skip(LOCK_TTL)
     second = await acquire_lock(client, WS, JOB, FIELD, "b")
     assert second.acquired
     assert not await release_lock(client, WS, JOB, FIELD, first.token)
@@ -245,35 +249,48 @@ async def test_only_the_holder_releases_its_lock(
 
 
 async def test_a_compute_that_outruns_its_lock_is_cancelled_before_the_lock_lapses(
-    start_server: StartServer, open_client: OpenClient
+    server_url: str, open_client: OpenClient
 ) -> None:
-    url = await start_server(compute_lock_ttl_seconds=1.0)
-    client = await open_client(url)
+    client = await open_client(server_url)
     await seed_job(client)
     provider = GatedProvider()  # the gate never opens: a provider that hangs
     check, compute = cell(client, provider)
     cancelled = asyncio.Event()
     cancelled_at: list[float] = []
+    # The worker's clock jumps between the acquisition and the compute (a paused process): most
+    # of the budget is gone before the call starts, and the rest runs out during it.
+    worker = SkippingClock()
 
     async def hanging() -> JsonValue:
         try:
             return await compute()
         except asyncio.CancelledError:
-            cancelled_at.append(time.time())
+            cancelled_at.append(worker.now())
             cancelled.set()
             raise
 
-    asked = time.time()
+    asked = worker.now()
     with pytest.raises(LockExpiringError) as raised:
-        await compute_once(client, WS, JOB, FIELD, check=check, compute=hanging, holder="w")
+        await compute_once(
+            client,
+            WS,
+            JOB,
+            FIELD,
+            check=stalled_after_acquiring(check, worker),
+            compute=hanging,
+            holder="w",
+            now=worker.now,
+        )
 
     assert raised.value.code == "compute_lock_expiring"
     assert cancelled.is_set()
-    # Cancelled with the margin still ahead: before the lock (TTL 1 s from `asked`) could lapse.
-    # (The moment of the cancel, not of the return: the release's round trip comes after it and
-    # on a loaded machine may end past the TTL, which proves nothing about the cancel.)
-    assert cancelled_at[0] < asked + 1.0
-    assert (await acquire_lock(client, WS, JOB, FIELD, "next")).acquired  # and released
+    # Cancelled with the margin (a tenth of the TTL, 6 s) still ahead, on the worker's clock:
+    # before the lock could lapse. (The moment of the cancel, not of the return: the release's
+    # round trip comes after it.)
+    assert cancelled_at[0] < asked + LOCK_TTL
+    # And released: the lock has most of its TTL left on the server, so only the holder's
+    # release can free the key.
+    assert (await acquire_lock(client, WS, JOB, FIELD, "next")).acquired
 
 
 async def test_a_lost_queue_lease_stops_the_compute_before_it_pays(

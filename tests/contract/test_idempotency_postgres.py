@@ -121,10 +121,10 @@ async def test_an_owner_on_a_dead_instance_is_taken_over_by_one_retry_on_another
         dead.terminate()  # no release, no close: the connections just vanish
     survivors = [PostgresIdempotencyStore(pool, retention=RETENTION) for _ in range(2)]
     # The backend ends when it sees its client gone; a retry before that is told to wait.
-    for _ in range(100):
-        if not await lock_holders(pool, schema, WS, KEY):
-            break
-        await asyncio.sleep(0.05)
+    # Polled: nothing announces it. The bound only catches a backend that never ends.
+    async with asyncio.timeout(30):
+        while await lock_holders(pool, schema, WS, KEY):  # noqa: ASYNC110  (a state)
+            await asyncio.sleep(0.05)
     outcomes = await asyncio.gather(*(survivors[i % 2].begin(WS, KEY, FP, 2.0) for i in range(20)))
     assert outcomes.count(Owned()) == 1
     assert outcomes.count(InProgress()) == 19

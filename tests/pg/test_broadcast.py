@@ -38,6 +38,11 @@ from tests.server.conftest import ClientFactory
 pytestmark = pytest.mark.postgres
 
 TIMEOUT = 30.0
+#: How long a notifier's connection may take over a command before it is replaced as dead. The
+#: healthy one answers its checks (every 0.2 s) within it however loaded the machine: one check
+#: over it is one more reconnect than a test counts (the notifier's timer is the event loop's,
+#: nothing to inject).
+NOT_ANSWERING = 2.0
 
 #: The longest ids allowed (docs/concepts.md): `[A-Za-z0-9_-]{1,64}` and `[a-z0-9_.-]{1,64}`.
 LONG_WS = "W" * 63 + "-"
@@ -421,7 +426,7 @@ async def test_a_notifier_whose_connection_stops_answering_replaces_it_and_says_
 ) -> None:
     through_relay = await relay.start()
     name = f"cv-broadcast-test-{id(relay):x}"
-    settings = PostgresSettings(application_name=name, statement_timeout_seconds=0.5)
+    settings = PostgresSettings(application_name=name, statement_timeout_seconds=NOT_ANSWERING)
     notifier = Notifier(through_relay, settings, delays=no_delays, check_every=0.2)
     channel = f"cv_test_broadcast_{id(relay):x}"
     payloads: list[str] = []
@@ -462,7 +467,7 @@ async def test_a_reconnect_whose_listen_is_never_answered_is_given_up_and_retrie
 ) -> None:
     through_relay = await relay.start()
     name = f"cv-broadcast-test-{id(relay):x}"
-    settings = PostgresSettings(application_name=name, statement_timeout_seconds=0.5)
+    settings = PostgresSettings(application_name=name, statement_timeout_seconds=NOT_ANSWERING)
     notifier = Notifier(through_relay, settings, delays=no_delays, check_every=0.2)
     channel = f"cv_test_broadcast_{id(relay):x}"
     reconnected = asyncio.Event()

@@ -204,8 +204,10 @@ async def test_a_400_is_not_retried_and_raises_provider_rejected(
 
 async def test_a_timeout_is_retried(endpoint: FakeEndpoint, sleep: RecordingSleep) -> None:
     endpoint.script.append(endpoint.hang)
+    # The hang is cut by the timeout, and the retry's answer must come within it too: the
+    # timeout leaves a loaded machine's loopback answer room (the loop's clock: none to inject).
     async with OpenAICompatibleProvider(
-        endpoint.base_url, model="m", timeout=0.2, sleep=sleep
+        endpoint.base_url, model="m", timeout=2.0, sleep=sleep
     ) as provider:
         result = await provider.complete("p")
     assert result.text == answer_for("p")

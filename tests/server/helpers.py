@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from cv_mutations import new_op_id
+from cv_server.keys import WORK_SIGNALS
 from tests.server.conftest import auth
 
 WS = "ws1"
+#: How long a lifted long poll waits: far past any test's bound.
+LIFTED_CEILING = 3600.0
 
 
 def insert(node_id: str, parent: str = "root", op_id: str | None = None) -> dict[str, Any]:
@@ -94,3 +99,19 @@ async def claim(client: TestClient[Any, Any], workspace: str = "ws1") -> Any:
         return None
     assert resp.status == 200, await resp.text()
     return (await resp.json())["request"]
+
+
+def lift_long_poll_ceiling(app: web.Application, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let the idle workers' long polls on the started `app` (`/v1/queue/pending`, 2 s at most)
+    wait `LIFTED_CEILING` instead. Such a poll is answered by a push or by the shutdown, never
+    first by its ceiling on a machine too busy to push within 2 s: its 200 is the push, its 204
+    the shutdown."""
+    signals = app[WORK_SIGNALS]
+    wait = signals.wait
+
+    async def lifted(
+        classes: frozenset[str], workspaces: frozenset[str] | None, patience: float
+    ) -> bool:
+        return await wait(classes, workspaces, LIFTED_CEILING)
+
+    monkeypatch.setattr(signals, "wait", lifted)

@@ -19,6 +19,7 @@ from cv_server import ServerConfig, create_app
 from cv_server.auth import mint_token, verify_token
 from cv_server.cli import main as cv_server_main
 from tests.acceptance.procs import create_sqlite_database
+from tests.clocks import stop_token_clock
 from tests.server.conftest import SECRET, ClientFactory, auth, token_for
 
 
@@ -160,15 +161,16 @@ async def test_the_token_secret_is_in_no_error_body_nor_the_metrics(
 
 
 async def test_an_open_socket_is_closed_with_4001_when_its_token_expires(
-    client: TestClient[Any, Any],
+    client: TestClient[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """HTTP refuses a token from the second it expires; a socket opened before then kept
     subscribing and applying under it for as long as it stayed open."""
-    token = mint_token(SECRET, ["ws1"], now=time.time(), ttl=2)
+    # Accepted at the handshake whenever it comes; the socket then has 5 s to live.
+    token = mint_token(SECRET, ["ws1"], now=stop_token_clock(monkeypatch), ttl=5)
     ws = await client.ws_connect("/v1/workspaces/ws1/socket", params={"token": token})
     await ws.send_json({"type": "subscribe", "sub_doc": "tree", "since": 0})
     assert (await ws.receive_json(timeout=5))["type"] == "synced"
-    msg = await ws.receive(timeout=10)  # exp is at most 2 s away
+    msg = await ws.receive(timeout=15)  # exp is 5 s after the handshake
     assert msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSED, WSMsgType.CLOSING), msg
     assert ws.close_code == 4001
     # A token without an expiry keeps its socket.
@@ -248,7 +250,7 @@ async def test_a_worker_token_for_one_workspace_never_claims_anothers_requests(
     held = await server.post("/v1/queue/claim", json=classes, headers=auth("ws1"))
     assert held.status == 200
     lapsed_id = (await held.json())["request"]["request_id"]
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # for a 0.2 s lease: only a hang comes near it
     while True:  # until the lease has lapsed on the server's clock
         row = await server.get(f"/v1/workspaces/ws1/requests/{lapsed_id}", headers=auth("ws1"))
         if (await row.json())["lease_expires_at"] < time.time():

@@ -39,8 +39,9 @@ async def production_server(
         await runner.cleanup()
 
 
-async def _until(condition: Callable[[], bool], patience: float = 5.0) -> None:
-    """Wait for a state (not for time): poll `condition` until true, fail after `patience`."""
+async def _until(condition: Callable[[], bool], patience: float = 30.0) -> None:
+    """Wait for a state (not for time): poll `condition` until true, fail after `patience`
+    (half the waiters' 60 s deadline: what a sweep must beat)."""
     async with asyncio.timeout(patience):
         while not condition():  # noqa: ASYNC110
             await asyncio.sleep(0.02)

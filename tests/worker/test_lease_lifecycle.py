@@ -27,6 +27,7 @@ from cv_workspace_client._queue import requester as api
 from cv_workspace_client.stage import StageContext
 from cv_workspace_client.worker import Worker, WorkerConfig
 from tests.pg.helpers import fresh_schema
+from tests.server.helpers import lift_long_poll_ceiling
 from tests.worker.conftest import SECRET, WS, fast_client_config, url_of
 
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
@@ -260,7 +261,9 @@ async def test_a_large_result_retried_or_sent_by_a_lapsed_holder_is_stored_once(
 
 
 async def test_fifty_long_polls_and_one_enqueue_hand_the_work_to_exactly_one_claimer(
-    aiohttp_client: ClientFactory, make_config: Callable[..., ServerConfig]
+    aiohttp_client: ClientFactory,
+    make_config: Callable[..., ServerConfig],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The default lease, not this module's 0.2 s one: on a loaded machine the winner's 0.2 s lease
     # lapsed before the other 49 polls ended, and a poll woken then re-claimed the row (as it
@@ -268,6 +271,9 @@ async def test_fifty_long_polls_and_one_enqueue_hand_the_work_to_exactly_one_cla
     server = await aiohttp_client(create_app(make_config()))
     assert server.app is not None
     signals = server.app[WORK_SIGNALS]
+    # Past their 2 s ceiling: the first polls stay parked however long the fiftieth takes to
+    # arrive, and every one of them is answered by the push.
+    lift_long_poll_ceiling(server.app, monkeypatch)
 
     async def idle_worker(i: int) -> list[dict[str, Any]]:
         resp = await server.get(
@@ -291,9 +297,14 @@ async def test_fifty_long_polls_and_one_enqueue_hand_the_work_to_exactly_one_cla
     assert not signals._sleepers  # every poll ended; nothing parked behind
 
 
-async def test_a_long_poll_whose_client_hangs_up_leaves_no_sleeper_behind(server: Server) -> None:
+async def test_a_long_poll_whose_client_hangs_up_leaves_no_sleeper_behind(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert server.app is not None
     signals = server.app[WORK_SIGNALS]
+    # Past their 2 s ceiling: only the hang-up can take the first poll's sleeper away, and only
+    # the push can answer the later one.
+    lift_long_poll_ceiling(server.app, monkeypatch)
     async with aiohttp.ClientSession() as session:
         poll = asyncio.create_task(
             session.get(

@@ -6,14 +6,19 @@ budget, does not starve its completions (they are another class)."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from cv_server import ServerConfig, create_app
+from cv_server.keys import RATE_LIMITS
+from cv_server.ratelimit import RateLimits
 from cv_workspace_client._queue import requester as api
 from cv_workspace_client.stage import StageContext
 from cv_workspace_client.worker import Worker, WorkerConfig
-from tests.worker.conftest import WS, MakeServer, open_client, running, url_of
+from tests.clocks import TickingClock
+from tests.worker.conftest import SECRET, WS, ServerFactory, open_client, running, url_of
 
 REQUESTS = 12
 
@@ -30,15 +35,21 @@ async def _refused(url: str, route_class: str) -> int:
 
 
 async def test_a_worker_over_its_claim_budget_still_runs_every_request_once(
-    make_server: MakeServer,
+    aiohttp_server: ServerFactory, tmp_path: Path
 ) -> None:
-    # Eight claims and eight completions a second for the worker's token, one saved up: an
-    # idle worker polls at 20 a second.
-    server = await make_server(
+    # Eight claims and eight completions a second for the worker's token, one saved up. The
+    # limits' clock ticks a twentieth of a second per request: an idle worker polls at 20 a
+    # second on it, however fast this machine runs its polls, and so goes over its budget.
+    config = ServerConfig(
+        db_path=tmp_path / "server.db",
+        token_secret=SECRET,
         rate_limit_claim_per_second=8.0,
         rate_limit_queue_per_second=8.0,
         rate_limit_burst_seconds=0.125,
     )
+    app = create_app(config)
+    app[RATE_LIMITS] = RateLimits(config, clock=TickingClock(1 / 20))
+    server = await aiohttp_server(app)
     runs: list[str | None] = []
 
     async def stage(ctx: StageContext) -> dict[str, Any]:

@@ -7,7 +7,6 @@ is asked a bounded number of times, with the client's backoff, never in a loop."
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from cv_workspace_client._io.auth import RefreshPolicy, TokenRefresher
 from cv_workspace_client._queue.requester import enqueue, get_request, wait_request
 from cv_workspace_client.stage import StageContext
 from cv_workspace_client.worker import Worker, WorkerConfig
+from tests.clocks import stop_token_clock
 
 from ..helpers import SECRET, WS, RecordingSleep, collect, fast_config, server_log, token_for
 
@@ -199,12 +199,14 @@ async def test_a_client_without_a_token_asks_the_provider_at_start(server_url: s
 
 
 async def test_a_subscription_outlives_its_tokens_expiry_on_the_open_websocket(
-    server_url: str,
+    server_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The server closes a socket at its token's expiry (4001). With a provider the socket
     reconnects with a fresh token and the subscription resumes: no gap, no duplicate, no error."""
-    # Expires within a second of now (`exp` is in whole seconds): minted 59 s ago for 60 s.
-    expiring = mint_token(SECRET, [WS], now=time.time() - 59, ttl=60)
+    # One second left at the handshake, whenever it comes: minted 59 s before the second the
+    # server's token clock stands at, for 60 s.
+    stopped = stop_token_clock(monkeypatch)
+    expiring = mint_token(SECRET, [WS], now=stopped - 59, ttl=60)
     provider = Provider()
     async with (
         WorkspaceClient(server_url, token=token_for(WS), config=fast_config()) as writer,
