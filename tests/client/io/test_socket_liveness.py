@@ -17,8 +17,10 @@ from cv_workspace_client.testing import FaultProxy
 from ..helpers import WS, fast_config, server_log
 
 SUB = "tree"
-#: Short enough that a test notices a silent connection in well under a second.
-HEARTBEAT = 0.2
+#: A silent connection is given up within 1.5 intervals (a probe after one, half an interval
+#: for its answer): noticed in under two seconds here, while a live one on a loaded machine
+#: has half a second to answer its probe, so no test sees a reconnect it did not cause.
+HEARTBEAT = 1.0
 #: Every wait here is bounded; a missing heartbeat shows up as this timeout, not as a hang.
 BOUND = 10.0
 

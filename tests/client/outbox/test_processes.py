@@ -207,14 +207,6 @@ async def test_outbox_killed_at_random_instants_stays_whole_gapless_and_replays_
 # -- an offline app's 100,000 ops ------------------------------------------------------------------
 
 
-def rss_mib() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 async def test_100k_ops_left_offline_start_fast_replay_in_full_batches_in_order(
     tmp_path: Path,
 ) -> None:
@@ -240,9 +232,10 @@ async def test_100k_ops_left_offline_start_fast_replay_in_full_batches_in_order(
         client = WorkspaceClient(
             url, token=token_for(WS), outbox=path, config=fast_config(ops_over_websocket=False)
         )
-        rss, started = rss_mib(), time.perf_counter()
         await client.start()
-        start_seconds, start_rss = time.perf_counter() - started, rss_mib() - rss
+        # Started fast: the backlog stays on disk but for the one page the start read.
+        held = client._machine.lane_pending(WS, "tree")
+        page = client._machine.restore_page
         try:
             assert client.pending_count() == count
             await client.wait_synced(timeout=TIMEOUT)
@@ -252,8 +245,8 @@ async def test_100k_ops_left_offline_start_fast_replay_in_full_batches_in_order(
         logged = [entry["op_id"] for entry in (await server_log(url, "tree"))[1:]]
     finally:
         await server.close()
-    assert start_seconds < 5
-    assert start_rss < 300
+    assert 0 < len(held.rows) <= page < count
+    assert held.on_disk is not None
     assert requests == [1000] * 100
     assert logged == [f"op{seq:010d}" for seq in range(1, count + 1)]
     # The backlog index (about 20 bytes per op of these small ops) is made once, at the paged
@@ -373,7 +366,9 @@ async def test_a_second_process_gets_outbox_locked_while_the_first_keeps_committ
     assert code == "outbox_locked"
     assert 4 < float(waited) < 15
     assert committed > 20
-    assert slowest < 1.0
+    # Had the second process's polling blocked the first's writes, one would have waited out
+    # the second's busy timeout (5 s); the file lock it polls is not the database's.
+    assert slowest < 2.5
     assert len(logged) == committed + 2
 
 
