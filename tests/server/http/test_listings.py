@@ -3,26 +3,17 @@ clocks (`GET /v1/workspaces/{ws}/docs`) and its held compute locks (`GET .../loc
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
 
-from cv_server import ServerConfig, create_app
-from tests.server.conftest import ClientFactory, auth
+from tests.server.conftest import auth
 from tests.server.helpers import insert, post_ops
 
 WS = "ws1"
 DOCS = f"/v1/workspaces/{WS}/docs"
 LOCKS = f"/v1/workspaces/{WS}/locks"
-
-
-@pytest.fixture
-async def server(
-    aiohttp_client: ClientFactory, make_server_config: Callable[..., ServerConfig]
-) -> TestClient[Any, Any]:
-    return await aiohttp_client(create_app(make_server_config()))
 
 
 async def get(client: TestClient[Any, Any], path: str, status: int = 200, **params: Any) -> Any:

@@ -6,27 +6,18 @@ refused report still claims; without `claim_next` the answers are those of befor
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
 
-from cv_server import ServerConfig, create_app
 from cv_server.keys import STORES
 from tests.observe.scrape import scrape
-from tests.server.conftest import ClientFactory, auth
+from tests.server.conftest import auth
 
 WS = "ws1"
 REQUESTS = f"/v1/workspaces/{WS}/requests"
 NEXT = {"worker_classes": ["s"], "worker_id": "w-next"}
-
-
-@pytest.fixture
-async def server(
-    aiohttp_client: ClientFactory, make_server_config: Callable[..., ServerConfig]
-) -> TestClient[Any, Any]:
-    return await aiohttp_client(create_app(make_server_config()))
 
 
 async def _post(

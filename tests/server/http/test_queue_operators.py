@@ -4,24 +4,14 @@ refused with a stable 4xx and leaves nothing behind."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-import pytest
 from aiohttp.test_utils import TestClient
 
-from cv_server import ServerConfig, create_app
-from tests.server.conftest import ClientFactory, auth
+from tests.server.conftest import auth
 
 WS = "ws1"
 REQUESTS = f"/v1/workspaces/{WS}/requests"
-
-
-@pytest.fixture
-async def server(
-    aiohttp_client: ClientFactory, make_server_config: Callable[..., ServerConfig]
-) -> TestClient[Any, Any]:
-    return await aiohttp_client(create_app(make_server_config()))
 
 
 async def _post(
