@@ -41,6 +41,10 @@ _RECENT_STAMPS: Final = 10_000
 
 def encode_entry(sub_doc: str, entry: LogEntry) -> Frame:
     body = {"type": "op", "sub_doc": sub_doc, "clock": entry.clock, "op_id": entry.op_id}
+    # The commit time, live or caught up alike (docs/protocol.md): an additive member, which old
+    # clients ignore.
+    if entry.committed_at is not None:
+        body["committed_at"] = entry.committed_at
     body["op"] = entry.op
     try:
         text = orjson.dumps(body).decode()

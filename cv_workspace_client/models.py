@@ -6,7 +6,7 @@ Pure value types: the sans-I/O core builds them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cv_mutations import Op
 
@@ -29,11 +29,18 @@ class Commit:
 
 @dataclass(frozen=True, slots=True)
 class Committed:
-    """One committed op of a subscribed sub-doc, in clock order, each clock exactly once."""
+    """One committed op of a subscribed sub-doc, in clock order, each clock exactly once.
+
+    `committed_at` is when the server committed it (Unix seconds, on the server's clock, or the
+    database's on PostgreSQL), whether it came live or from catch-up; None from a server that does
+    not send it (docs/protocol.md). It takes no part in equality: the same op is the same
+    `Committed` whether or not its time is known.
+    """
 
     clock: int
     op_id: str | None
     op: Op
+    committed_at: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from cv_mutations import InvalidOp, parse_op
 from cv_workspace_client._core.subscription import ResumeTracker, Verdict
+from cv_workspace_client._core.wire import commit_time
 from cv_workspace_client.errors import InvalidRequestError, ProtocolError, WorkspaceError
 from cv_workspace_client.models import Committed
 
@@ -311,4 +312,5 @@ def _committed(frame: dict[str, Any]) -> Committed:
         clock=frame["clock"],
         op_id=op_id if isinstance(op_id, str) else None,
         op=parse_op(frame.get("op")),
+        committed_at=commit_time(frame.get("committed_at")),
     )

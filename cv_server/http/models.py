@@ -184,6 +184,10 @@ class DocState(_Answer):
 class LogEntryOut(_Answer):
     clock: int
     op_id: str | None
+    committed_at: float | None = Field(
+        default=None,
+        description="When the op committed (Unix seconds); absent from servers before it was added",
+    )
     op: dict[str, JsonValue]
 
 

@@ -84,14 +84,26 @@ class OpLogCorrupted(CvServerError):
 
 @dataclass(frozen=True, slots=True)
 class LogEntry:
-    """A committed op as subscribers see it."""
+    """A committed op as subscribers see it.
+
+    `committed_at` is when its transaction committed (epoch seconds, on the clock that stamped the
+    row: the server's on SQLite, the database's on PostgreSQL), the same value whether the entry
+    comes back from `append` or from `read_since`
+    (`test_an_entry_carries_its_commit_time_alike_from_append_and_read_since`). None only for an
+    entry the pipeline planned and no backend stamped yet.
+    """
 
     clock: int
     op_id: str | None
     op: dict[str, Any]
+    committed_at: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"clock": self.clock, "op_id": self.op_id, "op": self.op}
+        body: dict[str, Any] = {"clock": self.clock, "op_id": self.op_id}
+        if self.committed_at is not None:
+            body["committed_at"] = self.committed_at
+        body["op"] = self.op
+        return body
 
 
 @dataclass(frozen=True, slots=True)

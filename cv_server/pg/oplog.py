@@ -34,7 +34,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final
 
 import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
@@ -232,8 +232,7 @@ class PostgresOpLogStore(OpLogStore):
     ) -> tuple[int, list[LogEntry]]:
         self._check_open()
         async with self.pool.acquire() as conn:
-            head, rows = await sql.read_since(conn, workspace_id, sub_doc, since, limit)
-        return head, [LogEntry(clock, op_id, op) for clock, op_id, op in rows]
+            return await sql.read_since(conn, workspace_id, sub_doc, since, limit)
 
     async def get_state(self, workspace_id: str, sub_doc: str) -> tuple[int, SubDocState]:
         """The cached state, first brought up to the log's head (other instances may have
@@ -482,8 +481,9 @@ class PostgresOpLogStore(OpLogStore):
                             payload=payload,
                         )
                     )
+                committed_at: float | None = None
                 if writes:
-                    await sql.write_batches(conn, writes, self.channel)
+                    committed_at = await sql.write_batches(conn, writes, self.channel)
                 for member, doc, plans in zip(members, docs, all_plans, strict=True):
                     head, clock = heads[member.key], plans[-1].clock
                     if snapshot_due(head, clock, self.snapshot_every):
@@ -507,7 +507,10 @@ class PostgresOpLogStore(OpLogStore):
                 self._on_commit(time.perf_counter() - began, ops)
             except Exception:  # a metric must never fail the commit it measures
                 logger.exception("commit observer failed")
-        return [[(plan.outcomes, plan.entries) for plan in plans] for plans in all_plans]
+        return [
+            [(plan.outcomes, _stamped(plan.entries, committed_at)) for plan in plans]
+            for plans in all_plans
+        ]
 
     async def _caught_up(
         self, conn: asyncpg.Connection, key: tuple[str, str], lane: _Lane, head: int
@@ -547,6 +550,13 @@ class PostgresOpLogStore(OpLogStore):
                     rejection.code, rejection.message, rejection.fingerprint
                 )
         return plans
+
+
+def _stamped(entries: list[LogEntry], committed_at: float | None) -> list[LogEntry]:
+    """`entries` with the commit time their rows were written with (None: nothing written)."""
+    if committed_at is None:
+        return entries
+    return [replace(entry, committed_at=committed_at) for entry in entries]
 
 
 def _settle(future: asyncio.Future[list[AppendResult]], result: list[AppendResult]) -> None:

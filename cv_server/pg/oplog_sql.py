@@ -57,10 +57,11 @@ _SELECT_SNAPSHOT: Final = (
 )
 # One statement, hence one snapshot: the head can never be behind the entries returned.
 _READ_SINCE: Final = f"""
-SELECT h.clock AS head, o.clock, o.op_id, o.op
+SELECT h.clock AS head, o.clock, o.op_id, o.op, o.committed_at
 FROM {HEADS_TABLE} h
 LEFT JOIN LATERAL (
-    SELECT clock, op_id, op::text AS op FROM {OPS_TABLE}
+    SELECT clock, op_id, op::text AS op, extract(epoch FROM committed_at)::float8 AS committed_at
+    FROM {OPS_TABLE}
     WHERE workspace_id = h.workspace_id AND sub_doc = h.sub_doc AND clock > $3
     ORDER BY clock LIMIT $4
 ) o ON true
@@ -82,10 +83,13 @@ LIMIT $3
 # The groups of one or several sub-docs in one transaction: heads locked (`lock_heads`), outcomes
 # looked up (`look_up_many`), then rows, outcomes, heads and notifications written in one round
 # trip (`write_batches`: data-modifying CTEs run whether or not the outer query reads them, and
-# pg_notify fires at COMMIT, never on rollback). The heads are locked in one order on every
-# instance (ORDER BY under FOR UPDATE locks rows as they come out of the sort), so two
-# instances locking overlapping sets cannot deadlock. Only heads created meanwhile are locked
-# out of that order; PostgreSQL detects such a deadlock and the transaction is retried (40P01).
+# pg_notify fires at COMMIT, never on rollback). It answers the transaction's `now()`, the
+# `committed_at` its op rows default to, so the entries `append` returns carry the very value a
+# later `read_since` reads (both through the same `extract(epoch ...)::float8`). The heads are
+# locked in one order on every instance (ORDER BY under FOR UPDATE locks rows as they come out of
+# the sort), so two instances locking overlapping sets cannot deadlock. Only heads created
+# meanwhile are locked out of that order; PostgreSQL detects such a deadlock and the transaction
+# is retried (40P01).
 _LOCK_HEADS: Final = f"""
 SELECT h.workspace_id, h.sub_doc, h.clock
 FROM {HEADS_TABLE} h
@@ -122,7 +126,8 @@ WITH new_ops AS (
     FROM unnest($13::text[], $14::text[], $15::bigint[]) AS t(workspace_id, sub_doc, clock)
     WHERE h.workspace_id = t.workspace_id AND h.sub_doc = t.sub_doc AND h.clock < t.clock
 )
-SELECT pg_notify($16, p) FROM unnest($17::text[]) AS p
+SELECT extract(epoch FROM now())::float8 AS committed_at, count(pg_notify($16, p)) AS notified
+FROM unnest($17::text[]) AS p
 """
 _UPSERT_SNAPSHOT: Final = f"""
 INSERT INTO {SNAPSHOTS_TABLE} (workspace_id, sub_doc, clock, state)
@@ -238,10 +243,13 @@ class DocWrite:
     payload: str | None
 
 
-async def write_batches(conn: asyncpg.Connection, writes: Sequence[DocWrite], channel: str) -> None:
+async def write_batches(
+    conn: asyncpg.Connection, writes: Sequence[DocWrite], channel: str
+) -> float:
     """Insert each sub-doc's entries (`fingerprints[i]` is that of `entries[i]`), the outcomes of
     their op_ids and the rejections, move the heads, and NOTIFY each sub-doc's payload (if any)
-    on `channel` when the transaction commits."""
+    on `channel` when the transaction commits. Returns the rows' `committed_at` (epoch seconds,
+    the database's clock)."""
     ops: list[tuple[str, str, int, str | None, str]] = []
     outcomes: list[tuple[str, str, str, str, int | None, str | None, str | None]] = []
     heads: list[tuple[str, str, int]] = []
@@ -260,7 +268,7 @@ async def write_batches(conn: asyncpg.Connection, writes: Sequence[DocWrite], ch
         heads.append((w.workspace_id, w.sub_doc, w.clock))
         if w.payload is not None:
             payloads.append(w.payload)
-    await conn.execute(
+    committed_at = await conn.fetchval(
         _WRITE_BATCHES,
         *_columns(ops, 5),
         *_columns(outcomes, 7),
@@ -268,6 +276,7 @@ async def write_batches(conn: asyncpg.Connection, writes: Sequence[DocWrite], ch
         channel,
         payloads,
     )
+    return float(committed_at)
 
 
 def _columns(rows: Sequence[tuple[Any, ...]], width: int) -> list[list[Any]]:
@@ -283,14 +292,14 @@ async def write_snapshot(
 
 async def read_since(
     conn: asyncpg.Connection, workspace_id: str, sub_doc: str, since: int, limit: int
-) -> tuple[int, list[tuple[int, str | None, dict[str, Any]]]]:
-    """The head clock and at most `limit` (clock, op_id, op) after `since`, in order."""
+) -> tuple[int, list[LogEntry]]:
+    """The head clock and at most `limit` entries after `since`, in order."""
     rows = await conn.fetch(_READ_SINCE, workspace_id, sub_doc, since, max(limit, 0))
     if not rows:
         return 0, []
     head = int(rows[0]["head"])
     entries = [
-        (int(row["clock"]), row["op_id"], json.loads(row["op"]))
+        LogEntry(int(row["clock"]), row["op_id"], json.loads(row["op"]), row["committed_at"])
         for row in rows
         if row["clock"] is not None
     ]

@@ -30,7 +30,7 @@ import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -89,6 +89,11 @@ _SELECT_SNAPSHOT: Final = (
 _SELECT_OPS_AFTER: Final = (
     f"SELECT clock, op_id, op FROM {OPS_TABLE}"
     " WHERE workspace_id = ? AND sub_doc = ? AND clock > ? ORDER BY clock"
+)
+# What `read_since` answers: `committed_at` as stored (ms), the same value `append` stamped.
+_READ_OPS_AFTER: Final = (
+    f"SELECT clock, op_id, op, committed_at FROM {OPS_TABLE}"
+    " WHERE workspace_id = ? AND sub_doc = ? AND clock > ? ORDER BY clock LIMIT ?"
 )
 _SELECT_HEAD: Final = f"SELECT max(clock) FROM {OPS_TABLE} WHERE workspace_id = ? AND sub_doc = ?"
 # The workspace's sub-docs by name, each found by one seek of the primary key to the next name
@@ -254,16 +259,16 @@ class SQLiteOpLogStore(OpLogStore):
             conn.execute("BEGIN")
             try:
                 rows = (
-                    conn.execute(
-                        _SELECT_OPS_AFTER + " LIMIT ?", (workspace_id, sub_doc, since, limit)
-                    ).fetchall()
+                    conn.execute(_READ_OPS_AFTER, (workspace_id, sub_doc, since, limit)).fetchall()
                     if limit > 0
                     else []
                 )
                 head = conn.execute(_SELECT_HEAD, (workspace_id, sub_doc)).fetchone()[0] or 0
             finally:
                 conn.execute("COMMIT")
-            return head, [LogEntry(clock, op_id, orjson.loads(op)) for clock, op_id, op in rows]
+            return head, [
+                LogEntry(clock, op_id, orjson.loads(op), at / 1000) for clock, op_id, op, at in rows
+            ]
 
         return await self.db.read(read)
 
@@ -376,8 +381,11 @@ class SQLiteOpLogStore(OpLogStore):
         # back and this runs, so the cache never shows what the disk does not hold.
         tx.on_rollback(undo)
         doc.clock = plan.clock
+        entries = plan.entries
         if plan.entries or plan.rejections:
             at = int(self._now() * 1000)
+            # Stamped as stored, so a live frame and a later log read show the same time.
+            entries = [replace(e, committed_at=at / 1000) for e in plan.entries]
             if plan.entries:
                 tx.executemany(
                     _INSERT_OP,
@@ -398,7 +406,7 @@ class SQLiteOpLogStore(OpLogStore):
                 tx.execute(
                     _UPSERT_SNAPSHOT, (workspace_id, sub_doc, doc.clock, doc.state.dumps(), at)
                 )
-        return plan.outcomes, plan.entries
+        return plan.outcomes, entries
 
 
 def _load(tx: Transaction, key: tuple[str, str]) -> _SubDoc:

@@ -5,6 +5,7 @@ the request it answers. Pure functions; the machine (`_core/machine.py`) decides
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,7 +15,17 @@ from cv_workspace_client._core.effects import OutboxRow
 from cv_workspace_client.errors import OpRejectedError, ProtocolError, WorkspaceError
 from cv_workspace_client.models import Commit
 
-__all__ = ["dumps_body", "parse_results", "row_size"]
+__all__ = ["commit_time", "dumps_body", "parse_results", "row_size"]
+
+
+def commit_time(value: Any) -> float | None:
+    """An op frame's or log entry's `committed_at` (Unix seconds), or None when the server sent
+    none or something that is not a finite number: it is informative, never worth refusing an op
+    over (`test_a_commit_time_that_is_absent_or_not_a_number_reads_as_none`)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    seconds = float(value)
+    return seconds if math.isfinite(seconds) else None
 
 
 def dumps_body(body: dict[str, Any]) -> str:

@@ -15,6 +15,7 @@ from aiohttp.payload import TOO_LARGE_BYTES_BODY
 
 from cv_mutations import SubDocState, parse_op
 from cv_workspace_client._core.answers import not_an_answer, parse_retry_after, read_answer
+from cv_workspace_client._core.wire import commit_time
 from cv_workspace_client._io.auth import TokenRefresher, with_token
 from cv_workspace_client.errors import ConnectionFailedError, ProtocolError
 from cv_workspace_client.logs import context_fields
@@ -174,7 +175,12 @@ def log_answer(answer: Any) -> tuple[int, list[Committed]]:
     """A `GET .../ops` answer as (head clock, entries); `ProtocolError` if it is not one."""
     try:
         entries = [
-            Committed(clock=int(e["clock"]), op_id=e.get("op_id"), op=parse_op(e["op"]))
+            Committed(
+                clock=int(e["clock"]),
+                op_id=e.get("op_id"),
+                op=parse_op(e["op"]),
+                committed_at=commit_time(e.get("committed_at")),
+            )
             for e in answer["ops"]
         ]
         return int(answer["clock"]), entries

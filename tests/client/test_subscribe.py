@@ -4,6 +4,7 @@ shared feeds; auth errors end them."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -106,3 +107,20 @@ async def test_a_subscription_refused_by_the_server_raises_its_typed_error(
     ) as client:
         with pytest.raises(ForbiddenError):
             await asyncio.wait_for(anext(aiter(client.subscribe(WS, "tree"))), TIMEOUT)
+
+
+async def test_a_subscription_s_ops_carry_the_commit_time_the_log_read_shows(
+    server_url: str, token: str
+) -> None:
+    async with WorkspaceClient(server_url, token=token, config=fast_config()) as client:
+        before = time.time()
+        await client.apply_op(WS, "tree", NodeInsert(node_id="n", parent_id="root"))
+        async with client.subscribe(WS, "tree") as sub:
+            caught_up = await asyncio.wait_for(anext(aiter(sub)), TIMEOUT)
+            await write_increments(client, "tree", 1)
+            live = await asyncio.wait_for(anext(aiter(sub)), TIMEOUT)
+        after = time.time()
+        _, logged = await client.read_ops(WS, "tree")
+    stamps = [caught_up.committed_at, live.committed_at]
+    assert all(at is not None and before - 1 <= at <= after + 1 for at in stamps), stamps
+    assert [e.committed_at for e in logged] == stamps

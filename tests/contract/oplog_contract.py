@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, ClassVar, Protocol
 
@@ -383,6 +384,28 @@ class OpLogContract:
             paged.extend(page)
             since = page[-1].clock
         assert [(e.clock, e.op_id, e.op) for e in paged] == expected
+
+    async def test_an_entry_carries_its_commit_time_alike_from_append_and_read_since(
+        self, store: OpLogStore, reopen: Reopen
+    ) -> None:
+        before = time.time()
+        _, first = await store.append(WS, DOC, [increment(new_op_id()), increment()])
+        _, second = await store.append(WS, DOC, [increment(new_op_id())])
+        after = time.time()
+        appended = first + second
+        stamps = [e.committed_at for e in appended]
+        assert all(at is not None and before - 1 <= at <= after + 1 for at in stamps), stamps
+        # One commit, one time: the ops of one append share it; a later append is not earlier.
+        assert first[0].committed_at == first[1].committed_at
+        assert second[0].committed_at >= first[0].committed_at  # type: ignore[operator]
+        # The log read (catch-up, and the HTTP log route) shows the very value the live
+        # broadcast did, and so does the listing for the head; a restart changes none of them.
+        assert [e.committed_at for e in await all_entries(store)] == stamps
+        (head,) = await store.list_sub_docs(WS, limit=10)
+        assert head.committed_at == second[0].committed_at
+        store = await reopen(store)
+        assert [e.committed_at for e in await all_entries(store)] == stamps
+        assert [e.to_json()["committed_at"] for e in appended] == stamps
 
     async def test_a_sub_doc_never_written_has_clock_zero_and_an_empty_state(
         self, store: OpLogStore

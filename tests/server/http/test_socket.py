@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -252,3 +253,27 @@ async def test_a_failed_commit_answers_internal_and_the_socket_carries_on(
     assert (second["type"], second["req"]) == ("ack", 2)
     assert second["results"][0]["clock"] == 1  # the failed apply left nothing behind
     await ws.close()
+
+
+async def test_op_frames_carry_the_commit_time_the_log_read_shows_caught_up_or_live(
+    server: TestClient[Any, Any],
+) -> None:
+    before = time.time()
+    await post_ops(server, [insert("a"), insert("b")])
+    ws = await server.ws_connect(SOCKET, headers=auth("ws1"))
+    await ws.send_json({"type": "subscribe", "sub_doc": "tree", "since": 0})
+    frames = [await ws.receive_json(timeout=5) for _ in range(3)]
+    assert [f["type"] for f in frames] == ["op", "op", "synced"]
+    await post_ops(server, [insert("live")])
+    frames[2] = await ws.receive_json(timeout=5)
+    after = time.time()
+    await ws.close()
+    assert [f["clock"] for f in frames] == [1, 2, 3]
+    stamps = [f["committed_at"] for f in frames]
+    assert all(isinstance(at, float) and before - 1 <= at <= after + 1 for at in stamps), stamps
+    logged = (await get_ops(server))["ops"]
+    assert [(e["clock"], e["committed_at"]) for e in logged] == [
+        (1, stamps[0]),
+        (2, stamps[1]),
+        (3, stamps[2]),
+    ]
