@@ -1,7 +1,8 @@
 // The operator dashboard (docs/dashboard.md): plain JS, no build step, nothing loaded from
 // elsewhere. Every data call carries `Authorization: Bearer <token>`; the websocket passes the
 // token as the `cv-bearer.<token>` subprotocol. The token never goes into a URL: it is read from
-// the fragment (`#token=...`, which browsers never send), then the fragment is cleared.
+// the fragment (`#token=...`, which browsers never send), then the fragment is cleared, on load and
+// whenever the fragment changes in an open tab (a link pasted into its address bar).
 //
 // Everything the server sends is rendered with textContent, never as HTML: op payloads, holder
 // names and error messages are whatever clients wrote.
@@ -17,6 +18,8 @@
   const RETRY_CAP_S = 300;
   const MAX_OPS_SHOWN = 200; // the live stream keeps its newest lines only
   const MAX_FINISHED_SHOWN = 10; // requests seen finishing while the page watched
+  // A replay or cancel asks first; unanswered, the question lapses after this long.
+  const CONFIRM_S = 10;
   const CHART_POINTS = 60;
   // The queue-wait and stage charts plot the mean over the last few refreshes, not the last one
   // alone: at a refresh of 2 s, most single intervals see no run of a given stage finish.
@@ -115,6 +118,13 @@
     return JSON.stringify(error);
   }
 
+  /** A commit time as the page shows it: the time of day, with the date when it is older than
+   * half a day (catch-up can reach far back). */
+  function commitTimeText(seconds) {
+    const at = new Date(seconds * 1000);
+    return Date.now() / 1000 - seconds > 43200 ? at.toLocaleString() : at.toLocaleTimeString();
+  }
+
   function retryDelay(attempt) {
     return Math.random() * Math.min(RETRY_CAP_S, RETRY_BASE_S * 2 ** attempt);
   }
@@ -130,6 +140,11 @@
     skewBounds: null, // [low, high]: what the Date headers seen so far allow the skew to be
     socket: null,
     subscribed: new Map(), // sub_doc -> last clock seen
+    // Sub-docs whose `synced` came on the current subscription: their ops are live; an op of
+    // any other was committed before (catch-up, after a load or a reconnect).
+    synced: new Set(),
+    confirming: null, // {action, requestId, until}: the action a row's button asks to confirm
+    refreshes: 0, // completed refreshes of this connection (window.cvDashboard.refreshes)
     docs: [],
     docsFetchedAt: 0,
     opsShown: 0,
@@ -185,7 +200,12 @@
     state.skewS = (state.skewBounds[0] + state.skewBounds[1]) / 2;
   }
 
+  /** An answer that came after the page connected afresh (another workspace or token): it is
+   * dropped, never rendered over what the page shows now. */
+  class StaleAnswer extends Error {}
+
   async function api(path, options = {}) {
+    const generation = state.generation;
     const sentAt = Date.now() / 1000;
     const response = await fetch(path, {
       method: options.method || "GET",
@@ -196,6 +216,7 @@
     });
     observeDate(response.headers.get("Date"), sentAt, Date.now() / 1000);
     const text = await response.text();
+    if (generation !== state.generation) throw new StaleAnswer(path);
     if (!response.ok) {
       let code = "http_error";
       let detail = text.slice(0, 200);
@@ -262,9 +283,13 @@
   function subscribe(subDoc, since) {
     state.subscribed.set(subDoc, since);
     const socket = state.socket;
-    if (socket && socket.readyState === WebSocket.OPEN) {
-      socket.send(JSON.stringify({ type: "subscribe", sub_doc: subDoc, since }));
-    }
+    if (socket && socket.readyState === WebSocket.OPEN) sendSubscribe(socket, subDoc, since);
+  }
+
+  /** Every subscribe starts with catch-up: what it sends up to its `synced` is not live. */
+  function sendSubscribe(socket, subDoc, since) {
+    state.synced.delete(subDoc);
+    socket.send(JSON.stringify({ type: "subscribe", sub_doc: subDoc, since }));
   }
 
   function openSocket(generation, attempt = 0) {
@@ -276,11 +301,12 @@
     socket.addEventListener("open", () => {
       opened = true;
       setStatus("live", "live");
-      for (const [subDoc, since] of state.subscribed) {
-        socket.send(JSON.stringify({ type: "subscribe", sub_doc: subDoc, since }));
-      }
+      for (const [subDoc, since] of state.subscribed) sendSubscribe(socket, subDoc, since);
     });
     socket.addEventListener("message", (event) => {
+      // A socket replaced by a reconnect or a switch of workspace may still deliver what it had
+      // buffered: none of it belongs to what the page shows now.
+      if (state.socket !== socket) return;
       let frames;
       try {
         frames = JSON.parse(event.data);
@@ -313,6 +339,8 @@
       if (frame.clock <= last) return;
       state.subscribed.set(frame.sub_doc, frame.clock);
       addOp(frame);
+    } else if (frame.type === "synced") {
+      state.synced.add(frame.sub_doc);
     } else if (frame.type === "error") {
       showError(`live stream: ${frame.code}: ${frame.message}`);
     }
@@ -324,11 +352,20 @@
     li.dataset.subDoc = frame.sub_doc;
     li.dataset.clock = String(frame.clock);
     if (frame.op_id) li.dataset.opId = frame.op_id;
-    const time = new Date().toLocaleTimeString();
+    const live = state.synced.has(frame.sub_doc);
+    li.dataset.kind = live ? "live" : "catch-up";
+    // The commit time the server sent (Unix seconds); a server too old to send it leaves the
+    // time of arrival, marked with a "~".
+    const committedAt = Number.isFinite(frame.committed_at) ? frame.committed_at : null;
+    if (committedAt != null) li.dataset.committedAt = String(committedAt);
+    const time =
+      committedAt != null ? commitTimeText(committedAt) : `~${new Date().toLocaleTimeString()}`;
+    if (committedAt != null) li.title = `committed ${new Date(committedAt * 1000).toISOString()}`;
     const op = frame.op && typeof frame.op === "object" ? frame.op : {};
     const { type, op_id: _opId, ...fields } = op; // the type is shown, the op_id is the line's
     const parts = [
-      ["time", `${time} `],
+      ["time", time],
+      ["kind", live ? " live " : " catch-up "],
       ["doc", frame.sub_doc],
       ["clock", ` @${frame.clock} `],
       ["type", `${type || "op"} `],
@@ -348,7 +385,8 @@
     if (row && Number(row.dataset.clock) < frame.clock) {
       row.dataset.clock = String(frame.clock);
       row.cells[1].textContent = String(frame.clock);
-      row.cells[2].textContent = "just now";
+      row.cells[2].textContent =
+        committedAt != null ? `${formatAge(serverNow() - committedAt)} ago` : "just now";
     }
   }
 
@@ -429,35 +467,70 @@
       tr.cells[2].className = "status";
       tr.cells[6].className = "error";
       const actions = document.createElement("td");
-      if (row.status === "poison") actions.append(actionButton("replay", row));
+      if (row.status === "poison") actions.append(...actionButtons("replay", row));
       // In progress, a cancel is a request the holder acts on at its next heartbeat: once asked,
       // asking again changes nothing.
       const cancellable = row.status === "pending" || row.status === "in_progress";
-      if (cancellable && !row.cancel_requested) actions.append(actionButton("cancel", row));
+      if (cancellable && !row.cancel_requested) actions.append(...actionButtons("cancel", row));
       tr.append(actions);
       return tr;
     });
     $("queue").tBodies[0].replaceChildren(...rows);
   }
 
-  function actionButton(action, row) {
+  /** Whether `row`'s `action` button is asking for confirmation now. */
+  function asking(action, row) {
+    const c = state.confirming;
+    return !!c && c.action === action && c.requestId === row.request_id && c.until > Date.now();
+  }
+
+  function askFirst(action, row) {
+    state.confirming = { action, requestId: row.request_id, until: Date.now() + CONFIRM_S * 1000 };
+    renderQueue();
+    const generation = state.generation;
+    setTimeout(() => generation === state.generation && renderQueue(), CONFIRM_S * 1000 + 50);
+  }
+
+  function stopAsking() {
+    state.confirming = null;
+    renderQueue();
+  }
+
+  /** A row's replay or cancel: the first click asks ("Confirm cancel?", with "keep" beside it),
+   * the second acts. The question is kept in `state.confirming`, not in the button, so it
+   * survives the table being redrawn on each refresh, until it is answered or lapses. */
+  function actionButtons(action, row) {
     const button = document.createElement("button");
     button.type = "button";
     button.className = action;
-    button.textContent = action;
+    if (!asking(action, row)) {
+      button.textContent = action;
+      button.addEventListener("click", () => askFirst(action, row));
+      return [button];
+    }
+    button.textContent = `Confirm ${action}?`;
+    button.dataset.confirm = "true";
+    const keep = document.createElement("button");
+    keep.type = "button";
+    keep.className = "keep";
+    keep.textContent = "keep";
+    keep.addEventListener("click", stopAsking);
     button.addEventListener("click", async () => {
+      state.confirming = null;
       button.disabled = true;
+      keep.disabled = true;
       try {
         await api(`${wsPath()}/requests/${encodeURIComponent(row.request_id)}/${action}`, {
           method: "POST",
         });
         showError("");
       } catch (error) {
+        if (error instanceof StaleAnswer) return;
         showError(`${action} ${row.request_id}: ${error.message}`);
       }
       await refreshQueue().catch(reportError);
     });
-    return button;
+    return [button, keep];
   }
 
   // -- compute locks ----------------------------------------------------------------------------
@@ -490,6 +563,7 @@
     try {
       text = await api("/metrics", { raw: true });
     } catch (error) {
+      if (error instanceof StaleAnswer) throw error;
       // Optional for the page: the listings work without them.
       const why = `metrics unavailable (${error.status || error.message})`;
       $("value-queue-wait").textContent = why;
@@ -613,6 +687,7 @@
   }
 
   function reportError(error) {
+    if (error instanceof StaleAnswer) return;
     if (error instanceof ProblemError && (error.status === 401 || error.status === 403)) {
       setStatus("error", error.status === 401 ? "token refused" : "workspace not granted");
     }
@@ -627,6 +702,7 @@
       drawCharts();
       if ($("status").dataset.state === "error") setStatus("live", "live");
       document.body.dataset.loaded = "true";
+      state.refreshes += 1;
     } catch (error) {
       reportError(error);
     }
@@ -651,6 +727,9 @@
     state.generation += 1;
     if (state.socket) state.socket.close(1000);
     state.subscribed = new Map();
+    state.synced = new Set();
+    state.confirming = null;
+    state.refreshes = 0;
     state.requests = new Map();
     state.finished = new Map();
     state.firstDocsLoaded = false;
@@ -666,23 +745,54 @@
     refreshAll(generation);
   }
 
-  function start() {
+  /** Read the fragment (`#token=&ws=&refresh=`), taking the token out of the address bar (and
+   * so out of screenshots and shared links) at once. Returns what it named. */
+  function takeFragment() {
     const fragment = new URLSearchParams(location.hash.slice(1));
-    const token = fragment.get("token") || sessionStorage.getItem("cv-dashboard-token") || "";
     const refresh = Number(fragment.get("refresh"));
     if (Number.isFinite(refresh) && refresh > 0) state.refreshS = refresh;
-    $("token").value = token;
-    $("workspace").value = fragment.get("ws") || "";
-    // Out of the address bar (and so out of screenshots and shared links) at once.
     if (fragment.has("token")) history.replaceState(null, "", location.pathname);
+    return { token: fragment.get("token"), workspace: fragment.get("ws") };
+  }
+
+  /** A link pasted into an open tab changes only the fragment: the page does not load again, so
+   * it is taken as a load takes it. A new token with no `ws` means the token's own workspace;
+   * a fragment naming what is shown already (the page's own `#ws=`) changes nothing. */
+  function onHashChange() {
+    const { token, workspace } = takeFragment();
+    if (token == null && workspace == null) return;
+    if (token != null) {
+      $("token").value = token;
+      $("workspace").value = workspace || "";
+    } else {
+      $("workspace").value = workspace;
+    }
+    const same =
+      $("token").value.trim() === state.token && $("workspace").value.trim() === state.workspace;
+    if (!same || !state.token) connect();
+  }
+
+  function start() {
+    const { token: fromFragment, workspace } = takeFragment();
+    const token = fromFragment || sessionStorage.getItem("cv-dashboard-token") || "";
+    $("token").value = token;
+    $("workspace").value = workspace || "";
     $("connect").addEventListener("submit", (event) => {
       event.preventDefault();
       connect();
     });
+    window.addEventListener("hashchange", onHashChange);
     setInterval(renderLocks, 1000); // time left counts down between refreshes
     if (token) connect();
   }
 
-  window.cvDashboard = { parsePrometheus, histogramTotals, intervalMean, niceCeil, formatAge };
+  window.cvDashboard = {
+    parsePrometheus,
+    histogramTotals,
+    intervalMean,
+    niceCeil,
+    formatAge,
+    refreshes: () => state.refreshes,
+  };
   start();
 })();

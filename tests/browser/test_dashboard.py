@@ -13,7 +13,9 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from cv_mutations import new_op_id
+from cv_mutations import fingerprint, new_op_id, parse_op
+from cv_server.oplog import IncomingOp
+from cv_server.sqlite.oplog import SQLiteOpLogStore
 from cv_workspace_client import WorkspaceClient
 from tests.browser.conftest import WS, Browser, dashboard_url, token_for
 
@@ -91,6 +93,14 @@ async def open_dashboard(browser: Browser, server: TestServer, **fragment: str) 
 
 def row(request_id: str, status: str) -> str:
     return f'#queue tr[data-request-id="{request_id}"][data-status="{status}"]'
+
+
+async def confirm(browser: Browser, row_selector: str, action: str) -> None:
+    """Click `action` on the row, then confirm it: the page asks before it acts."""
+    await browser.call("click", selector=f"{row_selector} button.{action}", timeout=10_000)
+    await browser.call(
+        "click", selector=f'{row_selector} button.{action}[data-confirm="true"]', timeout=10_000
+    )
 
 
 async def test_the_page_loads_with_a_token_and_shows_docs_locks_and_queue(
@@ -171,9 +181,7 @@ async def test_the_replay_button_re_drives_a_poisoned_request_to_done(
 ) -> None:
     request_id = await poisoned(http)
     await open_dashboard(browser, server)
-    await browser.call(
-        "click", selector=row(request_id, "poison") + " button.replay", timeout=10_000
-    )
+    await confirm(browser, row(request_id, "poison"), "replay")
     await browser.wait(row(request_id, "pending"))
     stored = await call(http, "GET", f"/v1/workspaces/{WS}/requests/{request_id}")
     assert stored["status"] == "pending"
@@ -204,9 +212,7 @@ async def test_the_cancel_button_cancels_a_pending_request(
         pytest.skip("this server has no cancel route yet (POST .../requests/{id}/cancel)")
     request_id = await enqueue(http)
     await open_dashboard(browser, server)
-    await browser.call(
-        "click", selector=row(request_id, "pending") + " button.cancel", timeout=10_000
-    )
+    await confirm(browser, row(request_id, "pending"), "cancel")
     await browser.wait(row(request_id, "cancelled"))
     stored = await call(http, "GET", f"/v1/workspaces/{WS}/requests/{request_id}")
     assert stored["status"] == "cancelled"
@@ -329,3 +335,144 @@ async def test_the_queue_wait_and_stage_charts_draw_what_the_server_exports(
             .map((t) => t.textContent).filter((t) => /[a-z]/.test(t)).sort()""",
     )
     assert legend == ["evaluate", "summarize"]
+
+
+# -- a link pasted into an open tab (hashchange) --------------------------------------------------
+
+OTHER_WS = "ws2"
+
+
+async def test_a_link_pasted_into_an_open_tab_switches_workspace_and_hides_its_token(
+    browser: Browser, server: TestServer, sdk: WorkspaceClient, tmp_path: Path
+) -> None:
+    await sdk.apply_op(WS, "tree", insert("a"))
+    other_token = token_for(OTHER_WS)
+    url = str(server.make_url("")).rstrip("/")
+    async with WorkspaceClient(url, token=other_token, outbox=tmp_path / "other") as other:
+        await other.apply_op(OTHER_WS, "elsewhere", insert("x"))
+        await open_dashboard(browser, server)
+        await browser.wait('#docs tr[data-sub-doc="tree"]')
+
+        # What pasting `/dashboard#token=...&ws=ws2` into the address bar of this tab does: the
+        # fragment changes, the page does not load again.
+        await browser.call(
+            "evaluate",
+            source="(hash) => { location.hash = hash; }",
+            arg=f"token={other_token}&ws={OTHER_WS}",
+        )
+        await browser.wait('#docs tr[data-sub-doc="elsewhere"]')
+        await browser.wait('#status[data-state="live"]')
+        assert await browser.call("count", selector='#docs tr[data-sub-doc="tree"]') == 0
+        href: str = await browser.call("evaluate", source="() => location.href")
+        assert "token" not in href
+        assert href.endswith(f"#ws={OTHER_WS}")
+        assert await browser.call("evaluate", source="() => workspace.value") == OTHER_WS
+        stored = await browser.call(
+            "evaluate", source='() => sessionStorage.getItem("cv-dashboard-token")'
+        )
+        assert stored == other_token
+
+        # The live stream follows: the new workspace's ops appear, the old one's do not.
+        await sdk.apply_op(WS, "tree", old := insert("old-workspace"))
+        await other.apply_op(OTHER_WS, "elsewhere", new := insert("new-workspace"))
+        await browser.wait(f'#ops li[data-op-id="{new["op_id"]}"]')
+        assert await browser.call("count", selector=f'#ops li[data-op-id="{old["op_id"]}"]') == 0
+
+
+# -- commit times, catch-up apart from live -------------------------------------------------------
+
+
+async def test_the_live_stream_shows_commit_times_and_marks_catch_up_apart_from_live(
+    browser: Browser, server: TestServer, sdk: WorkspaceClient, tmp_path: Path
+) -> None:
+    # An op committed ten minutes ago, in the server's own database file (a sub-doc the running
+    # server has not touched, so its cache holds nothing of it).
+    ten_minutes_ago = time.time() - 600
+    store = await SQLiteOpLogStore.open(tmp_path / "cv.db", now=lambda: ten_minutes_ago)
+    op = insert("old")
+    await store.append(WS, "archive", [IncomingOp(parse_op(op), op, fingerprint(op))])
+    await store.close()
+
+    await open_dashboard(browser, server)
+    old = f'#ops li[data-op-id="{op["op_id"]}"]'
+    await browser.wait(old)
+    assert await browser.call("evaluate", source=f"() => {attr(old, 'kind')}") == "catch-up"
+    committed_at = float(await browser.call("evaluate", source=f"() => {attr(old, 'committedAt')}"))
+    assert committed_at == pytest.approx(ten_minutes_ago, abs=0.001)
+    shown = await browser.call("text", selector=f"{old} .time")
+    expected = await browser.call(
+        "evaluate",
+        source="(at) => new Date(at * 1000).toLocaleTimeString()",
+        arg=committed_at,
+    )
+    assert shown.strip() == expected
+    assert "catch-up" in await browser.call("text", selector=f"{old} .kind")
+
+    live_op = insert("new")
+    await sdk.apply_op(WS, "archive", live_op)
+    live = f'#ops li[data-op-id="{live_op["op_id"]}"]'
+    await browser.wait(live)
+    assert await browser.call("evaluate", source=f"() => {attr(live, 'kind')}") == "live"
+    at = float(await browser.call("evaluate", source=f"() => {attr(live, 'committedAt')}"))
+    assert abs(at - time.time()) < 60
+    _, logged = await sdk.read_ops(WS, "archive")
+    assert [e.committed_at for e in logged] == pytest.approx([committed_at, at], abs=0.001)
+
+
+def attr(selector: str, name: str) -> str:
+    """JS reading `dataset[name]` of the first match of `selector`."""
+    return f"document.querySelector({selector!r}).dataset.{name}"
+
+
+# -- cancel and replay ask first -------------------------------------------------------------------
+
+
+async def test_cancel_asks_for_confirmation_and_does_nothing_until_confirmed(
+    browser: Browser, server: TestServer, http: aiohttp.ClientSession
+) -> None:
+    if not _has_cancel_route(server):
+        pytest.skip("this server has no cancel route yet (POST .../requests/{id}/cancel)")
+    request_id = await enqueue(http)
+    await open_dashboard(browser, server, refresh="0.5")
+    pending = row(request_id, "pending")
+    await browser.call("click", selector=f"{pending} button.cancel", timeout=10_000)
+    asking = f'{pending} button.cancel[data-confirm="true"]'
+    await browser.wait(asking)
+    assert await browser.call("text", selector=asking) == "Confirm cancel?"
+    # The question outlives the page's refreshes (the table is redrawn on each).
+    before = await browser.call("evaluate", source="() => window.cvDashboard.refreshes()")
+    await browser.call(
+        "waitFunction",
+        source="(n) => window.cvDashboard.refreshes() >= n + 2",
+        arg=before,
+        timeout=10_000,
+    )
+    await browser.wait(asking)
+    stored = await call(http, "GET", f"/v1/workspaces/{WS}/requests/{request_id}")
+    assert (stored["status"], stored["cancel_requested"]) == ("pending", False)
+
+    # Backing out leaves it alone and the button as it was.
+    await browser.call("click", selector=f"{pending} button.keep", timeout=10_000)
+    await browser.wait(f'{pending} button.cancel:not([data-confirm="true"])')
+    assert await browser.call("count", selector=f"{pending} button.keep") == 0
+    stored = await call(http, "GET", f"/v1/workspaces/{WS}/requests/{request_id}")
+    assert stored["status"] == "pending"
+
+    await confirm(browser, pending, "cancel")
+    await browser.wait(row(request_id, "cancelled"))
+
+
+async def test_replay_asks_for_confirmation_before_it_re_queues(
+    browser: Browser, server: TestServer, http: aiohttp.ClientSession
+) -> None:
+    request_id = await poisoned(http)
+    await open_dashboard(browser, server)
+    poison = row(request_id, "poison")
+    await browser.call("click", selector=f"{poison} button.replay", timeout=10_000)
+    asking = f'{poison} button.replay[data-confirm="true"]'
+    await browser.wait(asking)
+    assert await browser.call("text", selector=asking) == "Confirm replay?"
+    stored = await call(http, "GET", f"/v1/workspaces/{WS}/requests/{request_id}")
+    assert stored["status"] == "poison"
+    await browser.call("click", selector=asking, timeout=10_000)
+    await browser.wait(row(request_id, "pending"))
