@@ -134,10 +134,10 @@ def tool_error(code: str, message: str, **extra: JsonValue) -> CallToolResult:
     """An MCP tool error (`isError`) carrying `code` and `message` (and `extra` members) as the
     JSON `{"error": {...}}` of its text content. Every tool error of the server is built here.
 
-    Never structured content: that is a successful result's, and a client checks it against
-    the tool's `outputSchema` (the TypeScript SDK, so the MCP Inspector, even on an error), so an
-    error there reached such clients only as a schema failure. Text content every client reads
-    (tests/outside/test_mcp_inspector.py, tests/mcp_server/test_tool_errors.py)."""
+    Never structured content: that is a successful result's, and clients check any of it
+    against the tool's `outputSchema` (the TypeScript SDK's, so the MCP Inspector, on an error
+    too). Text content is what every client reads (tests/outside/test_mcp_inspector.py,
+    tests/mcp_server/test_tool_errors.py)."""
     error: dict[str, JsonValue] = {"code": code, "message": message, **extra}
     text = json.dumps({"error": error}, ensure_ascii=False, sort_keys=True)
     return CallToolResult(content=[TextContent(type="text", text=text)], is_error=True)

@@ -1,11 +1,12 @@
 """The official MCP Inspector's CLI (`mcp-inspector --cli`, tests/outside/package.json) driving
 `cv-workspace mcp` (docs/mcp.md) over stdio and over streamable HTTP, against the real `cv-server`
-on loopback: a tool error's code reaches the Inspector's output, and a successful call's
-structured result passes its validation against the tool's `outputSchema`.
+on loopback: a tool error's code reaches the Inspector's output; a successful call's structured
+result passes its check against the tool's `outputSchema`; the tools' schemas have no
+portability error (`--strict`); and `serverInfo` names the package's version.
 
-The Inspector is built on the MCP TypeScript SDK, which validates every `structuredContent`
-against the tool's `outputSchema`, so a tool error that carried structured content of its own
-shape reached it only as a schema failure (`data must have required property ...`).
+The Inspector is built on the MCP TypeScript SDK, which checks any `structuredContent` against
+the tool's `outputSchema`, an error result's too: a tool error's code reaching it pins that tool
+errors carry their code in text content only (docs/mcp.md#errors).
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import os
 import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from cv_workspace_client.mcp_server import TOOL_NAMES
 from tests.acceptance.procs import ServerProcess, free_port, mint_cli_token
 from tests.acceptance.three_layers_procs import Proc
 
@@ -67,14 +70,11 @@ class Inspector:
     target: list[str]
     home: Path
 
-    def call(self, tool: str, *, exit_status: int = 0, **arguments: Any) -> dict[str, Any]:
-        """The `tools/call` result as the Inspector printed it (`--format json`). It exits 0 on
-        a successful result, 5 on a tool error (the result still printed), and 1 with only an
-        error on stderr when it cannot accept the result (one failing its `outputSchema`)."""
-        args = [f"{key}={json.dumps(value)}" for key, value in arguments.items()]
-        run = subprocess.run(
-            [str(self.binary), "--cli", *self.target, "--method", "tools/call",
-             "--tool-name", tool, "--tool-arg", *args, "--format", "json", "--quiet"],
+    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """One Inspector run (`--format json --quiet`): stdout holds the result, stderr the
+        error envelope."""
+        return subprocess.run(
+            [str(self.binary), "--cli", *self.target, *args, "--format", "json", "--quiet"],
             capture_output=True,
             text=True,
             timeout=RUN_S,
@@ -84,7 +84,16 @@ class Inspector:
                 "MCP_CATALOG_PATH": str(self.home / "catalog.json"),
                 "MCP_CLIENT_CONFIG_PATH": str(self.home / "client.json"),
             },
-        )  # fmt: skip
+        )
+
+    def call(
+        self, tool: str, *options: str, exit_status: int = 0, **arguments: Any
+    ) -> dict[str, Any]:
+        """The `tools/call` result as the Inspector printed it. It exits 0 on a successful
+        result, 5 on a tool error (the result still printed), and 1 with only an error on
+        stderr when it cannot accept the result (one failing its `outputSchema`)."""
+        args = [f"{key}={json.dumps(value)}" for key, value in arguments.items()]
+        run = self.run(*options, "--method", "tools/call", "--tool-name", tool, "--tool-arg", *args)
         assert run.returncode == exit_status, (tool, run.returncode, run.stdout, run.stderr)
         printed: dict[str, Any] = json.loads(run.stdout)["result"]
         return printed
@@ -166,3 +175,24 @@ def test_a_successful_call_passes_the_inspectors_output_schema_check(
     assert state["isError"] is False
     assert state["structuredContent"]["workspace_id"] == WS
     assert state["structuredContent"]["state"]["nodes"]["a"]["parent"] == "root"
+
+
+def test_the_inspector_finds_no_portability_error_in_the_tool_schemas(
+    inspector: Inspector,
+) -> None:
+    # `--strict` exits 6 on an error-severity problem in a tool's schemas; the free-form JSON
+    # members (`state`, `input`, `result`) are warnings, as they are meant: any JSON.
+    run = inspector.run("--method", "tools/list", "--strict")
+
+    assert run.returncode == 0, run.stderr
+    assert {tool["name"] for tool in json.loads(run.stdout)["result"]["tools"]} == set(TOOL_NAMES)
+
+
+def test_the_inspector_is_told_the_package_version(inspector: Inspector) -> None:
+    # A 2026-07-28 connection stamps the server's `serverInfo` on each result (`_meta`).
+    result = inspector.call(
+        "get_state", "--protocol-era", "modern", workspace_id=WS, sub_doc="tree"
+    )
+
+    server_info = result["_meta"]["io.modelcontextprotocol/serverInfo"]
+    assert server_info == {"name": "cv-workspace", "version": version("cv-workspace")}
