@@ -15,6 +15,7 @@ import signal
 import sys
 from typing import Any, NoReturn
 
+from cv_workspace_client._version import package_version
 from cv_workspace_client.errors import WorkspaceError
 
 __all__ = [
@@ -66,16 +67,6 @@ HELP_LAYOUT: dict[str, Any] = {
     "epilog": EXIT_CODES,
     "formatter_class": argparse.RawDescriptionHelpFormatter,
 }
-
-
-def package_version() -> str:
-    """The installed distribution's version, as `--version` prints it."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("cv-workspace")
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown"
 
 
 class UsageError(Exception):

@@ -1,10 +1,10 @@
 """What the MCP tools answer (`cv-workspace mcp`, docs/mcp.md): the structured results, and the
 one mapping from a failure to an MCP tool error. Pure: no I/O.
 
-A tool error is a `CallToolResult` with `isError: true` whose structured content is
-`{"error": {"code", "message", ...}}` and whose text is the same JSON: `code` is the server's
-problem code (`forbidden`, `request_not_found`, ...) or the SDK's (`connection_failed`,
-`still_pending`), never a Python exception's name, and never a traceback.
+A tool error is a `CallToolResult` with `isError: true` whose one text content is the JSON
+`{"error": {"code", "message", ...}}`, and which has no structured content: `code` is the
+server's problem code (`forbidden_workspace`, `not_found`, ...) or the SDK's
+(`connection_failed`, `still_pending`), never a Python exception's name, and never a traceback.
 """
 
 from __future__ import annotations
@@ -131,14 +131,16 @@ class ListAnswer(BaseModel):
 
 
 def tool_error(code: str, message: str, **extra: JsonValue) -> CallToolResult:
-    """An MCP tool error (`isError`) carrying `code` and `message` (and `extra` members)."""
+    """An MCP tool error (`isError`) carrying `code` and `message` (and `extra` members) as the
+    JSON `{"error": {...}}` of its text content. Every tool error of the server is built here.
+
+    Never structured content: that is a successful result's, and clients check any of it
+    against the tool's `outputSchema` (the TypeScript SDK's, so the MCP Inspector, on an error
+    too). Text content is what every client reads (tests/outside/test_mcp_inspector.py,
+    tests/mcp_server/test_tool_errors.py)."""
     error: dict[str, JsonValue] = {"code": code, "message": message, **extra}
     text = json.dumps({"error": error}, ensure_ascii=False, sort_keys=True)
-    return CallToolResult(
-        content=[TextContent(type="text", text=text)],
-        structured_content={"error": error},
-        is_error=True,
-    )
+    return CallToolResult(content=[TextContent(type="text", text=text)], is_error=True)
 
 
 def workspace_error(exc: WorkspaceError, **extra: JsonValue) -> CallToolResult:

@@ -40,6 +40,7 @@ from pydantic import Field, JsonValue, ValidationError
 
 from cv_mutations import Op
 from cv_workspace_client._queue.requester import get_blob
+from cv_workspace_client._version import package_version
 from cv_workspace_client.client import WorkspaceClient
 from cv_workspace_client.errors import OpRejectedError, ProtocolError, WorkspaceError
 from cv_workspace_client.mcp_server.answers import (
@@ -393,6 +394,7 @@ def build_server(client: WorkspaceClient) -> tuple[MCPServer[None], ResourceFeed
     bus = InMemorySubscriptionBus()
     server = _Server(
         "cv-workspace",
+        version=package_version(),
         instructions="Tools over a cv-workspace server: read and write sub-docs (ops are "
         "applied exactly once: retry apply_ops with the op_ids of its first answer), enqueue "
         "stage work and wait for its result. Resources cv://{workspace_id}/docs/{sub_doc} hold "

@@ -120,16 +120,14 @@ async def call(client: Client, tool: str, **arguments: Any) -> dict[str, Any]:
 
 
 async def refused(client: Client, tool: str, **arguments: Any) -> dict[str, Any]:
-    """A tool error's `{"code", "message", ...}`: isError, the same JSON in its text, no
-    traceback."""
+    """A tool error's `{"code", "message", ...}`: isError, the JSON `{"error": {...}}` as its
+    text and no structured content (docs/mcp.md), no traceback."""
     result: CallToolResult = await client.call_tool(tool, arguments)
     assert result.is_error, (tool, result.structured_content)
-    assert result.structured_content is not None
-    error = result.structured_content["error"]
-    assert isinstance(error, dict)
+    assert result.structured_content is None, (tool, result.structured_content)
     (text,) = [block.text for block in result.content if block.type == "text"]
-    assert json.loads(text) == {"error": error}
     assert "Traceback" not in text
+    error: dict[str, Any] = json.loads(text)["error"]
     return error
 
 

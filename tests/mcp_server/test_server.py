@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -62,8 +63,7 @@ def test_a_still_pending_op_is_reported_under_the_code_that_stopped_it() -> None
     result = workspace_error(StillPendingError("op_1234567", refusal), op_ids=["op_1234567"])
 
     assert result.is_error
-    assert result.structured_content is not None
-    error = result.structured_content["error"]
+    error = json.loads(result.content[0].text)["error"]  # type: ignore[union-attr]
     assert error["code"] == "forbidden_workspace"
     assert error["pending"] is True
     assert error["op_ids"] == ["op_1234567"]
@@ -76,8 +76,7 @@ def test_an_op_that_does_not_parse_is_answered_with_the_op_logs_code() -> None:
         NodeInsert.model_validate({"type": "node.nope"})
     except ValidationError as exc:
         result = arguments_error("apply_ops", {"ops": ops}, exc)
-    assert result.structured_content is not None
-    error = result.structured_content["error"]
+    error = json.loads(result.content[0].text)["error"]  # type: ignore[union-attr]
     assert error["code"] == "unknown_op_type"
     assert error["message"].startswith("ops[1]: ")
 
