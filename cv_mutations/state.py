@@ -7,7 +7,9 @@ copy per op is what makes a growing document slow.
 from __future__ import annotations
 
 import json
+import reprlib
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, Final
 
 from pydantic import JsonValue
@@ -15,6 +17,15 @@ from pydantic import JsonValue
 __all__ = ["ROOT", "InvalidState", "Node", "SubDocState", "copy_json"]
 
 ROOT: Final = "root"
+
+#: How much of a state its repr shows: the first nodes (in insertion order) and, within each, the
+#: first children and fields, strings cut short. A state of any size prints in a few hundred
+#: characters (tests/mutations/test_state.py).
+_REPR_NODES: Final = 10
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel = 2
+_SHORT.maxlist = _SHORT.maxdict = 6
+_SHORT.maxstring = _SHORT.maxother = 30
 
 
 class InvalidState(ValueError):
@@ -55,6 +66,26 @@ class SubDocState:
 
     def __len__(self) -> int:
         return len(self.nodes)
+
+    def __repr__(self) -> str:
+        """`SubDocState(3 nodes: 'root': children=['a']; 'a': parent='root' fields={'n': 1})`,
+        bounded: the first nodes, and of each the first children and fields."""
+        shown = []
+        for node_id in islice(self.nodes, _REPR_NODES):
+            node = self.nodes[node_id]
+            parts = [_SHORT.repr(node_id)]
+            if node.parent is not None:
+                parts.append(f"parent={_SHORT.repr(node.parent)}")
+            if node.children:
+                parts.append(f"children={_SHORT.repr(node.children)}")
+            if node.fields:
+                parts.append(f"fields={_SHORT.repr(node.fields)}")
+            shown.append(parts[0] + (": " + " ".join(parts[1:]) if parts[1:] else ""))
+        more = len(self.nodes) - len(shown)
+        if more:
+            shown.append(f"... {more} more")
+        count = f"{len(self.nodes)} node" + ("" if len(self.nodes) == 1 else "s")
+        return f"SubDocState({count}: {'; '.join(shown)})"
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SubDocState):

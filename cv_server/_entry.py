@@ -26,9 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     missing = missing_server_extra()
     if missing:
         print(
+            # This interpreter's pip: it sees the installed cv-workspace, so it needs no index
+            # to add the extra (docs/install.md; tests/test_packaging.py).
             f"cv-server: the server needs the `server` extra ({', '.join(missing)} is not"
-            " installed): pip install 'cv-workspace[server]' (and 'cv-workspace[server,postgres]'"
-            " for PostgreSQL)",
+            f" installed): {sys.executable} -m pip install 'cv-workspace[server]'"
+            " ('cv-workspace[server,postgres]' for PostgreSQL)",
             file=sys.stderr,
         )
         return EXIT_USAGE

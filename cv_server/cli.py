@@ -72,7 +72,8 @@ def _needs_asyncpg(database_url: str | None) -> None:
         return
     if importlib.util.find_spec("asyncpg") is None:
         raise _MissingPostgresExtra(
-            "--database-url needs the postgres extra (asyncpg): pip install -e '.[server,postgres]'"
+            "--database-url needs the postgres extra (asyncpg):"
+            f" {sys.executable} -m pip install 'cv-workspace[server,postgres]'"
         )
 
 

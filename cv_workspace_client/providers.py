@@ -48,6 +48,7 @@ __all__ = [
     "ProviderRetry",
     "ProviderUnavailable",
     "RetryableStatus",
+    "default_model",
     "fake_answer",
     "is_retryable",
     "parse_retry_after",
@@ -86,10 +87,19 @@ class Provider(Protocol):
         ...
 
 
+def default_model(provider: object) -> str | None:
+    """The model `provider` calls when a stage names none: its `model` attribute
+    (`OpenAICompatibleProvider(model=...)`, `cv-worker --model`), or None if it has none."""
+    model = getattr(provider, "model", None)
+    return model if isinstance(model, str) else None
+
+
 class MeteredProvider:
     """`provider`, counted and timed: the worker wraps its provider in one per run, reports
     `calls` and `seconds` with the run's telemetry (`cv_provider_calls_total{stage}` and
-    `cv_provider_seconds` on the server) and logs each call (never its prompt or answer)."""
+    `cv_provider_seconds` on the server) and logs each call (never its prompt or answer) with
+    the model it asked for: the stage's `model=`, else the provider's own
+    (tests/cli/test_worker_provider_log.py)."""
 
     def __init__(self, provider: Provider) -> None:
         self.provider = provider
@@ -117,7 +127,7 @@ class MeteredProvider:
                     "event": "provider_call",
                     "outcome": outcome,
                     "duration_ms": round(took * 1000, 3),
-                    "model": model,
+                    "model": model or default_model(self.provider),
                 },
             )
 

@@ -6,6 +6,7 @@ Run it twice: the second run shows the insert answered `node_exists` and the cou
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
 
@@ -47,5 +48,18 @@ async def main(url: str, token: str) -> None:
                     break
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """URL and TOKEN, or the usage and exit 2 (tests/acceptance/test_readme_commands.py)."""
+    parser = argparse.ArgumentParser(
+        prog="python examples/quickstart.py",
+        description="Apply two ops, read the state and follow the ops, against a running server"
+        " (start one with ./scripts/serve: it prints the URL and a token).",
+    )
+    parser.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8080")
+    parser.add_argument("token", metavar="TOKEN", help="a token for workspace 'demo'")
+    return parser.parse_args(argv)
+
+
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    args = parse_args(sys.argv[1:])
+    asyncio.run(main(args.url, args.token))

@@ -253,6 +253,148 @@ def test_no_code_help_text_or_message_cites_the_unshipped_design_notes() -> None
     assert list(_references()) == []
 
 
+# -- what a newcomer runs: installs, the files it writes, the ports ------------------------------
+
+_INSTALL = re.compile(r"\bpip install\s+([^`\n]*)")
+_PROJECT = "cv-workspace"
+
+
+def _install_specs(text: str) -> Iterator[str]:
+    """The requirement specs of every `pip install` line (options and their values dropped)."""
+    for line in _INSTALL.findall(text):
+        line = line.split("#", 1)[0]  # a shell comment
+        for word in line.split():
+            word = word.strip("'\"")
+            if word and not word.startswith("-"):
+                yield word
+
+
+def _names_the_index(spec: str) -> bool:
+    """True for a spec only a package index can satisfy: this project by name (`cv-workspace`,
+    `cv_workspace[mcp]`), not a path to a checkout or a wheel (`.[mcp]`, `dist/x.whl`)."""
+    name = re.split(r"[\[<>=!~;@ ]", spec, maxsplit=1)[0]
+    is_path = "/" in name or name.startswith(".") or name.endswith(".whl")
+    return not is_path and re.sub(r"[-_.]+", "-", name).lower() == _PROJECT
+
+
+def test_no_install_line_in_the_readme_or_docs_needs_a_package_index() -> None:
+    # cv-workspace is not published on an index: `pip install 'cv-workspace[mcp]'` fails on a
+    # fresh machine. Docs install a checkout or a wheel built from one (docs/install.md).
+    assert _names_the_index("cv-workspace[mcp]")
+    assert not _names_the_index(".[server,mcp]")
+    assert not _names_the_index("/path/to/checkout[mcp]")
+    assert not _names_the_index("dist/cv_workspace-*.whl")
+    found = {
+        f"{page.relative_to(REPO)}: {spec}"
+        for page in _markdown_files()
+        if page.name != "CHANGELOG.md"  # history, not instructions
+        for spec in _install_specs(page.read_text(encoding="utf-8"))
+    }
+    assert found, "no install line found: the check reads nothing"
+    assert sorted(line for line in found if _names_the_index(line.split(": ", 1)[1])) == []
+
+
+def test_the_extras_table_lists_every_extra_and_its_packages() -> None:
+    import tomllib
+
+    with (REPO / "pyproject.toml").open("rb") as file:
+        extras: dict[str, list[str]] = tomllib.load(file)["project"]["optional-dependencies"]
+    text = (DOCS / "install.md").read_text(encoding="utf-8")
+    table = text.split("## Extras", 1)[1].split("\n## ", 1)[0]
+    rows = {
+        match.group(1): match.group(2)
+        for match in re.finditer(r"^\| `([a-z]+)` \|([^\n]*)$", table, re.MULTILINE)
+    }
+    assert set(rows) == set(extras)
+    for extra, requirements in extras.items():
+        for requirement in requirements:
+            name = re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0]
+            if name != _PROJECT:
+                assert f"`{name}`" in rows[extra], f"docs/install.md: {extra} lacks {name}"
+
+
+def _files_the_readme_writes() -> set[str]:
+    """Paths, relative to the checkout, that the README's commands and example create there."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    example = (REPO / "examples" / "quickstart.py").read_text(encoding="utf-8")
+    written = set(re.findall(r"\./(data/[\w.]+)", readme))  # the server's database
+    for block in re.findall(r"```(?:bash|json|python)\n(.*?)```", readme, re.DOTALL):
+        written.update(re.findall(r"(?<![>2&])>\s*([\w./-]+)", block))  # `echo ... > token`
+        written.update(re.findall(r"outbox[=\"', ]+([\w./-]+\.db)", block))
+    written.update(re.findall(r"outbox=\"([\w./-]+)\"", example))
+    return written
+
+
+def test_git_ignores_every_file_the_readme_writes_into_the_checkout() -> None:
+    # `git add -A` after the quick start must not pick up the bearer token or a database.
+    written = _files_the_readme_writes()
+    assert {"token", "data/cv.db", "quickstart.outbox.db", "agent-outbox.db"} <= written
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", "--stdin"],
+        cwd=REPO,
+        input="\n".join(sorted(written)),
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.split()
+    assert sorted(written - set(ignored)) == []
+
+
+#: The port plan of docs/configuration.md#ports: who listens where in the README's walk-through.
+_PLAN_ROW = re.compile(r"^\| (\d+) \| ([^|]+) \|", re.MULTILINE)
+_LOOPBACK_URL = re.compile(r"http://(?:127\.0\.0\.1|localhost):(\d+)([^\s`\"')]*)")
+
+
+def _port_plan() -> dict[str, int]:
+    text = (DOCS / "configuration.md").read_text(encoding="utf-8")
+    section = text.split("\n## Ports", 1)[1].split("\n## ", 1)[0]
+    plan: dict[str, int] = {}
+    for port, who in _PLAN_ROW.findall(section):
+        for role in ("cv-server", "cv-workspace mcp", "fake_provider", "PostgreSQL"):
+            if role in who:
+                plan[role] = int(port)
+    return plan
+
+
+def test_the_commands_the_readme_runs_listen_on_distinct_ports_the_plan_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cv_server.cli import _parser as server_parser
+    from cv_workspace_client.cli.workspace import _workspace_parser
+
+    monkeypatch.delenv("CV_PORT", raising=False)  # the defaults, not this shell's choice
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    provider = re.search(r"fake_provider --port (\d+)", readme)
+    assert provider is not None
+    ports = {
+        "cv-server": server_parser().parse_args(["serve"]).port,
+        "cv-workspace mcp": _workspace_parser().parse_args(["mcp"]).port,
+        "fake_provider": int(provider.group(1)),
+    }
+    assert len(set(ports.values())) == len(ports), ports
+    plan = _port_plan()
+    assert {role: plan.get(role) for role in ports} == ports
+    assert len(set(plan.values())) == len(plan), plan
+
+
+def test_every_loopback_url_in_the_readme_and_docs_follows_the_port_plan() -> None:
+    plan = _port_plan()
+    wrong = []
+    for page in _markdown_files():
+        if page.name == "CHANGELOG.md":
+            continue
+        for port, path in _LOOPBACK_URL.findall(page.read_text(encoding="utf-8")):
+            if path.startswith("/mcp"):
+                role = "cv-workspace mcp"
+            elif path == "/v1":  # an OpenAI-compatible base URL: the provider
+                role = "fake_provider"
+            else:
+                role = "cv-server"
+            if int(port) != plan[role]:
+                wrong.append(f"{page.relative_to(REPO)}: :{port}{path} is {role}'s, not it")
+    assert wrong == []
+
+
 if __name__ == "__main__":  # `python -m tests.test_docs`: list broken links
     broken = list(_broken_links())
     print("\n".join(broken) or "every link resolves")

@@ -24,6 +24,9 @@ class CountingFakeProvider:
     tasks and by threads running their own event loops.
     """
 
+    #: The model a call names when its caller names none (what `cv-worker` logs for it).
+    model = "counting-fake"
+
     def __init__(
         self,
         *,
@@ -56,7 +59,7 @@ class CountingFakeProvider:
             with self._lock:
                 self._in_flight -= 1
         raw = {
-            "model": model or "counting-fake",
+            "model": model or self.model,
             "choices": [{"message": {"role": "assistant", "content": text}}],
             "params": params,
         }

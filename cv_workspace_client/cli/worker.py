@@ -41,7 +41,7 @@ from cv_workspace_client.cli.conventions import (
 from cv_workspace_client.cli.stages_module import load_stages
 from cv_workspace_client.errors import WorkspaceError
 from cv_workspace_client.logs import LOG_FORMATS, JsonFormatter, configure_logging
-from cv_workspace_client.providers import OpenAICompatibleProvider, Provider
+from cv_workspace_client.providers import OpenAICompatibleProvider, Provider, default_model
 from cv_workspace_client.stage import Handler, Stage
 from cv_workspace_client.worker import Worker, WorkerConfig
 
@@ -159,6 +159,29 @@ def _provider(args: argparse.Namespace) -> Provider | None:
     )
 
 
+def _log_start(
+    worker_id: str, stages: dict[str, Handler | Stage], kind: str | None, provider: Provider | None
+) -> None:
+    """One line saying what this worker runs: its stages, and the provider and model it hands
+    them (`--model`), so a misconfigured worker shows before its first run
+    (tests/cli/test_worker_provider_log.py)."""
+    model = default_model(provider)
+    logging.getLogger("cv_workspace_client.worker").info(
+        "worker %s: stages %s; provider %s%s",
+        worker_id,
+        ", ".join(sorted(stages)),
+        kind or "none",
+        f", model {model}" if model else "",
+        extra={
+            "event": "worker_started",
+            "worker": worker_id,
+            "stages": sorted(stages),
+            "provider": kind,
+            "model": model,
+        },
+    )
+
+
 async def _wait_for_server(url: str, config: WorkerConfig) -> None:
     """Return once the server at `url` answers `GET /readyz` with 200; until then, say on
     stderr why not, once per reason, and try again on the worker's idle schedule (100 ms
@@ -224,6 +247,7 @@ async def _run_worker(args: argparse.Namespace, stages: dict[str, Handler | Stag
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, worker.stop)  # drain, then exit 0 (docs/stages.md)
+            _log_start(worker.worker_id, stages, args.provider, provider)
             ready = f"cv-worker {worker.worker_id} ready"
             if args.log_format == "json":  # every line one JSON object, the ready line too
                 record = logging.LogRecord("cv_worker", logging.INFO, __file__, 0, ready, (), None)

@@ -62,6 +62,11 @@ from cv_workspace_client.queue_models import (
 
 __all__ = ["workspace_main"]
 
+#: `cv-workspace mcp --transport http`'s default port: apart from cv-server's 8080 and the port
+#: the README gives the fake provider (the plan: docs/configuration.md#ports, pinned by
+#: tests/test_docs.py).
+MCP_HTTP_PORT = 8765
+
 
 def _parse_input(raw: str) -> Any:
     """`--input` as JSON, strictly: Python's parser also takes NaN, Infinity and numbers past
@@ -279,8 +284,9 @@ def _workspace_parser() -> argparse.ArgumentParser:
         "--port",
         envvar="CV_PORT",
         type=int,
-        default=8000,
-        help="with --transport http: the port (default 8000; 0: a free one)",
+        default=MCP_HTTP_PORT,
+        help=f"with --transport http: the port (default {MCP_HTTP_PORT}, beside cv-server's 8080;"
+        " 0: a free one)",
     )
     add_argument(
         mcp,
@@ -371,7 +377,10 @@ async def _mcp(args: argparse.Namespace) -> int:
         if exc.name is None or exc.name.partition(".")[0] not in ("mcp", "mcp_types", "uvicorn"):
             raise
         raise UsageError(
-            "cv-workspace mcp needs the mcp extra: pip install 'cv-workspace[mcp]'"
+            # This interpreter's pip: it sees the installed cv-workspace, so it needs no index
+            # to add the extra (docs/install.md).
+            f"cv-workspace mcp needs the mcp extra: {sys.executable} -m pip install"
+            " 'cv-workspace[mcp]'"
         ) from None
     from cv_workspace_client.client import WorkspaceClient
 

@@ -22,9 +22,9 @@ def test_the_readme_runs_the_example_this_file_checks() -> None:
     assert "./scripts/serve" in readme
 
 
-def _quickstart(url: str, token: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _quickstart(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(EXAMPLE), url, token],
+        [sys.executable, str(EXAMPLE), *args],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -46,8 +46,8 @@ def test_quickstart_without_an_answer_keeps_its_first_op_pending_instead_of_cras
     server = ServerProcess(db, free_port(), tmp_path / "server.log")
     server.start()
     try:
-        refused = _quickstart(server.url, foreign_token, tmp_path)
-        carried_on = _quickstart(server.url, token, tmp_path)
+        refused = _quickstart(server.url, foreign_token, cwd=tmp_path)
+        carried_on = _quickstart(server.url, token, cwd=tmp_path)
     finally:
         server.stop()
     assert refused.returncode == 0, refused.stderr
@@ -59,3 +59,14 @@ def test_quickstart_without_an_answer_keeps_its_first_op_pending_instead_of_cras
     assert carried_on.returncode == 0, carried_on.stderr
     assert "insert answered node_exists" in carried_on.stdout
     assert "counter = 1 at clock 2" in carried_on.stdout
+
+
+@pytest.mark.parametrize("args", [[], ["http://127.0.0.1:8080"]], ids=["no-arguments", "no-token"])
+def test_quickstart_without_its_arguments_prints_its_usage_and_exits_2(
+    tmp_path: Path, args: list[str]
+) -> None:
+    run = _quickstart(*args, cwd=tmp_path)
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr
+    assert run.stderr.startswith("usage: python examples/quickstart.py [-h] URL TOKEN")
+    assert list(tmp_path.iterdir()) == []  # nothing started, no outbox created

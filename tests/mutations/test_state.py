@@ -116,3 +116,28 @@ def test_states_compare_by_content() -> None:
     assert SubDocState.from_json(GOOD) == SubDocState.from_json(copy.deepcopy(GOOD))
     assert SubDocState.from_json(GOOD) != SubDocState.empty()
     assert SubDocState.empty() != object()
+
+
+# -- repr -----------------------------------------------------------------------------------------
+
+
+def test_a_state_prints_its_nodes_their_tree_and_fields() -> None:
+    shown = repr(SubDocState.from_json(GOOD))
+    assert shown.startswith("SubDocState(4 nodes: ")
+    assert "'root': children=['a', 'b']" in shown
+    assert "'a1': parent='a' fields={'n': 1.5}" in shown
+    assert str(SubDocState.from_json(GOOD)) == shown  # print(state) shows the same
+    assert repr(SubDocState.empty()) == "SubDocState(1 node: 'root')"
+
+
+def test_the_repr_of_a_huge_state_is_bounded() -> None:
+    # 100k nodes under the root, one with a long list and a long string: a few hundred
+    # characters, never one line per node.
+    state = SubDocState.empty()
+    for i in range(100_000):
+        apply_op(state, NodeInsert(node_id=f"n{i}", parent_id="root"))
+    state.nodes["n0"].fields.update(big=list(range(10_000)), text="x" * 100_000)
+    shown = repr(state)
+    assert shown.startswith("SubDocState(100001 nodes: 'root': children=['n0', 'n1', ")
+    assert shown.endswith("; ... 99991 more)")  # the first 10 nodes shown
+    assert len(shown) < 1_000, len(shown)
