@@ -274,7 +274,7 @@ def _workspace_parser() -> argparse.ArgumentParser:
     add_argument(
         mcp,
         "--host",
-        envvar="CV_HOST",
+        envvar="CV_MCP_HOST",
         default="127.0.0.1",
         help="with --transport http: the address to bind (default 127.0.0.1: whoever reaches "
         "it acts with this command's token)",
@@ -282,7 +282,7 @@ def _workspace_parser() -> argparse.ArgumentParser:
     add_argument(
         mcp,
         "--port",
-        envvar="CV_PORT",
+        envvar="CV_MCP_PORT",
         type=int,
         default=MCP_HTTP_PORT,
         help=f"with --transport http: the port (default {MCP_HTTP_PORT}, beside cv-server's 8080;"

@@ -87,6 +87,13 @@ ENVIRONMENT = {
     "--transport": "CV_MCP_TRANSPORT",
 }
 
+#: Flags whose variable is their command's own: `cv-workspace mcp` listens beside `cv-server serve`
+#: (docs/configuration.md#ports), so one shell can set both ports.
+ENVIRONMENT_OF = {
+    ("cv-workspace mcp", "--host"): "CV_MCP_HOST",
+    ("cv-workspace mcp", "--port"): "CV_MCP_PORT",
+}
+
 #: Flags of those names that mean something else where they are, and read no variable: the
 #: workspaces a token grants, the worker class a request asks for.
 NOT_FROM_ENVIRONMENT = {
@@ -112,7 +119,8 @@ def test_every_flag_has_help_and_every_help_lists_the_exit_statuses(
         assert action.help, f"{parser.prog} {action.option_strings or action.dest} has no help"
         for flag in action.option_strings:
             if flag in ENVIRONMENT and (parser.prog, flag) not in NOT_FROM_ENVIRONMENT:
-                assert action.help.endswith(f"(env: {ENVIRONMENT[flag]})"), f"{parser.prog} {flag}"
+                variable = ENVIRONMENT_OF.get((parser.prog, flag), ENVIRONMENT[flag])
+                assert action.help.endswith(f"(env: {variable})"), f"{parser.prog} {flag}"
 
 
 def _variables_in_help() -> set[str]:
@@ -131,7 +139,7 @@ def test_every_variable_a_flag_reads_is_in_the_configuration_docs() -> None:
     rows = re.findall(r"^  \| (`CV_[^|]+)\|", docs.read_text(encoding="utf-8"), re.MULTILINE)
     documented = {name for row in rows for name in re.findall(r"`(CV_[A-Z_]+)`", row)}
     assert documented == _variables_in_help() | {"CV_PROVIDER_API_KEY"}
-    assert _variables_in_help() == set(ENVIRONMENT.values())
+    assert _variables_in_help() == set(ENVIRONMENT.values()) | set(ENVIRONMENT_OF.values())
 
 
 def test_the_server_takes_its_settings_from_the_environment(tmp_path: Path) -> None:
