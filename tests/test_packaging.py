@@ -75,3 +75,20 @@ async def test_the_sdk_without_extras_applies_ops_on_a_real_server(
     done = await asyncio.to_thread(_run, fresh_venv, "python", "-c", SDK_SCRIPT, url, token)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["2", "2", "1"]
+
+
+LOCAL_SERVER_SCRIPT = """
+from cv_workspace_client.testing import LocalServer, LocalServerError
+try:
+    LocalServer().start()
+except LocalServerError as exc:
+    print(exc.stderr)
+"""
+
+
+def test_local_server_without_the_server_extra_says_which_extra_to_install(
+    fresh_venv: Path,
+) -> None:
+    done = _run(fresh_venv, "python", "-c", LOCAL_SERVER_SCRIPT)
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'cv-workspace[server]'" in done.stdout
