@@ -8,6 +8,7 @@ there (tests/test_packaging.py, tests/client/testing/test_docs_example.py)."""
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -23,10 +24,23 @@ BOUND = 180.0
 
 
 def build_wheel(into: Path) -> Path:
-    """`pip wheel` of the checkout, offline and without build isolation: the wheel's path."""
+    """`pip wheel` of the checkout's files, offline and without build isolation: the wheel's
+    path. Built from a copy of what git tracks or would track (ignored files left out), never in
+    the checkout itself, whose `build/` would otherwise ship a module deleted since the last
+    build (tests/test_packaging.py pins it)."""
+    source = into / "source"
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, check=True, capture_output=True, text=True, timeout=BOUND,
+    ).stdout.split("\0")  # fmt: skip
+    for name in filter(None, listed):
+        path = ROOT / name
+        if path.is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, source / name)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-         "-q", "-w", str(into), str(ROOT)],
+         "-q", "-w", str(into), str(source)],
         check=True, capture_output=True, timeout=BOUND,
     )  # fmt: skip
     (wheel,) = into.glob("cv_workspace-*.whl")

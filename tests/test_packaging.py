@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,10 @@ from aiohttp.test_utils import TestServer
 
 from cv_server import ServerConfig, create_app
 from cv_server.auth import mint_token
-from tests.installed import install_wheel, run_in
+from tests.installed import ROOT, install_wheel, run_in
 
 SECRET = b"packaging-test-secret-0123456789abcdef"
+PACKAGES = ("cv_mutations", "cv_workspace_client", "cv_server")
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +30,20 @@ def fresh_venv(sdk_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 def _run(venv: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     # From a directory without the checkout in it: the installed wheel is what runs.
     return run_in(venv, *argv)
+
+
+def test_the_wheel_ships_the_checkout_s_modules_and_no_stale_one(sdk_wheel: Path) -> None:
+    # A module deleted or moved since the last build must not ship from a leftover `build/`.
+    with zipfile.ZipFile(sdk_wheel) as wheel:
+        shipped = {name for name in wheel.namelist() if name.endswith(".py")}
+    tracked = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", *PACKAGES],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert shipped == {name for name in tracked if name.endswith(".py") and (ROOT / name).exists()}
 
 
 def test_the_venv_has_the_sdk_and_not_the_server_extra(fresh_venv: Path) -> None:
