@@ -15,6 +15,8 @@ from cv_workspace_client.testing._commands import (
     token_args,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def test_serve_binds_a_free_loopback_port_on_the_sqlite_file() -> None:
     args = serve_args(Backend(db=Path("/d/cv.db")), settings={"lease_seconds": 5})

@@ -12,6 +12,8 @@ import pytest
 
 from tests.installed import ROOT, install_wheel, run_in
 
+pytestmark = pytest.mark.acceptance
+
 APP_PYPROJECT = """\
 [project]
 name = "an-app"

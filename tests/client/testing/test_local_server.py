@@ -20,6 +20,8 @@ from cv_workspace_client import ForbiddenError, WorkspaceClient, WorkspaceError
 from cv_workspace_client.testing import LocalServer, LocalServerError
 from tests.pg.helpers import fresh_schema
 
+pytestmark = pytest.mark.acceptance
+
 
 def _ready(url: str) -> int:
     with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(

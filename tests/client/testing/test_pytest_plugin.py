@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.installed import BOUND
+
+pytestmark = pytest.mark.acceptance
 
 APP_TESTS = """
 import pytest
