@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 # Imported now, not first by Hypothesis's pytest plugin at the terminal summary: that late
 # import compiles modules, and on CPython 3.11 `ast.parse` there fails with "AST constructor
@@ -40,6 +41,14 @@ def postgres_url() -> str:
             pytest.fail(f"PostgreSQL at {POSTGRES_URL} is required here but unreachable: {exc}")
         pytest.skip(f"PostgreSQL unreachable at {POSTGRES_URL}")
     return POSTGRES_URL
+
+
+@pytest.fixture(scope="session")
+def sdk_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel of the checkout, built once per session (tests/installed.py installs it)."""
+    from tests.installed import build_wheel
+
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
 
 
 # -- cost markers ------------------------------------------------------------------------------

@@ -4,114 +4,46 @@ on an import."""
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
+import asyncio
 import subprocess
-import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestServer
-from packaging.requirements import Requirement
 
 from cv_server import ServerConfig, create_app
 from cv_server.auth import mint_token
+from tests.installed import ROOT, install_wheel, run_in
 
-ROOT = Path(__file__).resolve().parents[1]
-BOUND = 180.0
 SECRET = b"packaging-test-secret-0123456789abcdef"
-
-
-def _closure(names: list[str]) -> set[str]:
-    """The installed distributions `names` need to run, themselves included (markers for this
-    interpreter honoured, extras not followed)."""
-    seen: set[str] = set()
-    todo = list(names)
-    while todo:
-        dist = metadata.distribution(todo.pop())
-        name = dist.metadata["Name"].lower()
-        if name in seen:
-            continue
-        seen.add(name)
-        for raw in dist.requires or []:
-            requirement = Requirement(raw)
-            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
-                todo.append(requirement.name)
-    return seen
-
-
-def _base_requirements() -> list[str]:
-    """What `cv-workspace` itself requires, without any extra."""
-    requires = metadata.distribution("cv-workspace").requires or []
-    names = []
-    for raw in requires:
-        requirement = Requirement(raw)
-        if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
-            names.append(requirement.name)
-    return names
-
-
-def _link_distributions(names: set[str], into: Path) -> None:
-    """Symlink each distribution's top-level files (packages, modules, its dist-info) into
-    `into`: a site directory holding these and nothing else, as an offline index would."""
-    into.mkdir()
-    for name in names:
-        dist = metadata.distribution(name)
-        for file in dist.files or []:
-            top = Path(file.parts[0])
-            if top.name in ("..", "__pycache__") or top.suffix == ".pth":
-                continue
-            source = Path(str(dist.locate_file(top)))
-            target = into / top.name
-            if source.exists() and not target.exists():
-                target.symlink_to(source)
+PACKAGES = ("cv_mutations", "cv_workspace_client", "cv_server")
 
 
 @pytest.fixture(scope="module")
-def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    work = tmp_path_factory.mktemp("packaging")
-    wheels = work / "wheels"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-         "-q", "-w", str(wheels), str(ROOT)],
-        check=True, capture_output=True, timeout=BOUND,
-    )  # fmt: skip
-    venv = work / "venv"
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--without-pip", str(venv)],
-        check=True,
-        capture_output=True,
-        timeout=BOUND,
-    )
-    python = venv / "bin" / "python"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index",
-         "--no-deps", "-q", *map(str, wheels.glob("*.whl"))],
-        check=True, capture_output=True, timeout=BOUND,
-    )  # fmt: skip
-    site = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=BOUND,
-    ).stdout.strip()
-    deps = work / "base-dependencies"
-    _link_distributions(_closure(_base_requirements()), deps)
-    (Path(site) / "base_dependencies.pth").write_text(f"{deps}\n")
-    return venv
+def fresh_venv(sdk_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel installed without extras."""
+    return install_wheel(sdk_wheel, tmp_path_factory.mktemp("packaging"))
 
 
 def _run(venv: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     # From a directory without the checkout in it: the installed wheel is what runs.
-    return subprocess.run(
-        [str(venv / "bin" / argv[0]), *argv[1:]],
+    return run_in(venv, *argv)
+
+
+def test_the_wheel_ships_the_checkout_s_modules_and_no_stale_one(sdk_wheel: Path) -> None:
+    # A module deleted or moved since the last build must not ship from a leftover `build/`.
+    with zipfile.ZipFile(sdk_wheel) as wheel:
+        shipped = {name for name in wheel.namelist() if name.endswith(".py")}
+    tracked = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", *PACKAGES],
+        cwd=ROOT,
+        check=True,
         capture_output=True,
         text=True,
-        timeout=BOUND,
-        cwd=venv,
-        env={"PATH": f"{venv / 'bin'}:/usr/bin:/bin"},
-    )
+    ).stdout.split()
+    assert shipped == {name for name in tracked if name.endswith(".py") and (ROOT / name).exists()}
 
 
 def test_the_venv_has_the_sdk_and_not_the_server_extra(fresh_venv: Path) -> None:
@@ -153,8 +85,6 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 async def test_the_sdk_without_extras_applies_ops_on_a_real_server(
     fresh_venv: Path, aiohttp_server: object, tmp_path: Path
 ) -> None:
-    import asyncio
-
     app = create_app(ServerConfig(db_path=tmp_path / "server.db", token_secret=SECRET))
     server: TestServer = await aiohttp_server(app)  # type: ignore[operator]
     url = str(server.make_url("")).rstrip("/")
@@ -162,3 +92,20 @@ async def test_the_sdk_without_extras_applies_ops_on_a_real_server(
     done = await asyncio.to_thread(_run, fresh_venv, "python", "-c", SDK_SCRIPT, url, token)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["2", "2", "1"]
+
+
+LOCAL_SERVER_SCRIPT = """
+from cv_workspace_client.testing import LocalServer, LocalServerError
+try:
+    LocalServer().start()
+except LocalServerError as exc:
+    print(exc.stderr)
+"""
+
+
+def test_local_server_without_the_server_extra_says_which_extra_to_install(
+    fresh_venv: Path,
+) -> None:
+    done = _run(fresh_venv, "python", "-c", LOCAL_SERVER_SCRIPT)
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'cv-workspace[server]'" in done.stdout

@@ -77,7 +77,10 @@ def test_the_testing_helpers_are_exported() -> None:
         "ProxyStats",
         "CutRule",
         "CountingFakeProvider",
+        "LocalServer",
+        "LocalServerError",
     }
+    assert issubclass(testing.LocalServerError, cv_workspace_client.WorkspaceError)
 
 
 def test_test_fakes_live_under_testing_only() -> None:

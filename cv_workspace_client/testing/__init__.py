@@ -1,6 +1,17 @@
-"""Helpers for apps to write their own resend tests: a network that fails on demand, a way to
-crash a client and start a new one on the same outbox, and a provider fake that counts its calls
-(`CountingFakeProvider`: a stage's expensive call made once, however many workers race for it).
+"""Helpers for apps to write their own resend tests: a real server to test against, a network
+that fails on demand, a way to crash a client and start a new one on the same outbox, and a
+provider fake that counts its calls (`CountingFakeProvider`: a stage's expensive call made once,
+however many workers race for it).
+
+`LocalServer` runs a real `cv-server` process (the `server` extra) on a temporary SQLite file,
+or a PostgreSQL URL, and a free loopback port, and mints tokens; the pytest plugin this package
+installs gives each test one as the `cv_server` fixture (docs/client.md, "Testing your app"):
+
+```python
+async with LocalServer() as server:              # `with` works too
+    token = server.token("ws1")                  # `cv-server token --workspace ws1`
+    async with WorkspaceClient(server.url, token=token) as client: ...
+```
 
 `FaultProxy` is a loopback TCP proxy you put between `WorkspaceClient` and the server. It knows
 nothing of HTTP or websockets: it forwards bytes, counts *chunks* (one read from a socket, up to
@@ -8,11 +19,12 @@ nothing of HTTP or websockets: it forwards bytes, counts *chunks* (one read from
 
 ```python
 from cv_workspace_client import WorkspaceClient
-from cv_workspace_client.testing import FaultProxy, restart_client
+from cv_workspace_client.testing import FaultProxy, LocalServer, restart_client
 
-async with FaultProxy(server_url) as proxy:
+async with LocalServer() as server, FaultProxy(server.url) as proxy:
     # The worst moment for a retry: the server committed, the client never hears the answer.
     proxy.cut_next(1)
+    token = server.token("ws1")
     async with WorkspaceClient(proxy.url, token=token, outbox=tmp_path / "outbox") as client:
         commit = await client.apply_op("ws1", "tree", op)     # retried under the same op_id
         assert commit.duplicate                                 # applied once, answered twice
@@ -66,8 +78,17 @@ from typing import Any
 from cv_workspace_client._fakes.provider import CountingFakeProvider
 from cv_workspace_client._fakes.proxy import CutRule, FaultProxy, ProxyStats
 from cv_workspace_client.client import WorkspaceClient
+from cv_workspace_client.testing.local_server import LocalServer, LocalServerError
 
-__all__ = ["CountingFakeProvider", "CutRule", "FaultProxy", "ProxyStats", "restart_client"]
+__all__ = [
+    "CountingFakeProvider",
+    "CutRule",
+    "FaultProxy",
+    "LocalServer",
+    "LocalServerError",
+    "ProxyStats",
+    "restart_client",
+]
 
 
 async def restart_client(client: WorkspaceClient, **overrides: Any) -> WorkspaceClient:
