@@ -65,7 +65,8 @@ def find_cv_server() -> list[str]:
     found = str(beside) if beside.exists() else shutil.which("cv-server")
     if found is None:
         raise LocalServerError(
-            "no cv-server command beside this Python or on PATH: pip install 'cv-workspace[server]'"
+            "no cv-server command beside this Python or on PATH (the server extra):"
+            f" {sys.executable} -m pip install 'cv-workspace[server]'"
         )
     return [found]
 
