@@ -24,8 +24,10 @@ from cv_server.queue.model import RequestEvent
 from cv_server.stores import Stores
 
 __all__ = [
+    "IDLE_POLLS",
     "REQUEST_ID",
     "REQUEST_ID_HEADER",
+    "access_level",
     "echo_request_id",
     "observe_middleware",
     "request_id_of",
@@ -47,6 +49,19 @@ REQUEST_ID: Final = web.RequestKey("request_id", str)
 _REQUEST_ID_RE: Final = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+#: The idle workers' polls: answered 204, they found no work. An idle worker sends one every
+#: 2 s at most (two idle workers: ~117 lines a minute, two thirds of an idle server's terminal),
+#: so these are DEBUG lines; the same routes answered with work, or refused, stay INFO
+#: (`tests/observe/test_access_log.py`).
+IDLE_POLLS: Final = frozenset({("GET", "/v1/queue/pending"), ("POST", "/v1/queue/claim")})
+
+
+def access_level(method: str, route: str, status: int) -> int:
+    """The level of a request's access line: DEBUG for an idle poll that found nothing, INFO
+    for every other request (docs/observability.md)."""
+    idle = status == 204 and (method, route) in IDLE_POLLS
+    return logging.DEBUG if idle else logging.INFO
 
 
 def valid_request_id(value: str | None) -> bool:
@@ -94,23 +109,26 @@ async def observe_middleware(request: web.Request, handler: Handler) -> web.Stre
         metrics = request.app[METRICS]
         metrics.http_requests.labels(route, str(status)).inc()
         metrics.http_seconds.labels(route).observe(seconds)
-        websocket = status == 101
-        access_log.info(
-            "%s %s %d %.1f ms",
-            "websocket session" if websocket else request.method,
-            route,
-            status,
-            seconds * 1000,
-            extra={
-                "event": "ws_session" if websocket else "http_request",
-                "method": request.method,
-                "route": route,
-                "status": status,
-                "duration_ms": round(seconds * 1000, 3),
-                "workspace": request.match_info.get("ws"),
-                "request_id": request_id,
-            },
-        )
+        level = access_level(request.method, route, status)
+        if access_log.isEnabledFor(level):  # an idle poll's line costs nothing when not shown
+            websocket = status == 101
+            access_log.log(
+                level,
+                "%s %s %d %.1f ms",
+                "websocket session" if websocket else request.method,
+                route,
+                status,
+                seconds * 1000,
+                extra={
+                    "event": "ws_session" if websocket else "http_request",
+                    "method": request.method,
+                    "route": route,
+                    "status": status,
+                    "duration_ms": round(seconds * 1000, 3),
+                    "workspace": request.match_info.get("ws"),
+                    "request_id": request_id,
+                },
+            )
 
 
 # -- the stores ----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from cv_server.queue import FINISHED_STATUSES, ProcessRequest, QueueStore, RequestEvent
 
@@ -113,7 +113,9 @@ class Waiters:
 
 class WorkSignals:
     """Wakes idle workers early when claimable work appears (docs/queue.md: the worker's idle poll
-    backs off 100 ms → 2 s; a push cuts that wait short). A missed push costs at most one poll."""
+    backs off 100 ms → 2 s; a push cuts that wait short). A missed push costs at most one poll.
+    Work already claimable when a poll begins is the caller's to find (`wait`'s `pending_now`):
+    a push only announces a change."""
 
     def __init__(self, store: QueueStore) -> None:
         self._sleepers: set[tuple[frozenset[str], frozenset[str] | None, asyncio.Event]] = set()
@@ -142,14 +144,27 @@ class WorkSignals:
                 sleeper.set()
 
     async def wait(
-        self, classes: frozenset[str], workspaces: frozenset[str] | None, patience: float
+        self,
+        classes: frozenset[str],
+        workspaces: frozenset[str] | None,
+        patience: float,
+        *,
+        pending_now: Callable[[], Awaitable[bool]] | None = None,
     ) -> bool:
-        """True if work for `classes` became pending within `patience` seconds."""
+        """True if work for `classes` is pending: `pending_now()` says so (work already
+        waiting), or work became pending within `patience` seconds.
+
+        `pending_now` is asked once this wait listens, never before: work that becomes pending
+        between the two is heard as a push, so none is missed (pinned by
+        `tests/queue/test_queue_semantics.py`).
+        """
         if self._released:
             return False
         entry = (classes, workspaces, asyncio.Event())
         self._sleepers.add(entry)
         try:
+            if pending_now is not None and await pending_now():
+                return not self._released
             await asyncio.wait_for(entry[2].wait(), patience)
             return not self._released
         except TimeoutError:

@@ -18,7 +18,8 @@ from urllib.parse import unquote, urlsplit
 import pytest
 
 from cv_mutations import REJECTION_CODES, parse_op
-from cv_server import ServerConfig
+from cv_server import ServerConfig, create_app
+from cv_server.http.openapi import build_document
 from cv_server.http.problems import CODES, Problem
 from cv_server.oplog.pipeline import ATOMIC_ABORTED, OP_ID_REUSE
 from cv_workspace_client import ClientConfig, WorkerConfig
@@ -83,6 +84,23 @@ def test_every_problem_code_has_its_anchor_and_the_default_type_resolves_to_it()
         target = urlsplit(Problem(400, code).to_json()["type"])
         assert (REPO / target.path).resolve() == page.resolve()
         assert target.fragment == code
+
+
+def test_the_routes_the_protocol_says_need_no_token_are_those_served_without_one() -> None:
+    """docs/protocol.md's list of the routes that need no token, against the routes the server
+    documents without a security requirement (what `/openapi.json` tells outside clients)."""
+    document = build_document(create_app(ServerConfig()))
+    public = {
+        path
+        for path, operations in document["paths"].items()
+        for operation in operations.values()
+        if not operation["security"]
+    }
+    text = (DOCS / "protocol.md").read_text(encoding="utf-8")
+    section = text.split("## Authentication", 1)[1].split("\n## ", 1)[0]
+    sentences = re.split(r"\.\s", " ".join(section.split()))
+    (listing,) = [sentence for sentence in sentences if sentence.startswith("Every route")]
+    assert set(re.findall(r"`(/[^`]*)`", listing)) == public
 
 
 def test_every_op_rejection_code_is_in_the_ops_reference() -> None:

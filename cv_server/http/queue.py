@@ -572,12 +572,17 @@ def _next_ask(
 @routes.get("/v1/queue/pending")
 @documented(
     Doc(
-        "Workers: long poll until work of their classes is pending (200) or the timeout (204)",
+        "Workers: long poll until work of their classes is claimable (200, at once if some"
+        " already is) or the timeout (204)",
         {200: Pending, 204: None},
         params=(
             Param(
                 "worker_classes",
-                {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1, "maxLength": 64},
+                    "minItems": 1,
+                },
                 "Repeatable",
                 required=True,
             ),
@@ -589,15 +594,25 @@ def _next_ask(
 )
 async def wait_for_work(request: web.Request) -> web.Response:
     """Long poll for idle workers: 200 as soon as work of `worker_classes` (repeatable query
-    parameter) becomes pending in a workspace the token grants, 204 after `timeout` seconds
-    (at most the 2 s ceiling of the idle poll, docs/queue.md)."""
+    parameter) is claimable in a workspace the token grants — at once if some already is
+    (pending, or under a lapsed lease), else when some becomes pending — and 204 after
+    `timeout` seconds (at most the 2 s ceiling of the idle poll, docs/queue.md)."""
     claims = authenticate(request)
-    classes = frozenset(request.query.getall("worker_classes", []))
-    if not classes:
+    named = request.query.getall("worker_classes", [])
+    if not named:
         raise Problem(422, "invalid_field", "name at least one worker_classes")
+    # Read as a claim's are (1..64 characters, no NUL): they reach the store.
+    classes = frozenset(parse_body(ClaimBody, {"worker_classes": named}).worker_classes)
     patience = _patience(request, 2.0)
     workspaces = None if "*" in claims.workspaces else frozenset(claims.workspaces)
-    woken = await request.app[WORK_SIGNALS].wait(classes, workspaces, patience)
+    queue = request.app[STORES].queue
+
+    def pending_now() -> Awaitable[bool]:
+        return queue.has_claimable(tuple(classes), None, workspace_ids=workspaces)
+
+    woken = await request.app[WORK_SIGNALS].wait(
+        classes, workspaces, patience, pending_now=pending_now
+    )
     return web.json_response({"pending": True}) if woken else web.Response(status=204)
 
 

@@ -49,7 +49,7 @@ def bearer_token(
                 protocol = protocol.strip()
                 if protocol.startswith(BEARER_SUBPROTOCOL_PREFIX):
                     return protocol.removeprefix(BEARER_SUBPROTOCOL_PREFIX) or None
-    if allow_query:  # browsers cannot set headers on a websocket handshake
+    if allow_query:  # older clients only: a token never travels in a URL (docs/protocol.md)
         return request.query.get("token")
     return None
 

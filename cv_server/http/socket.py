@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from typing import Any, Final
 
@@ -47,7 +48,7 @@ from cv_server.keys import (
 from cv_server.oplog import LogEntry, Outcome
 from cv_server.publish import commit_and_publish, publish
 
-__all__ = ["CLOSE_FORBIDDEN", "CLOSE_UNAUTHORIZED", "routes"]
+__all__ = ["CLOSE_FORBIDDEN", "CLOSE_UNAUTHORIZED", "FRAME_TYPES", "routes"]
 
 log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
@@ -80,12 +81,28 @@ def _check_req(req: Any) -> None:
         raise Problem(400, "invalid_field", _REQ_PROBLEM) from None
 
 
-def _describe(kind: Any) -> str:
-    """A frame's `type` for an error message: never the repr of a value nested 1,000 deep
-    (a RecursionError) or a megabyte long."""
+#: The frames a client may send, by their `type` member (docs/protocol.md).
+FRAME_TYPES: Final = ("subscribe", "unsubscribe", "apply")
+_EXPECTED: Final = "one of " + ", ".join(f'"{kind}"' for kind in FRAME_TYPES)
+#: A JSON value's type, by the Python type `decode_json` reads it as.
+_JSON_TYPES: Final = {bool: "a boolean", int: "a number", float: "a number", list: "an array"}
+
+
+def _unknown_type(frame: dict[str, Any]) -> str:
+    """Why a frame's kind is refused, naming the member that carries it (`type`) and the kinds
+    there are, so a client that guessed the member's name (`kind`, `op`) learns both from one
+    error (`tests/server/http/test_socket.py`). The value sent is quoted short: never the repr
+    of a value nested 1,000 deep (a RecursionError) or a megabyte long."""
+    if "type" not in frame:
+        return f'a frame names its kind in its "type" member ({_EXPECTED}); this one has none'
+    kind = frame["type"]
     if isinstance(kind, str):
-        return repr(kind[:64])
-    return f"of JSON type {type(kind).__name__}"
+        sent = json.dumps(kind[:64])
+    elif kind is None:
+        sent = "null"
+    else:
+        sent = _JSON_TYPES.get(type(kind), "an object")
+    return f'unknown frame "type" {sent}: expected {_EXPECTED}'
 
 
 class _Session:
@@ -137,10 +154,10 @@ class _Session:
             _check_req(frame.get("req"))
             req = frame.get("req")
             kind = frame.get("type")
-            if kind not in ("subscribe", "unsubscribe", "apply"):
+            if kind not in FRAME_TYPES:
                 # Before its other members: a frame of a type the server does not know is
                 # refused for that (tests/server/http/test_socket.py).
-                raise Problem(400, "unknown_message_type", f"unknown frame type {_describe(kind)}")
+                raise Problem(400, "unknown_message_type", _unknown_type(frame))
             sub_doc = frame.get("sub_doc")
             if not isinstance(sub_doc, str) or not is_valid_sub_doc(sub_doc):
                 raise Problem(422, "invalid_id", "sub_doc must match [a-z0-9_.-]{1,64}")
@@ -171,7 +188,7 @@ class _Session:
                     raise refusal("ops", wait)
                 self.apply(sub_doc, req, ops, atomic)
             else:
-                raise Problem(400, "unknown_message_type", f"unknown frame type {_describe(kind)}")
+                raise Problem(400, "unknown_message_type", _unknown_type(frame))
         except Problem as problem:
             self.error(problem.code, problem.detail, req, **problem.extra)
 
@@ -292,12 +309,15 @@ class _Session:
         "The websocket: subscribe to sub-docs (catch-up, then live ops) and apply ops",
         {101: None},
         description=(
-            "A websocket upgrade. The token may come as `?token=` (browsers cannot set headers);"
-            " a refused token or workspace closes the socket with 4001 / 4003 after the upgrade."
+            "A websocket upgrade. A browser, which cannot set headers here, offers its token as"
+            " the subprotocol `cv-bearer.<token>` (with `cv-workspace.v1`); a refused token or"
+            " workspace closes the socket with 4001 / 4003 after the upgrade."
         ),
         params=(
             Param(
-                "token", {"type": "string"}, "The bearer token, for clients that cannot set headers"
+                "token",
+                {"type": "string"},
+                "Older clients only: a token never travels in a URL (docs/protocol.md)",
             ),
             Param("batch", {"type": "string", "enum": ["1"]}, "Frames batched in JSON arrays"),
         ),

@@ -386,6 +386,16 @@ class PostgresQueueStore(QueueStore):
 
     # -- workers ----------------------------------------------------------------------------------
 
+    async def _has_claimable(
+        self, classes: tuple[str, ...], workspaces: tuple[str, ...] | None, now: float | None
+    ) -> bool:
+        scope = () if workspaces is None else (list(workspaces),)
+        async with self._pool.acquire() as conn:
+            found: bool = await conn.fetchval(
+                sql.claimable_sql(workspaces is not None), list(classes), now, *scope
+            )
+        return found
+
     async def _claim(self, plan: ClaimPlan, now: float | None) -> builtins.list[ProcessRequest]:
         async def attempt() -> tuple[builtins.list[ProcessRequest], builtins.list[RequestEvent]]:
             async with self._pool.acquire() as conn:

@@ -36,6 +36,7 @@ __all__ = [
     "TABLE",
     "UPDATE_LIFECYCLE_AND_NOTIFY",
     "claim_sql",
+    "claimable_sql",
     "insert_many_values",
     "insert_values",
     "json_text",
@@ -299,6 +300,39 @@ def claim_sql(restricted: bool) -> str:
         f"WITH {', '.join(ctes)} "
         f"SELECT r.*, {announce} AS announced"
         " FROM (SELECT * FROM parked UNION ALL SELECT * FROM claimed) r ORDER BY r.n"
+    )
+
+
+@functools.lru_cache(maxsize=2)
+def claimable_sql(restricted: bool) -> str:
+    """Whether anything is claimable (`QueueStore.has_claimable`), for a worker whose token
+    covers only some workspaces (`restricted`) or all of them. Parameters: $1 the worker
+    classes, $2 now (NULL: the database's, `DB_NOW`), $3 the workspaces (restricted only).
+
+    What `claim_sql` would find, probed as it probes but without locking or writing: per class
+    (and per allowed workspace) a LATERAL walk of the pending rows' partial index, and per class
+    one of the lapsed leases' (few: only dead workers leave them), each in index order and
+    stopping at its first row. The ORDER BY is what keeps the walks on their indexes: without
+    it the planner chose a sequential scan "until the first match" on a large backlog, which
+    walks the whole table when the matches sit at its end. So an idle worker's poll costs a few
+    index seeks whatever the backlog, and another tenant's backlog is never walked.
+    """
+    now = f"coalesce($2::float8, {DB_NOW})"
+    scope = "unnest($1::text[]) AS c(worker_class)"
+    ws_clause = lapsed_ws = ""
+    if restricted:
+        ws_clause = " AND p.workspace_id = w.workspace_id"
+        lapsed_ws = " AND p.workspace_id = ANY($3::text[])"
+    pending_scope = scope + (
+        " CROSS JOIN unnest($3::text[]) AS w(workspace_id)" if restricted else ""
+    )
+    return (
+        f"SELECT EXISTS (SELECT 1 FROM {pending_scope} CROSS JOIN LATERAL (SELECT 1 FROM {TABLE} p"
+        f" WHERE p.status = 'pending' AND p.worker_class = c.worker_class{ws_clause}"
+        f" AND p.available_at <= {now} ORDER BY p.available_at LIMIT 1) probe)"
+        f" OR EXISTS (SELECT 1 FROM {scope} CROSS JOIN LATERAL (SELECT 1 FROM {TABLE} p"
+        f" WHERE p.status = 'in_progress' AND p.worker_class = c.worker_class"
+        f" AND p.lease_expires_at < {now}{lapsed_ws} ORDER BY p.lease_expires_at LIMIT 1) probe)"
     )
 
 

@@ -245,6 +245,36 @@ class QueueStore(abc.ABC):
         plan = plan_claim(ask, self._new_token)
         return [] if plan is None else await self._claim(plan, now)
 
+    async def has_claimable(
+        self,
+        worker_classes: str | Sequence[str],
+        now: float | None,
+        *,
+        workspace_ids: Collection[str] | None = None,
+    ) -> bool:
+        """Whether a `claim` of `worker_classes` at `now` (None: the store's clock) would find
+        a row, without claiming it: a pending request available by `now`, or one in progress
+        under a lapsed lease (which a claim re-drives, or parks if it may not run again), in
+        `workspace_ids` (None: all).
+
+        For the idle workers' long poll (`GET /v1/queue/pending`, docs/protocol.md), which asks
+        it on every poll: one read that stops at the first row found, each status probed on its
+        partial index, never a walk of the backlog. A hint, not a reservation: another worker
+        may claim the row first, so the caller must still claim and take 204 in stride.
+        """
+        classes = normalize_classes(worker_classes)
+        workspaces = None if workspace_ids is None else tuple(dict.fromkeys(workspace_ids))
+        if not classes or workspaces == ():
+            return False
+        return await self._has_claimable(classes, workspaces, now)
+
+    @abc.abstractmethod
+    async def _has_claimable(
+        self, classes: tuple[str, ...], workspaces: tuple[str, ...] | None, now: float | None
+    ) -> bool:
+        """`has_claimable` for a non-empty scope: distinct classes, distinct workspaces (None:
+        all), in one read."""
+
     @abc.abstractmethod
     async def _claim(self, plan: ClaimPlan, now: float | None) -> builtins.list[ProcessRequest]:
         """`claim_many` as `plan` says, in one transaction."""

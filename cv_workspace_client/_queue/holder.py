@@ -116,8 +116,9 @@ async def wait_for_work(
     worker_classes: Sequence[str],
     timeout: float,  # noqa: ASYNC109  (the long poll's own patience, sent to the server)
 ) -> bool:
-    """`GET /v1/queue/pending`: True as soon as work of those classes becomes pending (a push),
-    False after `timeout` (the server caps it at 2 s)."""
+    """`GET /v1/queue/pending`: True as soon as work of those classes is claimable (at once if
+    some already is, else on the push of new work), False after `timeout` (the server caps it
+    at 2 s)."""
     params = [("worker_classes", c) for c in worker_classes]
     params.append(("timeout", f"{timeout:.3f}"))
     status, _, _ = await call(host, "GET", "/v1/queue/pending", params=params)

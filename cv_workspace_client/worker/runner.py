@@ -351,7 +351,8 @@ class Worker:
 
     async def _idle_wait(self, delay: float) -> bool:
         """Wait up to `delay` for work: a long poll the server answers as soon as work of our
-        classes becomes pending (push). True if pushed. A missed push costs at most one poll."""
+        classes is claimable (at once if some already is, else on a push). True if answered
+        with work. A missed push costs at most one poll."""
         outcome: list[bool] = []
 
         async def poll() -> None:

@@ -16,6 +16,7 @@ from cv_server.pg import Notifier, create_pool
 from cv_server.pg.idempotency import PostgresIdempotencyStore
 from cv_server.pg.queue import PostgresQueueStore
 from cv_server.queue import EnqueueAsk, IdempotencyStore, QueueStore, RequestEvent
+from tests.contract.claimable_contract import ClaimableContract
 from tests.contract.enqueue_many_contract import EnqueueManyContract
 from tests.contract.queue_contract import QueueContract, request
 from tests.contract.then_claim_contract import ThenClaimContract
@@ -34,7 +35,9 @@ async def notifier(postgres_url: str) -> AsyncIterator[Notifier]:
     await notifier.close()
 
 
-class TestPostgresQueueStore(QueueContract, ThenClaimContract, EnqueueManyContract):
+class TestPostgresQueueStore(
+    QueueContract, ThenClaimContract, EnqueueManyContract, ClaimableContract
+):
     @pytest.fixture
     async def store(
         self, pool: asyncpg.Pool, schema: str, notifier: Notifier

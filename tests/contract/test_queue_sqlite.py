@@ -16,7 +16,8 @@ from cv_server.sqlite import idempotency as idempotency_sqlite
 from cv_server.sqlite import queue as sqlite
 from cv_server.sqlite.engine import SQLiteDatabase
 from cv_server.sqlite.idempotency import SQLiteIdempotencyStore
-from cv_server.sqlite.queue import CLAIM_PROBES, TABLE, SQLiteQueueStore
+from cv_server.sqlite.queue import CLAIM_PROBES, TABLE, SQLiteQueueStore, claimable_sql
+from tests.contract.claimable_contract import ClaimableContract
 from tests.contract.enqueue_many_contract import EnqueueManyContract
 from tests.contract.queue_contract import LEASE, STAGE, WS, QueueContract, request
 from tests.contract.then_claim_contract import ThenClaimContract
@@ -29,7 +30,9 @@ def schema(db: sqlite_utils.Database) -> None:
     idempotency_sqlite.create_schema(db)
 
 
-class TestSQLiteQueueStore(QueueContract, ThenClaimContract, EnqueueManyContract):
+class TestSQLiteQueueStore(
+    QueueContract, ThenClaimContract, EnqueueManyContract, ClaimableContract
+):
     @pytest.fixture
     def db_path(self, tmp_path: Path) -> Path:
         return tmp_path / "queue.db"
@@ -136,6 +139,35 @@ async def test_every_claim_probe_is_an_index_seek(tmp_path: Path) -> None:
         for name, steps in (await db.read(plans)).items():
             assert len(steps) == 1, (name, steps)  # no temp b-tree for ORDER BY, no second scan
             assert steps[0].startswith(f"SEARCH {TABLE} USING INDEX"), (name, steps)
+    finally:
+        await db.close()
+
+
+async def test_the_claimable_check_is_an_index_seek(tmp_path: Path) -> None:
+    """The idle poll's check (`has_claimable`) seeks each status's partial index, for any number
+    of classes and workspaces, also on a table never analyzed (where the planner, left to
+    itself, walked the status index: every pending row)."""
+    db = await SQLiteDatabase.open(tmp_path / "queue.db", schema=schema)
+    try:
+
+        def plans(conn: sqlite3.Connection) -> dict[tuple[int, int | None], list[str]]:
+            found = {}
+            for classes, workspaces in ((1, None), (3, None), (1, 1), (3, 40)):
+                query = claimable_sql(classes, workspaces)
+                params = ["x"] * query.count("?")
+                steps = conn.execute(f"EXPLAIN QUERY PLAN {query}", params)
+                found[classes, workspaces] = [str(step[3]) for step in steps]
+            return found
+
+        for scope, steps in (await db.read(plans)).items():
+            searches = [step for step in steps if step.startswith("SEARCH")]
+            indexes = [step.split(" USING ")[1].split(" (")[0] for step in searches]
+            pending = "pending" if scope[1] is None else "pending_workspace"
+            assert indexes == [
+                f"INDEX {TABLE}_{pending}",
+                f"INDEX {TABLE}_leased",
+            ], (scope, steps)
+            assert not [step for step in steps if step.startswith(f"SCAN {TABLE}")], steps
     finally:
         await db.close()
 

@@ -226,6 +226,37 @@ async def test_every_claim_probe_walks_its_partial_index(migrated: asyncpg.Pool)
             assert max(n["Actual Rows"] * n["Actual Loops"] for n in scans) <= 16 * 2
 
 
+async def test_the_claimable_check_walks_its_partial_indexes(migrated: asyncpg.Pool) -> None:
+    """The idle poll's check (`has_claimable`) seeks the partial indexes and stops at once,
+    even when the rows it must skip are many and the ones it looks for are none: another class's
+    backlog, another tenant's, and this class's work backing off."""
+    async with migrated.acquire() as conn:
+        await conn.execute(
+            f"INSERT INTO {sql.TABLE} (request_id, workspace_id, stage, worker_class, status, run,"
+            " available_at, dequeue_count, max_dequeues, created_at, lease_expires_at)"
+            " SELECT 'r' || i, 'ws-' || (i % 7), 'evaluate',"
+            " CASE WHEN i % 2 = 0 THEN 'other' ELSE 'evaluate' END,"
+            " CASE WHEN i % 3 = 0 THEN 'in_progress' ELSE 'pending' END, 1,"
+            # Class `evaluate` in ws-1 backs off past now; the rest is available at once.
+            " CASE WHEN i % 2 = 1 AND i % 7 = 1 THEN 1e12 ELSE i END, 0, 5, i, 1e12"
+            " FROM generate_series(1, 20000) i"
+        )
+        await conn.execute(f"ANALYZE {sql.TABLE}")
+        for restricted, expected, args in (
+            (False, "pending", [["other", "evaluate"], 1e9]),
+            (True, "pending_workspace", [[STAGE], 1e9, ["ws-1"]]),
+        ):
+            query = sql.claimable_sql(restricted)
+            plan = await conn.fetch(f"EXPLAIN (ANALYZE, FORMAT JSON) {query}", *args)
+            nodes = _plan_nodes(plan[0][0][0]["Plan"])  # json arrives decoded
+            scans = [n for n in nodes if n.get("Relation Name") == sql.TABLE]
+            assert not [n for n in scans if n["Node Type"] == "Seq Scan"], restricted
+            used = {n.get("Index Name") for n in scans}
+            assert {f"{sql.TABLE}_{expected}", f"{sql.TABLE}_leased"} <= used, used
+            assert max(n["Actual Rows"] * n["Actual Loops"] for n in scans) <= 2
+            assert await conn.fetchval(query, *args) is (not restricted)
+
+
 def _plan_nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
     nodes = [node]
     for child in node.get("Plans", []):

@@ -221,6 +221,32 @@ async def test_idle_workers_are_woken_only_by_work_they_may_claim(
         signals.close()
 
 
+async def test_work_pending_before_a_worker_waits_is_found_and_none_slips_between(
+    stores: tuple[QueueStore, QueueStore],
+) -> None:
+    """`pending_now` answers a wait at once; and it is asked only once the wait listens, so work
+    that became pending after the look found none still wakes the wait (the look here is made
+    to find nothing: only the push can answer before the patience runs out)."""
+    store, _ = stores
+    signals = WorkSignals(store)
+    try:
+        mine = frozenset({STAGE})
+
+        async def already() -> bool:
+            return True
+
+        assert await asyncio.wait_for(signals.wait(mine, None, PATIENCE, pending_now=already), 1)
+
+        async def enqueue_after_looking() -> bool:
+            await store.enqueue(request(ws=WS), 1.0)
+            return False
+
+        woken = signals.wait(mine, frozenset({WS}), PATIENCE, pending_now=enqueue_after_looking)
+        assert await woken
+    finally:
+        signals.close()
+
+
 # -- through HTTP ----------------------------------------------------------------------------------
 
 #: JSON text, but past 64 bits: `decode_json` keeps it exact, and no store answer can carry it back.

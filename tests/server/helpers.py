@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -110,8 +111,12 @@ def lift_long_poll_ceiling(app: web.Application, monkeypatch: pytest.MonkeyPatch
     wait = signals.wait
 
     async def lifted(
-        classes: frozenset[str], workspaces: frozenset[str] | None, patience: float
+        classes: frozenset[str],
+        workspaces: frozenset[str] | None,
+        patience: float,
+        *,
+        pending_now: Callable[[], Awaitable[bool]] | None = None,
     ) -> bool:
-        return await wait(classes, workspaces, LIFTED_CEILING)
+        return await wait(classes, workspaces, LIFTED_CEILING, pending_now=pending_now)
 
     monkeypatch.setattr(signals, "wait", lifted)

@@ -229,6 +229,35 @@ async def test_an_array_of_frames_is_handled_in_order_frame_by_frame(
     await ws.close()
 
 
+async def test_a_frame_of_an_unknown_kind_is_told_the_member_and_the_kinds_there_are(
+    client: TestClient[Any, Any],
+) -> None:
+    """A client that guessed the kind's member (`kind`, `op`) or its value learns from the error
+    alone that the member is `type` and which kinds exist; the socket carries on."""
+    ws = await client.ws_connect(SOCKET, headers=auth("ws1"))
+    for frame in (
+        {"kind": "subscribe", "sub_doc": "tree", "req": 1},  # no `type` at all
+        {"type": None, "sub_doc": "tree", "req": 2},
+        {"type": "sub", "sub_doc": "tree", "req": 3},
+        {"type": 7, "sub_doc": "tree", "req": 4},
+    ):
+        await ws.send_json(frame)
+        error = await ws.receive_json(timeout=10)
+        assert (error["type"], error["code"], error["req"]) == (
+            "error",
+            "unknown_message_type",
+            frame["req"],
+        )
+        message = error["message"]
+        assert '"type"' in message, message
+        assert all(f'"{kind}"' in message for kind in ("subscribe", "unsubscribe", "apply")), (
+            message
+        )
+    await ws.send_json({"type": "subscribe", "sub_doc": "tree"})
+    assert (await ws.receive_json(timeout=10))["type"] == "synced"
+    await ws.close()
+
+
 async def test_a_failed_commit_answers_internal_and_the_socket_carries_on(
     client: TestClient[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
