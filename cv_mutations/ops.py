@@ -96,7 +96,8 @@ class NodeInsert(_OpModel):
     parent_id: NodeId
     index: Index | None = None
     # default_factory leaves no `default` in the JSON Schema; clients generated from it must
-    # know an absent `fields` is {} (and that null is refused).
+    # know an absent `fields` is {} (and that null is refused): the published schema says it in
+    # the description (cv_mutations.schema.PublishedJsonSchema).
     fields: Fields = Field(default_factory=dict, json_schema_extra={"default": {}})
 
 

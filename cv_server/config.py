@@ -21,10 +21,10 @@ class ServerConfig:
     #: HMAC secret for bearer tokens; read from (or created in) the database when None. Not in
     #: the repr: whoever holds it mints tokens for every workspace.
     token_secret: bytes | None = field(default=None, repr=False)
-    #: Prefix of every problem document's `type`; the problem's code is appended. The default
-    #: is a reference relative to the repository root, where docs/problems.md has one anchor
-    #: per code; a deployment that publishes the docs points it at them (docs/problems.md).
-    problem_type_base: str = "docs/problems.md#"
+    #: Prefix of every problem document's `type`; the problem's code is appended. The default,
+    #: `about:blank`, is the `type` itself (the code is in `code`); a deployment that publishes
+    #: the docs points it at them, docs/problems.md having one anchor per code.
+    problem_type_base: str = "about:blank"
 
     # -- request limits (docs/limits.md) --
     max_body_bytes: int = 1024 * 1024

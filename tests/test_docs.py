@@ -75,14 +75,15 @@ def _links(page: Path) -> Iterator[str]:
     yield from _LINK.findall(text)
 
 
-def test_every_problem_code_has_its_anchor_and_the_default_type_resolves_to_it() -> None:
+def test_every_problem_code_has_its_anchor_and_a_published_base_resolves_to_it() -> None:
     page = DOCS / "problems.md"
     documented = anchors(page)
     missing = sorted(code for code in CODES if code not in documented)
     assert missing == [], f"problem codes without a section in docs/problems.md: {missing}"
+    published = "https://docs.example.com/cv-workspace/docs/problems.md#"
     for code in CODES:
-        target = urlsplit(Problem(400, code).to_json()["type"])
-        assert (REPO / target.path).resolve() == page.resolve()
+        target = urlsplit(Problem(400, code).to_json(published)["type"])
+        assert (REPO / target.path.removeprefix("/cv-workspace/")).resolve() == page.resolve()
         assert target.fragment == code
 
 

@@ -9,6 +9,13 @@ unknown coding (`compress`) or a stack of two as if there were none. Here: `iden
 `unsupported_content_encoding`, a body that does not decode is 400 `malformed_body`, and one that
 decodes past the limit is 413 `body_too_large` as soon as it does (a gzip bomb is never inflated
 past the limit). Pinned by tests/server/http/test_bodies.py.
+
+Every body is JSON, and its `Content-Type` may not say otherwise (docs/protocol.md, "Headers"):
+`application/json` or a `+json` type (`application/merge-patch+json`), in UTF-8 if it names a
+charset, or no `Content-Type` at all (HTTP lets a sender leave it out; the route says what it
+reads). Anything else (`text/plain`, a form, `application/octet-stream`) is 415
+`unsupported_media_type` with `Accept: application/json`, before a byte is read. Pinned by
+tests/server/http/test_media_types.py.
 """
 
 from __future__ import annotations
@@ -23,10 +30,19 @@ from aiohttp.web_protocol import RequestPayloadError
 from cv_server.http.problems import Problem
 from cv_server.keys import CONFIG
 
-__all__ = ["ACCEPTED_ENCODINGS", "decode_body", "read_body"]
+__all__ = [
+    "ACCEPTED_ENCODINGS",
+    "ACCEPTED_MEDIA_TYPE",
+    "decode_body",
+    "is_json_media_type",
+    "read_body",
+]
 
 #: The content codings a request body may carry, as `Accept-Encoding` lists them on a 415.
 ACCEPTED_ENCODINGS: Final = ("gzip", "deflate", "identity")
+
+#: The media type of every body, as `Accept` names it on a 415.
+ACCEPTED_MEDIA_TYPE: Final = "application/json"
 
 #: Coding name (lower case) → zlib `wbits` of its decoder. `deflate` is the zlib format
 #: (RFC 9110 §8.4.1.2); a raw deflate stream, which some clients send under that name, is read
@@ -58,6 +74,30 @@ def _coding(header: str | None) -> str | None:
             headers={hdrs.ACCEPT_ENCODING: ", ".join(ACCEPTED_ENCODINGS)},
         )
     return codings[0]
+
+
+def is_json_media_type(media_type: str, charset: str | None) -> bool:
+    """Whether a body of `media_type` (lower case, parameters apart) and `charset` is read as
+    JSON: `application/json` or `application/*+json`, in UTF-8 (JSON's only encoding between
+    systems, RFC 8259) when a charset is named."""
+    kind, _, subtype = media_type.partition("/")
+    if kind != "application" or not (subtype == "json" or subtype.endswith("+json")):
+        return False
+    return charset is None or charset.lower() in ("utf-8", "utf8")
+
+
+def _check_media_type(request: web.Request) -> None:
+    """415 `unsupported_media_type` for a body whose `Content-Type` is not JSON."""
+    header = request.headers.get(hdrs.CONTENT_TYPE)
+    if header is None or not request.body_exists:
+        return
+    if not is_json_media_type(request.content_type, request.charset):
+        raise Problem(
+            415,
+            "unsupported_media_type",
+            f"Content-Type {header[:64]!r} is not accepted: send {ACCEPTED_MEDIA_TYPE}",
+            headers={hdrs.ACCEPT: ACCEPTED_MEDIA_TYPE},
+        )
 
 
 def _decoder(coding: str, first: int) -> zlib._Decompress:
@@ -96,12 +136,13 @@ def decode_body(coding: str, raw: bytes, limit: int) -> bytes:
 
 
 async def read_body(request: web.Request, *, limit: int | None = None) -> bytes:
-    """The request's body, decoded. Raises the `Problem` for a coding the server does not
-    decode (checked before any byte is read), a body that does not decode, or one too large
-    before or after decoding.
+    """The request's body, decoded. Raises the `Problem` for a media type that is not JSON or a
+    coding the server does not decode (both checked before any byte is read), a body that does
+    not decode, or one too large before or after decoding.
 
     `limit` is a route's own bound on the body, before and after decoding, in place of the
     server's `max_body_bytes` (the result upload's `max_result_bytes`, docs/queue.md)."""
+    _check_media_type(request)
     coding = _coding(request.headers.get(hdrs.CONTENT_ENCODING))
     bound = request.app[CONFIG].max_body_bytes if limit is None else limit
     try:

@@ -89,6 +89,8 @@ def _frame_problem(raw: object) -> str | None:
 def parse_ops(raw_ops: object, max_ops: int) -> list[IncomingOp]:
     if not isinstance(raw_ops, list):
         raise Problem(400, "malformed_json", '"ops" must be a list')
+    if not raw_ops:  # the schema's minItems (tests/server/http/test_inputs.py)
+        raise Problem(422, "invalid_field", '"ops" must hold at least one op')
     if len(raw_ops) > max_ops:
         raise Problem(422, "too_many_ops", f"{len(raw_ops)} ops; at most {max_ops} per request")
     incoming: list[IncomingOp] = []

@@ -139,7 +139,14 @@ class ApplyBody(_Closed):
 
     model_config = ConfigDict(strict=False, extra="forbid", frozen=True)
 
-    ops: list[Op]
+    ops: Annotated[
+        list[Op],
+        Field(
+            min_length=1,
+            description="1 to the server's `max_ops_per_request` (1,000 by default) ops;"
+            " more is 422 `too_many_ops`, none 422 `invalid_field`",
+        ),
+    ]
     atomic: bool = False
 
 

@@ -25,10 +25,15 @@ from aiohttp import web
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from cv_mutations.schema import PublishedJsonSchema
 from cv_server.http.models import ProblemDetails
 from cv_server.http.problems import CODES
+from cv_server.http.ratelimit import ROUTE_CLASS_OF
+from cv_server.http.security import BEARER_SUBPROTOCOL_PREFIX, SOCKET_SUBPROTOCOL
+from cv_server.observe import REQUEST_ID_HEADER
 
 __all__ = [
+    "HEADERS",
     "OPENAPI_PATH",
     "Doc",
     "Media",
@@ -72,6 +77,9 @@ Answer = type[BaseModel] | tuple[type[BaseModel], ...] | Media | None
 
 @dataclass(frozen=True, slots=True)
 class Doc:
+    """A route's entry: `answers` by status; `answer_headers` names, per status, the headers of
+    `HEADERS` its answer may carry."""
+
     summary: str
     answers: Mapping[int, Answer]
     body: type[BaseModel] | Media | None = None
@@ -81,6 +89,7 @@ class Doc:
     params: Sequence[Param] = ()
     auth: bool = True
     tag: str = ""
+    answer_headers: Mapping[int, Sequence[str]] = field(default_factory=dict)
 
 
 def documented(doc: Doc) -> Callable[[H], H]:
@@ -141,32 +150,84 @@ def _common_problems(path: str, doc: Doc) -> dict[int, list[str]]:
     if doc.body is not None:
         problems[400] += ["malformed_json", "malformed_body"]
         problems.setdefault(413, []).append("body_too_large")
-        problems.setdefault(415, []).append("unsupported_content_encoding")
+        problems.setdefault(415, []).extend(
+            ["unsupported_content_encoding", "unsupported_media_type"]
+        )
         problems.setdefault(422, []).append("invalid_field")
     return problems
+
+
+#: Response headers, declared once (`components.headers`) and referred to by the answers that
+#: carry them (docs/protocol.md, "Headers").
+HEADERS: Final[Mapping[str, Mapping[str, Any]]] = {
+    REQUEST_ID_HEADER: {
+        "description": "The request's id: the caller's own `X-Request-ID` when it is 1..128 of"
+        " `[A-Za-z0-9._:@-]`, else one the server minted; its log line carries the same id",
+        "schema": {"type": "string"},
+    },
+    "Retry-After": {
+        "description": "Seconds to wait before sending the request again",
+        "schema": {"type": "integer", "minimum": 0},
+    },
+    "Idempotency-Replayed": {
+        "description": "`true` when this is the stored answer of an earlier request with the same"
+        " `Idempotency-Key` (nothing was run again)",
+        "schema": {"type": "string", "enum": ["true"]},
+    },
+    "Accept": {
+        "description": "The media type a body must have: `application/json`",
+        "schema": {"type": "string"},
+    },
+    "Accept-Encoding": {
+        "description": "The content codings a body may carry",
+        "schema": {"type": "string"},
+    },
+    "Sec-WebSocket-Protocol": {
+        "description": f"The subprotocol the server speaks, `{SOCKET_SUBPROTOCOL}`, when the"
+        " client offered it",
+        "schema": {"type": "string", "enum": [SOCKET_SUBPROTOCOL]},
+    },
+}
+
+#: The request header every operation takes (`components.parameters`).
+_REQUEST_ID_PARAM: Final = {
+    "name": REQUEST_ID_HEADER,
+    "in": "header",
+    "required": False,
+    "description": "Your id for this request, echoed in the answer's `X-Request-ID` and logged"
+    " with it (1..128 of `[A-Za-z0-9._:@-]`; anything else is replaced by a minted id)",
+    "schema": {"type": "string"},
+}
+
+#: Headers a problem answer carries when it is one of these codes.
+_CODE_HEADERS: Final[Mapping[str, Sequence[str]]] = {
+    "rate_limited": ("Retry-After",),
+    "idempotency_key_in_progress": ("Retry-After",),
+    "unsupported_content_encoding": ("Accept-Encoding",),
+    "unsupported_media_type": ("Accept",),
+}
+
+#: The response extension that lists a problem answer's codes (its `description` names them
+#: too): the schema itself is a plain `$ref` to `ProblemDetails`, which every generator parses
+#: (tests/outside/test_openapi_python_client.py).
+PROBLEM_CODES_EXTENSION: Final = "x-problem-codes"
+
+
+def _headers(names: Sequence[str]) -> dict[str, Any]:
+    return {name: {"$ref": f"#/components/headers/{name}"} for name in sorted(names)}
 
 
 def _problem_response(status: int, codes: Sequence[str]) -> dict[str, Any]:
     unique = sorted(dict.fromkeys(codes))
     titles = "; ".join(f"`{code}`: {CODES.get(code, code)}" for code in unique)
+    extra = [header for code in unique for header in _CODE_HEADERS.get(code, ())]
     return {
         "description": f"Problem ({titles})",
+        "headers": _headers([REQUEST_ID_HEADER, *dict.fromkeys(extra)]),
         "content": {
-            "application/problem+json": {
-                "schema": {
-                    "allOf": [
-                        {"$ref": "#/components/schemas/ProblemDetails"},
-                        {
-                            "type": "object",
-                            "properties": {
-                                "status": {"const": status},
-                                "code": {"enum": unique},
-                            },
-                        },
-                    ]
-                }
-            }
+            "application/problem+json": {"schema": {"$ref": "#/components/schemas/ProblemDetails"}}
         },
+        PROBLEM_CODES_EXTENSION: unique,
     }
 
 
@@ -204,18 +265,19 @@ def _ref(model: type[BaseModel]) -> dict[str, Any]:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
-def _answer_object(status: int, answer: Answer) -> dict[str, Any]:
+def _answer_object(status: int, answer: Answer, headers: Sequence[str]) -> dict[str, Any]:
     description = _STATUS_TEXT.get(status, str(status))
+    found: dict[str, Any] = {"description": description, "headers": _headers(headers)}
     if answer is None:
-        return {"description": description}
+        return found
     if isinstance(answer, Media):
-        return {
-            "description": answer.description or description,
-            "content": {answer.media_type: {"schema": dict(answer.schema)}},
-        }
+        found["description"] = answer.description or description
+        found["content"] = {answer.media_type: {"schema": dict(answer.schema)}}
+        return found
     models = _models_of(answer)
     schema = _ref(models[0]) if len(models) == 1 else {"oneOf": [_ref(m) for m in models]}
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
+    found["content"] = {"application/json": {"schema": schema}}
+    return found
 
 
 def _operation(path: str, method: str, doc: Doc, handler: Any) -> dict[str, Any]:
@@ -249,8 +311,8 @@ def _operation(path: str, method: str, doc: Doc, handler: Any) -> dict[str, Any]
                 "schema": dict(param.schema),
             }
         )
-    if params:
-        operation["parameters"] = params
+    params.append({"$ref": f"#/components/parameters/{REQUEST_ID_HEADER}"})
+    operation["parameters"] = params
     if isinstance(doc.body, Media):
         operation["requestBody"] = {
             "required": doc.body_required,
@@ -262,8 +324,15 @@ def _operation(path: str, method: str, doc: Doc, handler: Any) -> dict[str, Any]
             "required": doc.body_required,
             "content": {"application/json": {"schema": _ref(doc.body)}},
         }
-    responses = {str(status): _answer_object(status, a) for status, a in doc.answers.items()}
+    responses = {
+        str(status): _answer_object(
+            status, answer, [REQUEST_ID_HEADER, *doc.answer_headers.get(status, ())]
+        )
+        for status, answer in doc.answers.items()
+    }
     problems = _common_problems(path, doc)
+    if (method.upper(), path) in ROUTE_CLASS_OF:  # the rate limits' routes (docs/reliability.md)
+        problems.setdefault(429, []).append("rate_limited")
     for status, codes in doc.problems.items():
         problems.setdefault(status, []).extend(codes)
     for status in sorted(problems):
@@ -284,6 +353,7 @@ def build_document(app: web.Application) -> dict[str, Any]:
     _, schemas = models_json_schema(
         [(model, "validation") for model in models],
         ref_template="#/components/schemas/{model}",
+        schema_generator=PublishedJsonSchema,
     )
     paths: dict[str, dict[str, Any]] = {}
     for path, method, doc, handler in sorted(ops, key=lambda op: (op[0], op[1])):
@@ -298,11 +368,26 @@ def build_document(app: web.Application) -> dict[str, Any]:
                 "application/problem+json with a stable `code`. Authenticate with "
                 "`Authorization: Bearer <token>` (`cv-server token`)."
             ),
+            "license": {"name": "MIT", "identifier": "MIT"},
         },
+        # Relative: the server that serves this document (a deployment's own URL is not known
+        # when it is generated; a client resolves "/" against where it read the document).
+        "servers": [{"url": "/", "description": "The server that serves this document"}],
         "paths": paths,
         "components": {
+            "headers": {name: dict(header) for name, header in sorted(HEADERS.items())},
+            "parameters": {REQUEST_ID_HEADER: dict(_REQUEST_ID_PARAM)},
             "schemas": dict(sorted(schemas.get("$defs", {}).items())),
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "`Authorization: Bearer <token>`. On the websocket route, a"
+                    " client that cannot set headers (a browser) offers the subprotocol"
+                    f" `{BEARER_SUBPROTOCOL_PREFIX}<token>` beside `{SOCKET_SUBPROTOCOL}`, or"
+                    " passes `?token=` (docs/protocol.md)",
+                }
+            },
         },
     }
 
@@ -368,11 +453,6 @@ def _code(code: str) -> str:
     return f"<code>{html.escape(code)}</code>"
 
 
-def _problem_codes(schema: Mapping[str, Any]) -> list[str]:
-    codes: list[str] = schema["allOf"][1]["properties"]["code"]["enum"]
-    return codes
-
-
 def _docs_operation(path: str, method: str, op: Mapping[str, Any]) -> str:
     esc = html.escape
     parts = [
@@ -382,7 +462,7 @@ def _docs_operation(path: str, method: str, op: Mapping[str, Any]) -> str:
     if op.get("description"):
         parts.append(f"<p>{esc(op['description'])}</p>")
     parts.append(f"<p>Authentication: {'bearer token' if op.get('security') else 'none'}</p>")
-    params = op.get("parameters", [])
+    params = [p for p in op.get("parameters", []) if "$ref" not in p]
     if params:
         parts.append("<table><tr><th>parameter</th><th>in</th><th>schema</th><th></th></tr>")
         for p in params:
@@ -399,14 +479,10 @@ def _docs_operation(path: str, method: str, op: Mapping[str, Any]) -> str:
     parts.append("<table><tr><th>status</th><th>answer</th></tr>")
     for status, answer in op.get("responses", {}).items():
         contents = answer.get("content", {})
+        codes = answer.get(PROBLEM_CODES_EXTENSION)
         what = ", ".join(
             f"{esc(media)} {_schema_link(c['schema'])}"
-            if "allOf" not in c["schema"]
-            else f"{esc(media)}: codes "
-            + ", ".join(
-                f"<code>{esc(code)}</code>"
-                for code in c["schema"]["allOf"][1]["properties"]["code"]["enum"]
-            )
+            + (": codes " + ", ".join(_code(code) for code in codes) if codes else "")
             for media, c in contents.items()
         )
         parts.append(

@@ -16,9 +16,12 @@ from cv_server.errors import CvServerError
 
 __all__ = ["CODES", "PROBLEM_BASE", "Problem", "problem_response"]
 
-#: The default `type` prefix (`ServerConfig.problem_type_base`): docs/problems.md has an anchor
-#: per code, so `type` resolves against the repository root (tests/test_docs.py pins it).
-PROBLEM_BASE: Final = "docs/problems.md#"
+#: The default `ServerConfig.problem_type_base`, and the `type` of every problem while it is
+#: the base: RFC 9457's problem with no page of its own, the code in `code`. A relative `type`
+#: resolves against the request's URL, into a page that does not exist. Any other base is a
+#: prefix the code is appended to, docs/problems.md having an anchor per code
+#: (tests/server/http/test_problems.py, tests/test_docs.py).
+PROBLEM_BASE: Final = "about:blank"
 
 #: Every code the server answers with (problem+json bodies, websocket `error` frames), and its
 #: title. The SDK maps each to a typed exception; tests/client/io/test_http.py holds the
@@ -30,6 +33,7 @@ CODES: Final[Mapping[str, str]] = {
     "body_too_large": "The body is larger than the server accepts",
     "malformed_body": "The body does not decode as its Content-Encoding says",
     "unsupported_content_encoding": "The body's Content-Encoding is not one the server decodes",
+    "unsupported_media_type": "The body's Content-Type is not JSON",
     "line_too_long": "The request line or a header field is longer than the server reads",
     "malformed_request": "The request is not well-formed HTTP",
     "too_many_subscriptions": "The socket already has as many subscriptions as the server allows",
@@ -78,7 +82,7 @@ class Problem(CvServerError):
 
     def to_json(self, type_base: str = PROBLEM_BASE) -> dict[str, Any]:
         return {
-            "type": type_base + self.code,
+            "type": PROBLEM_BASE if type_base == PROBLEM_BASE else type_base + self.code,
             "title": CODES.get(self.code, self.code),
             "status": self.status,
             "detail": self.detail,

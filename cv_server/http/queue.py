@@ -225,7 +225,8 @@ def _new_request(
 IDEMPOTENCY_KEY: Final = Param(
     "Idempotency-Key",
     {"type": "string", "minLength": 1, "maxLength": 255},
-    "Retry-safe: the first answer is replayed for 24 h",
+    "Retry-safe: the same key and body replay the first answer (`Idempotency-Replayed: true`)"
+    " for 24 h; 1..255 printable characters",
     where="header",
 )
 
@@ -237,6 +238,7 @@ IDEMPOTENCY_KEY: Final = Param(
         {202: EnqueueAnswer},
         body=EnqueueBody,
         params=(IDEMPOTENCY_KEY,),
+        answer_headers={202: ("Idempotency-Replayed",)},
         problems={
             409: ("request_id_conflict", "idempotency_key_in_progress", "idempotency_key_lost"),
             422: ("idempotency_key_reuse",),
@@ -834,6 +836,7 @@ def _batch_answer(answers: list[Enqueued], batch: list[EnqueueAsk]) -> dict[str,
         {202: BatchEnqueueResults},
         body=BatchEnqueueBody,
         params=(IDEMPOTENCY_KEY,),
+        answer_headers={202: ("Idempotency-Replayed",)},
         problems={
             409: ("request_id_conflict", "idempotency_key_in_progress", "idempotency_key_lost"),
             422: ("invalid_field", "idempotency_key_reuse"),

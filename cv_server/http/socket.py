@@ -27,6 +27,7 @@ from cv_server.http.openapi import Doc, Param, documented
 from cv_server.http.problems import Problem
 from cv_server.http.ratelimit import refusal
 from cv_server.http.security import (
+    BEARER_SUBPROTOCOL_PREFIX,
     SOCKET_SUBPROTOCOL,
     authenticate,
     bearer_token,
@@ -320,7 +321,15 @@ class _Session:
                 "Older clients only: a token never travels in a URL (docs/protocol.md)",
             ),
             Param("batch", {"type": "string", "enum": ["1"]}, "Frames batched in JSON arrays"),
+            Param(
+                "Sec-WebSocket-Protocol",
+                {"type": "string"},
+                f"Subprotocols offered: `{SOCKET_SUBPROTOCOL}` (answered when offered), and a"
+                f" browser's token as `{BEARER_SUBPROTOCOL_PREFIX}<token>` (never echoed)",
+                where="header",
+            ),
         ),
+        answer_headers={101: ("Sec-WebSocket-Protocol",)},
         problems={400: ("bad_request",), 503: ("unavailable",)},
         tag="op-log",
     )

@@ -232,7 +232,11 @@ async def test_a_result_of_several_megabytes_uploaded_to_one_instance_is_served_
     uploaded = await worker.post(
         f"{path}/result",
         data=io.BytesIO(result),
-        headers={**bearer(worker), "Claim-Token": request["claim_token"]},
+        headers={
+            **bearer(worker),
+            "Claim-Token": request["claim_token"],
+            "Content-Type": "application/json",
+        },
     )
     assert uploaded.status == 201
     blob_ref = (await uploaded.json())["blob_ref"]

@@ -157,12 +157,15 @@ async def test_the_result_upload_is_fenced_and_refuses_what_is_not_json(
                 "result_too_large",
             ),
         ]
+        json_body = {"Content-Type": "application/json"}
         for headers, body, status, code in cases:
-            async with http.post(upload, data=body, headers={**auth, **headers}) as response:
+            async with http.post(
+                upload, data=body, headers={**auth, **json_body, **headers}
+            ) as response:
                 problem = await response.json(content_type=None)
                 assert (response.status, problem["code"]) == (status, code), problem
         async with http.post(
-            upload, data=b'{"ok":true}', headers={**auth, "Claim-Token": token}
+            upload, data=b'{"ok":true}', headers={**auth, **json_body, "Claim-Token": token}
         ) as response:
             assert response.status == 201
             stored = await response.json()

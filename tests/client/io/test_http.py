@@ -416,6 +416,7 @@ EXPECTED: dict[str, type[WorkspaceError]] = {
     "body_too_large": InvalidRequestError,
     "malformed_body": InvalidRequestError,
     "unsupported_content_encoding": InvalidRequestError,
+    "unsupported_media_type": InvalidRequestError,
     "line_too_long": InvalidRequestError,
     "malformed_request": InvalidRequestError,
     "too_many_subscriptions": InvalidRequestError,

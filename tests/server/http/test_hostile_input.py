@@ -359,7 +359,8 @@ async def test_a_chunked_body_past_the_limit_gets_413_and_applies_nothing(
             yield b"x" * 50_000
         yield b'"}'
 
-    resp = await client.post(URL, data=chunks(), headers=auth("ws1"))
+    headers = {**auth("ws1"), "Content-Type": "application/json"}
+    resp = await client.post(URL, data=chunks(), headers=headers)
     assert resp.status == 413
     assert (await resp.json(content_type=None))["code"] == "body_too_large"
     await _still_serves(client, 0)

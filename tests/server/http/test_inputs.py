@@ -36,6 +36,7 @@ async def _raw_post(client: TestClient[Any, Any], data: bytes, url: str = URL) -
         ),
         (b'"a string"', 400, "malformed_json"),
         (b'{"ops": {"type": "node.insert"}}', 400, "malformed_json"),
+        (b'{"ops": []}', 422, "invalid_field"),
         (b'{"ops": [], "surprise": 1}', 422, "invalid_field"),
         (b'{"ops": [], "atomic": "yes"}', 422, "invalid_field"),
         (b'{"ops": [{"type": "node.teleport", "node_id": "a"}]}', 422, "unknown_op_type"),
@@ -69,7 +70,7 @@ async def test_bad_bodies_get_their_code_and_leave_the_log_unchanged(
     await post_ops(client, [insert("seed")])
     got_status, problem = await _raw_post(client, body)
     assert (got_status, problem["code"]) == (status, code)
-    assert problem["type"] == "docs/problems.md#" + code
+    assert problem["type"] == "about:blank"
     assert (await get_ops(client))["clock"] == 1
 
 
@@ -141,6 +142,19 @@ async def test_bad_websocket_frames_get_error_frames_and_the_socket_stays_usable
         "results": [{"op_id": None, "clock": 1, "duplicate": False}],
     }
     await ws.close()
+
+
+async def test_an_apply_of_no_ops_is_refused_over_http_and_the_websocket_alike(
+    client: TestClient[Any, Any],
+) -> None:
+    problem = await post_ops(client, [], status=422)
+    assert problem["code"] == "invalid_field"
+    ws = await client.ws_connect("/v1/workspaces/ws1/socket", headers=auth("ws1"))
+    await ws.send_json({"type": "apply", "sub_doc": "tree", "req": 3, "ops": []})
+    error = await ws.receive_json(timeout=5)
+    assert (error["type"], error["code"], error["req"]) == ("error", "invalid_field", 3)
+    await ws.close()
+    assert (await get_ops(client))["clock"] == 0
 
 
 async def test_unknown_routes_answer_problem_json(client: TestClient[Any, Any]) -> None:

@@ -1,12 +1,14 @@
-"""A problem's `type` names its page: `problem_type_base` + the code, with the default relative to
-the repository root (docs/problems.md, one anchor per code: tests/test_docs.py checks the
-anchors), and a deployment's own base when it sets one."""
+"""A problem's `type`: `about:blank` by default (RFC 9457's problem with no page of its own, the
+code in `code`), never a relative reference a client would resolve against the request's URL; a
+deployment that publishes docs/problems.md (one anchor per code: tests/test_docs.py checks the
+anchors) sets its own base, and `type` is that base + the code."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urljoin
 
 import pytest
 
@@ -17,16 +19,22 @@ from tests.server.conftest import SECRET, ClientFactory, auth
 from tests.server.wire import raw_http, served
 
 
-async def test_the_default_type_points_at_the_code_in_docs_problems(
+async def test_the_default_type_is_absolute_and_resolves_to_itself_from_any_url(
     aiohttp_client: ClientFactory, make_config: Callable[..., ServerConfig]
 ) -> None:
     client = await aiohttp_client(create_app(make_config()))
-    resp = await client.post("/v1/workspaces/w/docs/tree/ops", data=b"{", headers=auth("w"))
+    resp = await client.post(
+        "/v1/workspaces/w/docs/tree/ops",
+        data=b"{",
+        headers={**auth("w"), "Content-Type": "application/json"},
+    )
     problem = await resp.json(content_type="application/problem+json")
     assert resp.status == 400
     assert problem["code"] == "malformed_json"
-    assert problem["type"] == "docs/problems.md#malformed_json"
-    assert ServerConfig().problem_type_base == PROBLEM_BASE == "docs/problems.md#"
+    assert problem["type"] == "about:blank"
+    # What a client does with `type` (RFC 9457 §3.1.1): resolve it against the request's URL.
+    assert urljoin(str(resp.url), problem["type"]) == "about:blank"
+    assert ServerConfig().problem_type_base == PROBLEM_BASE == "about:blank"
 
 
 async def test_a_deployment_sets_its_own_base_for_every_answer(
