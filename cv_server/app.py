@@ -21,6 +21,7 @@ from cv_server.http.openapi import Doc, Media, build_document, documented, rende
 from cv_server.http.problems import Problem, problem_response
 from cv_server.http.ratelimit import rate_limit_middleware
 from cv_server.http.routes import ROUTE_TABLES
+from cv_server.http.storage_faults import retry_after_seconds, storage_problem
 from cv_server.hub import Connection, Hub
 from cv_server.keys import (
     CONFIG,
@@ -96,7 +97,11 @@ async def problems_middleware(request: web.Request, handler: Handler) -> web.Str
         # went out as text/plain with no `code`; every error is problem+json (docs/protocol.md).
         code = "bad_request" if exc.status < 500 else "internal"
         return _problem(request, Problem(exc.status, code, exc.text or exc.reason))
-    except Exception:
+    except Exception as exc:
+        storage = storage_problem(request.app, exc)
+        if storage is not None and not request.writer.output_size:
+            log.warning("%s %s: %s", request.method, request.path, storage.detail)
+            return _problem(request, storage)
         log.exception("unhandled error on %s %s", request.method, request.path)
         if request.writer.output_size:
             # A response (a websocket's 101) has gone out: an HTTP answer written now would land
@@ -203,7 +208,7 @@ async def healthz(request: web.Request) -> web.Response:
     Doc(
         "Readiness: stores open and the database reachable (route traffic here)",
         {200: Ready},
-        problems={503: ("unavailable",)},
+        problems={503: ("unavailable", "storage_unavailable")},
         auth=False,
         tag="operations",
     )
@@ -222,7 +227,33 @@ async def readyz(request: web.Request) -> web.Response:
         await request.app[STORES].oplog.head("readyz", "readyz")
     except Exception:
         raise Problem(503, "unavailable", "the database is unreachable") from None
+    await _check_writes(request.app)
     return web.json_response({"status": "ready"})
+
+
+async def _check_writes(app: web.Application) -> None:
+    """After a write was refused for storage, one probe write: while the storage still refuses
+    it, 503 `storage_unavailable` (reads are served, writes are not; docs/operating.md, "Storage
+    faults"); once it succeeds the fault is cleared and the instance is ready again. Without a
+    refusal since the last success, nothing is written."""
+    stores = app[STORES]
+    if stores.faults.fault is None or stores.probe_write is None:
+        return
+    try:
+        await stores.probe_write()
+    except Exception as exc:
+        fault = stores.storage_fault(exc)
+        if fault is None:
+            raise Problem(503, "unavailable", "the database is unreachable") from None
+        seconds = retry_after_seconds(app)
+        raise Problem(
+            503,
+            "storage_unavailable",
+            f"reads are served, writes are refused: {fault}",
+            headers={"Retry-After": str(seconds)},
+            retry_after=seconds,
+        ) from None
+    stores.faults.wrote()
 
 
 @routes.get("/metrics")

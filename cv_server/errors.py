@@ -21,6 +21,7 @@ nothing, so every module can use the root without an import cycle. The tree:
     │   ├── PostgresRefused          (also a PostgresBackendError)
     │   ├── SchemaMissing            (also a PostgresBackendError)
     │   └── NotSetUp                 (also a PostgresBackendError)
+    ├── StorageUnavailable           cv_server.storage_faults: a write the storage refused
     └── PostgresBackendError         cv_server.pg.errors: the PostgreSQL backend's own
         └── NotifyPayloadTooLarge
 

@@ -85,6 +85,11 @@ class Metrics:
         self.commit_batch_ops = histogram(
             "cv_commit_batch_ops", "Ops in one op-log group commit.", buckets=_BATCH_OPS
         )
+        self.storage_writes_refused = counter(
+            "cv_storage_writes_refused_total",
+            "Writes refused for storage (disk full, read-only, I/O error): each answered 503"
+            " storage_unavailable (docs/operating.md, Storage faults).",
+        )
         # -- subscribers
         self.broadcast_lag = histogram(
             "cv_broadcast_lag_seconds",

@@ -145,6 +145,19 @@ def watch_stores(app: web.Application, stores: Stores) -> None:
         metrics.set_queue_counts(await stores.queue.status_counts(), statuses)
 
     metrics.on_scrape(read_queue_counts)
+    refused = metrics.storage_writes_refused
+    counted = 0
+
+    async def count_refusals() -> None:
+        # The backend counts refusals (the SQLite writer thread among them); the counter
+        # catches up to that count at each scrape, so it never runs ahead of it.
+        nonlocal counted
+        total = stores.faults.refusals
+        if total > counted:
+            refused.inc(total - counted)
+            counted = total
+
+    metrics.on_scrape(count_refusals)
 
 
 def _on_transition(metrics: Metrics, event: RequestEvent) -> None:

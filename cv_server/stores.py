@@ -16,6 +16,7 @@ from cv_server.errors import CvServerError
 from cv_server.locks.store import ComputeLockStore
 from cv_server.oplog import OpLogStore
 from cv_server.queue import BlobStore, IdempotencyStore, QueueStore
+from cv_server.storage_faults import StorageFaults, StorageUnavailable
 
 __all__ = ["DatabaseUnusable", "FollowCommits", "FollowSecret", "Stores", "translating"]
 
@@ -66,6 +67,10 @@ FollowCommits: TypeAlias = Callable[
 FollowSecret: TypeAlias = Callable[[Callable[[bytes], None]], Awaitable[None]]
 
 
+def _translated_already(exc: BaseException) -> StorageUnavailable | None:
+    return exc if isinstance(exc, StorageUnavailable) else None
+
+
 @dataclass
 class Stores:
     """Every store of one server, on one backend."""
@@ -78,6 +83,16 @@ class Stores:
     secret: bytes
     follow_commits: FollowCommits | None = None
     follow_secret: FollowSecret | None = None
+    #: Writes refused for storage, and whether the last one was (docs/operating.md, "Storage
+    #: faults"): read by `/readyz` and `cv_storage_writes_refused_total`.
+    faults: StorageFaults = field(default_factory=StorageFaults)
+    #: `exc` as the `StorageUnavailable` it means (recorded in `faults`), or None: a backend
+    #: whose stores raise the driver's errors (PostgreSQL) translates them here, once, for
+    #: every route; one that translates in its engine (SQLite) keeps the default.
+    storage_fault: Callable[[BaseException], StorageUnavailable | None] = _translated_already
+    #: One small write that succeeds only if the storage takes writes: `/readyz` runs it while
+    #: `faults.fault` is set, and clears it when it succeeds (writes resume by themselves).
+    probe_write: Callable[[], Awaitable[None]] | None = None
     _closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
     async def close(self) -> None:

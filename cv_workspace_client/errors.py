@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 __all__ = [
     "AuthError",
@@ -289,6 +289,10 @@ def retry_delay(value: object) -> float | None:
     return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
+#: Codes of a server that could not do it now (an `error` frame has no status to tell): retried
+#: as a 503 is. `storage_unavailable`: the storage refused the write whole (docs/problems.md).
+_RETRYABLE_SERVER_CODES: Final = frozenset({"internal", "unavailable", "storage_unavailable"})
+
 _FINAL_BY_CODE: dict[str, type[WorkspaceError]] = {
     "unauthorized": AuthError,
     "forbidden_workspace": ForbiddenError,
@@ -321,7 +325,7 @@ def error_from_problem(
         # The server (or a proxy) gave up waiting for the request before reading it: nothing
         # was processed, like a timeout on the way (timeouts are retried).
         return ConnectionFailedError(code, message)
-    if code in ("internal", "unavailable") or (status is not None and status >= 500):
+    if code in _RETRYABLE_SERVER_CODES or (status is not None and status >= 500):
         return ServerError(code, message, status=status, retry_after=retry_after)
     if code == "lease_lost":
         return LeaseLostError(message) if message else LeaseLostError()

@@ -137,7 +137,8 @@ _PATH_PARAMS: Final[Mapping[str, tuple[Mapping[str, Any], str]]] = {
 def _common_problems(path: str, doc: Doc) -> dict[int, list[str]]:
     """What every route of its kind may answer: a request the HTTP parser refuses, a bad token,
     a workspace the token does not grant, a malformed workspace or sub-doc id, a body that is
-    not JSON, not decodable or too large, and the server's own failure (`internal`)."""
+    not JSON, not decodable or too large, the server's own failure (`internal`) and storage that
+    refuses writes (`storage_unavailable`)."""
     problems: dict[int, list[str]] = {
         400: ["line_too_long", "malformed_request"],
         500: ["internal"],
@@ -147,6 +148,9 @@ def _common_problems(path: str, doc: Doc) -> dict[int, list[str]]:
     if "{ws}" in path:
         problems.setdefault(403, []).append("forbidden_workspace")
         problems.setdefault(422, []).append("invalid_id")
+        # A workspace route writes, or may (a read on SQLite runs on the writer): a disk that is
+        # full or read-only refuses it (docs/operating.md, "Storage faults").
+        problems.setdefault(503, []).append("storage_unavailable")
     if doc.body is not None:
         problems[400] += ["malformed_json", "malformed_body"]
         problems.setdefault(413, []).append("body_too_large")
@@ -203,6 +207,7 @@ _REQUEST_ID_PARAM: Final = {
 _CODE_HEADERS: Final[Mapping[str, Sequence[str]]] = {
     "rate_limited": ("Retry-After",),
     "idempotency_key_in_progress": ("Retry-After",),
+    "storage_unavailable": ("Retry-After",),
     "unsupported_content_encoding": ("Accept-Encoding",),
     "unsupported_media_type": ("Accept",),
 }

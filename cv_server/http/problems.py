@@ -58,6 +58,7 @@ CODES: Final[Mapping[str, str]] = {
     "result_too_large": "The result is larger than the server's max_result_bytes",
     "internal": "Internal server error",
     "unavailable": "The server is not ready or is shutting down",
+    "storage_unavailable": "The storage refuses writes (disk full or read-only): retry later",
 }
 
 

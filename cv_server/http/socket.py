@@ -35,6 +35,7 @@ from cv_server.http.security import (
     signed_with,
 )
 from cv_server.http.socket_close import LingeringWebSocketResponse
+from cv_server.http.storage_faults import storage_problem
 from cv_server.hub import Connection, Subscription
 from cv_server.keys import (
     CONFIG,
@@ -280,6 +281,13 @@ class _Session:
         if self._tails.get(sub_doc) is future:
             del self._tails[sub_doc]
         error = None if future.cancelled() else future.exception()
+        storage = None if error is None else storage_problem(self.app, error)
+        if storage is not None:
+            # Refused whole, nothing kept: the socket stays up, the client resends later
+            # (tests/server/http/test_storage_faults_http.py).
+            log.warning("apply refused on %s/%s: %s", self.workspace_id, sub_doc, storage.detail)
+            self.error("storage_unavailable", storage.detail, req, **storage.extra)
+            return False
         if future.cancelled() or error is not None:
             log.error("apply failed on %s/%s", self.workspace_id, sub_doc, exc_info=error)
             self.error("internal", "the ops were not committed; retry", req)

@@ -8,10 +8,40 @@ above the backend never imports asyncpg to understand what went wrong. The error
 
 from __future__ import annotations
 
+from typing import Final
+
 from cv_server.errors import CvServerError
+from cv_server.storage_faults import StorageUnavailable
 from cv_server.stores import DatabaseUnusable
 
-__all__ = ["MigrationError", "NotifyPayloadTooLarge", "PostgresBackendError", "PostgresRefused"]
+__all__ = [
+    "STORAGE_SQLSTATES",
+    "MigrationError",
+    "NotifyPayloadTooLarge",
+    "PostgresBackendError",
+    "PostgresRefused",
+    "storage_fault",
+]
+
+#: SQLSTATEs that mean "the storage refuses writes", not "this write is wrong": disk_full
+#: (53100), insufficient_resources (53000), read_only_sql_transaction (25006: a standby, or
+#: `default_transaction_read_only` set on the database or role), io_error (58030). Each is
+#: answered 503 `storage_unavailable` (docs/problems.md).
+STORAGE_SQLSTATES: Final = frozenset({"53100", "53000", "25006", "58030"})
+
+
+def storage_fault(exc: BaseException) -> StorageUnavailable | None:
+    """`exc` as a `StorageUnavailable` (the driver's error chained) if PostgreSQL refused it for
+    storage, else None. Duck-typed on `sqlstate`, as asyncpg's errors carry it, so the seam
+    never imports the driver (tests/contract/test_storage_faults_contract.py)."""
+    if isinstance(exc, StorageUnavailable):
+        return exc
+    sqlstate = getattr(exc, "sqlstate", None)
+    if sqlstate not in STORAGE_SQLSTATES:
+        return None
+    fault = StorageUnavailable(f"PostgreSQL refused the write ({sqlstate}): {exc}")
+    fault.__cause__ = exc
+    return fault
 
 
 class PostgresBackendError(CvServerError):

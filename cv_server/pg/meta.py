@@ -22,6 +22,7 @@ from cv_server.pg.notifier import notify
 __all__ = [
     "TOKEN_SECRET_CHANNEL",
     "postgres_token_secret",
+    "probe_write",
     "replace_token_secret",
     "stored_token_secret",
 ]
@@ -35,6 +36,16 @@ TOKEN_SECRET_CHANNEL: Final = "cv_token_secret"
 _CREATE: Final = "INSERT INTO server_meta (key, value) VALUES ($1, $2) ON CONFLICT (key) DO NOTHING"
 _READ: Final = "SELECT value FROM server_meta WHERE key = $1"
 _REPLACE: Final = "UPDATE server_meta SET value = $2 WHERE key = $1"
+_PROBE: Final = (
+    "INSERT INTO server_meta (key, value) VALUES ('write_probe', $1)"
+    " ON CONFLICT (key) DO UPDATE SET value = excluded.value"
+)
+
+
+async def probe_write(pool: asyncpg.Pool) -> None:
+    """One small committed write (a `write_probe` row of its own, which nothing reads): it
+    succeeds only while PostgreSQL takes writes (`/readyz` after a storage fault)."""
+    await pool.execute(_PROBE, new_secret())
 
 
 async def postgres_token_secret(pool: asyncpg.Pool) -> bytes:

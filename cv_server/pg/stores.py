@@ -23,8 +23,10 @@ from typing import Final, NamedTuple
 import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
 
 from cv_server.config import ServerConfig
+from cv_server.pg import meta
 from cv_server.pg.blobs import PostgresBlobStore
 from cv_server.pg.errors import PostgresBackendError, PostgresRefused
+from cv_server.pg.errors import storage_fault as pg_storage_fault
 from cv_server.pg.idempotency import PostgresIdempotencyStore
 from cv_server.pg.locks import PostgresComputeLockStore
 from cv_server.pg.meta import (
@@ -38,6 +40,7 @@ from cv_server.pg.notifier import Notifier, reconnect_delays
 from cv_server.pg.oplog import OPLOG_CHANNEL, PostgresOpLogStore, parse_oplog_payload
 from cv_server.pg.pool import PostgresSettings, close_pool, create_pool
 from cv_server.pg.queue import QUEUE_CHANNEL, PostgresQueueStore
+from cv_server.storage_faults import StorageFaults, StorageUnavailable
 from cv_server.stores import DatabaseUnusable, Stores, translating
 
 __all__ = [
@@ -295,7 +298,18 @@ async def open_postgres_stores(config: ServerConfig) -> Stores:
 
         await notifier.listen(oplog_channel, on_payload, on_reconnect)
 
+    faults = StorageFaults()
+
+    def storage_fault(exc: BaseException) -> StorageUnavailable | None:
+        fault = pg_storage_fault(exc)
+        if fault is not None and fault is not exc:
+            faults.refused(str(fault))
+        return fault
+
     return Stores(
+        faults=faults,
+        storage_fault=storage_fault,
+        probe_write=functools.partial(meta.probe_write, pool),
         oplog=oplog,
         queue=queue,
         idempotency=idempotency,

@@ -11,6 +11,12 @@ alone and the others in the group still commit (a job alone in its group is roll
 transaction, which holds nothing else). Jobs may register undo callbacks for in-memory caches
 they changed; those run if the job's savepoint or the whole group's COMMIT fails, so caches never
 run ahead of disk.
+
+A storage fault (disk full, read-only file, I/O error) fails the jobs it touched with
+`StorageUnavailable` and leaves the writer serving: the transaction is rolled back, the next group
+begins afresh (and after a read-only refusal on a newly opened connection, since SQLite opens a
+file it may not write read-only for good), so writes resume by themselves once the disk has room
+again (tests/server/test_storage_faults.py, tests/acceptance/test_storage_faults.py).
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 import sqlite_utils
+
+from cv_server.storage_faults import StorageFaults, StorageUnavailable
 
 __all__ = ["SQLiteDatabase", "Transaction"]
 
@@ -40,6 +48,25 @@ logger = logging.getLogger(__name__)
 #: How long a connection waits for SQLite's own lock before failing (only readers and a second
 #: process can contend; our writes are already serialised by the writer thread).
 _BUSY_TIMEOUT_MS = 5000
+
+#: SQLite's primary result codes that mean "the storage refused", not "this write is wrong":
+#: SQLITE_READONLY, SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN (a -wal or journal it cannot
+#: create). Extended codes keep the primary one in their low byte.
+_STORAGE_FAULTS: Final = frozenset({8, 10, 13, 14})
+_SQLITE_READONLY: Final = 8
+
+
+def storage_fault(exc: BaseException) -> StorageUnavailable | None:
+    """`exc` as a `StorageUnavailable` (the driver's error chained) if SQLite raised it because
+    the storage refused the write, else None."""
+    if not isinstance(exc, sqlite3.Error):
+        return None
+    code = getattr(exc, "sqlite_errorcode", None)
+    if not isinstance(code, int) or code & 0xFF not in _STORAGE_FAULTS:
+        return None
+    fault = StorageUnavailable(str(exc) or type(exc).__name__)
+    fault.__cause__ = exc
+    return fault
 
 
 @dataclass
@@ -140,12 +167,16 @@ class SQLiteDatabase:
         self._reader_conns: list[sqlite3.Connection] = []
         self._reader_lock = threading.Lock()
         self._closed = False
+        #: The writer thread's connection (replaced by `_reopen`); set once the thread starts.
+        self._conn: sqlite3.Connection
         self.groups_committed = 0
         self.jobs_committed = 0
         #: Called on the writer thread after each COMMIT of a group that held op-log ops, with
         #: the seconds from BEGIN to the end of COMMIT and the ops it held (`Transaction.
         #: count_ops`). It must be quick and thread-safe (prometheus_client's metrics are).
         self.on_group_commit: Callable[[float, int], None] | None = None
+        #: Writes refused for storage, and whether the last write was (`/readyz`).
+        self.faults = StorageFaults()
 
     @classmethod
     async def open(
@@ -249,12 +280,27 @@ class SQLiteDatabase:
             loop.call_soon_threadsafe(started.set_exception, exc)
             return
         loop.call_soon_threadsafe(started.set_result, None)
+        self._conn = conn
         try:
-            self._writer_loop(conn, db)
+            self._writer_loop(db)
         finally:
-            conn.close()
+            self._conn.close()
 
-    def _writer_loop(self, conn: sqlite3.Connection, db: sqlite_utils.Database) -> None:
+    def _reopen(self) -> sqlite_utils.Database:
+        """A fresh writer connection (the old one closed): SQLite opens a file it may not write
+        read-only and keeps it so, so only a new connection sees the file writable again. If
+        opening fails, the old connection stays and the next group is refused as before."""
+        try:
+            conn = _connect(self.path)
+        except sqlite3.Error:
+            logger.warning("reopening %s for writing failed", self.path, exc_info=True)
+            return sqlite_utils.Database(self._conn)
+        with contextlib.suppress(sqlite3.Error):
+            self._conn.close()
+        self._conn = conn
+        return sqlite_utils.Database(conn)
+
+    def _writer_loop(self, db: sqlite_utils.Database) -> None:
         stopping = False
         while not stopping:
             first = self._jobs.get()
@@ -271,18 +317,51 @@ class SQLiteDatabase:
                     stopping = True
                     break
                 group.append(nxt)
-            self._commit_group(conn, db, group)
+            try:
+                read_only = self._commit_group(self._conn, db, group)
+            except sqlite3.Error as exc:
+                # Rolling back itself failed (an I/O error on a dying disk): the group is failed
+                # whole, nothing of it acknowledged, and the next group gets a new connection
+                # rather than a thread that died with every future unresolved.
+                with contextlib.suppress(sqlite3.Error):
+                    if self._conn.in_transaction:
+                        self._conn.execute("ROLLBACK")
+                logger.warning("a write group failed outside its jobs", exc_info=True)
+                self._fail(group, exc)
+                read_only = True
+            if read_only:
+                db = self._reopen()
+
+    def _fail(self, group: list[_Job[Any]], exc: sqlite3.Error) -> None:
+        fault = storage_fault(exc)
+        if fault is not None:
+            self.faults.refused(str(fault))
+        self._resolve([(job, False, fault or exc) for job in group])
 
     def _commit_group(
         self, conn: sqlite3.Connection, db: sqlite_utils.Database, group: list[_Job[Any]]
-    ) -> None:
+    ) -> bool:
+        """Run `group` and settle its futures; True if the storage refused a write as read-only
+        (the caller then opens a new connection before the next group)."""
         final: dict[int, tuple[bool, Any]] = {}
         pending = group
         while pending:
             # Each retry drops the job that lost the transaction, so this ends.
             pending = self._try_group(conn, db, pending, final)
+        read_only = False
+        outcomes: list[tuple[_Job[Any], bool, Any]] = []
+        for job in group:
+            ok, value = final[id(job)]
+            fault = None if ok else storage_fault(value)
+            if fault is not None:
+                cause = value
+                read_only = read_only or (cause.sqlite_errorcode & 0xFF) == _SQLITE_READONLY
+                self.faults.refused(str(fault))
+                value = fault
+            outcomes.append((job, ok, value))
         # Settled in queue order whatever the retries: appends queued in order resolve in order.
-        self._resolve([(job, *final[id(job)]) for job in group])
+        self._resolve(outcomes)
+        return read_only
 
     def _try_group(
         self,
@@ -298,6 +377,7 @@ class SQLiteDatabase:
         committed_undos: list[Callable[[], None]] = []
         ops = 0
         began = time.perf_counter()
+        changes = conn.total_changes
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
@@ -369,6 +449,8 @@ class SQLiteDatabase:
         else:
             self.groups_committed += 1
             self.jobs_committed += sum(1 for _, ok, _ in outcomes if ok)
+            if conn.total_changes != changes:  # a write reached disk: the storage takes them
+                self.faults.wrote()
             if ops and self.on_group_commit is not None:
                 try:
                     self.on_group_commit(time.perf_counter() - began, ops)

@@ -16,9 +16,11 @@ from cv_server.stores import DatabaseUnusable
 
 __all__ = [
     "create_schema",
+    "probe_write",
     "read_sqlite_token_secret",
     "rotate_sqlite_token_secret",
     "sqlite_token_secret",
+    "stored_sqlite_token_secret",
 ]
 
 
@@ -56,6 +58,31 @@ async def sqlite_token_secret(db: SQLiteDatabase) -> bytes:
         return bytes(row[0])
 
     return await db.write(get_or_create)
+
+
+async def probe_write(db: SQLiteDatabase) -> None:
+    """One small committed write (a `write_probe` row of its own, which nothing reads): it
+    succeeds only while the file takes writes (`/readyz` after a storage fault). Raises
+    `StorageUnavailable` when it does not."""
+
+    def probe(tx: Transaction) -> None:
+        tx.execute(
+            "INSERT OR REPLACE INTO server_meta (key, value) VALUES ('write_probe', ?)",
+            (new_secret(),),
+        )
+
+    await db.write(probe)
+
+
+async def stored_sqlite_token_secret(db: SQLiteDatabase) -> bytes | None:
+    """The secret stored in the open database, or None: read only, for a server that starts on
+    a file it may not write (the secret it would create could not be kept)."""
+
+    def read(conn: sqlite3.Connection) -> bytes | None:
+        row = conn.execute("SELECT value FROM server_meta WHERE key = 'token_secret'").fetchone()
+        return None if row is None else bytes(row[0])
+
+    return await db.read(read)
 
 
 @_driver_errors_translated

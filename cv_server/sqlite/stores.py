@@ -10,6 +10,8 @@ the driver to report them (pinned by
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import sqlite3
 from pathlib import Path
@@ -25,6 +27,7 @@ from cv_server.sqlite import meta
 from cv_server.sqlite import oplog as oplog_sqlite
 from cv_server.sqlite import queue as queue_sqlite
 from cv_server.sqlite.engine import SQLiteDatabase
+from cv_server.storage_faults import StorageUnavailable
 from cv_server.stores import DatabaseUnusable, Stores, translating
 
 __all__ = [
@@ -34,6 +37,8 @@ __all__ = [
     "open_sqlite_stores",
     "set_up_sqlite_database",
 ]
+
+log = logging.getLogger(__name__)
 
 #: The SQLite schema this code creates, stamped in the file's `PRAGMA user_version`.
 SQLITE_SCHEMA_VERSION: Final = 1
@@ -118,6 +123,34 @@ async def set_up_sqlite_database(path: Path) -> None:
         await db.close()
 
 
+async def _start_up_writes(
+    db: SQLiteDatabase,
+    idempotency: idempotency_sqlite.SQLiteIdempotencyStore,
+    config: ServerConfig,
+) -> bytes:
+    """The writes of a start, and the token secret. On a file the storage refuses writes to
+    (read-only, full) the server still starts and serves reads, its writes answered 503
+    `storage_unavailable` until the file takes them (docs/operating.md, "Storage faults"); only
+    a file with no secret yet, which cannot be given one, is refused."""
+    # The embedded server is the only process serving its file (`cv-server serve` holds
+    # `hold_serving_lock`): at start nothing is running.
+    try:
+        await idempotency.abandon_all_in_progress()
+    except StorageUnavailable as fault:
+        log.warning("%s: keys left in progress by the last run stay so: %s", db.path, fault)
+    if config.token_secret is not None:
+        return config.token_secret
+    try:
+        return await meta.sqlite_token_secret(db)
+    except StorageUnavailable as fault:
+        stored = await meta.stored_sqlite_token_secret(db)
+        if stored is None:
+            raise DatabaseUnusable(
+                f"{db.path} has no token secret and cannot get one: {fault}"
+            ) from fault
+        return stored
+
+
 @_driver_errors_translated
 async def open_sqlite_stores(config: ServerConfig) -> Stores:
     """Every store of the embedded server, on the one file `config.db_path`."""
@@ -133,15 +166,14 @@ async def open_sqlite_stores(config: ServerConfig) -> Stores:
     )
     blobs = blobs_sqlite.SQLiteBlobStore(db, retention=config.blob_retention_seconds)
     locks = locks_sqlite.SQLiteComputeLockStore(db)
-    # The embedded server is the only process serving its file (`cv-server serve` holds
-    # `hold_serving_lock`): at start nothing is running.
     try:
-        await idempotency.abandon_all_in_progress()
-        secret = config.token_secret or await meta.sqlite_token_secret(db)
+        secret = await _start_up_writes(db, idempotency, config)
     except BaseException:
         await db.close()
         raise
     return Stores(
+        faults=db.faults,
+        probe_write=functools.partial(meta.probe_write, db),
         oplog=oplog,
         queue=queue,
         idempotency=idempotency,

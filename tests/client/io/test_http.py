@@ -441,6 +441,7 @@ EXPECTED: dict[str, type[WorkspaceError]] = {
     "result_too_large": InvalidRequestError,
     "internal": ServerError,
     "unavailable": ServerError,
+    "storage_unavailable": ServerError,
 }
 #: A websocket `error` frame (no status) maps each code as an HTTP answer does: one reading of
 #: problems for every call (`error_from_problem`).
@@ -498,7 +499,9 @@ def test_every_code_the_server_sends_is_listed_and_mapped_to_its_typed_error() -
             assert type(error) is EXPECTED[code], (status, code)
             assert type(error_from_problem(status, body)) is EXPECTED_FRAME[code], (status, code)
         assert error.code == code
-        assert error.retryable == (code in ("rate_limited", "internal", "unavailable"))
+        assert error.retryable == (
+            code in ("rate_limited", "internal", "unavailable", "storage_unavailable")
+        )
 
 
 def test_every_problem_the_server_answers_has_a_title_of_its_own() -> None:
