@@ -302,6 +302,7 @@ class SQLiteDatabase:
 
     def _writer_loop(self, db: sqlite_utils.Database) -> None:
         stopping = False
+        read_only = False
         while not stopping:
             first = self._jobs.get()
             if first is _STOP:
@@ -317,6 +318,10 @@ class SQLiteDatabase:
                     stopping = True
                     break
                 group.append(nxt)
+            if read_only:
+                # Reopened when the next write comes, not when the refusal happened: the file
+                # may have become writable in between (tests/acceptance/test_storage_faults.py).
+                db = self._reopen()
             try:
                 read_only = self._commit_group(self._conn, db, group)
             except sqlite3.Error as exc:
@@ -329,8 +334,6 @@ class SQLiteDatabase:
                 logger.warning("a write group failed outside its jobs", exc_info=True)
                 self._fail(group, exc)
                 read_only = True
-            if read_only:
-                db = self._reopen()
 
     def _fail(self, group: list[_Job[Any]], exc: sqlite3.Error) -> None:
         fault = storage_fault(exc)
