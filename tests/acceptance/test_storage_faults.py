@@ -3,14 +3,12 @@
 the storage takes writes again they resume without a restart, with every acknowledged op in the
 log and no refused batch half in it (docs/operating.md, "Storage faults").
 
-The file system is a small tmpfs mounted here (the test environment runs as root). Where mount
-is not permitted the tests skip, unless `CV_REQUIRE_ROOT_MOUNTS=1` makes that a failure.
+The file system is a small tmpfs mounted here (`tests/tmpfs.py`: root, else skipped unless
+`CV_REQUIRE_ROOT_MOUNTS=1`).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +19,7 @@ import pytest
 
 from cv_mutations import new_op_id
 from tests.acceptance.procs import ServerProcess, create_sqlite_database, free_port, mint_cli_token
+from tests.tmpfs import mounted_tmpfs, run, unavailable
 
 pytestmark = pytest.mark.acceptance
 
@@ -38,31 +37,10 @@ MAX_BATCHES: Final = 2000
 DEADLINE_S: Final = 120.0
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(args), capture_output=True, text=True, timeout=30, check=False)
-
-
-def _unavailable(reason: str) -> None:
-    if os.environ.get("CV_REQUIRE_ROOT_MOUNTS") == "1":
-        pytest.fail(f"CV_REQUIRE_ROOT_MOUNTS=1 but {reason}")
-    pytest.skip(reason)
-
-
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A fresh tmpfs of `TMPFS_BYTES` at a directory of its own, unmounted afterwards."""
-    where = tmp_path / "tmpfs"
-    where.mkdir()
-    mounted = _run(
-        "mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES},mode=0700", "tmpfs", str(where)
-    )
-    if mounted.returncode != 0:
-        _unavailable(f"cannot mount a tmpfs (needs root): {mounted.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "tmpfs", TMPFS_BYTES) as where:
         yield where
-    finally:
-        _run("chattr", "-i", *(str(p) for p in where.iterdir()))
-        _run("umount", "-l", str(where))
 
 
 def _batch() -> list[dict[str, Any]]:
@@ -171,7 +149,8 @@ async def test_a_full_disk_answers_503_serves_reads_and_recovers_when_space_retu
                 for line in metrics.splitlines()
                 if line.startswith("cv_storage_writes_refused_total ")
             ]
-            assert refusals and float(refusals[0].split()[1]) >= 1, refusals
+            assert refusals, metrics
+            assert float(refusals[0].split()[1]) >= 1, refusals
 
             # Space comes back: ready again and writes resume, in the same process.
             filler.unlink()
@@ -185,7 +164,8 @@ async def test_a_full_disk_answers_503_serves_reads_and_recovers_when_space_retu
             entries = await _log(session, server.url)
             _assert_log_is_what_was_acknowledged(entries, writer)
             assert {op["op_id"] for op in refused_ops} <= {e["op_id"] for e in entries}
-        assert server.proc is not None and server.proc.poll() is None  # never restarted
+        assert server.proc is not None
+        assert server.proc.poll() is None  # never restarted
     finally:
         server.stop()
     assert time.monotonic() - started < DEADLINE_S
@@ -207,9 +187,9 @@ async def test_a_read_only_database_file_serves_reads_and_refuses_writes_with_50
             assert (await writer.post(_batch()))[0] == 200
         assert server.terminate() == 0
         # Immutable even for root: SQLite can only open the file read-only.
-        made_read_only = _run("chattr", "+i", str(db))
+        made_read_only = run("chattr", "+i", str(db))
         if made_read_only.returncode != 0:
-            _unavailable(f"chattr +i is not supported here: {made_read_only.stderr.strip()}")
+            unavailable(f"chattr +i is not supported here: {made_read_only.stderr.strip()}")
         server.start()
         async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
             writer.session = session
@@ -224,7 +204,7 @@ async def test_a_read_only_database_file_serves_reads_and_refuses_writes_with_50
             assert (status, ready["code"]) == (503, "storage_unavailable"), ready
 
             # Writable again: the writer opens the file anew, no restart.
-            assert _run("chattr", "-i", str(db)).returncode == 0
+            assert run("chattr", "-i", str(db)).returncode == 0
             status, ready = await _readyz(session, server.url)
             assert status == 200, ready
             assert (await writer.post(_batch()))[0] == 200
