@@ -8,15 +8,19 @@ by a ballast file: a write needs the WAL to grow, and it cannot.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Final
+from urllib.parse import urlparse, urlunparse
 
+import asyncpg  # type: ignore[import-untyped]
 import pytest
 from aiohttp.test_utils import TestClient
 
 from cv_mutations import new_op_id
 from cv_server import ServerConfig, create_app
+from cv_server.keys import STORES
 from tests.server.conftest import SECRET, ClientFactory, auth
 from tests.server.helpers import claim, enqueue
 from tests.tmpfs import fill, mounted_tmpfs
@@ -127,3 +131,45 @@ async def test_every_write_verb_answers_503_on_a_full_disk_and_works_once_space_
         assert resp.status in (200, 201, 202), (path, await resp.text())
     log = await client.get(OPS, headers=H, params={"since": 0})
     assert (await log.json())["clock"] == 3  # the first, the socket's, the last: none refused
+
+
+@pytest.mark.postgres
+async def test_postgresql_refusing_writes_answers_503_serves_reads_and_recovers(
+    postgres_url: str, aiohttp_client: ClientFactory
+) -> None:
+    """A database of its own, made read-only by `default_transaction_read_only` (25006, as a
+    standby or an operator's freeze answers): nothing leaks to other tests' databases."""
+    name = f"cv_faults_{secrets.token_hex(4)}"
+    admin = await asyncpg.connect(postgres_url)
+    await admin.execute(f"CREATE DATABASE {name}")
+    try:
+        url = urlunparse(urlparse(postgres_url)._replace(path=f"/{name}"))
+        client = await aiohttp_client(
+            create_app(ServerConfig(database_url=url, token_secret=SECRET))
+        )
+        pool = client.app[STORES].oplog.pool
+        assert (await client.post(OPS, json={"ops": [_insert()]}, headers=H)).status == 200
+
+        await admin.execute(f"ALTER DATABASE {name} SET default_transaction_read_only = on")
+        await pool.expire_connections()  # new sessions take the database's setting
+        await _refused(await client.post(OPS, json={"ops": [_insert()]}, headers=H))
+        await _refused(
+            await client.post(REQUESTS, json={"stage": "evaluate", "job_id": "J"}, headers=H)
+        )
+        state = await client.get("/v1/workspaces/ws1/docs/a", headers=H)
+        assert state.status == 200
+        assert (await state.json())["clock"] == 1
+        ready = await client.get("/readyz")
+        assert ready.status == 503
+        assert (await ready.json(content_type=None))["code"] == "storage_unavailable"
+
+        await admin.execute(f"ALTER DATABASE {name} RESET default_transaction_read_only")
+        await pool.expire_connections()
+        assert (await client.get("/readyz")).status == 200
+        assert (await client.post(OPS, json={"ops": [_insert()]}, headers=H)).status == 200
+        log = await client.get(OPS, headers=H, params={"since": 0})
+        assert (await log.json())["clock"] == 2
+        await client.close()
+    finally:
+        await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        await admin.close()
