@@ -59,7 +59,10 @@ class ServerConfig:
     max_dequeues: int = 5
     waiter_deadline_seconds: float = 60.0
     #: Request waiters re-read their rows this often; on PostgreSQL the LISTEN connection must
-    #: also answer a trivial query this often (a silently dead one is replaced).
+    #: also answer a trivial query this often (a silently dead one is replaced). Also the
+    #: `Retry-After` of `503 storage_unavailable` (docs/operating.md, "Storage faults"): the
+    #: server's own re-check cadence, since a full disk or a read-only file is fixed by an
+    #: operator, not within a second, and 5 s keeps every client's retries from hammering it.
     sweep_seconds: float = 5.0
     blob_retention_seconds: float = 24 * 3600.0
     #: Expired blobs and idempotency keys are reaped this often (hourly).

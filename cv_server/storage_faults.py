@@ -35,7 +35,7 @@ class StorageFaults:
     Thread-safe: the SQLite writer thread records its outcomes here, the event loop reads them.
     `refused()` after a refusal, `wrote()` after a write reached disk: `fault` is the reason of
     the last refusal not yet followed by a successful write (None when writes work), which
-    `/readyz` reports (tests/server/test_storage_faults.py).
+    `/readyz` reports (tests/server/http/test_storage_faults_http.py).
     """
 
     def __init__(self) -> None:

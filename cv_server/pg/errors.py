@@ -33,7 +33,7 @@ STORAGE_SQLSTATES: Final = frozenset({"53100", "53000", "25006", "58030"})
 def storage_fault(exc: BaseException) -> StorageUnavailable | None:
     """`exc` as a `StorageUnavailable` (the driver's error chained) if PostgreSQL refused it for
     storage, else None. Duck-typed on `sqlstate`, as asyncpg's errors carry it, so the seam
-    never imports the driver (tests/contract/test_storage_faults_contract.py)."""
+    never imports the driver (tests/server/http/test_storage_faults_http.py)."""
     if isinstance(exc, StorageUnavailable):
         return exc
     sqlstate = getattr(exc, "sqlstate", None)

@@ -16,7 +16,7 @@ A storage fault (disk full, read-only file, I/O error) fails the jobs it touched
 `StorageUnavailable` and leaves the writer serving: the transaction is rolled back, the next group
 begins afresh (and after a read-only refusal on a newly opened connection, since SQLite opens a
 file it may not write read-only for good), so writes resume by themselves once the disk has room
-again (tests/server/test_storage_faults.py, tests/acceptance/test_storage_faults.py).
+again (tests/server/http/test_storage_faults_http.py, tests/acceptance/test_storage_faults.py).
 """
 
 from __future__ import annotations
