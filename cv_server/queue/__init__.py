@@ -31,6 +31,7 @@ from cv_server.queue.idempotency import (
 from cv_server.queue.model import (
     FINISHED_STATUSES,
     LIVE_STATUSES,
+    PURGED_STATUSES,
     STATUSES,
     CacheOutcome,
     ClaimAsk,
@@ -44,11 +45,12 @@ from cv_server.queue.model import (
     deterministic_request_id,
     random_request_id,
 )
-from cv_server.queue.store import QueueListener, QueueStore
+from cv_server.queue.store import Purged, QueueListener, QueueStore
 
 __all__ = [
     "FINISHED_STATUSES",
     "LIVE_STATUSES",
+    "PURGED_STATUSES",
     "STATUSES",
     "BeginOutcome",
     "BlobStore",
@@ -68,6 +70,7 @@ __all__ = [
     "NotCancellable",
     "Owned",
     "ProcessRequest",
+    "Purged",
     "QueueError",
     "QueueListener",
     "QueueStore",
