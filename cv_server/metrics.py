@@ -145,6 +145,9 @@ class Metrics:
         self.queue_replayed = counter(
             "cv_queue_replayed_total", "Poison requests put back in the queue by an operator."
         )
+        self.queue_discarded = counter(
+            "cv_queue_discarded_total", "Poison requests deleted by an operator (discard)."
+        )
         self.queue_wait = histogram(
             "cv_queue_wait_seconds",
             "From a request becoming claimable (enqueue, retry, replay) to its claim.",

@@ -32,6 +32,7 @@ from cv_server.queue.errors import (
     InvalidTransition,
     LeaseLost,
     NotCancellable,
+    NotDiscardable,
     QueueError,
     RequestCancelled,
     RequestIdConflict,
@@ -782,7 +783,7 @@ def discard_poison(row: ProcessRequest) -> ProcessRequest:
     row may, since a live one has a worker or a queue place and a done or cancelled one is
     deleted by the background pass. Returns the row as it was."""
     if row.status != "poison":
-        raise InvalidTransition(f"request {row.request_id!r} is {row.status}, not poison")
+        raise NotDiscardable(f"request {row.request_id!r} is {row.status}, not poison")
     return row
 
 

@@ -416,7 +416,7 @@ class QueueStore(abc.ABC):
         was (still `poison`). Nothing is announced: a poison row is finished, so no waiter and
         no worker is left to hear of it. A later enqueue of its id makes a new row.
 
-        Raises `RequestNotFound`, or `InvalidTransition` if the request is not poison.
+        Raises `RequestNotFound`, or `NotDiscardable` if the request is not poison.
         """
 
     @abc.abstractmethod

@@ -14,7 +14,7 @@ import pytest
 
 from cv_server.queue import (
     BlobStore,
-    InvalidTransition,
+    NotDiscardable,
     ProcessRequest,
     Purged,
     QueueStore,
@@ -37,7 +37,8 @@ class QueueLifecycleContract:
     ) -> tuple[ProcessRequest, str | None]:
         await store.enqueue(request(job), at)
         held = await store.claim(STAGE, "w", LEASE, at)
-        assert held is not None and held.job_id == job
+        assert held is not None
+        assert held.job_id == job
         ref = None if blob is None else await blob.put(WS, b"big result", at)
         await store.complete(held.request_id, held.claim_token or "", None, at, blob_ref=ref)
         return held, ref
@@ -45,7 +46,8 @@ class QueueLifecycleContract:
     async def _poison(self, store: QueueStore, job: str, at: float) -> ProcessRequest:
         await store.enqueue(request(job, max_dequeues=1), at)
         held = await store.claim(STAGE, "w", LEASE, at)
-        assert held is not None and held.job_id == job
+        assert held is not None
+        assert held.job_id == job
         row = await store.fail(held.request_id, held.claim_token or "", {"e": 1}, BACKOFF, at)
         assert row.status == "poison"
         return row
@@ -63,14 +65,16 @@ class QueueLifecycleContract:
 
         assert await store.purge_finished(25.0, limit=1) == Purged(requests=1, blobs=1)
         assert await store.get(WS, done_old.request_id) is None  # the oldest went first
-        assert ref_old is not None and await blob_store.get(WS, ref_old, 11.0) is None
+        assert ref_old is not None
+        assert await blob_store.get(WS, ref_old, 11.0) is None
         assert await store.purge_finished(25.0, limit=10) == Purged(requests=1, blobs=0)
         assert await store.get(WS, cancelled.request_id) is None
         assert await store.purge_finished(25.0, limit=10) == Purged(requests=0, blobs=0)
         # Finished later, live, or poison: kept, as are blobs no purged row names.
         for row in (done_new, poison, pending):
             assert await store.get(WS, row.request_id) is not None
-        assert ref_new is not None and await blob_store.get(WS, ref_new, 31.0) == b"big result"
+        assert ref_new is not None
+        assert await blob_store.get(WS, ref_new, 31.0) == b"big result"
         assert await blob_store.get(WS, kept, 2.0) == b"another's"
         assert await store.purge_finished(30.0, limit=10) == Purged(requests=1, blobs=1)
         assert {r.status for r in await store.list()} == {"poison", "pending"}
@@ -85,7 +89,8 @@ class QueueLifecycleContract:
         fresh, coalesced = await store.enqueue(request("job"), 30.0)
         assert (fresh.request_id, fresh.status, coalesced) == (done.request_id, "pending", False)
         held = await store.claim(STAGE, "w", LEASE, 30.0)
-        assert held is not None and held.request_id == done.request_id  # it runs again
+        assert held is not None
+        assert held.request_id == done.request_id
 
     async def test_concurrent_purges_delete_each_row_once(
         self, store: QueueStore, peer_store: QueueStore
@@ -136,7 +141,7 @@ class QueueLifecycleContract:
         done, _ = await self._done(store, "done", 1.0)
         pending, _ = await store.enqueue(request("pending"), 1.0)
         for row in (done, pending):
-            with pytest.raises(InvalidTransition):
+            with pytest.raises(NotDiscardable):
                 await store.discard_poison(row.request_id)
             assert await store.get(WS, row.request_id) is not None
         with pytest.raises(RequestNotFound):
