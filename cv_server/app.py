@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import re
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final
 
@@ -38,8 +37,8 @@ from cv_server.keys import (
 )
 from cv_server.metrics import CONTENT_TYPE, Metrics
 from cv_server.ratelimit import RateLimits
+from cv_server.reaper import reap_forever
 from cv_server.secret import TokenSecret
-from cv_server.stores import Stores
 from cv_server.waiters import Waiters, WorkSignals
 
 __all__ = ["create_app"]
@@ -148,7 +147,7 @@ async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
         "Clients waiting on a request's outcome (streams, this process).",
         lambda: waiters.count,
     )
-    reaper = asyncio.create_task(_reap_forever(stores, config.reap_seconds))
+    reaper = asyncio.create_task(reap_forever(stores, config, metrics))
     app[STATE].ready = True
     log.info("stores open, serving", extra={"step": "ready"})
     yield
@@ -162,18 +161,6 @@ async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
     # In-flight commits finished before cleanup (the runner waited for handlers); now flush.
     await stores.close()
     log.info("stores closed", extra={"step": "stores_closed"})
-
-
-async def _reap_forever(stores: Stores, every: float) -> None:
-    """Delete expired idempotency keys and blobs (on a schedule, not by index alone)."""
-    while True:
-        await asyncio.sleep(every)
-        try:
-            now = time.time()
-            await stores.idempotency.sweep(now, limit=10_000)
-            await stores.blobs.sweep(now, limit=10_000)
-        except Exception:  # a failed sweep is retried next time; it must never stop the server
-            log.exception("reaping expired keys and blobs failed")
 
 
 async def _on_shutdown(app: web.Application) -> None:

@@ -65,8 +65,26 @@ class ServerConfig:
     #: operator, not within a second, and 5 s keeps every client's retries from hammering it.
     sweep_seconds: float = 5.0
     blob_retention_seconds: float = 24 * 3600.0
-    #: Expired blobs and idempotency keys are reaped this often (hourly).
+    #: `done` and `cancelled` request rows (and the result blobs they name) are deleted this
+    #: long after they finished; 0 keeps them forever. `poison` rows stay until an operator
+    #: replays or discards them. Seven days, the SDK outbox's retention, not the 24 h of blobs
+    #: and idempotency keys: a row is small (a large result lives in a blob, which still goes
+    #: after 24 h) and it is what a client that comes back reads to learn how its request
+    #: ended, so it lasts as long as the client's own record of what it sent. It is also the
+    #: coalescing window of a deterministic re-enqueue (docs/queue.md): after it, the same
+    #: enqueue runs the stage again, and the compute lock's pre-flight check is what keeps the
+    #: expensive call from repeating (docs/stages.md).
+    request_retention_seconds: float = 7 * 24 * 3600.0
+    #: Expired blobs, idempotency keys, request rows past their retention and dead compute
+    #: locks are reaped this often (hourly). A pass deletes in batches until one comes back
+    #: short; one that is still behind after a minute starts its next pass at once.
     reap_seconds: float = 3600.0
+    #: Rows one reaping batch deletes at most (one short transaction each). 1,000: on SQLite a
+    #: batch holds the single writer (and the op-log commits queued behind it) for a few
+    #: milliseconds; on PostgreSQL each batch commits on its own, so no long transaction holds
+    #: back autovacuum's horizon, and a pass still deletes an hour's worth of a busy queue
+    #: (thousands of rows) in seconds (docs/operating.md, "Queue rows").
+    reap_batch_size: int = 1000
     #: A result whose JSON is larger than this goes to the blob store; the row keeps a reference.
     blob_threshold_bytes: int = 64 * 1024
     #: The largest result a stage may complete with (its JSON, uploaded to the blob store, see
@@ -131,5 +149,12 @@ class ServerConfig:
 
 
 #: Settings for which 0 means something: retry a failed request at once, keep no result inline
-#: (every result to the blob store), drain nothing at shutdown.
-_MAY_BE_ZERO = frozenset({"failure_backoff_seconds", "blob_threshold_bytes", "drain_seconds"})
+#: (every result to the blob store), drain nothing at shutdown, keep finished requests forever.
+_MAY_BE_ZERO = frozenset(
+    {
+        "failure_backoff_seconds",
+        "blob_threshold_bytes",
+        "drain_seconds",
+        "request_retention_seconds",
+    }
+)

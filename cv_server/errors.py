@@ -15,7 +15,8 @@ nothing, so every module can use the root without an import cycle. The tree:
     │   ├── RequestIdConflict
     │   ├── IdempotencyKeyLost
     │   ├── RequestCancelled
-    │   └── NotCancellable
+    │   ├── NotCancellable
+    │   └── NotDiscardable
     ├── DatabaseUnusable             cv_server.stores: this process cannot serve the database
     │   ├── MigrationError           (also a PostgresBackendError)
     │   ├── PostgresRefused          (also a PostgresBackendError)

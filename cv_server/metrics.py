@@ -150,6 +150,9 @@ class Metrics:
         self.queue_replayed = counter(
             "cv_queue_replayed_total", "Poison requests put back in the queue by an operator."
         )
+        self.queue_discarded = counter(
+            "cv_queue_discarded_total", "Poison requests deleted by an operator (discard)."
+        )
         self.queue_wait = histogram(
             "cv_queue_wait_seconds",
             "From a request becoming claimable (enqueue, retry, replay) to its claim.",
@@ -169,6 +172,22 @@ class Metrics:
         self.lock_expired = counter(
             "cv_lock_expired_total",
             "Compute-lock releases refused: the lock had expired and was no longer the holder's.",
+        )
+        # -- storage over time (the background pass, `cv_server.reaper`)
+        self.reaped_rows = counter(
+            "cv_reaped_rows_total",
+            "Rows the background pass deleted, by kind (idempotency_keys, blobs, requests,"
+            " compute_locks).",
+            labelnames=("kind",),
+        )
+        self.reap_pass_rows = Gauge(
+            "cv_reap_pass_rows",
+            "Rows the last background pass of this process deleted, by kind.",
+            labelnames=("kind",),
+            registry=self.registry,
+        )
+        self.reap_pass_seconds = histogram(
+            "cv_reap_pass_seconds", "Duration of one background pass.", buckets=_SLOW_SECONDS
         )
         # -- worker telemetry (sent with `complete`)
         self.provider_calls = counter(
@@ -252,6 +271,13 @@ class Metrics:
         """Every status in `statuses` is exported, 0 when absent from `counts`."""
         for status in {*statuses, *counts}:
             self.queue_requests.labels(status).set(counts.get(status, 0))
+
+    def record_reap(self, deleted: Mapping[str, int], seconds: float) -> None:
+        """One background pass: rows deleted per kind, and its duration."""
+        for kind, rows in deleted.items():
+            self.reaped_rows.labels(kind).inc(rows)
+            self.reap_pass_rows.labels(kind).set(rows)
+        self.reap_pass_seconds.observe(seconds)
 
     def record_telemetry(self, stage: str, telemetry: Any) -> None:
         """Export what a worker reported with `complete`. Fire-and-forget: telemetry of any

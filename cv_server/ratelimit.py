@@ -8,10 +8,10 @@ route class of a request, the token it carries, and answers 429 when the bucket 
 Route classes: `ops` (`POST .../docs/{sub_doc}/ops`, and `apply` frames on an open websocket),
 `reads` (sub-doc state and log, request rows and streams, blobs), `enqueue` (`POST
 .../requests`), `claim` (claims, the pending count and the request list: what an idle worker
-polls), `queue` (heartbeat, result upload, complete, fail, cancel, replay: what finishes work, in a
-bucket of its own so a worker's polling can never starve its own completions and lose the
-lease), `locks` (compute lock acquire/release), `socket` (the websocket handshake). Health,
-readiness and metrics are never limited.
+polls), `queue` (heartbeat, result upload, complete, fail, cancel, replay, discard: what
+finishes work, in a bucket of its own so a worker's polling can never starve its own
+completions and lose the lease), `locks` (compute lock acquire/release), `socket` (the
+websocket handshake). Health, readiness and metrics are never limited.
 
 Only requests with a valid token are counted, keyed by that token: one without (or with a forged
 one) is answered 401 by its route and costs nothing, and keys cannot be made up without the

@@ -18,7 +18,7 @@
   const RETRY_CAP_S = 300;
   const MAX_OPS_SHOWN = 200; // the live stream keeps its newest lines only
   const MAX_FINISHED_SHOWN = 10; // requests seen finishing while the page watched
-  // A replay or cancel asks first; unanswered, the question lapses after this long.
+  // A replay, discard or cancel asks first; unanswered, the question lapses after this long.
   const CONFIRM_S = 10;
   const CHART_POINTS = 60;
   // The queue-wait and stage charts plot the mean over the last few refreshes, not the last one
@@ -467,7 +467,9 @@
       tr.cells[2].className = "status";
       tr.cells[6].className = "error";
       const actions = document.createElement("td");
-      if (row.status === "poison") actions.append(...actionButtons("replay", row));
+      if (row.status === "poison") {
+        actions.append(...actionButtons("replay", row), ...actionButtons("discard", row));
+      }
       // In progress, a cancel is a request the holder acts on at its next heartbeat: once asked,
       // asking again changes nothing.
       const cancellable = row.status === "pending" || row.status === "in_progress";
@@ -496,7 +498,7 @@
     renderQueue();
   }
 
-  /** A row's replay or cancel: the first click asks ("Confirm cancel?", with "keep" beside it),
+  /** A row's replay, discard or cancel: the first click asks ("Confirm cancel?", with "keep" beside it),
    * the second acts. The question is kept in `state.confirming`, not in the button, so it
    * survives the table being redrawn on each refresh, until it is answered or lapses. */
   function actionButtons(action, row) {
@@ -520,9 +522,15 @@
       button.disabled = true;
       keep.disabled = true;
       try {
-        await api(`${wsPath()}/requests/${encodeURIComponent(row.request_id)}/${action}`, {
-          method: "POST",
-        });
+        const answer = await api(
+          `${wsPath()}/requests/${encodeURIComponent(row.request_id)}/${action}`,
+          { method: "POST" },
+        );
+        if (action === "discard") {
+          // The row is deleted: no later read finds it, so it is shown here, as discarded.
+          state.requests.delete(row.request_id);
+          state.finished.set(row.request_id, { ...answer, status: "discarded" });
+        }
         showError("");
       } catch (error) {
         if (error instanceof StaleAnswer) return;

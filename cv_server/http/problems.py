@@ -55,6 +55,7 @@ CODES: Final[Mapping[str, str]] = {
     "request_id_conflict": "The request id is taken by a different request",
     "cancelled": "The request was cancelled: stop working on it",
     "not_cancellable": "The request already finished: there is nothing to cancel",
+    "not_discardable": "Only a poison request may be discarded",
     "result_too_large": "The result is larger than the server's max_result_bytes",
     "internal": "Internal server error",
     "unavailable": "The server is not ready or is shutting down",

@@ -97,6 +97,7 @@ _ERROR_STATUS = {
     "idempotency_key_lost": 409,
     "cancelled": 409,
     "not_cancellable": 409,
+    "not_discardable": 409,
 }
 
 

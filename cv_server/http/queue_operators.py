@@ -1,5 +1,5 @@
 """HTTP routes of the queue's operators: list requests by status and workspace, put a poison
-request back by hand, cancel a request (see docs/queue.md)."""
+request back by hand or discard it, cancel a request (see docs/queue.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from cv_server.http.openapi import Doc, Param, documented
 from cv_server.http.problems import Problem
 from cv_server.http.queue import NOT_FOUND_PROBLEMS, queue_problem, row_json, row_of, storable
 from cv_server.http.security import authenticate
-from cv_server.keys import STORES
+from cv_server.keys import METRICS, STORES
 from cv_server.queue import STATUSES, QueueError
 
 __all__ = ["routes"]
@@ -107,6 +107,30 @@ async def replay(request: web.Request) -> web.Response:
     except QueueError as exc:
         raise queue_problem(exc) from None
     return web.json_response(await row_json(request, after))
+
+
+@routes.post("/v1/workspaces/{ws}/requests/{id}/discard")
+@documented(
+    Doc(
+        "Operators: delete a poison request (and its result blob) instead of replaying it",
+        {200: QueueRequest},
+        problems={**NOT_FOUND_PROBLEMS, 409: ("not_discardable",)},
+        tag="operators",
+    )
+)
+async def discard(request: web.Request) -> web.Response:
+    """Delete a poison request for good; answer the row as it was (`status: poison`). Fenced as
+    `replay` is: the token must grant the workspace, and the request must be of it. Only poison
+    is discarded (409 `not_discardable` otherwise: a done or cancelled row goes by itself after
+    `request_retention_seconds`, a live one must be cancelled first). A second discard answers
+    404: the row is gone, and an enqueue of its id makes a new one. See docs/queue.md."""
+    row = await row_of(request)
+    try:
+        before = await request.app[STORES].queue.discard_poison(row.request_id)
+    except QueueError as exc:
+        raise queue_problem(exc) from None
+    request.app[METRICS].queue_discarded.inc()
+    return web.json_response(await row_json(request, before))
 
 
 @routes.post("/v1/workspaces/{ws}/requests/{id}/cancel")

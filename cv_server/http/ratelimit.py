@@ -47,6 +47,7 @@ ROUTE_CLASS_OF: Final[dict[tuple[str, str], RouteClass]] = {
     ("POST", f"{_WS}/requests/{{id}}/complete"): "queue",
     ("POST", f"{_WS}/requests/{{id}}/fail"): "queue",
     ("POST", f"{_WS}/requests/{{id}}/replay"): "queue",
+    ("POST", f"{_WS}/requests/{{id}}/discard"): "queue",
     ("POST", f"{_WS}/requests/{{id}}/result"): "queue",
     ("POST", f"{_WS}/requests/{{id}}/cancel"): "queue",
     ("POST", f"{_WS}/locks/acquire"): "locks",

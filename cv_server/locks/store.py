@@ -159,6 +159,20 @@ class ComputeLockStore(abc.ABC):
         """`list_live` once its arguments are checked: keys after `(job_after, task_after)`
         (`("", "")`: from the first), at most `limit` (>= 0)."""
 
+    async def sweep(self, now: float, *, limit: int) -> int:
+        """Delete at most `limit` dead locks (`expires_at <= now`) of any key, in one short
+        transaction; return how many. The background pass (`cv_server.reaper`) calls it in a
+        loop until a batch comes back short, so dead rows of keys nobody acquires again do
+        not pile up between acquisitions. A live lock is never touched. Raises `ValueError`
+        if `limit < 1`."""
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1: {limit!r}")
+        return await self._sweep_dead(now, limit)
+
+    @abc.abstractmethod
+    async def _sweep_dead(self, now: float, limit: int) -> int:
+        """`sweep` once its limit is checked."""
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Release the store's own resources (a shared database is closed by its owner)."""

@@ -80,6 +80,19 @@ WITH {_SWEEP_CTE}
 DELETE FROM {TABLE} WHERE {_KEY} AND token = $6
 """
 
+# $1: now, $2: limit. Rows another transaction holds are skipped: the background pass never
+# waits on an acquirer, nor two instances' passes on each other.
+_SWEEP_DEAD: Final = f"""
+DELETE FROM {TABLE} d
+USING (
+    SELECT workspace_id, job_id, task FROM {TABLE}
+    WHERE expires_at <= $1
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+) dead
+WHERE (d.workspace_id, d.job_id, d.task) = (dead.workspace_id, dead.job_id, dead.task)
+"""
+
 #: The database server's clock: the one every instance shares (`ComputeLockStore.clock`).
 #: clock_timestamp, not now(): the time of the reading, not of some transaction's start.
 _CLOCK: Final = "SELECT extract(epoch FROM clock_timestamp())::float8"
@@ -193,6 +206,14 @@ class PostgresComputeLockStore(ComputeLockStore):
             )
             for row in rows
         ]
+
+    async def _sweep_dead(self, now: float, limit: int) -> int:
+        async def attempt() -> str:
+            async with self._pool.acquire() as conn:
+                status: str = await conn.execute(_SWEEP_DEAD, now, limit)
+                return status
+
+        return int((await run_with_retry(attempt, policy=self._retry_policy)).rsplit(" ", 1)[1])
 
     async def close(self) -> None:
         """Nothing to do: the pool belongs to whoever opened it."""

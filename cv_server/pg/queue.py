@@ -61,7 +61,7 @@ from cv_server.queue.model import (
     ThenClaimed,
     TransitionKind,
 )
-from cv_server.queue.store import QueueStore
+from cv_server.queue.store import Purged, QueueStore, check_purge_limit
 from cv_server.shielded import commit_then_announce
 from cv_server.tokens import new_claim_token
 
@@ -234,28 +234,32 @@ class PostgresQueueStore(QueueStore):
             # an existing row is answered as it stands, which needs no lock.
             (payload,) = queue_payloads(self.instance_id, arrived)
             async with self._pool.acquire() as conn:
-                inserted = await conn.fetchrow(
-                    sql.INSERT_NEW_AND_NOTIFY, *values, self.channel, payload
-                )
-                if inserted is not None:
-                    fresh = model.new_row(req, inserted["created_at"])
-                    return Enqueued(fresh, coalesced=False), [RequestEvent.of(fresh, "enqueued")]
-                found = await conn.fetchrow(sql.READ_ONE, req.request_id)
-            existing = _existing(found, req)
-            answer, _ = model.decide_enqueue(existing, req, _at(now, found))
-            return answer, []
+                for _ in range(_MAX_ROUNDS):
+                    inserted = await conn.fetchrow(
+                        sql.INSERT_NEW_AND_NOTIFY, *values, self.channel, payload
+                    )
+                    if inserted is not None:
+                        fresh = model.new_row(req, inserted["created_at"])
+                        enqueued = Enqueued(fresh, coalesced=False)
+                        return enqueued, [RequestEvent.of(fresh, "enqueued")]
+                    found = await conn.fetchrow(sql.READ_ONE, req.request_id)
+                    if found is not None:
+                        answer, _ = model.decide_enqueue(
+                            sql.request_from_row(found), req, _at(now, found)
+                        )
+                        return answer, []
+            raise _vanishing(req)
 
         async def in_transaction() -> tuple[Enqueued, builtins.list[RequestEvent]]:
             async with self._pool.acquire() as conn, conn.transaction():
                 events: builtins.list[RequestEvent] = []
-                inserted = await conn.fetchrow(sql.INSERT_IF_ABSENT, *values)
+                inserted, found = await _insert_or_lock(conn, values, req)
                 if inserted is not None:
                     fresh = model.new_row(req, inserted["created_at"])
                     answer = Enqueued(fresh, coalesced=False)
                     events = [RequestEvent.of(fresh, "enqueued")]
                 else:
-                    found = await conn.fetchrow(sql.LOCK_ONE, req.request_id)
-                    existing = _existing(found, req)
+                    existing = sql.request_from_row(found)
                     answer, write = model.decide_enqueue(
                         existing, req, _at(now, found), rerun=rerun
                     )
@@ -303,12 +307,9 @@ class PostgresQueueStore(QueueStore):
                 # instance's enqueue of it waits on ours), and the rows that existed are locked
                 # before the rule reads them. A deadlock with a batch inserting the same ids in
                 # another order is retried as a whole (`run_with_retry`).
-                inserted = await conn.fetch(
-                    sql.INSERT_MANY, *sql.insert_many_values(templates, now)
-                )
+                inserted, locked = await _insert_or_lock_many(conn, templates, now)
                 new_ids = {row["request_id"] for row in inserted}
                 others = sorted(set(firsts) - new_ids)
-                locked = await conn.fetch(sql.LOCK_MANY, others) if others else []
                 if now is not None:
                     at = now
                 elif inserted:
@@ -523,6 +524,28 @@ class PostgresQueueStore(QueueStore):
     async def cancel(self, request_id: str, now: float | None) -> ProcessRequest:
         return await self._transition(request_id, now, model.cancel, kind="cancelled")
 
+    async def discard_poison(self, request_id: str) -> ProcessRequest:
+        async def attempt() -> tuple[ProcessRequest, builtins.list[RequestEvent]]:
+            async with self._pool.acquire() as conn, conn.transaction():
+                found = await conn.fetchrow(sql.LOCK_ONE, request_id)
+                if found is None:
+                    raise RequestNotFound(f"no request {request_id!r}")
+                row = model.discard_poison(sql.request_from_row(found))
+                await conn.execute(sql.DISCARD, request_id)
+                return row, []
+
+        return await self._write(attempt)
+
+    async def purge_finished(self, before: float, *, limit: int) -> Purged:
+        check_purge_limit(limit)
+
+        async def attempt() -> tuple[Purged, builtins.list[RequestEvent]]:
+            async with self._pool.acquire() as conn:
+                found = await conn.fetchrow(sql.PURGE, before, limit)
+            return Purged(requests=int(found["requests"]), blobs=int(found["blobs"])), []
+
+        return await self._write(attempt)
+
     async def close(self) -> None:
         """Stop listening; the pool belongs to whoever opened it."""
         subscription, self._subscription = self._subscription, None
@@ -574,9 +597,47 @@ def _at(now: float | None, found: Any) -> float:
     return db_now
 
 
-def _existing(found: Any, req: NewRequest) -> ProcessRequest:
-    """The row an enqueue conflicted with. Requests are never deleted, so a conflict always
-    leaves one to read."""
-    if found is None:
-        raise RuntimeError(f"request {req.request_id!r} conflicted but cannot be read")
-    return sql.request_from_row(found)
+#: An enqueue whose id conflicted, then whose row was gone when it read it (purged or
+#: discarded in between, `purge_finished`), inserts again: each round needs another deletion
+#: of the same id in between, so a handful is already far-fetched.
+_MAX_ROUNDS: Final = 8
+
+
+def _vanishing(req: NewRequest) -> RuntimeError:
+    return RuntimeError(f"request {req.request_id!r} was deleted {_MAX_ROUNDS} times in a row")
+
+
+async def _insert_or_lock(
+    conn: asyncpg.Connection, values: Sequence[Any], req: NewRequest
+) -> tuple[Any, Any]:
+    """Insert the new row unless its id exists, else lock the row that does: `(inserted,
+    None)` or `(None, locked)`. A row deleted between the conflict and the lock (finished rows
+    are purged, tests/contract/queue_lifecycle_contract.py) leaves the id free: insert again."""
+    for _ in range(_MAX_ROUNDS):
+        inserted = await conn.fetchrow(sql.INSERT_IF_ABSENT, *values)
+        if inserted is not None:
+            return inserted, None
+        found = await conn.fetchrow(sql.LOCK_ONE, req.request_id)
+        if found is not None:
+            return None, found
+    raise _vanishing(req)
+
+
+async def _insert_or_lock_many(
+    conn: asyncpg.Connection, templates: Sequence[ProcessRequest], now: float | None
+) -> tuple[builtins.list[Any], builtins.list[Any]]:
+    """`_insert_or_lock` for a batch: the rows inserted and the existing rows locked, every id
+    of `templates` in one of them."""
+    inserted: builtins.list[Any] = []
+    locked: builtins.list[Any] = []
+    todo = list(templates)
+    for _ in range(_MAX_ROUNDS):
+        inserted += await conn.fetch(sql.INSERT_MANY, *sql.insert_many_values(todo, now))
+        new_ids = {row["request_id"] for row in inserted}
+        others = sorted({t.request_id for t in todo} - new_ids)
+        locked += await conn.fetch(sql.LOCK_MANY, others) if others else []
+        seen = new_ids | {row["request_id"] for row in locked}
+        todo = [t for t in todo if t.request_id not in seen]
+        if not todo:
+            return inserted, locked
+    raise RuntimeError(f"requests {[t.request_id for t in todo]} were deleted repeatedly")

@@ -18,11 +18,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import Any, Final
 
-from cv_server.queue.model import ProcessRequest
+from cv_server.queue.model import PURGED_STATUSES, ProcessRequest
 
 __all__ = [
     "COLUMNS",
     "DB_NOW",
+    "DISCARD",
     "INSERT_IF_ABSENT",
     "INSERT_MANY",
     "INSERT_NEW_AND_NOTIFY",
@@ -30,6 +31,7 @@ __all__ = [
     "LOCK_MANY",
     "LOCK_ONE",
     "NOTIFY_MANY",
+    "PURGE",
     "READ_ONE",
     "REWRITE",
     "SELECT",
@@ -87,6 +89,41 @@ READ_ONE: Final = f"{_SELECT_AT} WHERE request_id = $1"
 LOCK_ONE: Final = f"{READ_ONE} FOR UPDATE"
 # In id order: two transactions locking overlapping batches then queue instead of deadlocking.
 LOCK_MANY: Final = f"{_SELECT_AT} WHERE request_id = ANY($1::text[]) ORDER BY request_id FOR UPDATE"
+
+_PURGED: Final = "status IN ({})".format(", ".join(f"'{s}'" for s in PURGED_STATUSES))
+_BLOBS: Final = "request_blobs"
+
+# $1: finished at or before, $2: the batch. The oldest finished rows by the partial index
+# (`008_request_lifecycle.sql`), skipping rows another transaction holds: a purge never waits
+# on a rerun of the same row, nor two instances' purges on each other. The blobs the rows name
+# go in the same statement.
+PURGE: Final = f"""
+WITH gone AS (
+    DELETE FROM {TABLE} r USING (
+        SELECT request_id FROM {TABLE}
+        WHERE {_PURGED} AND finished_at <= $1
+        ORDER BY finished_at
+        LIMIT $2
+        FOR UPDATE SKIP LOCKED
+    ) old
+    WHERE r.request_id = old.request_id AND r.{_PURGED}
+    RETURNING r.workspace_id, r.blob_ref
+), blobs AS (
+    DELETE FROM {_BLOBS} b USING gone
+    WHERE b.workspace_id = gone.workspace_id AND b.blob_ref = gone.blob_ref
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM gone) AS requests, (SELECT count(*) FROM blobs) AS blobs
+"""
+
+# $1: the request (locked by the caller's `LOCK_ONE`), with the blob it names.
+DISCARD: Final = f"""
+WITH gone AS (
+    DELETE FROM {TABLE} WHERE request_id = $1 RETURNING workspace_id, blob_ref
+)
+DELETE FROM {_BLOBS} b USING gone
+WHERE b.workspace_id = gone.workspace_id AND b.blob_ref = gone.blob_ref
+"""
 
 #: The columns a new row takes from `now` (`model.new_row`): the database's when now is None.
 _STAMPED: Final = frozenset({"created_at", "available_at"})

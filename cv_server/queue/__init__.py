@@ -12,6 +12,7 @@ from cv_server.queue.errors import (
     InvalidTransition,
     LeaseLost,
     NotCancellable,
+    NotDiscardable,
     QueueError,
     RequestCancelled,
     RequestIdConflict,
@@ -31,6 +32,7 @@ from cv_server.queue.idempotency import (
 from cv_server.queue.model import (
     FINISHED_STATUSES,
     LIVE_STATUSES,
+    PURGED_STATUSES,
     STATUSES,
     CacheOutcome,
     ClaimAsk,
@@ -44,11 +46,12 @@ from cv_server.queue.model import (
     deterministic_request_id,
     random_request_id,
 )
-from cv_server.queue.store import QueueListener, QueueStore
+from cv_server.queue.store import Purged, QueueListener, QueueStore
 
 __all__ = [
     "FINISHED_STATUSES",
     "LIVE_STATUSES",
+    "PURGED_STATUSES",
     "STATUSES",
     "BeginOutcome",
     "BlobStore",
@@ -66,8 +69,10 @@ __all__ = [
     "Mismatch",
     "NewRequest",
     "NotCancellable",
+    "NotDiscardable",
     "Owned",
     "ProcessRequest",
+    "Purged",
     "QueueError",
     "QueueListener",
     "QueueStore",

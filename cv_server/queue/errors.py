@@ -12,6 +12,7 @@ __all__ = [
     "InvalidTransition",
     "LeaseLost",
     "NotCancellable",
+    "NotDiscardable",
     "QueueError",
     "RequestCancelled",
     "RequestIdConflict",
@@ -77,3 +78,11 @@ class NotCancellable(QueueError):
     """The request already finished (done or poison): there is nothing left to cancel."""
 
     code = "not_cancellable"
+
+
+class NotDiscardable(QueueError):
+    """Only a poison request may be discarded by hand: a live one has a place in the queue or a
+    worker (cancel it first), a done or cancelled one is deleted by the background pass after
+    `request_retention_seconds` (docs/queue.md)."""
+
+    code = "not_discardable"

@@ -32,6 +32,7 @@ from cv_server.queue.errors import (
     InvalidTransition,
     LeaseLost,
     NotCancellable,
+    NotDiscardable,
     QueueError,
     RequestCancelled,
     RequestIdConflict,
@@ -41,6 +42,7 @@ from cv_server.queue.errors import (
 __all__ = [
     "FINISHED_STATUSES",
     "LIVE_STATUSES",
+    "PURGED_STATUSES",
     "STATUSES",
     "BatchCompletion",
     "BatchEnqueue",
@@ -66,6 +68,7 @@ __all__ = [
     "complete_batch",
     "decide_enqueue",
     "deterministic_request_id",
+    "discard_poison",
     "enqueue_batch",
     "fail",
     "fail_report",
@@ -96,6 +99,9 @@ CacheOutcome = Literal["hit", "miss"]
 LIVE_STATUSES: Final[tuple[RequestStatus, ...]] = ("pending", "in_progress")
 #: A request that will not run again unless someone asks on purpose (rerun, replay).
 FINISHED_STATUSES: Final[tuple[RequestStatus, ...]] = ("done", "poison", "cancelled")
+#: What the background pass deletes once `ServerConfig.request_retention_seconds` passed since the
+#: row finished (docs/queue.md): a poison row stays until an operator replays or discards it.
+PURGED_STATUSES: Final[tuple[RequestStatus, ...]] = ("done", "cancelled")
 #: Every status, in lifecycle order (what the list route and the CLI accept).
 STATUSES: Final[tuple[RequestStatus, ...]] = (*LIVE_STATUSES, *FINISHED_STATUSES)
 
@@ -770,6 +776,15 @@ def _cancelled(row: ProcessRequest, now: float) -> ProcessRequest:
     """`row` finished as cancelled. The claim token stays, as on every finished row, so the
     last holder's retried `fail` is answered rather than refused."""
     return dataclasses.replace(row, status="cancelled", lease_expires_at=None, finished_at=now)
+
+
+def discard_poison(row: ProcessRequest) -> ProcessRequest:
+    """Check that `row` may be discarded by hand (deleted, with its result blob): only a poison
+    row may, since a live one has a worker or a queue place and a done or cancelled one is
+    deleted by the background pass. Returns the row as it was."""
+    if row.status != "poison":
+        raise NotDiscardable(f"request {row.request_id!r} is {row.status}, not poison")
+    return row
 
 
 def replay_poison(row: ProcessRequest, now: float) -> ProcessRequest:

@@ -20,6 +20,7 @@ import abc
 import builtins
 import logging
 from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from cv_server.queue.errors import QueueError
@@ -40,12 +41,34 @@ from cv_server.queue.model import (
     check_lease,
 )
 
-__all__ = ["QueueListener", "QueueStore", "claim_scope", "normalize_classes", "plan_claim"]
+__all__ = [
+    "Purged",
+    "QueueListener",
+    "QueueStore",
+    "check_purge_limit",
+    "claim_scope",
+    "normalize_classes",
+    "plan_claim",
+]
 
 logger = logging.getLogger(__name__)
 
 #: Called once per committed status change, on the event loop, after the commit.
 QueueListener = Callable[[RequestEvent], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Purged:
+    """What one `purge_finished` batch deleted: request rows, and the result blobs they named."""
+
+    requests: int
+    blobs: int
+
+
+def check_purge_limit(limit: int) -> None:
+    """A purge batch is bounded: `limit` must be at least 1 (every backend checks the same way)."""
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1: {limit!r}")
 
 
 class QueueStore(abc.ABC):
@@ -385,6 +408,26 @@ class QueueStore(abc.ABC):
         in progress with `cancel_requested`. Cancelling twice changes nothing more.
 
         Raises `RequestNotFound`, or `NotCancellable` if the request is done or poison.
+        """
+
+    @abc.abstractmethod
+    async def discard_poison(self, request_id: str) -> ProcessRequest:
+        """Delete a poison request and the result blob it names, by hand; return the row as it
+        was (still `poison`). Nothing is announced: a poison row is finished, so no waiter and
+        no worker is left to hear of it. A later enqueue of its id makes a new row.
+
+        Raises `RequestNotFound`, or `NotDiscardable` if the request is not poison.
+        """
+
+    @abc.abstractmethod
+    async def purge_finished(self, before: float, *, limit: int) -> Purged:
+        """Delete at most `limit` `done` or `cancelled` requests that finished at or before
+        `before`, and the result blobs they name, in one short transaction; return how many.
+
+        The background pass calls it in a loop (`cv_server.reaper`) until a batch comes back
+        short. Poison rows are never purged. Several instances may purge at once: each row is
+        deleted by one of them, and none waits on a row another is deleting (PostgreSQL: SKIP
+        LOCKED). Raises `ValueError` if `limit < 1`.
         """
 
     @abc.abstractmethod

@@ -135,14 +135,25 @@ class SQLiteComputeLockStore(ComputeLockStore):
 
         return await self._db.read(read)
 
+    async def _sweep_dead(self, now: float, limit: int) -> int:
+        def job(tx: Transaction) -> int:
+            return _delete_dead(tx, now, limit)
+
+        return await self._db.write(job)
+
     async def close(self) -> None:
         """Nothing to do: the shared database belongs to whoever opened it."""
 
     def _sweep(self, tx: Transaction, now: float) -> None:
         if self._sweep_limit == 0:
             return
-        tx.execute(
-            f"DELETE FROM {TABLE} WHERE rowid IN "
-            f"(SELECT rowid FROM {TABLE} WHERE expires_at <= ? LIMIT ?)",
-            (now, self._sweep_limit),
-        )
+        _delete_dead(tx, now, self._sweep_limit)
+
+
+def _delete_dead(tx: Transaction, now: float, limit: int) -> int:
+    """Delete at most `limit` dead locks, by the expiry index; return how many."""
+    return tx.execute(
+        f"DELETE FROM {TABLE} WHERE rowid IN "
+        f"(SELECT rowid FROM {TABLE} WHERE expires_at <= ? LIMIT ?)",
+        (now, limit),
+    ).rowcount

@@ -41,8 +41,9 @@ from cv_server.queue.model import (
     ThenClaimed,
     TransitionKind,
 )
-from cv_server.queue.store import QueueStore
+from cv_server.queue.store import Purged, QueueStore, check_purge_limit
 from cv_server.shielded import commit_then_announce
+from cv_server.sqlite.blobs import TABLE as BLOBS
 from cv_server.sqlite.engine import SQLiteDatabase, Transaction
 from cv_server.sqlite.idempotency import complete_key
 from cv_server.tokens import new_claim_token
@@ -73,6 +74,14 @@ _CANCEL_REQUESTED: Final = _COLUMNS.index("cancel_requested")
 _BOOL_COLUMNS: Final = frozenset({"cancel_requested"})
 #: A probe also selects the rowid, after the columns: the enqueue order that breaks ties.
 _ROWID: Final = len(_COLUMNS)
+#: The rows `purge_finished` may delete, spelled once: the partial index's WHERE and the
+#: purge's must read the same for the planner to use the index.
+_PURGED: Final = "status IN ({})".format(", ".join(f"'{s}'" for s in model.PURGED_STATUSES))
+#: The purge's batch: the oldest finished rows first, by the partial index.
+PURGE_BATCH: Final = (
+    f"SELECT rowid, workspace_id, blob_ref FROM {TABLE} INDEXED BY {TABLE}_finished "
+    f"WHERE {_PURGED} AND finished_at <= ? ORDER BY finished_at LIMIT ?"
+)
 #: Page size of `get_many`: far below SQLite's bound on host parameters.
 _GET_MANY_CHUNK: Final = 500
 
@@ -187,6 +196,12 @@ def create_schema(db: sqlite_utils.Database) -> None:
         f"CREATE INDEX IF NOT EXISTS {TABLE}_leased ON {TABLE} "
         "(worker_class, lease_expires_at, created_at) WHERE status = 'in_progress'"
     )
+    # The background pass purges finished rows by when they finished (`purge_finished`); the
+    # index holds only the rows it may delete, so a purge is a seek, not a walk of the queue
+    # (tests/contract/test_queue_sqlite.py, test_the_purge_is_an_index_seek).
+    db.execute(
+        f"CREATE INDEX IF NOT EXISTS {TABLE}_finished ON {TABLE} (finished_at) WHERE {_PURGED}"
+    )
     # Operators list by status (poison above all), oldest first.
     db.table(TABLE).create_index(["status", "created_at"], if_not_exists=True)
     db.table(TABLE).create_index(["workspace_id", "status", "created_at"], if_not_exists=True)
@@ -255,6 +270,17 @@ def _claimable_candidates(
 def _probed(raw: Sequence[Any]) -> ProcessRequest:
     """A row a claim probe found (its columns, then its rowid)."""
     return _row(raw[:_ROWID])
+
+
+def _delete_blobs(tx: Transaction, refs: Sequence[tuple[str, str]]) -> int:
+    """Delete the result blobs `(workspace_id, blob_ref)` (those already swept are skipped);
+    return how many were deleted."""
+    deleted = 0
+    for ref in refs:
+        deleted += tx.execute(
+            f"DELETE FROM {BLOBS} WHERE workspace_id = ? AND blob_ref = ?", ref
+        ).rowcount
+    return deleted
 
 
 def _select(tx: Transaction, request_id: str) -> ProcessRequest:
@@ -630,6 +656,27 @@ class SQLiteQueueStore(QueueStore):
                 return after, []
             _update(tx, row, after)
             return after, [RequestEvent.of(after, "cancelled")]
+
+        return await self._write(job)
+
+    async def discard_poison(self, request_id: str) -> ProcessRequest:
+        def job(tx: Transaction) -> tuple[ProcessRequest, list[RequestEvent]]:
+            row = model.discard_poison(_select(tx, request_id))
+            tx.execute(f"DELETE FROM {TABLE} WHERE request_id = ?", (request_id,))
+            if row.blob_ref is not None:
+                _delete_blobs(tx, [(row.workspace_id, row.blob_ref)])
+            return row, []
+
+        return await self._write(job)
+
+    async def purge_finished(self, before: float, *, limit: int) -> Purged:
+        check_purge_limit(limit)
+
+        def job(tx: Transaction) -> tuple[Purged, list[RequestEvent]]:
+            batch = tx.execute(PURGE_BATCH, (before, limit)).fetchall()
+            tx.executemany(f"DELETE FROM {TABLE} WHERE rowid = ?", [(r[0],) for r in batch])
+            blobs = _delete_blobs(tx, [(r[1], r[2]) for r in batch if r[2] is not None])
+            return Purged(requests=len(batch), blobs=blobs), []
 
         return await self._write(job)
 

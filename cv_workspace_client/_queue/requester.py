@@ -55,6 +55,7 @@ __all__ = [
     "QueuedRequest",
     "RequestOutcome",
     "cancel",
+    "discard",
     "enqueue",
     "enqueue_many",
     "get_blob",
@@ -183,6 +184,16 @@ async def replay(host: QueueHost, workspace_id: str, request_id: str) -> QueuedR
     """`POST .../replay`: a poison request back to pending, by hand (never automatic).
     Raises `InvalidRequestError` (`invalid_transition`) if it is not poison."""
     path = ws_path(workspace_id, "requests", request_id, "replay")
+    _, answer, _ = await call(host, "POST", path, body={})
+    return QueuedRequest.from_json(answer)
+
+
+async def discard(host: QueueHost, workspace_id: str, request_id: str) -> QueuedRequest:
+    """`POST .../discard`: delete a poison request for good (its result blob too), instead of
+    replaying it; answers the row as it was. Not retried: a retry after a lost answer would
+    find nothing (`NotFoundError`), which then means the first attempt deleted it.
+    Raises `InvalidRequestError` (`not_discardable`) if it is not poison."""
+    path = ws_path(workspace_id, "requests", request_id, "discard")
     _, answer, _ = await call(host, "POST", path, body={})
     return QueuedRequest.from_json(answer)
 
@@ -573,6 +584,12 @@ class QueueMethods(abc.ABC):
     async def replay_request(self, workspace_id: str, request_id: str) -> QueuedRequest:
         """Put a poison request back in the queue by hand."""
         return await replay(self, workspace_id, request_id)
+
+    async def discard_request(self, workspace_id: str, request_id: str) -> QueuedRequest:
+        """Delete a poison request for good (docs/queue.md, "How long a finished request is
+        kept"); answers the row as it was. Raises `InvalidRequestError` (`not_discardable`)
+        if it is not poison, `NotFoundError` if there is no such request."""
+        return await discard(self, workspace_id, request_id)
 
     async def cancel_request(self, workspace_id: str, request_id: str) -> QueuedRequest:
         """Cancel a request: `cancelled` at once if pending; if a worker runs it, the row comes

@@ -2,7 +2,7 @@
 (docs/queue.md, docs/mcp.md).
 
     cv-workspace enqueue --workspace W --stage S [--job-id J] [--input JSON] [--wait]
-    cv-workspace requests list|show|wait|replay|rerun|cancel --workspace W ...
+    cv-workspace requests list|show|wait|replay|discard|rerun|cancel --workspace W ...
     cv-workspace mcp [--transport stdio | --transport http --host H --port P] [--outbox PATH]
 
 Answers are JSON on stdout; an error is one line on stderr (`--json`: a JSON object `{"error":
@@ -232,6 +232,11 @@ def _workspace_parser() -> argparse.ArgumentParser:
         ("show", "one request"),
         ("replay", "put a poison request back in the queue, by hand"),
         (
+            "discard",
+            "delete a poison request for good instead of replaying it (prints the row as it"
+            " was); only poison can be",
+        ),
+        (
             "cancel",
             "cancel a request: a pending one at once, one in progress once its worker stops "
             "(the answer then says cancel_requested); a done or poison one cannot be",
@@ -449,6 +454,8 @@ async def _workspace(args: argparse.Namespace) -> int:
             print_json((await client.get_request(args.workspace, args.request_id)).raw)
         elif args.verb == "replay":
             print_json((await client.replay_request(args.workspace, args.request_id)).raw)
+        elif args.verb == "discard":
+            print_json((await client.discard_request(args.workspace, args.request_id)).raw)
         elif args.verb == "cancel":
             print_json((await client.cancel_request(args.workspace, args.request_id)).raw)
         elif args.verb == "wait":

@@ -90,6 +90,7 @@ TOOL_NAMES = (
     "list_requests",
     "cancel_request",
     "replay_request",
+    "discard_request",
 )
 
 #: The longest one `wait_request` call may wait. Agent hosts cut a tool call that runs for
@@ -118,6 +119,10 @@ _ANNOTATIONS: dict[str, ToolAnnotations] = {
     ),
     "replay_request": ToolAnnotations(
         destructive_hint=False, idempotent_hint=True, open_world_hint=False
+    ),
+    # Deletes the row: a second call answers not_found, so not idempotent in its answer.
+    "discard_request": ToolAnnotations(
+        destructive_hint=True, idempotent_hint=False, open_world_hint=False
     ),
 }
 
@@ -351,6 +356,15 @@ class _Tools:
     ) -> RequestAnswer:
         """Put a poison request back in the queue, by hand (never automatic)."""
         row = await self.client.replay_request(workspace_id, request_id)
+        return await self._answer(row)
+
+    async def discard_request(
+        self, workspace_id: WorkspaceId, request_id: RequestId
+    ) -> RequestAnswer:
+        """Delete a poison request for good instead of replaying it, by hand; answers the row
+        as it was. Any other status answers `not_discardable`; a request already discarded,
+        `not_found`."""
+        row = await self.client.discard_request(workspace_id, request_id)
         return await self._answer(row)
 
     async def _answer(self, row: QueuedRequest) -> RequestAnswer:

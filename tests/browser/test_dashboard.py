@@ -198,6 +198,28 @@ async def test_the_replay_button_re_drives_a_poisoned_request_to_done(
     await browser.wait(row(request_id, "done"))
 
 
+async def test_the_discard_button_asks_first_then_deletes_a_poisoned_request(
+    browser: Browser, server: TestServer, http: aiohttp.ClientSession
+) -> None:
+    request_id = await poisoned(http)
+    await open_dashboard(browser, server)
+    poison = row(request_id, "poison")
+    await browser.wait(f"{poison} button.replay")
+    # The first click only asks, with "keep" beside it; "keep" takes the question back.
+    await browser.call("click", selector=f"{poison} button.discard", timeout=10_000)
+    await browser.wait(f'{poison} button.discard[data-confirm="true"]')
+    await browser.call("click", selector=f"{poison} button.keep", timeout=10_000)
+    await browser.wait(f'{poison} button.discard:not([data-confirm="true"])')
+    stored = await call(http, "GET", f"/v1/workspaces/{WS}/requests/{request_id}")
+    assert stored["status"] == "poison"  # nothing was sent
+
+    await confirm(browser, poison, "discard")
+    await browser.wait(row(request_id, "discarded"))
+    resp = await http.get(f"/v1/workspaces/{WS}/requests/{request_id}")
+    assert resp.status == 404
+    assert await browser.call("count", selector=f"{row(request_id, 'discarded')} button") == 0
+
+
 def _has_cancel_route(server: TestServer) -> bool:
     return any(
         resource.canonical == "/v1/workspaces/{ws}/requests/{id}/cancel"

@@ -116,6 +116,37 @@ async def test_operators_list_replay_and_rerun_from_the_shell(
     assert rerun["request"]["run"] == 2
 
 
+async def test_an_operator_discards_a_poison_request_from_the_shell(
+    capsys: pytest.CaptureFixture[str], make_server: MakeServer
+) -> None:
+    server = await make_server()
+
+    async def broken(ctx: StageContext) -> Any:
+        raise RuntimeError("always breaks")
+
+    async with WorkspaceClient(url_of(server), token=token_for(WS)) as client:
+        answer = await client.enqueue(WS, stage="broken", job_id="J1", max_dequeues=1)
+        async with running(Worker(client, {"broken": broken}, config=FAST)):
+            outcome = await api.wait_request(client, WS, answer.request_id, timeout=30)
+        assert outcome.status == "poison"
+        code, discarded = await _cli(
+            capsys, server, "requests", "discard", "--workspace", WS, answer.request_id
+        )
+        assert code == 0
+        assert (discarded["request_id"], discarded["status"]) == (answer.request_id, "poison")
+        code, listed = await _cli(capsys, server, "requests", "list", "--workspace", WS)
+        assert listed["requests"] == []
+        code, error = await _cli(
+            capsys, server, "requests", "discard", "--workspace", WS, answer.request_id
+        )
+        assert (code, error["error"]["code"]) == (1, "not_found")
+        done = await client.enqueue(WS, stage="broken", job_id="J2")
+        code, error = await _cli(
+            capsys, server, "requests", "discard", "--workspace", WS, done.request_id
+        )
+        assert (code, error["error"]["code"]) == (1, "not_discardable")
+
+
 async def test_bad_usage_and_refusals_exit_with_their_codes(
     capsys: pytest.CaptureFixture[str], server: TestServer
 ) -> None:

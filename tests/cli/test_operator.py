@@ -449,7 +449,10 @@ HELP = [
     ["--help"],
     ["enqueue", "--help"],
     ["requests", "--help"],
-    *(["requests", verb, "--help"] for verb in ("list", "show", "wait", "replay", "rerun")),
+    *(
+        ["requests", verb, "--help"]
+        for verb in ("list", "show", "wait", "replay", "discard", "rerun")
+    ),
 ]
 
 

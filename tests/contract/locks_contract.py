@@ -224,6 +224,40 @@ class LocksContract:
         assert await store.release(WS, JOB, "mine", held.token, 5.0) is True
         assert await store.get(WS, JOB, "dead", 0.0) is None
 
+    # -- the background sweep (`sweep`, cv_server/reaper.py) --------------------------------------
+
+    async def test_sweep_deletes_dead_locks_in_bounded_batches_and_never_a_live_one(
+        self, new_store: NewStore, count_rows: CountRows
+    ) -> None:
+        store = new_store(sweep_limit=0)  # no sweeping on acquisition: only `sweep` deletes
+        for i in range(5):
+            await self.acquired(store, "crashed", 0.0, task=f"dead-{i}", ttl=1.0)
+        live = await self.acquired(store, "alive", 0.0, task="live", ttl=100.0)
+        assert await store.sweep(1.0, limit=2) == 2  # dead at its expiry time, at most `limit`
+        assert await count_rows() == 4
+        assert await store.sweep(50.0, limit=10) == 3  # a short batch: caught up
+        assert await store.sweep(50.0, limit=10) == 0
+        lock = await store.get(WS, JOB, "live", 50.0)
+        assert lock is not None
+        assert lock.token == live.token
+        assert await store.release(WS, JOB, "live", live.token, 50.0) is True
+
+    async def test_concurrent_sweeps_delete_each_dead_lock_once(
+        self, new_store: NewStore, count_rows: CountRows
+    ) -> None:
+        store = new_store(sweep_limit=0)
+        for i in range(30):
+            await self.acquired(store, "crashed", 0.0, task=f"dead-{i}", ttl=1.0)
+        swept = await asyncio.gather(*(new_store().sweep(5.0, limit=7) for _ in range(6)))
+        assert sum(swept) == 30 - await count_rows()
+        while await store.sweep(5.0, limit=7):
+            pass
+        assert await count_rows() == 0
+
+    async def test_a_sweep_limit_below_one_is_refused(self, store: ComputeLockStore) -> None:
+        with pytest.raises(ValueError, match="limit"):
+            await store.sweep(1.0, limit=0)
+
     # -- sweeping and construction ----------------------------------------------------------------
 
     async def test_the_sweep_of_other_keys_is_bounded_per_acquisition(

@@ -13,12 +13,14 @@ import pytest
 
 from cv_server.config import ServerConfig
 from cv_server.pg import Notifier, create_pool
+from cv_server.pg.blobs import PostgresBlobStore
 from cv_server.pg.idempotency import PostgresIdempotencyStore
 from cv_server.pg.queue import PostgresQueueStore
-from cv_server.queue import EnqueueAsk, IdempotencyStore, QueueStore, RequestEvent
+from cv_server.queue import BlobStore, EnqueueAsk, IdempotencyStore, QueueStore, RequestEvent
 from tests.contract.claimable_contract import ClaimableContract
 from tests.contract.enqueue_many_contract import EnqueueManyContract
 from tests.contract.queue_contract import QueueContract, request
+from tests.contract.queue_lifecycle_contract import QueueLifecycleContract
 from tests.contract.then_claim_contract import ThenClaimContract
 from tests.pg.helpers import settings_for
 
@@ -36,7 +38,11 @@ async def notifier(postgres_url: str) -> AsyncIterator[Notifier]:
 
 
 class TestPostgresQueueStore(
-    QueueContract, ThenClaimContract, EnqueueManyContract, ClaimableContract
+    QueueContract,
+    ThenClaimContract,
+    EnqueueManyContract,
+    ClaimableContract,
+    QueueLifecycleContract,
 ):
     @pytest.fixture
     async def store(
@@ -65,6 +71,10 @@ class TestPostgresQueueStore(
         keys = PostgresIdempotencyStore(pool, retention=CONFIG.idempotency_retention_seconds)
         yield keys
         await keys.close()
+
+    @pytest.fixture
+    async def blob_store(self, store: QueueStore, pool: asyncpg.Pool) -> BlobStore:
+        return PostgresBlobStore(pool, retention=CONFIG.blob_retention_seconds)
 
     @pytest.fixture
     async def unbindable_store(

@@ -11,15 +11,23 @@ import pytest
 import sqlite_utils
 
 from cv_server.config import ServerConfig
-from cv_server.queue import IdempotencyStore, QueueStore, RequestEvent
+from cv_server.queue import BlobStore, IdempotencyStore, QueueStore, RequestEvent
+from cv_server.sqlite import blobs as blobs_sqlite
 from cv_server.sqlite import idempotency as idempotency_sqlite
 from cv_server.sqlite import queue as sqlite
 from cv_server.sqlite.engine import SQLiteDatabase
 from cv_server.sqlite.idempotency import SQLiteIdempotencyStore
-from cv_server.sqlite.queue import CLAIM_PROBES, TABLE, SQLiteQueueStore, claimable_sql
+from cv_server.sqlite.queue import (
+    CLAIM_PROBES,
+    PURGE_BATCH,
+    TABLE,
+    SQLiteQueueStore,
+    claimable_sql,
+)
 from tests.contract.claimable_contract import ClaimableContract
 from tests.contract.enqueue_many_contract import EnqueueManyContract
 from tests.contract.queue_contract import LEASE, STAGE, WS, QueueContract, request
+from tests.contract.queue_lifecycle_contract import QueueLifecycleContract
 from tests.contract.then_claim_contract import ThenClaimContract
 
 CONFIG = ServerConfig()
@@ -28,10 +36,15 @@ CONFIG = ServerConfig()
 def schema(db: sqlite_utils.Database) -> None:
     sqlite.create_schema(db)
     idempotency_sqlite.create_schema(db)
+    blobs_sqlite.create_schema(db)
 
 
 class TestSQLiteQueueStore(
-    QueueContract, ThenClaimContract, EnqueueManyContract, ClaimableContract
+    QueueContract,
+    ThenClaimContract,
+    EnqueueManyContract,
+    ClaimableContract,
+    QueueLifecycleContract,
 ):
     @pytest.fixture
     def db_path(self, tmp_path: Path) -> Path:
@@ -60,6 +73,10 @@ class TestSQLiteQueueStore(
     @pytest.fixture
     async def idempotency_store(self, database: SQLiteDatabase) -> IdempotencyStore:
         return SQLiteIdempotencyStore(database, retention=CONFIG.idempotency_retention_seconds)
+
+    @pytest.fixture
+    async def blob_store(self, database: SQLiteDatabase) -> BlobStore:
+        return blobs_sqlite.SQLiteBlobStore(database, retention=CONFIG.blob_retention_seconds)
 
     @pytest.fixture
     async def unbindable_store(self, database: SQLiteDatabase) -> AsyncIterator[QueueStore]:
@@ -184,5 +201,22 @@ async def test_a_file_made_before_cancelling_existed_gains_the_column(tmp_path: 
         store = SQLiteQueueStore(db)
         assert await store.get(WS, row.request_id) == row
         assert (await store.cancel(row.request_id, 2.0)).status == "cancelled"
+    finally:
+        await db.close()
+
+
+async def test_the_purge_is_an_index_seek(tmp_path: Path) -> None:
+    """A purge batch seeks the partial index of finished rows: its cost is the batch, not the
+    queue's whole history (`PURGE_BATCH`)."""
+    db = await SQLiteDatabase.open(tmp_path / "queue.db", schema=schema)
+    try:
+
+        def plan(conn: sqlite3.Connection) -> list[str]:
+            steps = conn.execute(f"EXPLAIN QUERY PLAN {PURGE_BATCH}", (1.0, 10))
+            return [str(step[3]) for step in steps]
+
+        assert await db.read(plan) == [
+            f"SEARCH {TABLE} USING INDEX {TABLE}_finished (finished_at<?)"
+        ]
     finally:
         await db.close()

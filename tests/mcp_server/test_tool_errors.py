@@ -159,6 +159,7 @@ async def test_every_tools_successful_result_matches_its_output_schema(server_ur
     async with strict_client(server_url) as strict:
         done = await _finished_request(strict, "quick", failed=False)
         poison = await _finished_request(strict, "breaks", failed=True)
+        doomed = await _finished_request(strict, "breaks-too", failed=True)
         pending = await strict.answer("enqueue", workspace_id=WS, stage="unserved", input=[1])
         waiting = {"workspace_id": WS, "request_id": pending["request_id"]}
         answers = {
@@ -173,6 +174,9 @@ async def test_every_tools_successful_result_matches_its_output_schema(server_ur
             "replay_request": await strict.answer(
                 "replay_request", workspace_id=WS, request_id=poison
             ),
+            "discard_request": await strict.answer(
+                "discard_request", workspace_id=WS, request_id=doomed
+            ),
         }
         schemas = {name: tool.output_schema for name, tool in strict.tools.items()}
 
@@ -184,6 +188,10 @@ async def test_every_tools_successful_result_matches_its_output_schema(server_ur
     assert answers["get_request"]["result"] == {"ok": 1}
     assert answers["cancel_request"]["status"] == "cancelled"
     assert answers["replay_request"]["status"] == "pending"
+    assert (answers["discard_request"]["request_id"], answers["discard_request"]["status"]) == (
+        doomed,
+        "poison",
+    )
 
 
 async def test_server_info_names_the_installed_package_version(server_url: str) -> None:

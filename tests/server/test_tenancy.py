@@ -69,6 +69,7 @@ async def test_a_request_of_one_workspace_is_not_found_under_another_on_any_rout
         ("POST", f"{base}/complete", {"claim_token": claim_token, "result": "stolen"}),
         ("POST", f"{base}/fail", {"claim_token": claim_token}),
         ("POST", f"{base}/replay", None),
+        ("POST", f"{base}/discard", None),
     ]:
         resp = await server.request(method, path, json=body, headers=auth("ws2"))
         assert resp.status == 404, (path, await resp.text())
@@ -95,6 +96,7 @@ async def test_a_token_for_another_workspace_touches_nothing_on_any_queue_lock_o
         ("POST", f"{base}/complete", {"claim_token": claim_token, "result": "x"}, {}),
         ("POST", f"{base}/fail", {"claim_token": claim_token}, {}),
         ("POST", f"{base}/replay", None, {}),
+        ("POST", f"{base}/discard", None, {}),
         ("GET", "/v1/workspaces/ws1/blobs/b_00", None, {}),
         ("POST", "/v1/workspaces/ws1/locks/acquire", lock, {}),
         ("POST", "/v1/workspaces/ws1/locks/release", {**lock, "token": "t"}, {}),

@@ -208,6 +208,27 @@ async def test_operators_list_and_replay_a_poisoned_request(make_server: MakeSer
     assert not_poison.value.code == "invalid_transition"
 
 
+async def test_operators_discard_a_poisoned_request_for_good(make_server: MakeServer) -> None:
+    server = await make_server()
+    async with queue_client(server) as qc:
+        answer = await qc.enqueue(WS, stage="s", job_id="J1", max_dequeues=1)
+        claimed = await _claim_one(qc)
+        status, _ = await holder.fail(qc, WS, answer.request_id, claimed.claim_token, {"code": "E"})
+        assert status == "poison"
+        live = await qc.enqueue(WS, stage="s", job_id="J2")
+        with pytest.raises(InvalidRequestError) as not_poison:
+            await qc.discard_request(WS, live.request_id)
+        discarded = await qc.discard_request(WS, answer.request_id)
+        with pytest.raises(NotFoundError):
+            await qc.get_request(WS, answer.request_id)
+        with pytest.raises(NotFoundError):
+            await qc.discard_request(WS, answer.request_id)
+        remaining = await qc.list_requests(workspace_id=WS)
+    assert (discarded.request_id, discarded.status) == (answer.request_id, "poison")
+    assert not_poison.value.code == "not_discardable"
+    assert [row.request_id for row in remaining] == [live.request_id]
+
+
 async def test_reads_are_retried_on_a_5xx_and_a_4xx_is_final(
     aiohttp_server: ServerFactory,
 ) -> None:

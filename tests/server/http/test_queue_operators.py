@@ -186,3 +186,60 @@ async def test_a_listing_cursor_that_is_not_one_is_refused(server: TestClient[An
         )
         assert resp.status == 422, (after, await resp.text())
         assert (await resp.json())["code"] == "invalid_field"
+
+
+# -- discarding a poison request -------------------------------------------------------------------
+
+
+async def test_an_operator_discards_a_poison_request_which_is_then_gone(
+    server: TestClient[Any, Any],
+) -> None:
+    request_id = await _poisoned(server, "j")
+    status, before = await _post(server, f"{REQUESTS}/{request_id}/discard", None)
+    assert (status, before["request_id"], before["status"]) == (200, request_id, "poison")
+    resp = await server.get(f"{REQUESTS}/{request_id}", headers=auth(WS))
+    assert resp.status == 404
+    assert await _listed(server) == []
+    status, problem = await _post(server, f"{REQUESTS}/{request_id}/discard", None)
+    assert (status, problem["code"]) == (404, "not_found")
+    metrics = await (await server.get("/metrics")).text()
+    assert "cv_queue_discarded_total 1.0" in metrics
+    # The same enqueue makes a new request, which runs.
+    status, answer = await _post(
+        server, REQUESTS, {"stage": "s", "job_id": "j", "worker_class": "j"}
+    )
+    assert (status, answer["request_id"], answer["status"]) == (202, request_id, "pending")
+
+
+async def test_only_a_poison_request_may_be_discarded(server: TestClient[Any, Any]) -> None:
+    status, answer = await _post(server, REQUESTS, {"stage": "s", "job_id": "live"})
+    assert status == 202
+    live = answer["request_id"]
+    status, problem = await _post(server, f"{REQUESTS}/{live}/discard", None)
+    assert (status, problem["code"]) == (409, "not_discardable")
+    assert problem["type"] == "about:blank"
+    held = await _claim(server)
+    status, _ = await _post(
+        server, f"{REQUESTS}/{live}/complete", {"claim_token": held["claim_token"], "result": 1}
+    )
+    assert status == 200
+    status, problem = await _post(server, f"{REQUESTS}/{live}/discard", None)
+    assert (status, problem["code"]) == (409, "not_discardable")
+    assert [r["status"] for r in await _listed(server)] == ["done"]  # nothing deleted
+
+
+async def test_a_discard_is_fenced_by_the_workspace_like_a_replay(
+    server: TestClient[Any, Any],
+) -> None:
+    request_id = await _poisoned(server, "j")
+    path = f"{REQUESTS}/{request_id}/discard"
+    resp = await server.post(path, headers=auth("ws2"))  # a token for another workspace
+    assert resp.status == 403
+    assert (await resp.json())["code"] == "forbidden_workspace"
+    resp = await server.post(path)  # no token at all
+    assert resp.status == 401
+    resp = await server.post(
+        f"/v1/workspaces/ws2/requests/{request_id}/discard", headers=auth("ws2")
+    )
+    assert resp.status == 404  # ws1's request is not found under ws2
+    assert [r["status"] for r in await _listed(server)] == ["poison"]
