@@ -18,8 +18,8 @@ __all__ = [
     "IncomingOp",
     "LogEntry",
     "OpLogCorrupted",
-    "Outcome",
     "OpLogStats",
+    "Outcome",
     "Rejected",
     "SubDocHead",
 ]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Final
 
 import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
@@ -34,15 +34,15 @@ __all__ = [
     "catch_up",
     "compact_sub_doc",
     "expire_rejections",
-    "read_horizon",
-    "read_stats",
-    "snapshots_from",
     "list_sub_docs",
     "load_sub_doc",
     "lock_heads",
     "look_up_many",
     "read_head",
+    "read_horizon",
     "read_since",
+    "read_stats",
+    "snapshots_from",
     "write_batches",
     "write_snapshot",
 ]

@@ -10,11 +10,10 @@ from typing import Any
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
-from cv_server.oplog import OpLogStore
+from cv_mutations import new_op_id
+from cv_server.oplog import Committed, OpLogStore
 from cv_server.pg.oplog import PostgresOpLogStore
 from cv_server.pg.oplog_sql import OPS_TABLE, SNAPSHOTS_TABLE
-from cv_mutations import new_op_id
-from cv_server.oplog import Committed
 from tests.contract.oplog_contract import (
     DOC,
     WS,
