@@ -78,6 +78,10 @@ class Stores:
     secret: bytes
     follow_commits: FollowCommits | None = None
     follow_secret: FollowSecret | None = None
+    #: `await reclaim_space(max_pages)`: give at most that many freed pages back to the file
+    #: system and return how many (SQLite's incremental vacuum, after compaction deleted rows).
+    #: None where the database does it itself (PostgreSQL: autovacuum, docs/operating.md).
+    reclaim_space: Callable[[int], Awaitable[int]] | None = None
     _closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
     async def close(self) -> None:
