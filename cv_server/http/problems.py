@@ -56,6 +56,7 @@ CODES: Final[Mapping[str, str]] = {
     "cancelled": "The request was cancelled: stop working on it",
     "not_cancellable": "The request already finished: there is nothing to cancel",
     "result_too_large": "The result is larger than the server's max_result_bytes",
+    "log_compacted": "The ops asked for were compacted: read the state, then the ops after it",
     "internal": "Internal server error",
     "unavailable": "The server is not ready or is shutting down",
 }

@@ -110,15 +110,22 @@ class LogEntry:
 
 @dataclass(frozen=True, slots=True)
 class SubDocHead:
-    """A written sub-doc as a listing shows it: its head clock and when that op committed
-    (epoch seconds, on the committing server's clock)."""
+    """A written sub-doc as a listing shows it: its head clock, when that op committed (epoch
+    seconds, on the committing server's clock) and its horizon (`OpLogStore.horizon`: the lowest
+    clock still in its log)."""
 
     sub_doc: str
     clock: int
     committed_at: float
+    horizon: int = 1
 
     def to_json(self) -> dict[str, Any]:
-        return {"sub_doc": self.sub_doc, "clock": self.clock, "committed_at": self.committed_at}
+        return {
+            "sub_doc": self.sub_doc,
+            "clock": self.clock,
+            "committed_at": self.committed_at,
+            "horizon": self.horizon,
+        }
 
 
 @dataclass(frozen=True, slots=True)

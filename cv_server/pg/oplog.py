@@ -275,7 +275,7 @@ class PostgresOpLogStore(OpLogStore):
             return []
         async with self.pool.acquire() as conn:
             rows = await sql.list_sub_docs(conn, workspace_id, after or "", limit)
-        return [SubDocHead(name, clock, at) for name, clock, at in rows]
+        return [SubDocHead(name, clock, at, horizon) for name, clock, at, horizon in rows]
 
     async def horizon(self, workspace_id: str, sub_doc: str) -> int:
         self._check_open()

@@ -78,7 +78,9 @@ ORDER BY o.clock
 # their primary key), with the time of the op at the head (one probe of the log's key each). A
 # head at clock 0 (only rejections so far) is no written sub-doc.
 _LIST_SUB_DOCS: Final = f"""
-SELECT h.sub_doc, h.clock, extract(epoch FROM o.committed_at)::float8 AS committed_at
+SELECT h.sub_doc, h.clock, extract(epoch FROM o.committed_at)::float8 AS committed_at, (
+    SELECT min(clock) FROM {OPS_TABLE} WHERE workspace_id = h.workspace_id AND sub_doc = h.sub_doc
+) AS horizon
 FROM {HEADS_TABLE} h
 JOIN {OPS_TABLE} o
     ON o.workspace_id = h.workspace_id AND o.sub_doc = h.sub_doc AND o.clock = h.clock
@@ -257,9 +259,12 @@ async def _lock_heads(
 
 async def list_sub_docs(
     conn: asyncpg.Connection, workspace_id: str, after: str, limit: int
-) -> list[tuple[str, int, float]]:
+) -> list[tuple[str, int, float, int]]:
     rows = await conn.fetch(_LIST_SUB_DOCS, workspace_id, after, limit)
-    return [(row["sub_doc"], int(row["clock"]), float(row["committed_at"])) for row in rows]
+    return [
+        (row["sub_doc"], int(row["clock"]), float(row["committed_at"]), int(row["horizon"]))
+        for row in rows
+    ]
 
 
 async def read_head(conn: asyncpg.Connection, workspace_id: str, sub_doc: str) -> int:

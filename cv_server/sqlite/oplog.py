@@ -109,7 +109,9 @@ WITH RECURSIVE docs(sub_doc) AS (
     FROM docs WHERE docs.sub_doc IS NOT NULL
     LIMIT ?3
 )
-SELECT d.sub_doc, o.clock, o.committed_at
+SELECT d.sub_doc, o.clock, o.committed_at, (
+    SELECT min(clock) FROM {OPS_TABLE} WHERE workspace_id = ?1 AND sub_doc = d.sub_doc
+) AS horizon
 FROM docs d
 JOIN {OPS_TABLE} o ON o.workspace_id = ?1 AND o.sub_doc = d.sub_doc AND o.clock = (
     SELECT max(clock) FROM {OPS_TABLE} WHERE workspace_id = ?1 AND sub_doc = d.sub_doc
@@ -346,7 +348,9 @@ class SQLiteOpLogStore(OpLogStore):
         def read(conn: sqlite3.Connection) -> list[SubDocHead]:
             rows = conn.execute(_LIST_SUB_DOCS, (workspace_id, after or "", limit)).fetchall()
             # committed_at is stored in milliseconds.
-            return [SubDocHead(name, clock, at / 1000) for name, clock, at in rows]
+            return [
+                SubDocHead(name, clock, at / 1000, horizon) for name, clock, at, horizon in rows
+            ]
 
         return await self.db.read(read)
 
