@@ -41,6 +41,7 @@ from cv_workspace_client import (
     ForbiddenError,
     InvalidRequestError,
     LeaseLostError,
+    LogCompactedError,
     NotFoundError,
     OpRejectedError,
     ProtocolError,
@@ -439,6 +440,7 @@ EXPECTED: dict[str, type[WorkspaceError]] = {
     "cancelled": RequestCancelledError,
     "not_cancellable": InvalidRequestError,
     "result_too_large": InvalidRequestError,
+    "log_compacted": LogCompactedError,
     "internal": ServerError,
     "unavailable": ServerError,
 }
