@@ -282,5 +282,5 @@ def test_a_resync_past_a_pending_op_s_answered_clock_drops_it_and_reapplies_the_
         apply_op(snapshot, op)
     doc.resync(3, snapshot)
     assert doc.clock == 3
-    assert [op.node_id for op in doc.pending] == ["b"]  # type: ignore[attr-defined]
+    assert [op.node_id for op in doc.pending] == ["b"]
     assert set(doc.state.nodes) == {ROOT, "x", "a", "b"}
