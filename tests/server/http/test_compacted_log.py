@@ -136,3 +136,26 @@ async def test_the_http_log_read_behind_the_horizon_answers_410_with_where_to_re
     assert (await state.json())["clock"] == 12
     # From the horizon on, the log answers as always.
     assert [op["clock"] for op in (await get_ops(client, since=9))["ops"]] == [10, 11, 12]
+
+
+async def test_the_server_compacts_by_itself_and_counts_it_on_metrics(
+    make_server_config: Any, aiohttp_client: Any
+) -> None:
+    # A retention of a millisecond and a pass every 50 ms: the background task's own passes.
+    config = make_server_config(
+        snapshot_every=5, oplog_retention_seconds=0.001, compact_seconds=0.05
+    )
+    client = await aiohttp_client(create_app(config))
+    await written(client, 12)
+    async with asyncio.timeout(TIMEOUT):
+        while True:
+            resp = await client.get("/v1/workspaces/ws1/docs", headers=auth("ws1"))
+            (doc,) = (await resp.json())["docs"]
+            if doc["horizon"] == 10:
+                break
+            await asyncio.sleep(0.05)  # the pass runs on its own cadence: look again after one
+    metrics = await (await client.get("/metrics")).text()
+    assert 'cv_compaction_deleted_total{kind="ops"} 9.0' in metrics
+    assert "cv_compaction_pass_seconds_count" in metrics
+    assert "cv_oplog_rows " in metrics
+    assert "cv_oplog_oldest_op_age_seconds " in metrics
