@@ -14,6 +14,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from cv_server import observe
 from cv_server.backends import open_stores
+from cv_server.compaction import compact_forever
 from cv_server.config import ServerConfig
 from cv_server.http.models import Health, Ready
 from cv_server.http.openapi import Doc, Media, build_document, documented, render_docs_page
@@ -148,14 +149,16 @@ async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
         lambda: waiters.count,
     )
     reaper = asyncio.create_task(reap_forever(stores, config, metrics))
+    compactor = asyncio.create_task(compact_forever(stores, config, metrics))
     app[STATE].ready = True
     log.info("stores open, serving", extra={"step": "ready"})
     yield
     app[STATE].ready = False
     log.info("stopping: closing request waiters and stores", extra={"step": "close_stores"})
-    reaper.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await reaper
+    for task in (reaper, compactor):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     await waiters.close()
     signals.close()
     # In-flight commits finished before cleanup (the runner waited for handlers); now flush.

@@ -50,6 +50,20 @@ class ServerConfig:
     #: evicted sub-doc is rebuilt from its snapshot plus at most `snapshot_every` log entries).
     subdoc_cache_limit: int = 10_000
 
+    # -- storage over time (docs/configuration.md, docs/operating.md) --
+    #: Ops older than this (and below their sub-doc's latest snapshot) are deleted with their
+    #: op_id records, and recorded rejections older than this too; 0 keeps everything. Seven
+    #: days because the SDK's outbox keeps an unsent op seven days: an op any outbox may still
+    #: resend keeps its op_id record at least that long, so the resend is answered from it.
+    oplog_retention_seconds: float = 7 * 24 * 3600.0
+    #: A compaction pass starts this often. Its own cadence, not the hourly reaper's: a pass
+    #: deletes what became old since the last one, and ten minutes' worth of a busy log is a
+    #: short pass, where an hour's backlog would be six times longer.
+    compact_seconds: float = 600.0
+    #: Rows one compaction transaction deletes at most: each batch holds the SQLite writer (or a
+    #: PostgreSQL transaction) for milliseconds, so appends never queue behind a long delete.
+    compact_batch_rows: int = 1000
+
     # -- queue (docs/configuration.md, docs/queue.md) --
     #: A claim's lease. The heartbeat that renews it is the worker's (`WorkerConfig`, 60 s),
     #: which beats at least twice per lease the server grants (a shorter lease set here is
@@ -149,12 +163,14 @@ class ServerConfig:
 
 
 #: Settings for which 0 means something: retry a failed request at once, keep no result inline
-#: (every result to the blob store), drain nothing at shutdown, keep finished requests forever.
+#: (every result to the blob store), drain nothing at shutdown, keep finished requests or the
+#: whole op-log forever.
 _MAY_BE_ZERO = frozenset(
     {
         "failure_backoff_seconds",
         "blob_threshold_bytes",
         "drain_seconds",
         "request_retention_seconds",
+        "oplog_retention_seconds",
     }
 )

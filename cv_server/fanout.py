@@ -73,6 +73,22 @@ class Cursor:
                 raise AssertionError(f"log read skipped from {self.last} to {frame.clock}")
         return out
 
+    def behind_horizon(self, first_clock: int | None, head: int) -> bool:
+        """A log read after `last` answered `head` and entries starting at `first_clock` (None:
+        no entry): True when the ops right after `last` are compacted away, so the subscriber
+        must be sent the state instead (`reset_to`). The log of a sub-doc is the gap-free
+        range [horizon, head], so its first entry is `last + 1` unless the log starts later."""
+        if first_clock is None:
+            return head > self.last
+        return first_clock > self.last + 1
+
+    def reset_to(self, clock: int) -> None:
+        """The subscriber was sent the state at `clock` (a snapshot frame): the next op due is
+        `clock + 1`. Live frames at or below it are dropped by `go_live`, as sent."""
+        if clock < self.last:
+            raise ValueError(f"a snapshot at clock {clock} is behind {self.last}, already sent")
+        self.last = clock
+
     def behind(self, head: int) -> bool:
         """Another instance committed up to `head` (a notification without the ops): if that is
         news to a live cursor, switch to catch-up. Returns True when the caller must read."""

@@ -301,6 +301,14 @@ class Subscription:
             }
         )
 
+    async def _snapshot_frame(self) -> str:
+        """The sub-doc's state as a `snapshot` frame, the cursor moved to its clock."""
+        clock, state = await self.hub.store.get_state(self.workspace_id, self.sub_doc)
+        self.cursor.reset_to(clock)
+        body = {"type": "snapshot", "sub_doc": self.sub_doc, "clock": clock}
+        body["state"] = state.to_json()
+        return orjson.dumps(body).decode()
+
     async def _run(self) -> None:
         store = self.hub.store
         synced = False
@@ -330,6 +338,15 @@ class Subscription:
                             # naming the sub-doc.
                             self._refuse(f"since {self.cursor.last} is past the head clock {head}")
                             return
+                        first = entries[0].clock if entries else None
+                        if self.cursor.behind_horizon(first, head):
+                            # The ops after `last` are compacted: the state instead, then the
+                            # ops after its clock (docs/protocol.md, "Behind the horizon";
+                            # `test_a_subscriber_from_clock_zero_after_compaction_gets_the_
+                            # snapshot_then_the_tail`).
+                            if not self.conn.send(await self._snapshot_frame()):
+                                return
+                            continue
                         frames = (self.hub.stamped(self, entry) for entry in entries)
                         for frame in self.cursor.from_log(frames):
                             if not self.conn.send(frame.text):

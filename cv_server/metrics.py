@@ -90,6 +90,35 @@ class Metrics:
             "Writes refused for storage (disk full, read-only, I/O error): each answered 503"
             " storage_unavailable (docs/operating.md, Storage faults).",
         )
+        # -- storage over time (docs/operating.md, cv_server/compaction.py)
+        self.oplog_rows = Gauge(
+            "cv_oplog_rows",
+            "Op rows in the log as of the last compaction pass (SQLite: counted; PostgreSQL: the"
+            " planner's estimate).",
+            registry=self.registry,
+        )
+        #: When the oldest op still in the log committed (epoch seconds; None: empty log).
+        self.oldest_op_committed_at: float | None = None
+        self.gauge(
+            "cv_oplog_oldest_op_age_seconds",
+            "Age of the oldest op still in the log (the oldest horizon), as of the last"
+            " compaction pass; 0 when the log is empty.",
+            lambda: (
+                0.0
+                if self.oldest_op_committed_at is None
+                else max(0.0, time.time() - self.oldest_op_committed_at)
+            ),
+        )
+        self.compaction_deleted = counter(
+            "cv_compaction_deleted_total",
+            "Rows deleted by op-log compaction, by kind (ops, rejections).",
+            labelnames=("kind",),
+        )
+        self.compaction_seconds = histogram(
+            "cv_compaction_pass_seconds",
+            "Duration of one compaction pass (every batch of it).",
+            buckets=_SLOW_SECONDS,
+        )
         # -- subscribers
         self.broadcast_lag = histogram(
             "cv_broadcast_lag_seconds",

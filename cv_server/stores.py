@@ -93,6 +93,10 @@ class Stores:
     #: One small write that succeeds only if the storage takes writes: `/readyz` runs it while
     #: `faults.fault` is set, and clears it when it succeeds (writes resume by themselves).
     probe_write: Callable[[], Awaitable[None]] | None = None
+    #: `await reclaim_space(max_pages)`: give at most that many freed pages back to the file
+    #: system and return how many (SQLite's incremental vacuum, after compaction deleted rows).
+    #: None where the database does it itself (PostgreSQL: autovacuum, docs/operating.md).
+    reclaim_space: Callable[[int], Awaitable[int]] | None = None
     _closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
     async def close(self) -> None:

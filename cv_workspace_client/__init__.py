@@ -37,6 +37,7 @@ from cv_workspace_client.errors import (
     ForbiddenError,
     InvalidRequestError,
     LeaseLostError,
+    LogCompactedError,
     NotFoundError,
     OpDiscardedError,
     OpRejectedError,
@@ -49,7 +50,7 @@ from cv_workspace_client.errors import (
     WorkspaceError,
 )
 from cv_workspace_client.live import LiveDoc
-from cv_workspace_client.models import Commit, Committed, SyncStatus
+from cv_workspace_client.models import Commit, Committed, Snapshot, SyncStatus
 from cv_workspace_client.queue_models import (
     EnqueuedRequest,
     EnqueueItem,
@@ -78,6 +79,7 @@ __all__ = [
     "Committed",
     "LiveDoc",
     "ReconnectPolicy",
+    "Snapshot",
     "Subscription",
     "SyncStatus",
     "TokenProvider",
@@ -93,6 +95,7 @@ __all__ += [
     "InvalidRequestError",
     "LeaseLostError",
     "LockExpiringError",
+    "LogCompactedError",
     "NotFoundError",
     "OpDiscardedError",
     "OpRejectedError",

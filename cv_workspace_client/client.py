@@ -52,7 +52,7 @@ from cv_workspace_client.errors import (
     StillPendingError,
     WorkspaceError,
 )
-from cv_workspace_client.models import Commit, Committed, SyncStatus
+from cv_workspace_client.models import Commit, Committed, Snapshot, SyncStatus
 from cv_workspace_client.stream import Subscription
 
 __all__ = ["WorkspaceClient"]
@@ -555,7 +555,7 @@ class WorkspaceClient(QueueMethods):
 
     async def read_log(
         self, workspace_id: str, sub_doc: str, since: int, limit: int
-    ) -> tuple[int, list[Committed]]:
+    ) -> tuple[int, Sequence[Committed | Snapshot]]:
         """A subscription's catch-up read: retried for as long as the server is down."""
         return await self._reads.read_log(workspace_id, sub_doc, since, limit)
 

@@ -43,7 +43,7 @@ from urllib.parse import quote
 from cv_workspace_client._io.http import HttpApi
 from cv_workspace_client._io.retry import retrying
 from cv_workspace_client.client import WorkspaceClient
-from cv_workspace_client.errors import ProtocolError, WorkspaceError
+from cv_workspace_client.errors import LogCompactedError, ProtocolError, WorkspaceError
 
 __all__ = [
     "LOCK_MARGIN_FRACTION",
@@ -490,7 +490,14 @@ class _Follower:
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> _Follower:
-        head, _ = await self._client.read_ops(self._workspace_id, self._sub_doc, since=0, limit=1)
+        try:
+            head, _ = await self._client.read_ops(
+                self._workspace_id, self._sub_doc, since=0, limit=1
+            )
+        except LogCompactedError as exc:  # the 410 names the head too
+            if exc.clock is None:
+                raise
+            head = exc.clock
         subscription = self._client.subscribe(self._workspace_id, self._sub_doc, since=head)
 
         async def pump() -> None:

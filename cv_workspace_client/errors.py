@@ -23,6 +23,7 @@ __all__ = [
     "ForbiddenError",
     "InvalidRequestError",
     "LeaseLostError",
+    "LogCompactedError",
     "NotFoundError",
     "OpDiscardedError",
     "OpRejectedError",
@@ -126,6 +127,26 @@ class InvalidRequestError(WorkspaceError):
         super().__init__(code, message)
         self.status = status
         self.op_index = op_index
+
+
+class LogCompactedError(InvalidRequestError):
+    """410 `log_compacted`: the ops after the `since` asked for were deleted by compaction
+    (docs/operating.md, "Storage over time"). `horizon` is the lowest clock still in the log,
+    `clock` the head, `state_url` where the state is read. Subscriptions handle it themselves
+    (they yield a `Snapshot`); a direct `read_ops` raises it. Never retried."""
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        horizon: int | None = None,
+        clock: int | None = None,
+        state_url: str | None = None,
+    ) -> None:
+        super().__init__("log_compacted", message, status=410)
+        self.horizon = horizon
+        self.clock = clock
+        self.state_url = state_url
 
 
 class NotFoundError(InvalidRequestError):
@@ -331,6 +352,13 @@ def error_from_problem(
         return LeaseLostError(message) if message else LeaseLostError()
     if code == "cancelled":
         return RequestCancelledError(message) if message else RequestCancelledError()
+    if code == "log_compacted":
+        return LogCompactedError(
+            message,
+            horizon=_int_or_none(body.get("horizon")),
+            clock=_int_or_none(body.get("clock")),
+            state_url=body.get("state_url") if isinstance(body.get("state_url"), str) else None,
+        )
     final = _FINAL_BY_CODE.get(code)
     if final is NotFoundError:
         return NotFoundError(code, message, status=status)
@@ -347,6 +375,10 @@ def error_from_problem(
         status=status,
         op_index=op_index if isinstance(op_index, int) and not isinstance(op_index, bool) else None,
     )
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _code_for_status(status: int | None) -> str:

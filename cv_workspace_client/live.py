@@ -55,11 +55,12 @@ from cv_workspace_client._io.retry import retrying
 from cv_workspace_client.client import WorkspaceClient
 from cv_workspace_client.errors import (
     InvalidRequestError,
+    LogCompactedError,
     OpDiscardedError,
     StillPendingError,
     WorkspaceError,
 )
-from cv_workspace_client.models import Commit
+from cv_workspace_client.models import Commit, Snapshot
 
 if TYPE_CHECKING:
     from cv_workspace_client.stream import Subscription
@@ -272,6 +273,14 @@ class LiveDoc:
 
     async def _follow_one(self, core: OptimisticDoc, subscription: Subscription) -> None:
         async for committed in subscription:
+            if isinstance(committed, Snapshot):
+                # The ops up to its clock were compacted: start over from the server's state
+                # there, this client's pending ops applied on top (docs/client.md;
+                # `test_a_live_doc_with_pending_ops_resets_to_a_snapshot_and_keeps_them`).
+                core.resync(committed.clock, committed.state)
+                self._recheck.set()
+                self._changed()
+                continue
             try:
                 core.committed(committed.clock, committed.op_id, committed.op)
             except Diverged:
@@ -299,7 +308,12 @@ class LiveDoc:
         head = 0
         async for attempt in retrying(self.client.config, forever=True):
             with attempt, _closing_client():
-                head, _ = await self.client.read_ops(*self._key(), since=0, limit=1)
+                try:
+                    head, _ = await self.client.read_ops(*self._key(), since=0, limit=1)
+                except LogCompactedError as exc:  # the 410 names the head too
+                    if exc.clock is None:
+                        raise
+                    head = exc.clock
         return head
 
     async def _watch_sync(self) -> None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cv_mutations import Op
+from cv_mutations import Op, SubDocState
 
-__all__ = ["Commit", "Committed", "SyncStatus"]
+__all__ = ["Commit", "Committed", "Snapshot", "SyncStatus"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +41,17 @@ class Committed:
     op_id: str | None
     op: Op
     committed_at: float | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The sub-doc's whole state at `clock`, yielded by a subscription in place of ops that
+    compaction deleted (docs/client.md, "Behind the horizon"). Replace what was built from the
+    earlier ops with `state`; the ops after `clock` follow, gap-free. The state is the
+    subscription's to hand over: the app may keep and change it."""
+
+    clock: int
+    state: SubDocState = field(compare=False)
 
 
 @dataclass(frozen=True, slots=True)

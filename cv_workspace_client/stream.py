@@ -1,21 +1,24 @@
 """`Subscription`: the async iterator `WorkspaceClient.subscribe` returns.
 
 It yields every committed op of one sub-doc after `since`, in clock order, each clock exactly once,
-across reconnects, server-side resets (close 4008) and its own buffer overflowing. The judging is
-done by the pure `ResumeTracker`; this shell only buffers frames and fetches holes from the log.
+across reconnects, server-side resets (close 4008) and its own buffer overflowing. Where the ops
+after the last clock were compacted away, it yields a `Snapshot` (the state at a clock) instead,
+then the ops after that clock. The judging is done by the pure `ResumeTracker`; this shell only
+buffers frames and fetches holes from the log.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Sequence
 from typing import Any, Protocol
 
-from cv_mutations import InvalidOp, parse_op
+from cv_mutations import InvalidOp, SubDocState, parse_op
 from cv_workspace_client._core.subscription import ResumeTracker, Verdict
 from cv_workspace_client._core.wire import commit_time
 from cv_workspace_client.errors import InvalidRequestError, ProtocolError, WorkspaceError
-from cv_workspace_client.models import Committed
+from cv_workspace_client.models import Committed, Snapshot
 
 __all__ = ["PARSED", "Subscription", "parse_frame_op"]
 
@@ -36,7 +39,10 @@ class StreamOwner(Protocol):
 
     async def read_log(
         self, workspace_id: str, sub_doc: str, since: int, limit: int
-    ) -> tuple[int, list[Committed]]: ...
+    ) -> tuple[int, Sequence[Committed | Snapshot]]:
+        """The head and the entries after `since`; when the log was compacted past `since`,
+        one `Snapshot` (the state) in their place."""
+        ...
 
 
 class Subscription:
@@ -68,7 +74,7 @@ class Subscription:
         #: Highest live clock buffered: where a resubscribe can resume without refetching.
         self._received = since
         self._frames: deque[dict[str, Any]] = deque()
-        self._ready: deque[Committed] = deque()
+        self._ready: deque[Committed | Snapshot] = deque()
         self._lagging = False
         #: Live frames dropped because the buffer was full (then fetched from the log instead).
         self.frames_dropped = 0
@@ -77,7 +83,7 @@ class Subscription:
         self._registered = False
         self._waiter: asyncio.Future[None] | None = None
         #: The catch-up read under way, if any (`end` cancels it).
-        self._reading: asyncio.Future[tuple[int, list[Committed]]] | None = None
+        self._reading: asyncio.Future[tuple[int, Sequence[Committed | Snapshot]]] | None = None
 
     # -- app side ----------------------------------------------------------------------------------
 
@@ -115,7 +121,7 @@ class Subscription:
         if self._registered:
             self._owner.unregister(self)
 
-    async def __anext__(self) -> Committed:
+    async def __anext__(self) -> Committed | Snapshot:
         self._register()
         while True:
             if self._ready:
@@ -123,6 +129,15 @@ class Subscription:
             if self._frames:
                 frame = self._frames.popleft()
                 clock = frame["clock"]
+                if frame.get("type") == "snapshot":
+                    if self._tracker.reset_to(clock):
+                        try:
+                            return Snapshot(clock, SubDocState.from_json(frame.get("state")))
+                        except (KeyError, TypeError, ValueError) as exc:
+                            raise ProtocolError(
+                                "bad_frame", f"{self.sub_doc}: unreadable snapshot: {exc}"
+                            ) from None
+                    continue
                 if frame.get("type") == "synced":
                     if self._tracker.behind(clock):
                         if await self._read_page():
@@ -206,8 +221,8 @@ class Subscription:
         return max(self._received, self._tracker.last)
 
     def feed(self, frame: dict[str, Any]) -> None:
-        """An `op` or `synced` frame for this sub-doc arrived; its `clock` is an int (the socket
-        checked it, once for every subscription it feeds the frame to)."""
+        """An `op`, `snapshot` or `synced` frame for this sub-doc arrived; its `clock` is an int
+        (the socket checked it, once for every subscription it feeds the frame to)."""
         if self._ended:
             return
         clock: int = frame["clock"]
@@ -217,7 +232,7 @@ class Subscription:
             self.frames_dropped += 1
         else:
             self._frames.append(frame)
-            if frame.get("type") == "op" and not self._lagging:
+            if frame.get("type") in ("op", "snapshot") and not self._lagging:
                 self._received = max(self._received, clock)
         self._wake()
 
@@ -283,6 +298,11 @@ class Subscription:
             )
         progressed = False
         for entry in entries:
+            if isinstance(entry, Snapshot):
+                if self._tracker.reset_to(entry.clock):
+                    self._ready.append(entry)
+                    progressed = True
+                continue
             verdict = self._tracker.offer(entry.clock)
             if verdict is Verdict.DELIVER:
                 self._ready.append(entry)

@@ -11,7 +11,7 @@ import asyncio
 import sys
 
 from cv_mutations import NodeIncrement, NodeInsert
-from cv_workspace_client import OpRejectedError, StillPendingError, WorkspaceClient
+from cv_workspace_client import OpRejectedError, Snapshot, StillPendingError, WorkspaceClient
 
 
 async def main(url: str, token: str) -> None:
@@ -43,6 +43,9 @@ async def main(url: str, token: str) -> None:
         # Every committed op after `since`, each exactly once, in order; reconnects by itself.
         async with client.subscribe("demo", "tree", since=max(0, clock - 2)) as ops:
             async for committed in ops:
+                if isinstance(committed, Snapshot):  # the ops before were compacted away
+                    print("state at", committed.clock)
+                    continue
                 print("op", committed.clock, committed.op.type)
                 if committed.clock >= clock:
                     break

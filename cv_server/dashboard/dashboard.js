@@ -274,7 +274,8 @@
       const tr = document.createElement("tr");
       tr.dataset.subDoc = doc.sub_doc;
       tr.dataset.clock = String(clock);
-      cells(tr, [doc.sub_doc, String(clock), `${formatAge(serverNow() - doc.committed_at)} ago`]);
+      const age = `${formatAge(serverNow() - doc.committed_at)} ago`;
+      cells(tr, [doc.sub_doc, String(clock), String(doc.horizon ?? 1), age]);
       return tr;
     });
     body.replaceChildren(...rows);
@@ -339,6 +340,10 @@
       if (frame.clock <= last) return;
       state.subscribed.set(frame.sub_doc, frame.clock);
       addOp(frame);
+    } else if (frame.type === "snapshot") {
+      // The ops before `clock` were compacted (docs/protocol.md): the feed resumes after it.
+      const last = state.subscribed.get(frame.sub_doc) ?? 0;
+      if (frame.clock > last) state.subscribed.set(frame.sub_doc, frame.clock);
     } else if (frame.type === "synced") {
       state.synced.add(frame.sub_doc);
     } else if (frame.type === "error") {
@@ -385,7 +390,7 @@
     if (row && Number(row.dataset.clock) < frame.clock) {
       row.dataset.clock = String(frame.clock);
       row.cells[1].textContent = String(frame.clock);
-      row.cells[2].textContent =
+      row.cells[3].textContent =
         committedAt != null ? `${formatAge(serverNow() - committedAt)} ago` : "just now";
     }
   }

@@ -78,7 +78,7 @@ def _int_param(request: web.Request, name: str, default: int, low: int, high: in
             Param("since", {"type": "integer", "minimum": 0}, "Ops with a clock above this"),
             Param("limit", {"type": "integer", "minimum": 1}, "At most this many (a page)"),
         ),
-        problems={400: ("invalid_field",)},
+        problems={400: ("invalid_field",), 410: ("log_compacted",)},
         tag="op-log",
     )
 )
@@ -89,5 +89,20 @@ async def get_ops(request: web.Request) -> web.Response:
     page = request.app[CONFIG].catchup_page
     since = _int_param(request, "since", 0, 0, MAX_CLOCK)
     limit = _int_param(request, "limit", page, 1, page)
-    head, entries = await request.app[STORES].oplog.read_since(workspace_id, sub_doc, since, limit)
+    oplog = request.app[STORES].oplog
+    head, entries = await oplog.read_since(workspace_id, sub_doc, since, limit)
+    # The log is the gap-free range [horizon, head]: a first entry past `since + 1` (or none
+    # below a head past `since`) means the ops after `since` were compacted.
+    if (entries and entries[0].clock > since + 1) or (not entries and head > since):
+        horizon = await oplog.horizon(workspace_id, sub_doc)
+        state_url = request.path.removesuffix("/ops")
+        raise Problem(
+            410,
+            "log_compacted",
+            f"the ops after clock {since} were compacted; the log starts at clock {horizon}:"
+            f" read the state at {state_url}, then the ops after its clock",
+            horizon=horizon,
+            clock=head,
+            state_url=state_url,
+        )
     return web.json_response({"clock": head, "ops": [entry.to_json() for entry in entries]})

@@ -280,6 +280,10 @@ class SubDocHeadOut(_Answer):
     sub_doc: str
     clock: int = Field(description="The head clock: the last committed op's")
     committed_at: float = Field(description="When that op committed, epoch seconds")
+    horizon: int = Field(
+        description="The lowest clock still in the log (ops below it were compacted;"
+        " docs/operating.md, Storage over time)"
+    )
 
 
 class DocList(_Answer):

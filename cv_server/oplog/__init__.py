@@ -3,9 +3,11 @@
 from cv_server.oplog.store import OpLogStore
 from cv_server.oplog.values import (
     Committed,
+    Compaction,
     IncomingOp,
     LogEntry,
     OpLogCorrupted,
+    OpLogStats,
     Outcome,
     Rejected,
     SubDocHead,
@@ -13,9 +15,11 @@ from cv_server.oplog.values import (
 
 __all__ = [
     "Committed",
+    "Compaction",
     "IncomingOp",
     "LogEntry",
     "OpLogCorrupted",
+    "OpLogStats",
     "OpLogStore",
     "Outcome",
     "Rejected",

@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING
 from cv_mutations import SubDocState
 from cv_server.oplog.values import (
     Committed,
+    Compaction,
     IncomingOp,
     LogEntry,
     OpLogCorrupted,
+    OpLogStats,
     Outcome,
     Rejected,
     SubDocHead,
@@ -28,9 +30,11 @@ if TYPE_CHECKING:  # the seam names the future's type; it never makes one (no as
 
 __all__ = [
     "Committed",
+    "Compaction",
     "IncomingOp",
     "LogEntry",
     "OpLogCorrupted",
+    "OpLogStats",
     "OpLogStore",
     "Outcome",
     "Rejected",
@@ -130,6 +134,47 @@ class OpLogStore(abc.ABC):
         None: from the first). A sub-doc only ever rejected ops is not listed: its clock is 0,
         as for one never written. Raises `ValueError` if `limit` is negative.
         """
+
+    # -- storage over time (docs/operating.md, "Storage over time") ----------------------------
+
+    @abc.abstractmethod
+    async def horizon(self, workspace_id: str, sub_doc: str) -> int:
+        """The lowest clock still in the sub-doc's log; `head + 1` when it holds no op (1 for a
+        sub-doc never written).
+
+        The log of a sub-doc is always the contiguous range `[horizon, head]`: compaction only
+        ever deletes a prefix of it, and never the op at or above the latest snapshot's clock,
+        so the op at the head is always kept. A read from `since` is served by the log when
+        `since >= horizon - 1`; below that, its ops are gone and the reader needs the state
+        (`get_state`) instead.
+        """
+
+    @abc.abstractmethod
+    async def compact(
+        self, older_than: float, *, limit: int, start: tuple[str, str] | None = None
+    ) -> Compaction:
+        """Delete one bounded batch of old ops, in one short transaction.
+
+        Deletes at most `limit` op rows (and the op_id records of those ops) that committed
+        before `older_than` (epoch seconds, the clock that stamped the rows) and lie below
+        their sub-doc's latest snapshot, visiting sub-docs in key order from `start`
+        (inclusive; None: the first). Only a prefix of each sub-doc's log is deleted, so the
+        log stays gap-free (`horizon`). Call again with the answer's `resume` until it is None:
+        that is one compaction pass. Safe to run from several processes at once (PostgreSQL):
+        each row is deleted once and a sub-doc another compactor holds is skipped, not waited
+        for. Raises `ValueError` if `limit` is below 1.
+        """
+
+    @abc.abstractmethod
+    async def expire_rejections(self, older_than: float, *, limit: int) -> int:
+        """Delete at most `limit` recorded rejections older than `older_than` (epoch seconds),
+        in one short transaction; return how many. A retry of such an op_id is then decided
+        afresh (docs/ops.md). Raises `ValueError` if `limit` is below 1."""
+
+    @abc.abstractmethod
+    async def stats(self) -> OpLogStats:
+        """The log's size and its oldest op's commit time, for `/metrics`. May read the whole
+        table on SQLite: call it once per compaction pass, not per scrape."""
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -14,9 +14,11 @@ from cv_server.errors import CvServerError
 
 __all__ = [
     "Committed",
+    "Compaction",
     "IncomingOp",
     "LogEntry",
     "OpLogCorrupted",
+    "OpLogStats",
     "Outcome",
     "Rejected",
     "SubDocHead",
@@ -108,12 +110,40 @@ class LogEntry:
 
 @dataclass(frozen=True, slots=True)
 class SubDocHead:
-    """A written sub-doc as a listing shows it: its head clock and when that op committed
-    (epoch seconds, on the committing server's clock)."""
+    """A written sub-doc as a listing shows it: its head clock, when that op committed (epoch
+    seconds, on the committing server's clock) and its horizon (`OpLogStore.horizon`: the lowest
+    clock still in its log)."""
 
     sub_doc: str
     clock: int
     committed_at: float
+    horizon: int = 1
 
     def to_json(self) -> dict[str, Any]:
-        return {"sub_doc": self.sub_doc, "clock": self.clock, "committed_at": self.committed_at}
+        return {
+            "sub_doc": self.sub_doc,
+            "clock": self.clock,
+            "committed_at": self.committed_at,
+            "horizon": self.horizon,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Compaction:
+    """What one `OpLogStore.compact` batch did: `deleted` op rows (with their op_id records),
+    and where the next batch of the same pass starts (`resume`, a `(workspace_id, sub_doc)` to
+    pass back as `start`; None: every sub-doc was visited, the pass is over)."""
+
+    deleted: int
+    resume: tuple[str, str] | None
+
+
+@dataclass(frozen=True, slots=True)
+class OpLogStats:
+    """The size of the log as `/metrics` shows it (docs/observability.md): `op_rows` (exact on
+    SQLite, the planner's estimate on PostgreSQL: see `estimated`) and when the oldest op still
+    in the log committed (epoch seconds; None when the log is empty)."""
+
+    op_rows: int
+    oldest_committed_at: float | None
+    estimated: bool = False

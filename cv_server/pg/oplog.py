@@ -52,9 +52,11 @@ from cv_server.oplog.pipeline import (
     snapshot_due,
 )
 from cv_server.oplog.store import (
+    Compaction,
     IncomingOp,
     LogEntry,
     OpLogCorrupted,
+    OpLogStats,
     OpLogStore,
     Outcome,
     SubDocHead,
@@ -273,7 +275,48 @@ class PostgresOpLogStore(OpLogStore):
             return []
         async with self.pool.acquire() as conn:
             rows = await sql.list_sub_docs(conn, workspace_id, after or "", limit)
-        return [SubDocHead(name, clock, at) for name, clock, at in rows]
+        return [SubDocHead(name, clock, at, horizon) for name, clock, at, horizon in rows]
+
+    async def horizon(self, workspace_id: str, sub_doc: str) -> int:
+        self._check_open()
+        async with self.pool.acquire() as conn:
+            return await sql.read_horizon(conn, workspace_id, sub_doc)
+
+    async def compact(
+        self, older_than: float, *, limit: int, start: tuple[str, str] | None = None
+    ) -> Compaction:
+        """One transaction over at most `limit` sub-docs with a snapshot. Each is taken with a
+        tried advisory lock (`oplog_sql.compact_sub_doc`): two compactors at once delete each
+        row once and never wait on each other or on a writer."""
+        self._check_open()
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1: {limit!r}")
+        async with self.pool.acquire() as conn, conn.transaction():
+            docs = await sql.snapshots_from(conn, start or ("", ""), limit + 1)
+            budget = limit
+            for workspace_id, sub_doc, snapshot_clock in docs[:limit]:
+                deleted = await sql.compact_sub_doc(
+                    conn, workspace_id, sub_doc, snapshot_clock, older_than, budget
+                )
+                budget -= deleted or 0
+                if budget == 0:
+                    return Compaction(limit, (workspace_id, sub_doc))
+        resume = (docs[limit][0], docs[limit][1]) if len(docs) > limit else None
+        return Compaction(limit - budget, resume)
+
+    async def expire_rejections(self, older_than: float, *, limit: int) -> int:
+        self._check_open()
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1: {limit!r}")
+        async with self.pool.acquire() as conn:
+            return await sql.expire_rejections(conn, older_than, limit)
+
+    async def stats(self) -> OpLogStats:
+        """The row count is the planner's estimate (`pg_class.reltuples`): cheap at any size."""
+        self._check_open()
+        async with self.pool.acquire() as conn:
+            rows, oldest = await sql.read_stats(conn)
+        return OpLogStats(rows, oldest, estimated=True)
 
     async def close(self) -> None:
         """Finish every append queued before this call, then close the pool if this store
@@ -523,7 +566,7 @@ class PostgresOpLogStore(OpLogStore):
             lane.doc = None
             doc = await sql.load_sub_doc(conn, workspace_id, sub_doc)
         elif doc.clock < head:
-            await sql.catch_up(conn, workspace_id, sub_doc, doc)
+            doc = await sql.catch_up(conn, workspace_id, sub_doc, doc)
         if doc.clock != head:
             raise OpLogCorrupted(f"{key}: the log ends at clock {doc.clock}, the head is {head}")
         lane.doc = doc

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Final
 
 import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
@@ -31,12 +32,17 @@ __all__ = [
     "CachedSubDoc",
     "OpLogCorrupted",
     "catch_up",
+    "compact_sub_doc",
+    "expire_rejections",
     "list_sub_docs",
     "load_sub_doc",
     "lock_heads",
     "look_up_many",
     "read_head",
+    "read_horizon",
     "read_since",
+    "read_stats",
+    "snapshots_from",
     "write_batches",
     "write_snapshot",
 ]
@@ -72,7 +78,9 @@ ORDER BY o.clock
 # their primary key), with the time of the op at the head (one probe of the log's key each). A
 # head at clock 0 (only rejections so far) is no written sub-doc.
 _LIST_SUB_DOCS: Final = f"""
-SELECT h.sub_doc, h.clock, extract(epoch FROM o.committed_at)::float8 AS committed_at
+SELECT h.sub_doc, h.clock, extract(epoch FROM o.committed_at)::float8 AS committed_at, (
+    SELECT min(clock) FROM {OPS_TABLE} WHERE workspace_id = h.workspace_id AND sub_doc = h.sub_doc
+) AS horizon
 FROM {HEADS_TABLE} h
 JOIN {OPS_TABLE} o
     ON o.workspace_id = h.workspace_id AND o.sub_doc = h.sub_doc AND o.clock = h.clock
@@ -136,6 +144,82 @@ ON CONFLICT (workspace_id, sub_doc) DO UPDATE SET clock = excluded.clock, state 
 WHERE {SNAPSHOTS_TABLE}.clock < excluded.clock
 """
 
+# -- storage over time (`compact`, docs/operating.md) ---------------------------------------------
+
+_SNAPSHOTS_FROM: Final = f"""
+SELECT workspace_id, sub_doc, clock FROM {SNAPSHOTS_TABLE}
+WHERE (workspace_id, sub_doc) >= ($1, $2)
+ORDER BY workspace_id, sub_doc
+LIMIT $3
+"""
+# One compactor per sub-doc at a time, without waiting: a transaction-scoped advisory lock, tried
+# (never awaited), on the sub-doc's key. Another compactor holding it skips the sub-doc for this
+# pass; writers never take it, so compaction never queues an append (and deletes only rows below
+# the snapshot, which no writer touches). A hash collision only makes a compactor skip a sub-doc.
+# The first key is this feature's own namespace among advisory locks ("cvcompact" in short).
+_TRY_COMPACT_LOCK: Final = "SELECT pg_try_advisory_xact_lock(43301, hashtext($1 || '/' || $2))"
+# Delete the prefix of the sub-doc's log below the snapshot ($3), at most $4 rows, up to the first
+# op committed at or after $5 (so only a prefix goes: the log stays gap-free), and the op_id records
+# of the deleted ops (probes of the outcomes' key). Answers the rows deleted.
+_COMPACT_SUB_DOC: Final = f"""
+WITH win AS (
+    SELECT clock, committed_at FROM {OPS_TABLE}
+    WHERE workspace_id = $1 AND sub_doc = $2 AND clock < $3
+    ORDER BY clock
+    LIMIT $4
+), stop AS (
+    SELECT coalesce(min(clock) FILTER (WHERE committed_at >= $5), $3) AS clock FROM win
+), gone AS (
+    DELETE FROM {OPS_TABLE} o
+    USING win, stop
+    WHERE o.workspace_id = $1 AND o.sub_doc = $2 AND o.clock = win.clock
+        AND win.clock < stop.clock
+    RETURNING o.op_id
+), gone_records AS (
+    DELETE FROM {OUTCOMES_TABLE} u
+    USING gone
+    WHERE u.op_id = gone.op_id AND u.workspace_id = $1 AND u.sub_doc = $2
+)
+SELECT count(*) FROM gone
+"""
+# Rejections older than $1, at most $2, oldest first; rows another compactor is deleting are
+# skipped, not waited for.
+_EXPIRE_REJECTIONS: Final = f"""
+WITH doomed AS (
+    SELECT ctid FROM {OUTCOMES_TABLE}
+    WHERE clock IS NULL AND recorded_at < $1
+    ORDER BY recorded_at
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+), gone AS (
+    DELETE FROM {OUTCOMES_TABLE} u USING doomed WHERE u.ctid = doomed.ctid RETURNING 1
+)
+SELECT count(*) FROM gone
+"""
+# The log's first clock, or the head + 1 when the log holds none (1 for a sub-doc never written).
+_SELECT_HORIZON: Final = f"""
+SELECT coalesce(
+    (SELECT min(clock) FROM {OPS_TABLE} WHERE workspace_id = $1 AND sub_doc = $2),
+    (SELECT clock FROM {HEADS_TABLE} WHERE workspace_id = $1 AND sub_doc = $2) + 1,
+    1
+)
+"""
+# The planner's row estimate (kept by autovacuum/ANALYZE; -1 before the first), not a count: a
+# COUNT(*) of the log would scan it. The oldest op: the heads (one row per sub-doc) each probe
+# the first op of their log, so this costs one probe per sub-doc, not a scan of every op.
+_STATS: Final = f"""
+SELECT
+    (SELECT greatest(reltuples, 0)::bigint FROM pg_class
+     WHERE oid = to_regclass('{OPS_TABLE}')) AS rows,
+    (SELECT extract(epoch FROM min(o.committed_at))::float8
+     FROM {HEADS_TABLE} h
+     CROSS JOIN LATERAL (
+         SELECT committed_at FROM {OPS_TABLE}
+         WHERE workspace_id = h.workspace_id AND sub_doc = h.sub_doc
+         ORDER BY clock LIMIT 1
+     ) o) AS oldest
+"""
+
 
 @dataclass(slots=True)
 class CachedSubDoc:
@@ -175,9 +259,12 @@ async def _lock_heads(
 
 async def list_sub_docs(
     conn: asyncpg.Connection, workspace_id: str, after: str, limit: int
-) -> list[tuple[str, int, float]]:
+) -> list[tuple[str, int, float, int]]:
     rows = await conn.fetch(_LIST_SUB_DOCS, workspace_id, after, limit)
-    return [(row["sub_doc"], int(row["clock"]), float(row["committed_at"])) for row in rows]
+    return [
+        (row["sub_doc"], int(row["clock"]), float(row["committed_at"]), int(row["horizon"]))
+        for row in rows
+    ]
 
 
 async def read_head(conn: asyncpg.Connection, workspace_id: str, sub_doc: str) -> int:
@@ -204,10 +291,60 @@ async def load_sub_doc(conn: asyncpg.Connection, workspace_id: str, sub_doc: str
 
 async def catch_up(
     conn: asyncpg.Connection, workspace_id: str, sub_doc: str, doc: CachedSubDoc
-) -> None:
-    """Apply the log entries after `doc.clock` (committed by other instances) to `doc`."""
+) -> CachedSubDoc:
+    """Apply the log entries after `doc.clock` (committed by other instances) to `doc`; return
+    it, or a copy rebuilt from the snapshot when the log no longer reaches back to `doc.clock`
+    (compacted past a cache that stood still that long:
+    `test_a_cache_behind_the_horizon_is_rebuilt_from_the_snapshot`)."""
     rows = await conn.fetch(_SELECT_OPS_AFTER, workspace_id, sub_doc, doc.clock)
+    if rows and int(rows[0]["clock"]) > doc.clock + 1:
+        snapshot = await conn.fetchrow(_SELECT_SNAPSHOT, workspace_id, sub_doc)
+        if snapshot is not None and int(snapshot["clock"]) >= int(rows[0]["clock"]) - 1:
+            return await load_sub_doc(conn, workspace_id, sub_doc)
     _rebuild(doc, rows, (workspace_id, sub_doc))
+    return doc
+
+
+async def snapshots_from(
+    conn: asyncpg.Connection, start: tuple[str, str], limit: int
+) -> list[tuple[str, str, int]]:
+    """The sub-docs with a snapshot from `start` (inclusive) in key order, and their clocks."""
+    rows = await conn.fetch(_SNAPSHOTS_FROM, start[0], start[1], limit)
+    return [(row["workspace_id"], row["sub_doc"], int(row["clock"])) for row in rows]
+
+
+async def compact_sub_doc(
+    conn: asyncpg.Connection,
+    workspace_id: str,
+    sub_doc: str,
+    snapshot_clock: int,
+    older_than: float,
+    limit: int,
+) -> int | None:
+    """In the caller's transaction: delete at most `limit` ops of the sub-doc's log prefix below
+    `snapshot_clock` that committed before `older_than` (epoch seconds), with their op_id
+    records. None when another compactor holds the sub-doc (skipped, not waited for)."""
+    if not await conn.fetchval(_TRY_COMPACT_LOCK, workspace_id, sub_doc):
+        return None
+    cutoff = datetime.fromtimestamp(older_than, tz=UTC)
+    return int(
+        await conn.fetchval(_COMPACT_SUB_DOC, workspace_id, sub_doc, snapshot_clock, limit, cutoff)
+    )
+
+
+async def expire_rejections(conn: asyncpg.Connection, older_than: float, limit: int) -> int:
+    cutoff = datetime.fromtimestamp(older_than, tz=UTC)
+    return int(await conn.fetchval(_EXPIRE_REJECTIONS, cutoff, limit))
+
+
+async def read_horizon(conn: asyncpg.Connection, workspace_id: str, sub_doc: str) -> int:
+    return int(await conn.fetchval(_SELECT_HORIZON, workspace_id, sub_doc))
+
+
+async def read_stats(conn: asyncpg.Connection) -> tuple[int, float | None]:
+    row = await conn.fetchrow(_STATS)
+    oldest = row["oldest"]
+    return int(row["rows"] or 0), None if oldest is None else float(oldest)
 
 
 async def look_up_many(

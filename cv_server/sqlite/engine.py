@@ -69,6 +69,13 @@ def storage_fault(exc: BaseException) -> StorageUnavailable | None:
     return fault
 
 
+#: The largest existing file converted to incremental auto-vacuum at open (a `VACUUM` rewrites
+#: the whole file, holding the writer and needing as much free disk again): 1 GiB takes seconds
+#: to a minute on ordinary disks. A larger file is served as it is, with a warning naming the
+#: offline conversion (docs/operating.md, "Storage over time").
+CONVERT_AT_OPEN_MAX_BYTES = 1024**3
+
+
 @dataclass
 class Transaction:
     """Handed to a write job: the writer's connection, plus undo registration.
@@ -126,6 +133,35 @@ def _create_owner_only(path: str) -> int | None:
     return None
 
 
+def _convert_to_incremental_vacuum(conn: sqlite3.Connection, path: str) -> None:
+    """Switch a file made before incremental auto-vacuum (or by another tool) to it, once: a
+    `VACUUM` rewrites it, so only files up to `CONVERT_AT_OPEN_MAX_BYTES`; a larger one is
+    served as it is, with a warning (docs/operating.md). Pinned by
+    `test_an_existing_file_is_converted_to_incremental_auto_vacuum_at_open`."""
+    if path == ":memory:" or int(conn.execute("PRAGMA auto_vacuum").fetchone()[0]) == 2:
+        return
+    size = os.path.getsize(path)
+    if size > CONVERT_AT_OPEN_MAX_BYTES:
+        logger.warning(
+            "%s (%d bytes) does not give freed space back to the file system; stop the server"
+            " and run: sqlite3 %s 'PRAGMA auto_vacuum = INCREMENTAL; VACUUM;'"
+            " (needs as much free disk as the file; docs/operating.md)",
+            path,
+            size,
+            path,
+        )
+        return
+    began = time.perf_counter()
+    conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
+    conn.execute("VACUUM")
+    logger.info(
+        "converted %s (%d bytes) to incremental auto-vacuum in %.1f s",
+        path,
+        size,
+        time.perf_counter() - began,
+    )
+
+
 def _warn_loose_mode(path: str, mode: int) -> None:
     # Only once the file opened as a database: a file that is none (a mistyped path) is
     # refused, and the warning came first, about a secret it did not hold.
@@ -144,6 +180,9 @@ def _connect(path: str, *, readonly: bool = False) -> sqlite3.Connection:
     if readonly:
         conn.execute("PRAGMA query_only = ON")
     else:
+        # Before the first write creates the file's header, where the mode is stored: a new
+        # file gives freed pages back to the file system in `incremental_vacuum` steps.
+        conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
         conn.execute("PRAGMA journal_mode = WAL")
         # An acknowledged write is on disk: the promise of the product, not a tuning knob.
         conn.execute("PRAGMA synchronous = FULL")
@@ -234,6 +273,24 @@ class SQLiteDatabase:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._readers, self._run_read, fn)
 
+    async def incremental_vacuum(self, max_pages: int) -> int:
+        """Give at most `max_pages` free pages back to the file system (the file shrinks), in one
+        write job; return how many. Call after deleting rows, until it answers less than
+        `max_pages`. 0 on a file not in incremental auto-vacuum mode (`convert_at_open`)."""
+
+        def job(tx: Transaction) -> int:
+            if int(tx.execute("PRAGMA auto_vacuum").fetchone()[0]) != 2:
+                return 0
+            free = int(tx.execute("PRAGMA freelist_count").fetchone()[0])
+            pages = min(free, max_pages)
+            # Python's sqlite3 steps a statement that returns no row once, and each step of
+            # this pragma frees one page: one execution per page (microseconds each).
+            for _ in range(pages):
+                tx.execute("PRAGMA incremental_vacuum")
+            return pages
+
+        return await self.write(job)
+
     async def close(self) -> None:
         """Finish every queued write, then stop the threads and close the connections."""
         if self._closed:
@@ -267,6 +324,7 @@ class SQLiteDatabase:
     ) -> None:
         try:
             conn = _connect(self.path)
+            _convert_to_incremental_vacuum(conn, self.path)
             db = sqlite_utils.Database(conn)
             if schema is not None:
                 conn.execute("BEGIN IMMEDIATE")

@@ -50,9 +50,11 @@ from cv_server.oplog.pipeline import (
     snapshot_due,
 )
 from cv_server.oplog.store import (
+    Compaction,
     IncomingOp,
     LogEntry,
     OpLogCorrupted,
+    OpLogStats,
     OpLogStore,
     Outcome,
     SubDocHead,
@@ -107,13 +109,41 @@ WITH RECURSIVE docs(sub_doc) AS (
     FROM docs WHERE docs.sub_doc IS NOT NULL
     LIMIT ?3
 )
-SELECT d.sub_doc, o.clock, o.committed_at
+SELECT d.sub_doc, o.clock, o.committed_at, (
+    SELECT min(clock) FROM {OPS_TABLE} WHERE workspace_id = ?1 AND sub_doc = d.sub_doc
+) AS horizon
 FROM docs d
 JOIN {OPS_TABLE} o ON o.workspace_id = ?1 AND o.sub_doc = d.sub_doc AND o.clock = (
     SELECT max(clock) FROM {OPS_TABLE} WHERE workspace_id = ?1 AND sub_doc = d.sub_doc
 )
 ORDER BY d.sub_doc
 """
+
+_SELECT_SPAN: Final = (
+    f"SELECT min(clock), max(clock) FROM {OPS_TABLE} WHERE workspace_id = ? AND sub_doc = ?"
+)
+# Compaction (`compact`): the sub-docs that have a snapshot, in key order from a start key;
+# only they have ops below a snapshot.
+_SNAPSHOTS_FROM: Final = (
+    f"SELECT workspace_id, sub_doc, clock FROM {SNAPSHOTS_TABLE}"
+    " WHERE (workspace_id, sub_doc) >= (?, ?) ORDER BY workspace_id, sub_doc LIMIT ?"
+)
+_SELECT_HORIZON: Final = (
+    f"SELECT min(clock) FROM {OPS_TABLE} WHERE workspace_id = ? AND sub_doc = ?"
+)
+# The first op of the window [?3, ?4) that is too young to go: the prefix before it may go.
+_FIRST_KEPT: Final = (
+    f"SELECT min(clock) FROM {OPS_TABLE} WHERE workspace_id = ?1 AND sub_doc = ?2"
+    " AND clock >= ?3 AND clock < ?4 AND committed_at >= ?5"
+)
+_DELETE_OPS_BELOW: Final = (
+    f"DELETE FROM {OPS_TABLE} WHERE workspace_id = ? AND sub_doc = ? AND clock < ?"
+)
+_EXPIRE_REJECTIONS: Final = (
+    f"DELETE FROM {REJECTIONS_TABLE} WHERE rowid IN"
+    f" (SELECT rowid FROM {REJECTIONS_TABLE} WHERE rejected_at < ? LIMIT ?)"
+)
+_STATS: Final = f"SELECT count(*), min(committed_at) FROM {OPS_TABLE}"
 
 _DEFAULT_SNAPSHOT_EVERY: Final = ServerConfig().snapshot_every
 _DEFAULT_CACHE_LIMIT: Final = ServerConfig().subdoc_cache_limit
@@ -154,6 +184,10 @@ def create_schema(db: sqlite_utils.Database) -> None:
         pk=("workspace_id", "sub_doc", "op_id"),
         not_null={"fingerprint", "code", "message", "rejected_at"},
         if_not_exists=True,
+    )
+    # What `expire_rejections` deletes by, oldest first.
+    db.table(REJECTIONS_TABLE).create_index(
+        ["rejected_at"], index_name=f"{REJECTIONS_TABLE}_rejected_at", if_not_exists=True
     )
     db.table(SNAPSHOTS_TABLE).create(
         {"workspace_id": str, "sub_doc": str, "clock": int, "state": str, "taken_at": int},
@@ -314,7 +348,70 @@ class SQLiteOpLogStore(OpLogStore):
         def read(conn: sqlite3.Connection) -> list[SubDocHead]:
             rows = conn.execute(_LIST_SUB_DOCS, (workspace_id, after or "", limit)).fetchall()
             # committed_at is stored in milliseconds.
-            return [SubDocHead(name, clock, at / 1000) for name, clock, at in rows]
+            return [
+                SubDocHead(name, clock, at / 1000, horizon) for name, clock, at, horizon in rows
+            ]
+
+        return await self.db.read(read)
+
+    async def horizon(self, workspace_id: str, sub_doc: str) -> int:
+        self._check_open()
+
+        def read(conn: sqlite3.Connection) -> int:
+            low, high = conn.execute(_SELECT_SPAN, (workspace_id, sub_doc)).fetchone()
+            return int(low) if low is not None else int(high or 0) + 1
+
+        return await self.db.read(read)
+
+    async def compact(
+        self, older_than: float, *, limit: int, start: tuple[str, str] | None = None
+    ) -> Compaction:
+        """One write job: it holds the writer for at most `limit` deleted rows and `limit`
+        sub-docs visited (two index seeks each), so appends queue behind it only briefly."""
+        self._check_open()
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1: {limit!r}")
+        cutoff = int(older_than * 1000)  # committed_at is stored in milliseconds
+        first = start or ("", "")  # '' sorts before every valid id
+
+        def job(tx: Transaction) -> Compaction:
+            docs = tx.execute(_SNAPSHOTS_FROM, (*first, limit + 1)).fetchall()
+            budget = limit
+            for workspace_id, sub_doc, snapshot_clock in docs[:limit]:
+                key = (workspace_id, sub_doc)
+                low = tx.execute(_SELECT_HORIZON, key).fetchone()[0]
+                if low is None or low >= snapshot_clock:
+                    continue
+                window_end = min(int(snapshot_clock), int(low) + budget)
+                kept = tx.execute(_FIRST_KEPT, (*key, low, window_end, cutoff)).fetchone()[0]
+                end = window_end if kept is None else int(kept)
+                if end > low:
+                    budget -= tx.execute(_DELETE_OPS_BELOW, (*key, end)).rowcount
+                if budget == 0:
+                    return Compaction(limit, key)  # this sub-doc may hold more: start there
+            resume = (docs[limit][0], docs[limit][1]) if len(docs) > limit else None
+            return Compaction(limit - budget, resume)
+
+        return await self.db.write(job)
+
+    async def expire_rejections(self, older_than: float, *, limit: int) -> int:
+        self._check_open()
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1: {limit!r}")
+        cutoff = int(older_than * 1000)
+
+        def job(tx: Transaction) -> int:
+            return int(tx.execute(_EXPIRE_REJECTIONS, (cutoff, limit)).rowcount)
+
+        return await self.db.write(job)
+
+    async def stats(self) -> OpLogStats:
+        """Exact, by one scan of the log on a reader connection (writers go on meanwhile)."""
+        self._check_open()
+
+        def read(conn: sqlite3.Connection) -> OpLogStats:
+            rows, oldest = conn.execute(_STATS).fetchone()
+            return OpLogStats(int(rows), None if oldest is None else oldest / 1000)
 
         return await self.db.read(read)
 

@@ -180,6 +180,7 @@ async def open_sqlite_stores(config: ServerConfig) -> Stores:
         blobs=blobs,
         locks=locks,
         secret=secret,
+        reclaim_space=db.incremental_vacuum,
         # Closed in reverse: the stores first (finishing queued writes), the database last.
         _closers=[db.close, locks.close, blobs.close, idempotency.close, queue.close, oplog.close],
     )

@@ -24,6 +24,9 @@ The rules, each pinned by a test:
   never should: the server folds the same reducers over the same log). `Diverged` is raised and
   the shell starts over from a fresh server state (`resync`), pending ops re-applied. Until
   then the view stays as it was, pending ops included (the shell's re-read may take a while).
+- A `resync` to a state at a clock (a re-read, or a subscription's `Snapshot` in place of
+  compacted ops) drops the pending ops the server said are committed at or below that clock
+  (they are in that state) and applies the others again on top of it.
 - Ops a new view finds in the client's outbox (`waiting`: resent after a restart) are pending
   like the app's, with nobody waiting for their answer (orphans) from the start.
 """
@@ -50,6 +53,9 @@ class _Pending:
     #: Its caller stopped waiting (`StillPendingError`, a cancel): only the feed, or the shell's
     #: reconciliation (`orphans`), can say what became of it.
     orphan: bool = False
+    #: The clock the server answered it committed at, while the feed has not reached it: a
+    #: `resync` to a state at or past it drops the op (it is in that state).
+    clock: int | None = None
 
 
 class OptimisticDoc:
@@ -138,7 +144,12 @@ class OptimisticDoc:
         included). If the confirmed state already holds that clock, the op is in it: it leaves
         the view (returns whether it was there). Otherwise the feed has yet to deliver it, and
         `committed` will."""
-        if clock > self.clock or not self.is_pending(op_id):
+        if clock > self.clock:
+            for p in self._pending:
+                if p.op_id == op_id:
+                    p.clock = clock
+            return False
+        if not self.is_pending(op_id):
             return False
         self._rebase(None, op_id)
         return True
@@ -155,9 +166,11 @@ class OptimisticDoc:
                 p.orphan = True
 
     def resync(self, clock: int, state: SubDocState) -> None:
-        """Start over from the server's `state` at `clock`, pending ops applied on it."""
+        """Start over from the server's `state` at `clock`, pending ops applied on it (those the
+        server answered as committed at or below `clock` are in it: they leave)."""
         self.clock = clock
         self.state = state
+        self._pending = [p for p in self._pending if p.clock is None or p.clock > clock]
         for p in self._pending:
             p.undo = self._try(p.op)
 

@@ -55,6 +55,16 @@ class ResumeTracker:
             self.gaps += 1
         return Verdict.GAP
 
+    def reset_to(self, clock: int) -> bool:
+        """The server sent the state at `clock` in place of ops it compacted: deliver it (True,
+        and `clock` is the last delivered) unless everything up to `clock` is delivered already
+        (False: drop it)."""
+        if clock <= self.last:
+            self.duplicates += 1
+            return False
+        self.last = clock
+        return True
+
     def retract(self, clock: int) -> None:
         """The op `offer` just delivered at `clock` could not be handed to the app after all (its
         frame was unreadable): it is due again, from another source."""

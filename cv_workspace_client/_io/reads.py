@@ -4,15 +4,15 @@ catches up with (retried for as long as the server is down)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from cv_mutations import SubDocState, is_valid_sub_doc, is_valid_workspace_id
 from cv_workspace_client._io.http import HttpApi, log_answer, state_answer
 from cv_workspace_client._io.retry import retrying
 from cv_workspace_client.config import ClientConfig
-from cv_workspace_client.errors import InvalidRequestError
-from cv_workspace_client.models import Committed
+from cv_workspace_client.errors import InvalidRequestError, LogCompactedError
+from cv_workspace_client.models import Committed, Snapshot
 
 __all__ = ["Reads", "check_ids"]
 
@@ -51,9 +51,21 @@ class Reads:
 
     async def read_log(
         self, workspace_id: str, sub_doc: str, since: int, limit: int
-    ) -> tuple[int, list[Committed]]:
+    ) -> tuple[int, Sequence[Committed | Snapshot]]:
+        """A subscription's catch-up read. Behind the horizon (410 `log_compacted`) it reads
+        the state instead and answers it as one `Snapshot` (docs/client.md)."""
         # A subscription never gives up on a retryable error: it resumes when the server is back.
-        return await self._read_log(workspace_id, sub_doc, since, limit, forever=True)
+        try:
+            return await self._read_log(workspace_id, sub_doc, since, limit, forever=True)
+        except LogCompactedError:
+            pass
+        http = self._api()
+        answer: Any = None
+        async for attempt in retrying(self.config, forever=True):
+            with attempt:
+                answer = await http.get_state(workspace_id, sub_doc)
+        clock, state = state_answer(answer)
+        return clock, [Snapshot(clock, state)]
 
     async def _read_log(
         self, workspace_id: str, sub_doc: str, since: int, limit: int, *, forever: bool

@@ -477,7 +477,7 @@ class WorkspaceSocket:
 
     def _dispatch_frame(self, frame: dict[str, Any]) -> None:
         kind = frame.get("type")
-        if kind == "op" or kind == "synced":
+        if kind == "op" or kind == "synced" or kind == "snapshot":
             sub_doc = frame.get("sub_doc")
             refs = self._subs.get(sub_doc, ()) if isinstance(sub_doc, str) else ()
             if not refs:

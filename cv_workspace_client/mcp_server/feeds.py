@@ -28,7 +28,7 @@ from mcp.server.subscriptions import ListenHandler, ResourceUpdated, Subscriptio
 
 from cv_workspace_client._io.retry import is_retryable
 from cv_workspace_client.client import WorkspaceClient
-from cv_workspace_client.errors import WorkspaceError
+from cv_workspace_client.errors import LogCompactedError, WorkspaceError
 
 __all__ = ["DOC_URI", "ResourceFeeds", "doc_uri", "parse_doc_uri"]
 
@@ -200,7 +200,12 @@ class ResourceFeeds:
         failures = 0
         while True:
             try:
-                head, _ = await self._client.read_ops(workspace_id, sub_doc, since=0, limit=1)
+                try:
+                    head, _ = await self._client.read_ops(workspace_id, sub_doc, since=0, limit=1)
+                except LogCompactedError as exc:  # the 410 names the head too
+                    if exc.clock is None:
+                        raise
+                    head = exc.clock
                 return head
             except WorkspaceError as exc:
                 if not is_retryable(exc):

@@ -26,7 +26,7 @@ from cv_workspace_client._fakes.proxy import FaultProxy
 from cv_workspace_client._queue import requester as api
 from cv_workspace_client.client import WorkspaceClient
 from cv_workspace_client.config import ClientConfig
-from cv_workspace_client.models import Committed
+from cv_workspace_client.models import Committed, Snapshot
 from cv_workspace_client.queue_models import EnqueuedRequest, RequestOutcome
 from cv_workspace_client.stages.jobs import JOBS
 
@@ -144,6 +144,8 @@ async def run(
             async def subscriber() -> None:
                 async with watcher.subscribe(workspace, JOBS, since=since) as subscription:
                     async for committed in subscription:
+                        if isinstance(committed, Snapshot):  # the demo's log is never compacted
+                            continue
                         for job, field, value in _cells(committed):
                             seen.append((job, field, value))
                             shown = str(value)[:24]

@@ -216,6 +216,7 @@ class Follower:
         try:
             async with client.subscribe(WS, self.doc, since=0) as subscription:
                 async for committed in subscription:
+                    assert isinstance(committed, Committed)  # never compacted here
                     self.seen.append((committed.clock, committed.op_id))
                     if (key := parse_writer_op_id(committed.op_id)) is not None:
                         self.by_writer[key[0]] += 1

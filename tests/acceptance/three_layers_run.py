@@ -71,6 +71,7 @@ class _Subscriber:
     async def _follow(self, client: WorkspaceClient, since: int) -> None:
         async with client.subscribe(WS, JOBS, since=since) as subscription:
             async for committed in subscription:
+                assert isinstance(committed, Committed)  # never compacted here
                 self.cells += cells_of(committed)
                 async with self._changed:
                     self.clock = committed.clock

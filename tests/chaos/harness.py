@@ -41,6 +41,7 @@ from typing import Final, Literal
 
 from cv_mutations import NodeInsert
 from cv_workspace_client import (
+    Committed,
     RequestOutcome,
     WorkspaceClient,
     WorkspaceError,
@@ -331,6 +332,7 @@ class _Follower:
         try:
             async with client.subscribe(WS, self.doc, since=0) as subscription:
                 async for committed in subscription:
+                    assert isinstance(committed, Committed)  # never compacted here
                     self.seen.append((committed.clock, committed.op_id))
                     if (key := parse_op_id(committed.op_id)) is not None:
                         self.by_writer[key[0]] += 1

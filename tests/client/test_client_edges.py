@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from cv_workspace_client import (
     Committed,
     InvalidRequestError,
     OutboxError,
+    Snapshot,
     StillPendingError,
     Subscription,
     WorkspaceClient,
@@ -287,7 +288,7 @@ async def test_a_lagging_subscription_reads_the_log_a_page_at_a_time_as_the_app_
 
         async def spy(
             workspace_id: str, sub_doc: str, since: int, limit: int
-        ) -> tuple[int, list[Committed]]:
+        ) -> tuple[int, Sequence[Committed | Snapshot]]:
             ahead.append(since - taken)
             return await real_read_log(workspace_id, sub_doc, since, limit)
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from cv_mutations import NodeIncrement, NodeInsert
-from cv_workspace_client import ForbiddenError, WorkspaceClient
+from cv_workspace_client import Committed, ForbiddenError, WorkspaceClient
 from cv_workspace_client.testing import FaultProxy
 
 from .helpers import WS, collect, fast_config, token_for
@@ -35,6 +35,7 @@ async def test_a_subscription_sees_the_log_then_live_ops_each_once_in_order(
             clocks = await asyncio.wait_for(reader, TIMEOUT)
             first = await anext(aiter(client.subscribe(WS, "tree", since=0)))
     assert clocks == list(range(4, 31))
+    assert isinstance(first, Committed)
     assert first.clock == 1
     assert first.op == NodeInsert(node_id="n", parent_id="root", op_id=first.op_id)
 
@@ -121,6 +122,8 @@ async def test_a_subscription_s_ops_carry_the_commit_time_the_log_read_shows(
             live = await asyncio.wait_for(anext(aiter(sub)), TIMEOUT)
         after = time.time()
         _, logged = await client.read_ops(WS, "tree")
+    assert isinstance(caught_up, Committed)
+    assert isinstance(live, Committed)
     stamps = [caught_up.committed_at, live.committed_at]
     assert all(at is not None and before - 1 <= at <= after + 1 for at in stamps), stamps
     assert [e.committed_at for e in logged] == stamps

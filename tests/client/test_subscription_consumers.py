@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from cv_server import ServerConfig, create_app
 from cv_workspace_client import (
     Committed,
     InvalidRequestError,
+    Snapshot,
     Subscription,
     WorkspaceClient,
 )
@@ -58,7 +60,7 @@ async def test_a_consumer_cancelled_during_a_catch_up_read_still_gets_every_op_a
 
         async def spy(
             workspace_id: str, sub_doc: str, since: int, limit: int
-        ) -> tuple[int, list[Committed]]:
+        ) -> tuple[int, Sequence[Committed | Snapshot]]:
             reading.set()  # a catch-up read is under way
             return await real_read_log(workspace_id, sub_doc, since, limit)
 
@@ -143,7 +145,8 @@ class Tracked:
     op_ids: list[str | None] = field(default_factory=list)
     closed: bool = False
 
-    def take(self, committed: Committed) -> None:
+    def take(self, committed: Committed | Snapshot) -> None:
+        assert isinstance(committed, Committed)  # never compacted here
         expected = self.since + len(self.clocks) + 1
         assert committed.clock == expected, (self.target, self.since, self.clocks[-3:], committed)
         self.clocks.append(committed.clock)

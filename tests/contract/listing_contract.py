@@ -81,7 +81,7 @@ class SubDocListingContract:
         first = await oplog.list_sub_docs(WS, limit=10)
         await append_one(oplog, increment(), ws=WS, doc="tree")
         (now,) = await oplog.list_sub_docs(WS, limit=10)
-        assert now == SubDocHead("tree", 2, now.committed_at)
+        assert now == SubDocHead("tree", 2, now.committed_at, 1)
         assert now.committed_at >= first[0].committed_at
 
     async def test_a_zero_limit_lists_nothing_and_a_negative_one_is_refused(

@@ -631,3 +631,127 @@ class OpLogContract:
         for n in range(5):
             clock, state = await store.get_state(WS, f"doc{n}")
             assert (clock, state.nodes["root"].fields["n"]) == (4, 4 * (n + 1))
+
+    # -- compaction (docs/operating.md, "Storage over time") -----------------------------------
+
+    @staticmethod
+    async def compact_all(store: OpLogStore, older_than: float, limit: int = 100) -> list[int]:
+        """One compaction pass: the rows each batch deleted."""
+        batches: list[int] = []
+        start: tuple[str, str] | None = None
+        while True:
+            batch = await store.compact(older_than, limit=limit, start=start)
+            assert batch.deleted <= limit
+            batches.append(batch.deleted)
+            if batch.resume is None:
+                return batches
+            start = batch.resume
+
+    async def test_the_horizon_of_an_uncompacted_sub_doc_is_one(self, store: OpLogStore) -> None:
+        assert await store.horizon(WS, DOC) == 1
+        await store.append(WS, DOC, [increment() for _ in range(3)])
+        assert await store.horizon(WS, DOC) == 1
+
+    async def test_compaction_deletes_old_ops_below_the_latest_snapshot_only(
+        self, store: OpLogStore, log_rows: LogRows
+    ) -> None:
+        for _ in range(10):  # one op per append: snapshots at 4, then 8
+            await append_one(store, increment(new_op_id()))
+        assert await log_rows.snapshot_clock() == 8
+        assert await self.compact_all(store, time.time() + 60) == [7]
+        assert await store.horizon(WS, DOC) == 8
+        head, entries = await store.read_since(WS, DOC, 7, 100)
+        assert (head, [e.clock for e in entries]) == (10, [8, 9, 10])
+        assert await field_value(store) == 10
+        # Nothing more to do: a second pass deletes nothing.
+        assert await self.compact_all(store, time.time() + 60) == [0]
+
+    async def test_compaction_keeps_ops_committed_after_older_than(self, store: OpLogStore) -> None:
+        before = time.time() - 60
+        for _ in range(10):
+            await append_one(store, increment())
+        assert await self.compact_all(store, before) == [0]
+        assert await store.horizon(WS, DOC) == 1
+        assert len(await all_entries(store)) == 10
+
+    async def test_compaction_deletes_at_most_limit_rows_per_batch_and_resumes_where_it_stopped(
+        self, store: OpLogStore
+    ) -> None:
+        docs = [f"doc{n}" for n in range(3)]
+        for doc in docs:
+            for _ in range(9):  # snapshot at 8: clocks 1..7 may go
+                await append_one(store, increment(new_op_id()), doc=doc)
+        batches = await self.compact_all(store, time.time() + 60, limit=3)
+        assert sum(batches) == 21
+        assert all(batch <= 3 for batch in batches)
+        for doc in docs:
+            assert await store.horizon(WS, doc) == 8
+            assert await field_value(store, doc=doc) == 9
+
+    async def test_a_sub_doc_compacted_up_to_its_head_rebuilds_after_a_restart(
+        self, store: OpLogStore, reopen: Reopen
+    ) -> None:
+        for _ in range(8):  # the snapshot is at the head: every op below it may go
+            await append_one(store, increment(new_op_id()))
+        assert await self.compact_all(store, time.time() + 60) == [7]
+        store = await reopen(store)
+        assert await store.head(WS, DOC) == 8
+        assert await store.horizon(WS, DOC) == 8
+        assert (await store.get_state(WS, DOC))[0] == 8
+        assert await field_value(store) == 8
+        assert await append_one(store, increment()) == Committed(None, 9)
+        assert [e.clock for e in await all_entries(store)] == [8, 9]
+        listed = await store.list_sub_docs(WS, limit=10)
+        assert [(d.sub_doc, d.clock) for d in listed] == [(DOC, 9)]
+
+    async def test_compaction_forgets_the_op_ids_of_the_ops_it_deletes(
+        self, store: OpLogStore
+    ) -> None:
+        # The op_id record of a compacted op goes with it (bounded storage): a resend after the
+        # retention is decided afresh, which is why the retention outlives the SDK's outbox
+        # (docs/configuration.md, `oplog_retention_seconds`).
+        first = new_op_id()
+        await append_one(store, increment(first))
+        for _ in range(7):
+            await append_one(store, increment(new_op_id()))
+        await self.compact_all(store, time.time() + 60)
+        assert await append_one(store, increment(first)) == Committed(first, 9)
+
+    async def test_expire_rejections_deletes_old_rejection_records_in_bounded_batches(
+        self, store: OpLogStore
+    ) -> None:
+        op_ids = [new_op_id() for _ in range(3)]
+        for op_id in op_ids:
+            outcome = await append_one(store, insert(fresh_node(), parent="nowhere", op_id=op_id))
+            assert isinstance(outcome, Rejected)
+        assert await store.expire_rejections(time.time() - 60, limit=10) == 0
+        assert await store.expire_rejections(time.time() + 60, limit=2) == 2
+        assert await store.expire_rejections(time.time() + 60, limit=2) == 1
+        assert await store.expire_rejections(time.time() + 60, limit=2) == 0
+        # A retry is decided afresh: rejected again, not as a duplicate.
+        again = await append_one(store, insert(fresh_node(), parent="nowhere", op_id=op_ids[0]))
+        assert isinstance(again, Rejected)
+        assert not again.duplicate
+
+    async def test_compaction_verbs_refuse_a_limit_below_one(self, store: OpLogStore) -> None:
+        with pytest.raises(ValueError, match="limit"):
+            await store.compact(time.time(), limit=0)
+        with pytest.raises(ValueError, match="limit"):
+            await store.expire_rejections(time.time(), limit=0)
+
+    async def test_stats_show_the_oldest_op_still_in_the_log(self, store: OpLogStore) -> None:
+        assert (await store.stats()).oldest_committed_at is None
+        began = time.time()
+        for _ in range(9):
+            await append_one(store, increment(new_op_id()))
+        stats = await store.stats()
+        assert stats.oldest_committed_at is not None
+        assert began - 5 <= stats.oldest_committed_at <= time.time() + 5
+        if not stats.estimated:
+            assert stats.op_rows == 9
+        await self.compact_all(store, time.time() + 60)
+        after = await store.stats()
+        assert after.oldest_committed_at is not None
+        assert after.oldest_committed_at >= stats.oldest_committed_at
+        if not after.estimated:
+            assert after.op_rows == 2

@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
 
-from cv_server.oplog import OpLogStore
+from cv_mutations import new_op_id
+from cv_server.oplog import Committed, OpLogStore
 from cv_server.pg.oplog import PostgresOpLogStore
 from cv_server.pg.oplog_sql import OPS_TABLE, SNAPSHOTS_TABLE
-from tests.contract.oplog_contract import DOC, WS, LogRows, OpenStore, OpLogContract, Reopen
+from tests.contract.oplog_contract import (
+    DOC,
+    WS,
+    LogRows,
+    OpenStore,
+    OpLogContract,
+    Reopen,
+    append_one,
+    field_value,
+    increment,
+)
 from tests.pg.helpers import settings_for
 
 pytestmark = pytest.mark.postgres
@@ -81,3 +94,87 @@ class PostgresLogRows:
     def cached_sub_docs(self, store: OpLogStore) -> int:
         assert isinstance(store, PostgresOpLogStore)
         return len(store._lanes)
+
+
+class TestPostgresCompaction:
+    """What only several instances on one database can show about compaction."""
+
+    async def test_two_compactors_at_once_delete_each_row_once_and_never_wait_on_each_other(
+        self, postgres_url: str, schema: str, pool: asyncpg.Pool
+    ) -> None:
+        stores = [
+            await PostgresOpLogStore.open(
+                postgres_url, settings_for(schema), snapshot_every=4, channel=f"c_{schema}"
+            )
+            for _ in range(2)
+        ]
+        try:
+            docs = [f"doc{n:02d}" for n in range(40)]
+            for doc in docs:
+                await stores[0].append(WS, doc, [increment(new_op_id()) for _ in range(8)])
+            # 40 sub-docs, snapshots at 8: clocks 1..7 of each may go.
+            expected = 40 * 7
+            passes = [
+                OpLogContract.compact_all(store, time.time() + 60, limit=5) for store in stores
+            ]
+            began = time.perf_counter()
+            deleted = await asyncio.wait_for(asyncio.gather(*passes), timeout=30)
+            elapsed = time.perf_counter() - began
+            assert sum(map(sum, deleted)) == expected  # each row deleted exactly once
+            assert await pool.fetchval(f"SELECT count(*) FROM {OPS_TABLE}") == 40
+            for doc in docs:
+                assert await stores[1].horizon(WS, doc) == 8
+                assert await field_value(stores[1], doc=doc) == 8
+            assert elapsed < 10, elapsed
+        finally:
+            for store in stores:
+                await store.close()
+
+    async def test_a_compactor_skips_a_sub_doc_another_holds_instead_of_waiting(
+        self, postgres_url: str, schema: str, pool: asyncpg.Pool
+    ) -> None:
+        store = await PostgresOpLogStore.open(
+            postgres_url, settings_for(schema), snapshot_every=4, channel=f"c_{schema}"
+        )
+        try:
+            for doc in ("held", "free"):
+                await store.append(WS, doc, [increment(new_op_id()) for _ in range(8)])
+            async with pool.acquire() as other, other.transaction():
+                # What another compactor holds while it works on "held".
+                assert await other.fetchval(
+                    "SELECT pg_try_advisory_xact_lock(43301, hashtext($1 || '/' || $2))",
+                    WS,
+                    "held",
+                )
+                batch = await asyncio.wait_for(store.compact(time.time() + 60, limit=100), 5)
+                assert batch.deleted == 7
+                assert await store.horizon(WS, "held") == 1
+                assert await store.horizon(WS, "free") == 8
+            assert (await store.compact(time.time() + 60, limit=100)).deleted == 7
+            assert await store.horizon(WS, "held") == 8
+        finally:
+            await store.close()
+
+    async def test_a_cache_behind_the_horizon_is_rebuilt_from_the_snapshot(
+        self, postgres_url: str, schema: str
+    ) -> None:
+        async def opened() -> PostgresOpLogStore:
+            return await PostgresOpLogStore.open(
+                postgres_url, settings_for(schema), snapshot_every=4, channel=f"c_{schema}"
+            )
+
+        idle, busy = await opened(), await opened()
+        try:
+            for _ in range(5):
+                await append_one(idle, increment(new_op_id()))
+            assert await field_value(idle) == 5  # cached at clock 5
+            for _ in range(8):  # clocks 6..13, snapshots at 8 and 12
+                await append_one(busy, increment(new_op_id()))
+            await OpLogContract.compact_all(busy, time.time() + 60)
+            assert await busy.horizon(WS, DOC) == 12
+            # The idle instance's cache stands at 5; the log starts at 12.
+            assert await append_one(idle, increment()) == Committed(None, 14)
+            assert await field_value(idle) == 14
+        finally:
+            await idle.close()
+            await busy.close()

@@ -11,7 +11,15 @@ from typing import Any, cast
 
 from cv_mutations import SubDocState
 from cv_server.hub import Connection, Hub, Subscription
-from cv_server.oplog import IncomingOp, LogEntry, OpLogStore, Outcome, SubDocHead
+from cv_server.oplog import (
+    Compaction,
+    IncomingOp,
+    LogEntry,
+    OpLogStats,
+    OpLogStore,
+    Outcome,
+    SubDocHead,
+)
 
 WS, DOC = "ws1", "tree"
 TIMEOUT = 10.0
@@ -50,6 +58,20 @@ class Log(OpLogStore):
     async def list_sub_docs(
         self, workspace_id: str, *, after: str | None = None, limit: int
     ) -> list[SubDocHead]:
+        raise NotImplementedError
+
+    async def horizon(self, workspace_id: str, sub_doc: str) -> int:
+        return 1
+
+    async def compact(
+        self, older_than: float, *, limit: int, start: tuple[str, str] | None = None
+    ) -> Compaction:
+        raise NotImplementedError
+
+    async def expire_rejections(self, older_than: float, *, limit: int) -> int:
+        raise NotImplementedError
+
+    async def stats(self) -> OpLogStats:
         raise NotImplementedError
 
     async def close(self) -> None:

@@ -268,3 +268,19 @@ def test_a_diverged_view_keeps_showing_its_pending_ops_until_the_reread() -> Non
     assert "b" in doc.state.nodes
     assert len(doc.pending) == 2
     assert doc.clock == 1
+
+
+def test_a_resync_past_a_pending_op_s_answered_clock_drops_it_and_reapplies_the_others() -> None:
+    # A `Snapshot` in place of compacted ops: the server answered op1 as committed at clock 2
+    # before the feed got there, and the snapshot at clock 3 holds it; op2 is still on its way.
+    doc = OptimisticDoc(0, SubDocState.empty())
+    doc.local("op1", NodeInsert(node_id="a", parent_id=ROOT))
+    doc.local("op2", NodeInsert(node_id="b", parent_id=ROOT))
+    assert not doc.confirmed("op1", 2)  # not in the confirmed state yet: still pending
+    snapshot = SubDocState.empty()
+    for op in (NodeInsert(node_id="x", parent_id=ROOT), NodeInsert(node_id="a", parent_id=ROOT)):
+        apply_op(snapshot, op)
+    doc.resync(3, snapshot)
+    assert doc.clock == 3
+    assert [op.node_id for op in doc.pending] == ["b"]
+    assert set(doc.state.nodes) == {ROOT, "x", "a", "b"}

@@ -16,6 +16,7 @@ from cv_mutations import NodeIncrement, NodeInsert
 from cv_server.auth import mint_token
 from cv_workspace_client import (
     AuthError,
+    Committed,
     ForbiddenError,
     StillPendingError,
     WorkspaceClient,
@@ -380,5 +381,6 @@ async def test_retry_pending_reconnects_a_websocket_that_gave_up_on_a_refusal(
         async with client.subscribe(WS, "tree") as sub:
             commit = await writer.apply_op(WS, "tree", _ops()[0])
             seen = await asyncio.wait_for(anext(sub), BOUND)
+        assert isinstance(seen, Committed)
         assert seen.op_id == commit.op_id
         assert client.sync_status.refused == frozenset()

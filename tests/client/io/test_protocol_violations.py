@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestServer
 from cv_mutations import NodeIncrement
 from cv_workspace_client import (
     Commit,
+    Committed,
     InvalidRequestError,
     ProtocolError,
     StillPendingError,
@@ -430,6 +431,7 @@ async def test_an_op_frame_whose_op_does_not_parse_is_taken_from_the_log(
     async with client_of(aiohttp_server, scripted) as client, client.subscribe(WS, SUB) as sub:
         got = [await asyncio.wait_for(anext(sub), TIMEOUT) for _ in range(3)]
     assert [c.clock for c in got] == [1, 2, 3]
+    assert isinstance(got[1], Committed)
     assert got[1].op == NodeIncrement(node_id="n", field="c", by=1, op_id=oid(2))
 
 
