@@ -439,6 +439,7 @@ EXPECTED: dict[str, type[WorkspaceError]] = {
     "request_id_conflict": InvalidRequestError,
     "cancelled": RequestCancelledError,
     "not_cancellable": InvalidRequestError,
+    "not_discardable": InvalidRequestError,
     "result_too_large": InvalidRequestError,
     "log_compacted": LogCompactedError,
     "internal": ServerError,
