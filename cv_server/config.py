@@ -50,6 +50,18 @@ class ServerConfig:
     #: evicted sub-doc is rebuilt from its snapshot plus at most `snapshot_every` log entries).
     subdoc_cache_limit: int = 10_000
 
+    # -- op-log retention and exactly-once (docs/configuration.md, docs/ops.md#exactly-once) --
+    #: How long an op's log row and op_id record are kept (0: forever). Seven days, the seed's
+    #: retention of an outbox row: a client offline longer still gets exactly-once through its
+    #: lane mark (ops with `client_id` / `seq`), never through the op_id record alone.
+    oplog_retention_seconds: float = 7 * 24 * 3600.0
+    #: How far a client's clock may be off the server's when an op's `minted_at` is judged: an op
+    #: without a lane is `op_expired` once minted more than `oplog_retention_seconds` minus this
+    #: ago with no record, and a `minted_at` more than this in the future is refused
+    #: (`invalid_field`). Five minutes: clocks set by NTP are within a second; a device's clock
+    #: left to drift gains minutes a month, and one further off is wrong, not skewed.
+    minted_at_skew_seconds: float = 300.0
+
     # -- queue (docs/configuration.md, docs/queue.md) --
     #: A claim's lease. The heartbeat that renews it is the worker's (`WorkerConfig`, 60 s),
     #: which beats at least twice per lease the server grants (a shorter lease set here is
@@ -112,6 +124,11 @@ class ServerConfig:
             raise ValueError(
                 f"socket_heartbeat_seconds must be a finite number > 0 or None, not {heartbeat!r}"
             )
+        retention = self.oplog_retention_seconds
+        if retention and math.isfinite(retention) and self.minted_at_skew_seconds >= retention:
+            raise ValueError(
+                "minted_at_skew_seconds must be below oplog_retention_seconds (or retention 0)"
+            )
         for setting in fields(self):
             value = getattr(self, setting.name)
             if setting.name.startswith("rate_limit_") and setting.type == "float | None":
@@ -128,5 +145,7 @@ class ServerConfig:
 
 
 #: Settings for which 0 means something: retry a failed request at once, keep no result inline
-#: (every result to the blob store), drain nothing at shutdown.
-_MAY_BE_ZERO = frozenset({"failure_backoff_seconds", "blob_threshold_bytes", "drain_seconds"})
+#: (every result to the blob store), drain nothing at shutdown, keep the op-log forever.
+_MAY_BE_ZERO = frozenset(
+    {"failure_backoff_seconds", "blob_threshold_bytes", "drain_seconds", "oplog_retention_seconds"}
+)

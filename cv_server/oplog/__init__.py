@@ -3,6 +3,7 @@
 from cv_server.oplog.store import OpLogStore
 from cv_server.oplog.values import (
     Committed,
+    Forgotten,
     IncomingOp,
     LogEntry,
     OpLogCorrupted,
@@ -13,6 +14,7 @@ from cv_server.oplog.values import (
 
 __all__ = [
     "Committed",
+    "Forgotten",
     "IncomingOp",
     "LogEntry",
     "OpLogCorrupted",

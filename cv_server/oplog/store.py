@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from cv_mutations import SubDocState
 from cv_server.oplog.values import (
     Committed,
+    Forgotten,
     IncomingOp,
     LogEntry,
     OpLogCorrupted,
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # the seam names the future's type; it never makes one (no as
 
 __all__ = [
     "Committed",
+    "Forgotten",
     "IncomingOp",
     "LogEntry",
     "OpLogCorrupted",
@@ -55,16 +57,40 @@ class OpLogStore(abc.ABC):
     #: memory; set by `_settings` on both backends (tests/contract/oplog_contract.py).
     snapshot_every: int
     cache_limit: int
+    #: The dedupe window in seconds (`oplog_retention_seconds`; 0: op_id records are kept
+    #: forever) and the clock skew allowed to `minted_at` (docs/ops.md#exactly-once).
+    retention_seconds: float = 0.0
+    skew_seconds: float = 0.0
 
-    def _settings(self, *, snapshot_every: int, cache_limit: int) -> None:
-        """Check and keep the settings every backend shares. Raises `ValueError` if either is
-        below 1."""
+    def _settings(
+        self,
+        *,
+        snapshot_every: int,
+        cache_limit: int,
+        retention_seconds: float = 0.0,
+        skew_seconds: float = 0.0,
+    ) -> None:
+        """Check and keep the settings every backend shares. Raises `ValueError` if
+        `snapshot_every` or `cache_limit` is below 1, or a duration is negative."""
         if snapshot_every < 1:
             raise ValueError("snapshot_every must be at least 1")
         if cache_limit < 1:
             raise ValueError("cache_limit must be at least 1")
+        if retention_seconds < 0 or skew_seconds < 0:
+            raise ValueError("retention_seconds and skew_seconds must be >= 0")
         self.snapshot_every = snapshot_every
         self.cache_limit = cache_limit
+        self.retention_seconds = retention_seconds
+        self.skew_seconds = skew_seconds
+
+    def expired_before(self, now: float) -> int | None:
+        """The oldest `minted_at` (unix ms) inside the dedupe window at `now` (seconds): an op
+        without a lane minted before it, whose op_id record is gone, is `op_expired`. None when
+        records are kept forever. The window is shortened by the allowed skew, so a client clock
+        ahead by up to it never passes a compacted op off as young."""
+        if not self.retention_seconds:
+            return None
+        return int((now - self.retention_seconds + self.skew_seconds) * 1000)
 
     async def append(
         self,
@@ -130,6 +156,12 @@ class OpLogStore(abc.ABC):
         None: from the first). A sub-doc only ever rejected ops is not listed: its clock is 0,
         as for one never written. Raises `ValueError` if `limit` is negative.
         """
+
+    @abc.abstractmethod
+    async def client_mark(self, workspace_id: str, sub_doc: str, client_id: str) -> int:
+        """The highest seq decided in the lane `(workspace_id, sub_doc, client_id)`: 0 when the
+        lane never had an op decided (docs/ops.md#exactly-once). Updated in the transaction of
+        the append that decides it, so it never runs ahead of, or behind, the log."""
 
     @abc.abstractmethod
     async def close(self) -> None:
