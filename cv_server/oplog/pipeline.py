@@ -318,7 +318,9 @@ def plan_commit(
         else:
             for incoming, outcome in aborted:
                 op = incoming.op
-                assert op.op_id is not None and op.client_id is not None and op.seq is not None
+                assert op.op_id is not None
+                assert op.client_id is not None
+                assert op.seq is not None
                 rejections.append(
                     NewRejection(op.op_id, incoming.fingerprint, outcome.code, outcome.message)
                 )

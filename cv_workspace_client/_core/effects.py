@@ -41,7 +41,9 @@ __all__ = [
 class OutboxRow:
     """One op as the outbox stores it. `op_json` is sent verbatim on every attempt, so the server
     fingerprints the same bytes each time (docs/concepts.md). `atomic_group` is the seq of the first
-    op of an atomic `apply_ops` call (its ops always travel together), None otherwise."""
+    op of an atomic `apply_ops` call (its ops always travel together), None otherwise.
+    `lane_seq` is the op's `seq` in its server lane (docs/client.md#exactly-once), set when it
+    was minted (None for a row read back from the file: its op text carries it)."""
 
     seq: int
     workspace_id: str
@@ -51,6 +53,7 @@ class OutboxRow:
     created_at: float
     attempts: int = 0
     atomic_group: int | None = None
+    lane_seq: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,10 @@ The rules it keeps, each of which a test pins:
 - A final 4xx is never retried. A whole-request problem naming one op (`op_index`) fails that op
   alone and resends the others (nothing of the request was applied); `too_many_ops` and
   `body_too_large` on a multi-op batch halve the lane's batch size instead of failing anything.
+- Every op is stamped when minted with the client's id, its lane seq (1, 2, 3, ... per
+  `(workspace, sub_doc)`, kept by the outbox across restarts) and `minted_at` (unix ms), all
+  stored in its op text, so every resend carries the same (docs/client.md#exactly-once). A
+  `seq_gap` answer is retried like a lost answer: the lane's unanswered ops go again, in order.
 - A large backlog is restored a page per lane at a time (`restore` with the lanes' summaries,
   then `Load` / `loaded`): memory is bounded by lanes x pages, not by the backlog. Restored rows
   still on disk are a barrier: no batch reaches past them into the lane's new ops, so every
@@ -67,7 +71,9 @@ from cv_workspace_client.errors import (
     ForbiddenError,
     InvalidRequestError,
     OpDiscardedError,
+    OpRejectedError,
     OutboxError,
+    ProtocolError,
     StillPendingError,
     WorkspaceError,
 )
@@ -91,6 +97,11 @@ __all__ = [
 ]
 
 Key = tuple[str, str]
+
+
+def _is_gap(outcome: Commit | WorkspaceError) -> bool:
+    return isinstance(outcome, OpRejectedError) and outcome.code == "seq_gap"
+
 
 #: Server-side request limits that mean "send fewer ops at once", not "this op is bad".
 _BATCH_TOO_BIG = frozenset({"too_many_ops", "body_too_large"})
@@ -192,6 +203,9 @@ class OutboxMachine:
         self._restored = False
         #: Seqs up to this one were restored; new ops get higher ones.
         self._restored_seq = 0
+        #: The id ops are stamped with (None: no lane fields) and each lane's last minted seq.
+        self.client_id: str | None = None
+        self._lane_seqs: dict[Key, int] = {}
 
     # -- queries -----------------------------------------------------------------------------------
 
@@ -269,6 +283,12 @@ class OutboxMachine:
         return out
 
     # -- events ------------------------------------------------------------------------------------
+
+    def use_lanes(self, client_id: str, lane_seqs: Mapping[Key, int]) -> None:
+        """Stamp ops submitted from now on as `client_id`'s, each lane going on from its last
+        minted seq in `lane_seqs` (what the outbox kept). Call before any `submit`."""
+        self.client_id = client_id
+        self._lane_seqs = dict(lane_seqs)
 
     def restore(
         self, rows: Iterable[OutboxRow], backlog: Iterable[LaneBacklog] | None = None
@@ -361,6 +381,13 @@ class OutboxMachine:
             op_id = op.get("op_id") or self.new_op_id()
             body = dict(op)
             body["op_id"] = op_id
+            lane_seq: int | None = None
+            if self.client_id is not None and "seq" not in body and "client_id" not in body:
+                lane_seq = self._lane_seqs.get(lane.key, 0) + 1
+                self._lane_seqs[lane.key] = lane_seq
+                body["client_id"] = self.client_id
+                body["seq"] = lane_seq
+            body.setdefault("minted_at", int(now * 1000))
             row = OutboxRow(
                 seq=self._next_seq,
                 workspace_id=workspace_id,
@@ -369,6 +396,7 @@ class OutboxMachine:
                 op_json=dumps_body(body),
                 created_at=now,
                 atomic_group=group,
+                lane_seq=lane_seq,
             )
             self._next_seq += 1
             entry = _Entry(row, persisted=False, awaited=True, size=row_size(row))
@@ -406,11 +434,14 @@ class OutboxMachine:
         """The outbox write failed: these ops were never sent and never will be."""
         outcomes: list[tuple[int, Commit | WorkspaceError]] = []
         lanes: dict[Key, _Lane] = {}
+        unsent: dict[Key, list[int]] = {}
         for seq in seqs:
             entry = self._unpersisted.pop(seq, None)
             if entry is None:
                 continue
             lane = self._lanes[(entry.row.workspace_id, entry.row.sub_doc)]
+            if entry.row.lane_seq is not None:
+                unsent.setdefault(lane.key, []).append(entry.row.lane_seq)
             lane.queue.remove(entry)
             self._pending -= 1
             lanes[lane.key] = lane
@@ -420,6 +451,12 @@ class OutboxMachine:
                 outcomes.append(
                     (seq, OutboxError("outbox_write_failed", f"op {entry.row.op_id}: {reason}"))
                 )
+        for key, lane_seqs in unsent.items():
+            # The lane's newest seqs were never stored nor sent: they are minted again, so the
+            # server never waits for a seq that will not come (`seq_gap` for good).
+            low, high = min(lane_seqs), max(lane_seqs)
+            if high == self._lane_seqs.get(key) and len(set(lane_seqs)) == high - low + 1:
+                self._lane_seqs[key] = low - 1
         if outcomes:
             self._out.append(Resolve(tuple(outcomes)))
         for lane in lanes.values():
@@ -437,13 +474,33 @@ class OutboxMachine:
         if isinstance(outcomes, WorkspaceError):
             self._fail(batch, outcomes)
             return
+        gap = next((i for i, o in enumerate(outcomes) if _is_gap(o)), None)
+        if gap is not None:
+            # The server is missing an earlier seq of the lane (a send it has not decided yet):
+            # nothing from the gap on was applied. Ops before it are answered (an atomic
+            # batch's are not: it failed whole), the rest go again, in order, after a backoff.
+            gap_error = outcomes[gap]
+            assert isinstance(gap_error, WorkspaceError)
+            if gap and not batch.atomic:
+                self._settle(lane, batch.entries[:gap], outcomes[:gap])
+            rest = batch.entries if batch.atomic else batch.entries[gap:]
+            self._fail(
+                _Batch(lane, rest, batch.atomic),
+                ProtocolError("seq_gap", gap_error.message),
+            )
+            return
+        self._settle(lane, batch.entries, outcomes)
+        self._maybe_send(lane)
+
+    def _settle(
+        self, lane: _Lane, entries: list[_Entry], outcomes: Sequence[Commit | WorkspaceError]
+    ) -> None:
         for outcome in outcomes:
             if isinstance(outcome, Commit) and outcome.clock > lane.clock:
                 lane.clock = outcome.clock
         lane.failures = 0
         lane.last_error = None
-        self._answer(lane, batch.entries, outcomes)
-        self._maybe_send(lane)
+        self._answer(lane, entries, outcomes)
 
     def batch_failed(self, batch_id: int, error: WorkspaceError) -> None:
         """Sending batch `batch_id` failed with `error` (retryable or final, see

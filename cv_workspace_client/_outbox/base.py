@@ -45,6 +45,11 @@ class Outbox(abc.ABC):
     def __init__(self) -> None:
         self.rows: list[OutboxRow] = []
         self.backlog: list[LaneBacklog] = []
+        #: The client id this outbox's ops were minted under, and each lane's last minted seq
+        #: (docs/client.md#exactly-once): kept with the rows, so a restarted client goes on
+        #: with the same id and sequence. None: the outbox keeps no id (memory), mint a new one.
+        self.client_id: str | None = None
+        self.lane_seqs: dict[tuple[str, str], int] = {}
 
     @abc.abstractmethod
     def write(self, job: OutboxWrite) -> None:
@@ -134,6 +139,7 @@ def _with_attempt(row: OutboxRow) -> OutboxRow:
         row.created_at,
         row.attempts + 1,
         row.atomic_group,
+        row.lane_seq,
     )
 
 

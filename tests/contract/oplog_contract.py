@@ -163,7 +163,7 @@ class LaneMarkContract:
         store = await reopen(store)
         outcomes, entries = await store.append(WS, DOC, ops)
         assert outcomes == [Forgotten(op.op_id) for op in ops]
-        assert [o.to_json() for o in outcomes][0] == {
+        assert outcomes[0].to_json() == {
             "op_id": ops[0].op_id,
             "clock": None,
             "duplicate": True,

@@ -685,7 +685,10 @@ async def test_ops_at_the_limits_are_resent_after_a_restart_byte_for_byte_and_ap
             stored = conn.execute("SELECT op_id, op FROM outbox ORDER BY seq").fetchall()
         finally:
             conn.close()
-        assert stored == [(op.op_id, text) for op, text in zip(ops, texts, strict=True)]
+        # Stored as the app wrote it, with the lane stamp (client_id, seq, minted_at) after it.
+        assert [op_id for op_id, _ in stored] == [op.op_id for op in ops]
+        for (_, stored_text), text in zip(stored, texts, strict=True):
+            assert stored_text.startswith(text[:-1] + ',"client_id":')
 
         bodies.clear()
         drop_answers[0] = False
@@ -706,7 +709,8 @@ async def test_ops_at_the_limits_are_resent_after_a_restart_byte_for_byte_and_ap
         replayed = b"".join(bodies)
         position = 0
         for text in texts:
-            found = replayed.find(text.encode(), position)
+            # The app's text, byte for byte, then the lane stamp the outbox stored with it.
+            found = replayed.find(text[:-1].encode() + b',"client_id":', position)
             assert found >= 0, text[:80]
             position = found + len(text.encode())
     assert commit.duplicate
