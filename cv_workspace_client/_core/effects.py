@@ -31,6 +31,7 @@ __all__ = [
     "Load",
     "OutboxRow",
     "Persist",
+    "Restamp",
     "Resolve",
     "Send",
     "Wait",
@@ -162,7 +163,17 @@ class Discard:
     backlog: tuple[BacklogRange, ...]
 
 
-Decision = Persist | Send | Resolve | Forget | CountAttempt | Wait | Load | Discard
+@dataclass(frozen=True, slots=True)
+class Restamp:
+    """Rewrite these rows' op text in the outbox (same `seq`, a new lane `seq` in the op) and set
+    the lanes' last minted seq to `lane_seqs` (absent lanes keep theirs), durably; then call
+    `restamped(seqs, None)` (or with the error). The rows are not sent before."""
+
+    rows: tuple[OutboxRow, ...]
+    lane_seqs: tuple[tuple[str, str, int], ...] = ()
+
+
+Decision = Persist | Send | Resolve | Forget | CountAttempt | Wait | Load | Discard | Restamp
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,10 +61,12 @@ from cv_workspace_client._core.effects import (
     Load,
     OutboxRow,
     Persist,
+    Restamp,
     Resolve,
     Send,
     Wait,
 )
+from cv_workspace_client._core.stamp import restamp, stamped_seq
 from cv_workspace_client._core.wire import dumps_body, parse_results, row_size
 from cv_workspace_client.errors import (
     AuthError,
@@ -91,6 +93,7 @@ __all__ = [
     "OutboxMachine",
     "OutboxRow",
     "Persist",
+    "Restamp",
     "Resolve",
     "Send",
     "Wait",
@@ -101,6 +104,13 @@ Key = tuple[str, str]
 
 def _is_gap(outcome: Commit | WorkspaceError) -> bool:
     return isinstance(outcome, OpRejectedError) and outcome.code == "seq_gap"
+
+
+def _expected_seq(results: Any, index: int) -> int | None:
+    """The `error.expected_seq` of a `seq_gap` result (None if absent or not a seq)."""
+    error = results[index].get("error")
+    expected = error.get("expected_seq") if isinstance(error, Mapping) else None
+    return expected if type(expected) is int and expected >= 1 else None
 
 
 #: Server-side request limits that mean "send fewer ops at once", not "this op is bad".
@@ -206,6 +216,8 @@ class OutboxMachine:
         #: The id ops are stamped with (None: no lane fields) and each lane's last minted seq.
         self.client_id: str | None = None
         self._lane_seqs: dict[Key, int] = {}
+        #: Outbox seq -> (entry, its row before a `Restamp` under way, the lane's counter before).
+        self._restamping: dict[int, tuple[_Entry, OutboxRow, int | None]] = {}
 
     # -- queries -----------------------------------------------------------------------------------
 
@@ -483,6 +495,8 @@ class OutboxMachine:
             assert isinstance(gap_error, WorkspaceError)
             if gap and not batch.atomic:
                 self._settle(lane, batch.entries[:gap], outcomes[:gap])
+            if self._restamp(lane, _expected_seq(results, gap)):
+                return  # the lane goes on once the outbox holds the new stamps (`restamped`)
             rest = batch.entries if batch.atomic else batch.entries[gap:]
             self._fail(
                 _Batch(lane, rest, batch.atomic),
@@ -491,6 +505,84 @@ class OutboxMachine:
             return
         self._settle(lane, batch.entries, outcomes)
         self._maybe_send(lane)
+
+    def restamped(self, seqs: Iterable[int], error: BaseException | None) -> None:
+        """The outbox write of a `Restamp` is durable (`error` None): its rows may be sent. If it
+        failed, the rows keep their old stamps and the lane retries after a backoff (the server
+        answers `seq_gap` again, and the restamp is tried again)."""
+        lanes: dict[Key, _Lane] = {}
+        reverted: dict[Key, list[_Entry]] = {}
+        for seq in seqs:
+            under_way = self._restamping.pop(seq, None)
+            if under_way is None:
+                continue
+            entry, old, counter = under_way
+            entry.persisted = True
+            key = (entry.row.workspace_id, entry.row.sub_doc)
+            lane = lanes[key] = self._lanes[key]
+            if error is not None:
+                entry.row = old
+                entry.size = row_size(old)
+                reverted.setdefault(key, []).append(entry)
+                if counter is not None:
+                    self._lane_seqs[key] = counter
+        for key, lane in lanes.items():
+            if key in reverted:
+                reason = error.message if isinstance(error, WorkspaceError) else str(error)
+                self._fail(_Batch(lane, reverted[key], False), ProtocolError("seq_gap", reason))
+            else:
+                self._maybe_send(lane)
+
+    def _restamp(self, lane: _Lane, expected: int | None) -> bool:
+        """The server answered `seq_gap`: it decided exactly seqs 1 .. `expected` - 1 of this
+        lane (it never decides n + 1 before n) and waits for `expected`, which this client will
+        never send (that op was dropped after a whole-request refusal, or discarded, or its
+        outbox write failed). The lane's unanswered ops all carry higher seqs, so none of them
+        was decided: they are renumbered `expected`, `expected` + 1, ... in order (their op_ids
+        and fingerprints unchanged; an op_id on record is answered before its seq is looked at),
+        durably before any is sent. Returns False when there is nothing to renumber.
+        (tests/client/test_lane_stamps.py, test_a_dropped_op_does_not_wedge_its_lane_over_http)
+        """
+        client_id = self.client_id
+        if client_id is None or expected is None or expected < 1:
+            return False
+        run: list[tuple[_Entry, int]] = []
+        for entry in lane.queue:
+            seq = stamped_seq(entry.row.op_json, client_id) if entry.persisted else None
+            if seq is None or seq < expected or entry.row.seq in self._restamping:
+                break
+            run.append((entry, seq))
+        if not run or run[0][1] == expected:
+            return False
+        counter = self._lane_seqs.get(lane.key)
+        last = expected + len(run) - 1
+        whole = len(run) == len(lane.queue) and not lane.on_disk
+        rows: list[OutboxRow] = []
+        for offset, (entry, _) in enumerate(run):
+            old = entry.row
+            new_seq = expected + offset
+            entry.row = OutboxRow(
+                old.seq,
+                old.workspace_id,
+                old.sub_doc,
+                old.op_id,
+                restamp(old.op_json, client_id, new_seq),
+                old.created_at,
+                old.attempts,
+                old.atomic_group,
+                new_seq,
+            )
+            entry.size = row_size(entry.row)
+            entry.persisted = False
+            self._restamping[old.seq] = (entry, old, counter if whole else None)
+            rows.append(entry.row)
+        lane_seqs: tuple[tuple[str, str, int], ...] = ()
+        if whole:
+            # Nothing of the lane is minted past the run: the next op follows it with no gap.
+            self._lane_seqs[lane.key] = last
+            lane_seqs = ((lane.key[0], lane.key[1], last),)
+        self._out.append(Restamp(tuple(rows), lane_seqs))
+        return True
 
     def _settle(
         self, lane: _Lane, entries: list[_Entry], outcomes: Sequence[Commit | WorkspaceError]

@@ -68,6 +68,13 @@ _UPSERT_LANE = (
     " ON CONFLICT (workspace_id, sub_doc) DO UPDATE SET last_seq = max(last_seq, excluded.last_seq)"
 )
 
+#: A renumbered op (`Restamp`): same row, new lane stamp; the lane's last seq set down with it.
+_RESTAMP = "UPDATE outbox SET op = ? WHERE seq = ?"
+_SET_LANE = (
+    "INSERT INTO outbox_lanes (workspace_id, sub_doc, last_seq) VALUES (?, ?, ?)"
+    " ON CONFLICT (workspace_id, sub_doc) DO UPDATE SET last_seq = excluded.last_seq"
+)
+
 #: The backlog found at open, by lane, made when it is more than a page: `WHERE seq <= last`,
 #: so the rows written afterwards are not in it. An index is no change of schema: SDKs of
 #: schema 1 open the file as before (and ignore it).
@@ -124,6 +131,10 @@ def _statements(job: OutboxWrite) -> list[tuple[str, list[tuple[Any, ...]]]]:
         if lanes:
             # In the insert's transaction: a lane's seq is never behind an op stored with it.
             statements.append((_UPSERT_LANE, [(*key, seq) for key, seq in lanes.items()]))
+    if job.restamps:
+        statements.append((_RESTAMP, [(r.op_json, r.seq) for r in job.restamps]))
+    if job.lane_seqs:
+        statements.append((_SET_LANE, list(job.lane_seqs)))
     if job.attempts:
         statements.append((_COUNT_ATTEMPT, [(seq,) for seq in job.attempts]))
     if job.deletes:
