@@ -31,8 +31,8 @@ __all__ = [
     "Load",
     "OutboxRow",
     "Persist",
-    "Restamp",
     "Resolve",
+    "Restamp",
     "Send",
     "Wait",
 ]

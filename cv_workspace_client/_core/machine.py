@@ -61,8 +61,8 @@ from cv_workspace_client._core.effects import (
     Load,
     OutboxRow,
     Persist,
-    Restamp,
     Resolve,
+    Restamp,
     Send,
     Wait,
 )
@@ -93,8 +93,8 @@ __all__ = [
     "OutboxMachine",
     "OutboxRow",
     "Persist",
-    "Restamp",
     "Resolve",
+    "Restamp",
     "Send",
     "Wait",
 ]

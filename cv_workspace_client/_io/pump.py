@@ -28,8 +28,8 @@ from cv_workspace_client._core.machine import (
     Load,
     OutboxMachine,
     Persist,
-    Restamp,
     Resolve,
+    Restamp,
     Send,
     Wait,
 )
