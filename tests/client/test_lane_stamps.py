@@ -23,7 +23,7 @@ async def test_a_dropped_op_does_not_wedge_its_lane_over_http(server_url: str, t
     config = fast_config(ops_over_websocket=False, retry_attempts=3)
     async with WorkspaceClient(server_url, token=token, config=config) as client:
         await client.apply_op(WS, "lane", NodeInsert(node_id="n", parent_id="root"))
-        ops = [
+        ops: list[NodeIncrement | NodeUpdate] = [
             NodeIncrement(node_id="n", field="c", by=1),
             NodeUpdate(node_id="n", set={"huge": 2**70}),
             NodeIncrement(node_id="n", field="c", by=1),

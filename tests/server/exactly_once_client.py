@@ -4,8 +4,8 @@ on a durable outbox, driven line by line on stdin.
     python exactly_once_client.py URL TOKEN OUTBOX WORKSPACE SUB_DOC
 
 `submit N`: queue N `node.increment`s of node "n" (not awaited) and answer `stored K` once the
-outbox file holds every op submitted so far (the test cuts every answer while it submits); `sync`: wait until the outbox is
-empty, answer `synced`. The test SIGKILLs it whenever it likes."""
+outbox file holds every op submitted so far (the test cuts every answer while it submits);
+`sync`: wait until the outbox is empty, answer `synced`. The test SIGKILLs it whenever it likes."""
 
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ async def main(url: str, token: str, outbox: str, workspace: str, sub_doc: str) 
                 submitted += int(line[1])
                 # The rows the outbox file holds (the file is locked to this process): the write
                 # is the pump's, on a later tick, so it is waited for, not assumed.
-                while (stored := len(await client._outbox.pending())) < submitted:  # noqa: ASYNC110
+                outbox_now = client._outbox
+                assert outbox_now is not None
+                while (stored := len(await outbox_now.pending())) < submitted:  # noqa: ASYNC110
                     await asyncio.sleep(0.01)
                 print(f"stored {stored}", flush=True)
             elif line[0] == "sync":

@@ -19,7 +19,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from cv_server import ServerConfig, create_app
-from cv_server.app import STORES
+from cv_server.keys import STORES
 from cv_server.oplog import OpLogStore
 from cv_workspace_client.testing import FaultProxy
 
@@ -37,10 +37,11 @@ async def drop_op_id_records(store: OpLogStore, config: ServerConfig) -> None:
     if pool is not None:
         await pool.execute("DELETE FROM workspace_sub_doc_op_outcomes")
         return
-    assert config.db_path is not None
+    db_path = config.db_path
+    assert db_path is not None
 
     def drop() -> None:
-        with contextlib.closing(sqlite3.connect(config.db_path, timeout=10)) as conn, conn:
+        with contextlib.closing(sqlite3.connect(db_path, timeout=10)) as conn, conn:
             conn.execute("UPDATE workspace_sub_doc_ops SET op_id = NULL")
             conn.execute("DELETE FROM workspace_sub_doc_op_rejections")
 
