@@ -109,7 +109,8 @@ def parse_ops(
     `latest_minted_at` (unix ms: the server's now plus `minted_at_skew_seconds`): an op without
     a lane dated later is refused `invalid_field`. Its date is what proves its age once its
     record is compacted (docs/ops.md#exactly-once), so a date from the future is not taken.
-    A lane op is judged by its mark, never its date: its `minted_at` is not checked."""
+    A lane op is not refused for its date here: one from the future is judged in the
+    pipeline, where only an op at or below its mark reads it."""
     if not isinstance(raw_ops, list):
         raise Problem(400, "malformed_json", '"ops" must be a list')
     if not raw_ops:  # the schema's minItems (tests/server/http/test_inputs.py)

@@ -30,7 +30,11 @@ Lanes and marks (docs/ops.md#exactly-once): an op with `client_id` and `seq` bel
 `(workspace, sub_doc, client_id)`, whose mark (`marks`) is the highest seq decided in it:
 
 - an op whose op_id has an outcome is answered from it, as above;
-- else `seq <= mark` → `Forgotten` (decided before, its record compacted): never applied again;
+- else `seq <= mark`: minted before the window (`expired_before`) → `Forgotten` (decided
+  before, its record compacted): never applied again; minted inside it (or no window) →
+  `seq_gap` with `expected_seq = mark + 1` (its seq went to another op: renumber it), and every
+  later op of the batch is refused `seq_gap` too; no `minted_at` (or one from the future) under
+  a window → `op_expired` (`_at_or_below_mark`);
 - else `seq > mark + 1` → `seq_gap` (carrying the expected seq), not recorded, and every later op
   of the batch is refused `seq_gap` too: seq n+1 is never decided before n;
 - else (`seq == mark + 1`) the op is decided as above and the mark moves to `seq`, whether the
@@ -175,6 +179,44 @@ def _gap(op_id: str | None, expected: int | None) -> Rejected:
     return Rejected(op_id, SEQ_GAP, message, expected_seq=expected)
 
 
+def _at_or_below_mark(
+    op_id: str | None, minted_at: int | None, mark: int, clock: int, expired_before: int | None
+) -> Forgotten | Rejected:
+    """The answer to a lane op at or below its mark whose op_id is not on record.
+
+    Invariant: such an op is answered as a duplicate only if its record could have been
+    compacted, i.e. it was minted before `expired_before` (the window less the skew). Minted
+    after it, a decision under its op_id would still be on record, so its seq was decided for
+    another op (a stale copy of an op the SDK renumbered over) and this op was never applied:
+    it is refused `seq_gap` with `expected_seq = mark + 1`, so its client renumbers and sends it
+    again. With no window (`expired_before` None) records are kept forever: the same refusal.
+    An op that cannot prove its age (no `minted_at`, or one later than now plus the skew) under
+    a window is `op_expired`: neither applied on a guess nor claimed as applied. Pinned by
+    `test_a_recent_op_below_its_mark_without_record_is_refused_so_it_is_renumbered` (both
+    backends), `test_a_renumbered_op_is_applied_after_a_stale_copy_took_its_seq` and
+    `test_a_lane_op_without_minted_at_below_its_mark_is_expired`,
+    `test_a_lane_op_dated_in_the_future_below_its_mark_is_expired`
+    (tests/server/test_oplog_pipeline.py); docs/ops.md#exactly-once.
+    """
+    if expired_before is None or (minted_at is not None and minted_at >= expired_before):
+        return Rejected(
+            op_id,
+            SEQ_GAP,
+            f"seq {mark} of this lane was decided for another op and this op_id is not on"
+            f" record: send it again as seq {mark + 1}",
+            expected_seq=mark + 1,
+        )
+    if minted_at is None:
+        return Rejected(
+            op_id,
+            OP_EXPIRED,
+            "at or below its lane's mark, not on record and without minted_at: it may have"
+            " been applied already, so it is not applied now",
+            clock=clock,
+        )
+    return Forgotten(op_id)
+
+
 def _reuse(op_id: str) -> Rejected:
     return Rejected(op_id, OP_ID_REUSE, f"op_id {op_id!r} was already used for a different op")
 
@@ -191,12 +233,14 @@ def plan_commit(
     atomic: bool = False,
     marks: Mapping[str, int] | None = None,
     expired_before: int | None = None,
+    latest_minted_at: int | None = None,
 ) -> CommitPlan:
     """Decide every op of one `append` against `state` (at head `clock`), mutating `state`.
 
     `recorded` maps op_id → what the log already holds for it (only the op_ids of `ops` matter);
     `marks` maps client_id → its lane's mark (absent: 0); `expired_before` is the oldest
-    `minted_at` (ms) still inside the dedupe window (None: no window, records are kept forever).
+    `minted_at` (ms) still inside the dedupe window (None: no window, records are kept forever);
+    `latest_minted_at` the latest an op can honestly carry (now plus the skew; None: any).
     Returns the plan; the state now reflects exactly the plan's `entries`, and `plan.marks` holds
     the lanes' new marks.
     """
@@ -247,7 +291,13 @@ def plan_commit(
         elif gapped:
             outcome = _gap(op_id, None)
         elif seq is not None and seq <= mark:
-            outcome = Forgotten(op_id)
+            minted_at = op.minted_at
+            if latest_minted_at is not None and minted_at is not None:
+                # A date from the future proves no age: judged as no date at all.
+                minted_at = None if minted_at > latest_minted_at else minted_at
+            outcome = _at_or_below_mark(op_id, minted_at, mark, clock, expired_before)
+            if type(outcome) is Rejected and outcome.code == SEQ_GAP:
+                gapped = True
         elif seq is not None and seq > mark + 1:
             outcome = _gap(op_id, mark + 1)
             gapped = True

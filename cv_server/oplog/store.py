@@ -83,6 +83,11 @@ class OpLogStore(abc.ABC):
         self.retention_seconds = retention_seconds
         self.skew_seconds = skew_seconds
 
+    def latest_minted_at(self, now: float) -> int:
+        """The latest `minted_at` (unix ms) an op can honestly carry at `now` (seconds): now plus
+        the allowed skew. A lane op dated later cannot prove its age (docs/ops.md#exactly-once)."""
+        return int((now + self.skew_seconds) * 1000)
+
     def expired_before(self, now: float) -> int | None:
         """The oldest `minted_at` (unix ms) inside the dedupe window at `now` (seconds): an op
         without a lane minted before it, whose op_id record is gone, is `op_expired`. None when

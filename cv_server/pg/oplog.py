@@ -487,14 +487,15 @@ class PostgresOpLogStore(OpLogStore):
                     }
                 )
                 marks = await sql.look_up_marks(conn, lanes) if lanes else {}
-                expired_before = self.expired_before(self._now())
+                now = self._now()
+                dating = (self.expired_before(now), self.latest_minted_at(now))
                 all_plans = [
                     self._plan_group(
                         doc,
                         member.group,
                         recorded.get(member.key, {}),
                         marks.get(member.key, {}),
-                        expired_before,
+                        dating,
                     )
                     for member, doc in zip(members, docs, strict=True)
                 ]
@@ -579,7 +580,7 @@ class PostgresOpLogStore(OpLogStore):
         group: list[_Pending],
         recorded: dict[str, Recorded],
         marks: dict[str, int],
-        expired_before: int | None,
+        dating: tuple[int | None, int],
     ) -> list[CommitPlan]:
         """The pipeline for each append of the group, in order, on the cached state (`recorded`:
         what the log holds for the group's op_ids, `marks` the lanes' marks; both are added to
@@ -594,7 +595,8 @@ class PostgresOpLogStore(OpLogStore):
                 recorded,
                 atomic=pending.atomic,
                 marks=marks,
-                expired_before=expired_before,
+                expired_before=dating[0],
+                latest_minted_at=dating[1],
             )
             plans.append(plan)
             clock = plan.clock

@@ -430,6 +430,7 @@ class SQLiteOpLogStore(OpLogStore):
             atomic=atomic,
             marks=marks,
             expired_before=self.expired_before(now),
+            latest_minted_at=self.latest_minted_at(now),
         )
 
         def undo() -> None:

@@ -44,6 +44,7 @@ The rules it keeps, each of which a test pins:
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -495,7 +496,9 @@ class OutboxMachine:
             assert isinstance(gap_error, WorkspaceError)
             if gap and not batch.atomic:
                 self._settle(lane, batch.entries[:gap], outcomes[:gap])
-            if self._restamp(lane, _expected_seq(results, gap)):
+            # The gap op heads what is left of the lane (an atomic batch is all still queued).
+            start = gap if batch.atomic else 0
+            if self._restamp(lane, _expected_seq(results, gap), start):
                 return  # the lane goes on once the outbox holds the new stamps (`restamped`)
             rest = batch.entries if batch.atomic else batch.entries[gap:]
             self._fail(
@@ -533,30 +536,34 @@ class OutboxMachine:
             else:
                 self._maybe_send(lane)
 
-    def _restamp(self, lane: _Lane, expected: int | None) -> bool:
-        """The server answered `seq_gap`: it decided exactly seqs 1 .. `expected` - 1 of this
-        lane (it never decides n + 1 before n) and waits for `expected`, which this client will
-        never send (that op was dropped after a whole-request refusal, or discarded, or its
-        outbox write failed). The lane's unanswered ops all carry higher seqs, so none of them
-        was decided: they are renumbered `expected`, `expected` + 1, ... in order (their op_ids
-        and fingerprints unchanged; an op_id on record is answered before its seq is looked at),
-        durably before any is sent. Returns False when there is nothing to renumber.
-        (tests/client/test_lane_stamps.py, test_a_dropped_op_does_not_wedge_its_lane_over_http)
+    def _restamp(self, lane: _Lane, expected: int | None, start: int = 0) -> bool:
+        """The server answered `seq_gap` for the op at `lane.queue[start]`: it decided exactly
+        seqs 1 .. `expected` - 1 of this lane (it never decides n + 1 before n) and none of them
+        under this op's op_id. Either it waits for `expected`, which this client will never send
+        (that op was dropped after a whole-request refusal, or discarded, or its outbox write
+        failed), or `expected` is past the op's own seq (a stale copy of an op this client gave
+        up was decided at that seq after the lane was renumbered over it). Either way the op
+        and those queued after it were not decided: they are renumbered `expected`,
+        `expected` + 1, ... in order (their op_ids and fingerprints unchanged; an op_id on
+        record is answered before its seq is looked at), durably before any is sent. Returns
+        False when there is nothing to renumber.
+        (tests/client/test_lane_stamps.py, tests/client/core/test_lane_stamps.py,
+        test_a_dropped_op_does_not_wedge_its_lane_over_http)
         """
         client_id = self.client_id
         if client_id is None or expected is None or expected < 1:
             return False
         run: list[tuple[_Entry, int]] = []
-        for entry in lane.queue:
+        for entry in itertools.islice(lane.queue, start, None):
             seq = stamped_seq(entry.row.op_json, client_id) if entry.persisted else None
-            if seq is None or seq < expected or entry.row.seq in self._restamping:
+            if seq is None or entry.row.seq in self._restamping:
                 break
             run.append((entry, seq))
         if not run or run[0][1] == expected:
             return False
         counter = self._lane_seqs.get(lane.key)
         last = expected + len(run) - 1
-        whole = len(run) == len(lane.queue) and not lane.on_disk
+        whole = start + len(run) == len(lane.queue) and not lane.on_disk
         rows: list[OutboxRow] = []
         for offset, (entry, _) in enumerate(run):
             old = entry.row

@@ -21,7 +21,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Final, Protocol
 
 import pytest
 
@@ -115,6 +115,24 @@ def in_lane(
     return incoming(raw)
 
 
+#: A store's clock for the tests of the dedupe window: `NOW` (seconds), then past the window.
+NOW: Final = 1_800_000_000.0
+NOW_MS: Final = int(NOW * 1000)
+WINDOW_SECONDS: Final = 3600.0
+SKEW_SECONDS: Final = 60.0
+PAST_THE_WINDOW: Final = NOW + WINDOW_SECONDS
+
+
+async def open_windowed(open_store: OpenStore, clock: list[float]) -> OpLogStore:
+    """A store with a one-hour dedupe window whose clock reads `clock[0]`."""
+    return await open_store(
+        snapshot_every=4,
+        retention_seconds=WINDOW_SECONDS,
+        skew_seconds=SKEW_SECONDS,
+        now=lambda: clock[0],
+    )
+
+
 def minted(op: IncomingOp, minted_at: int) -> IncomingOp:
     """`op` dated `minted_at` (unix ms), with an op_id if it had none."""
     raw = {**op.raw, "minted_at": minted_at}
@@ -155,12 +173,16 @@ class LaneMarkContract:
         assert await store.client_mark(WS, "other", "client-a1") == 0
 
     async def test_an_op_at_or_below_its_mark_without_record_is_never_applied_again(
-        self, store: OpLogStore, log_rows: LogRows, reopen: Reopen
+        self, open_store: OpenStore, log_rows: LogRows
     ) -> None:
-        ops = [in_lane(increment(), "client-a1", seq) for seq in (1, 2, 3)]
+        clock = [NOW]
+        store = await open_windowed(open_store, clock)
+        ops = [in_lane(increment(), "client-a1", seq, minted_at=NOW_MS) for seq in (1, 2, 3)]
         await store.append(WS, DOC, ops)
+        await store.close()
+        clock[0] = PAST_THE_WINDOW  # compaction's age: the records are gone
         await log_rows.drop_op_id_records()
-        store = await reopen(store)
+        store = await open_windowed(open_store, clock)
         outcomes, entries = await store.append(WS, DOC, ops)
         assert outcomes == [Forgotten(op.op_id) for op in ops]
         assert outcomes[0].to_json() == {
@@ -171,6 +193,33 @@ class LaneMarkContract:
         assert entries == []
         assert await field_value(store) == 3
         assert await store.head(WS, DOC) == 3
+
+    async def test_a_recent_op_below_its_mark_without_record_is_refused_so_it_is_renumbered(
+        self, open_store: OpenStore
+    ) -> None:
+        """D (seq 5) was given up while a copy of it was in flight; the SDK renumbered E to seq
+        5; the stale copy of D is decided at 5. E at seq 5, minted inside the window, was never
+        applied (its record would be there): refused `seq_gap` expecting 6, never answered as a
+        duplicate, and applied once it comes as seq 6."""
+        store = await open_windowed(open_store, [NOW])
+        lane = "client-a1"
+        await store.append(
+            WS, DOC, [in_lane(increment(), lane, seq, minted_at=NOW_MS) for seq in (1, 2, 3, 4)]
+        )
+        stale_d = in_lane(increment(), lane, 5, minted_at=NOW_MS)
+        e_op_id = new_op_id()
+        e_at_5 = in_lane(increment(e_op_id), lane, 5, minted_at=NOW_MS)
+        assert isinstance(await append_one(store, stale_d), Committed)
+        refused = await append_one(store, e_at_5)
+        assert isinstance(refused, Rejected)
+        assert (refused.code, refused.expected_seq) == ("seq_gap", 6)
+        assert await store.head(WS, DOC) == 5
+        assert await store.client_mark(WS, DOC, lane) == 5
+        e_at_6 = in_lane(increment(e_op_id), lane, 6, minted_at=NOW_MS)
+        assert await append_one(store, e_at_6) == Committed(e_op_id, 6)
+        assert await field_value(store) == 6
+        # Its resend is answered from its record, at either seq.
+        assert await append_one(store, e_at_5) == Committed(e_op_id, 6, duplicate=True)
 
     async def test_a_seq_past_the_mark_plus_one_is_a_gap_and_nothing_after_it_applies(
         self, store: OpLogStore
@@ -211,12 +260,14 @@ class LaneMarkContract:
         assert await field_value(store) == 40
 
     async def test_an_atomic_batch_failed_by_a_decision_moves_the_mark_past_all_its_ops(
-        self, store: OpLogStore, log_rows: LogRows
+        self, open_store: OpenStore, log_rows: LogRows
     ) -> None:
+        clock = [NOW]
+        store = await open_windowed(open_store, clock)
         ops = [
-            in_lane(increment(), "client-a1", 1),
-            in_lane(insert("root", parent="nowhere"), "client-a1", 2),
-            in_lane(increment(), "client-a1", 3),
+            in_lane(increment(), "client-a1", 1, minted_at=NOW_MS),
+            in_lane(insert("root", parent="nowhere"), "client-a1", 2, minted_at=NOW_MS),
+            in_lane(increment(), "client-a1", 3, minted_at=NOW_MS),
         ]
         outcomes, _ = await store.append(WS, DOC, ops, atomic=True)
         codes = [getattr(o, "code", None) for o in outcomes]
@@ -226,6 +277,7 @@ class LaneMarkContract:
         # A resend gets the same answers from the records; once they are gone, forgotten.
         again, _ = await store.append(WS, DOC, ops, atomic=True)
         assert [getattr(o, "code", None) for o in again] == codes
+        clock[0] = PAST_THE_WINDOW
         await log_rows.drop_op_id_records()
         again, _ = await store.append(WS, DOC, ops, atomic=True)
         assert again == [Forgotten(op.op_id) for op in ops]

@@ -10,6 +10,7 @@ import contextlib
 import signal
 import sqlite3
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,18 @@ from .conftest import auth
 WS, DOC = "ws1", "counter"
 SCRIPT = Path(__file__).with_name("exactly_once_client.py")
 TIMEOUT = 60
+#: The server's dedupe window, shrunk so the ops of a test outlive it: compaction drops only
+#: records of ops older than it, and the server answers a resend at or below its lane's mark as
+#: a duplicate only if its `minted_at` says it is that old (docs/ops.md#exactly-once).
+RETENTION_SECONDS = 1.5
+SKEW_SECONDS = 0.5
+
+
+async def outlive_the_window(minted_before: float) -> None:
+    """Wait until ops minted before `minted_before` (unix seconds) are older than the window
+    less the skew: the age at which their records may be compacted. A wait on the wall clock
+    both processes read, which is what the server judges `minted_at` by."""
+    await asyncio.sleep(max(0.0, minted_before + RETENTION_SECONDS - SKEW_SECONDS - time.time()))
 
 
 async def drop_op_id_records(store: OpLogStore, config: ServerConfig) -> None:
@@ -102,7 +115,9 @@ async def counter(server: TestServer) -> tuple[int, int]:
 async def stand(
     aiohttp_server: Callable[..., Any], make_server_config: Callable[..., ServerConfig]
 ) -> AsyncIterator[tuple[TestServer, FaultProxy, ServerConfig]]:
-    config = make_server_config()
+    config = make_server_config(
+        oplog_retention_seconds=RETENTION_SECONDS, minted_at_skew_seconds=SKEW_SECONDS
+    )
     server: TestServer = await aiohttp_server(create_app(config))
 
     async with aiohttp.ClientSession() as session:
@@ -140,6 +155,7 @@ async def test_ops_applied_unheard_and_ops_queued_are_applied_once_after_a_resta
     assert await first.say("submit 4") == "stored 7"
     await first.kill()
 
+    await outlive_the_window(time.time())
     await drop_op_id_records(server.app[STORES].oplog, config)
     proxy.refuse = False
     proxy.cut_fraction(0.0)
@@ -166,6 +182,7 @@ async def test_a_cut_between_seq_n_and_n_plus_1_applies_each_op_once(
     proxy.refuse = True
     proxy.drop_all()
     assert await sdk.say("submit 3") == "stored 6"
+    await outlive_the_window(time.time())
     await drop_op_id_records(server.app[STORES].oplog, config)
     proxy.cut_fraction(0.0)
     proxy.refuse = False

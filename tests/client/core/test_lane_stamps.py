@@ -138,6 +138,32 @@ def test_a_hole_the_client_left_is_closed_by_renumbering_the_lane_before_resendi
     assert seqs_of(persist.rows) == [4]  # the lane goes on with no gap
 
 
+def test_an_expected_seq_above_the_ops_own_renumbers_it_upward() -> None:
+    """A stale copy of an op this client gave up took seq 5 after the lane was renumbered over
+    it: the server refuses E (seq 5) with `expected_seq` 6. E and the op behind it are
+    renumbered 6, 7 (never dropped, never answered as duplicates) and the lane goes on at 8."""
+    machine = stamped_machine({(WS, DOC): 4})
+    machine.submit(WS, DOC, [inc(), inc()])
+    (send,) = of_type(persist_all(machine), Send)
+    assert seqs_of(send.rows) == [5, 6]
+    machine.batch_answered(send.batch_id, gap(send, 0, expected=6))
+    decisions = machine.decisions()
+    assert not of_type(decisions, Resolve)
+    (restamp,) = of_type(decisions, Restamp)
+    assert seqs_of(restamp.rows) == [6, 7]
+    assert [row.op_id for row in restamp.rows] == [row.op_id for row in send.rows]
+    assert restamp.lane_seqs == ((WS, DOC, 7),)
+    machine.restamped([row.seq for row in restamp.rows], None)
+    (again,) = of_type(machine.decisions(), Send)
+    assert again.rows == restamp.rows
+    machine.batch_answered(again.batch_id, commit_results(again, 6))
+    machine.decisions()
+    assert machine.pending_count == 0
+    machine.submit(WS, DOC, [inc()])
+    (persist,) = of_type(machine.decisions(), Persist)
+    assert seqs_of(persist.rows) == [8]
+
+
 def test_a_failed_restamp_write_keeps_the_old_stamps_and_retries() -> None:
     machine = stamped_machine({(WS, DOC): 1})
     machine.submit(WS, DOC, [inc(), inc()])
