@@ -61,7 +61,7 @@ _LANE_TABLES = ("outbox_client", "outbox_lanes")
 _LANES_SCHEMA = (
     "CREATE TABLE IF NOT EXISTS outbox_client (id TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS outbox_lanes (workspace_id TEXT NOT NULL, sub_doc TEXT NOT NULL,"
-    " last_seq INTEGER NOT NULL, PRIMARY KEY (workspace_id, sub_doc))",
+    " last_seq INTEGER NOT NULL, PRIMARY KEY (workspace_id, sub_doc)) WITHOUT ROWID",
 )
 _UPSERT_LANE = (
     "INSERT INTO outbox_lanes (workspace_id, sub_doc, last_seq) VALUES (?, ?, ?)"
