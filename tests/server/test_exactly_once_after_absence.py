@@ -6,9 +6,7 @@ once (the counter equals the ops sent)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
-import sqlite3
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -21,44 +19,19 @@ from aiohttp.test_utils import TestServer
 
 from cv_server import ServerConfig, create_app
 from cv_server.keys import STORES
-from cv_server.oplog import OpLogStore
 from cv_workspace_client.testing import FaultProxy
 
 from .conftest import auth
+from .op_records import (
+    RETENTION_SECONDS,
+    SKEW_SECONDS,
+    drop_op_id_records,
+    outlive_the_window,
+)
 
 WS, DOC = "ws1", "counter"
 SCRIPT = Path(__file__).with_name("exactly_once_client.py")
 TIMEOUT = 60
-#: The server's dedupe window, shrunk so the ops of a test outlive it: compaction drops only
-#: records of ops older than it, and the server answers a resend at or below its lane's mark as
-#: a duplicate only if its `minted_at` says it is that old (docs/ops.md#exactly-once).
-RETENTION_SECONDS = 1.5
-SKEW_SECONDS = 0.5
-
-
-async def outlive_the_window(minted_before: float) -> None:
-    """Wait until ops minted before `minted_before` (unix seconds) are older than the window
-    less the skew: the age at which their records may be compacted. A wait on the wall clock
-    both processes read, which is what the server judges `minted_at` by."""
-    await asyncio.sleep(max(0.0, minted_before + RETENTION_SECONDS - SKEW_SECONDS - time.time()))
-
-
-async def drop_op_id_records(store: OpLogStore, config: ServerConfig) -> None:
-    """Forget every op_id's outcome, as compaction will for ops past the retention: the lane
-    marks are all that is left to tell a resend from a new op."""
-    pool = getattr(store, "pool", None)
-    if pool is not None:
-        await pool.execute("DELETE FROM workspace_sub_doc_op_outcomes")
-        return
-    db_path = config.db_path
-    assert db_path is not None
-
-    def drop() -> None:
-        with contextlib.closing(sqlite3.connect(db_path, timeout=10)) as conn, conn:
-            conn.execute("UPDATE workspace_sub_doc_ops SET op_id = NULL")
-            conn.execute("DELETE FROM workspace_sub_doc_op_rejections")
-
-    await asyncio.to_thread(drop)
 
 
 class SdkProcess:
