@@ -51,9 +51,11 @@ class ServerConfig:
     subdoc_cache_limit: int = 10_000
 
     # -- op-log retention and exactly-once (docs/configuration.md, docs/ops.md#exactly-once) --
-    #: How long an op's log row and op_id record are kept (0: forever). Seven days, the seed's
-    #: retention of an outbox row: a client offline longer still gets exactly-once through its
-    #: lane mark (ops with `client_id` / `seq`), never through the op_id record alone.
+    #: How long an op's log row and op_id record are kept (0: forever): the one dedupe window
+    #: of an op that carries only `op_id` (its record lives in its log row or rejection record
+    #: and goes with it). Seven days: a raw client's retries are over in minutes, and a week
+    #: covers one offline over a long weekend; an SDK client away longer still gets exactly once
+    #: through its lane mark (`client_id` / `seq`: one row per client and sub-doc, kept forever).
     oplog_retention_seconds: float = 7 * 24 * 3600.0
     #: How far a client's clock may be off the server's when an op's `minted_at` is judged: an op
     #: without a lane is `op_expired` once minted more than `oplog_retention_seconds` minus this
