@@ -89,6 +89,15 @@ class OpIdEnvelope(BaseModel):
         "UTF-8 JSON.",
     )
 
+    @field_validator("seq", "minted_at", mode="before")
+    @classmethod
+    def _integral_float_as_int(cls, value: object) -> object:
+        # JSON Schema's "integer" takes 5.0 too (as `index` does in cv_mutations.ops): only a
+        # float that is an integer passes; `true`, "5" and 5.5 are still refused.
+        if type(value) is float and value.is_integer():
+            return int(value)
+        return value
+
     @model_validator(mode="after")
     def _lane_is_whole(self) -> OpIdEnvelope:
         if (self.client_id is None) != (self.seq is None):
