@@ -7,9 +7,9 @@ import sys
 from typing import Final
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
-from cv_mutations.ids import OpId
+from cv_mutations.ids import ClientId, OpId
 
 __all__ = ["META_MAX_BYTES", "OpIdEnvelope", "json_size"]
 
@@ -52,6 +52,13 @@ class OpIdEnvelope(BaseModel):
     `op_id` is the server's dedupe key within `(workspace_id, sub_doc)`. It is optional only for
     callers that guarantee a single attempt (server-internal code, tests, one-shot imports); any
     path that may retry must set it, and the SDK always does.
+
+    `client_id` and `seq` (always together) place the op in its client's lane: the ops one
+    client sends to one `(workspace_id, sub_doc)`, numbered 1, 2, 3, ... in the order the client
+    minted them. The server keeps the highest `seq` it decided per lane (its mark), so a resend
+    at or below the mark is a duplicate however long ago it was decided (docs/ops.md#exactly-once).
+    `minted_at` (unix milliseconds) is when the op was minted, kept across every resend: it lets
+    a client without a lane prove an op's age. All three are optional.
     """
 
     # strict: the wire types are the schema's types. Lax mode would turn `true` into 1 and "3"
@@ -59,12 +66,45 @@ class OpIdEnvelope(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=True)
 
     op_id: OpId | None = None
+    client_id: ClientId | None = Field(
+        default=None, description="The sending client's id; sent together with `seq`."
+    )
+    seq: int | None = Field(
+        default=None,
+        ge=1,
+        le=2**53 - 1,
+        description="The op's number in its client's lane (workspace, sub_doc, client_id), from 1,"
+        " with no gap; sent together with `client_id`.",
+    )
+    minted_at: int | None = Field(
+        default=None,
+        ge=0,
+        le=2**53 - 1,
+        description="When the op was minted (unix milliseconds), the same on every resend.",
+    )
     # The size cap is a rule JSON Schema cannot state: the description carries it to the schema.
     meta: dict[str, JsonValue] | None = Field(
         default=None,
         description=f"Provenance (actor, request_id): at most {META_MAX_BYTES} bytes as compact "
         "UTF-8 JSON.",
     )
+
+    @field_validator("seq", "minted_at", mode="before")
+    @classmethod
+    def _integral_float_as_int(cls, value: object) -> object:
+        # JSON Schema's "integer" takes 5.0 too (as `index` does in cv_mutations.ops): only a
+        # float that is an integer passes; `true`, "5" and 5.5 are still refused.
+        if type(value) is float and value.is_integer():
+            return int(value)
+        return value
+
+    @model_validator(mode="after")
+    def _lane_is_whole(self) -> OpIdEnvelope:
+        if (self.client_id is None) != (self.seq is None):
+            raise ValueError("client_id and seq are sent together, or neither")
+        if self.seq is not None and self.op_id is None:
+            raise ValueError("an op with a seq must carry an op_id")
+        return self
 
     @field_validator("meta")
     @classmethod

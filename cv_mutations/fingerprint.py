@@ -49,11 +49,18 @@ def canonical_json(value: Any) -> str:
     return _canonical_bytes(value).decode()
 
 
+#: What says who sent an op and when, not what it does: an app that submits the same intent
+#: under its own op_id again gets a new `seq` and `minted_at`, and is a duplicate, not a reuse
+#: (tests/client/io/test_http.py, the resend of a rejected op).
+_NOT_FINGERPRINTED: Final = frozenset({"op_id", "client_id", "seq", "minted_at"})
+
+
 def fingerprint(raw_op: Mapping[str, Any]) -> str:
-    """sha256 (hex) of the canonical JSON of the op *as received*, without `op_id`.
+    """sha256 (hex) of the canonical JSON of the op *as received*, without `op_id` and the
+    lane fields (`client_id`, `seq`, `minted_at`).
 
     Taken before defaults are applied, so a server that changes a default never turns an honest
     retry into an `op_id_reuse`.
     """
-    body = {key: value for key, value in raw_op.items() if key != "op_id"}
+    body = {key: value for key, value in raw_op.items() if key not in _NOT_FINGERPRINTED}
     return hashlib.sha256(_canonical_bytes(body)).hexdigest()

@@ -14,6 +14,7 @@ from pydantic import StringConstraints
 
 __all__ = [
     "NANOID_ALPHABET",
+    "ClientId",
     "NodeId",
     "OpId",
     "SubDocId",
@@ -33,6 +34,9 @@ WORKSPACE_ID_PATTERN: Final = r"^[A-Za-z0-9_-]{1,64}$"
 SUB_DOC_PATTERN: Final = r"^[a-z0-9_.-]{1,64}$"
 NODE_ID_PATTERN: Final = r"^[A-Za-z0-9_.:-]{1,128}$"
 
+#: A client's id: the op_id alphabet and lengths (the SDK mints one like an op_id).
+CLIENT_ID_PATTERN: Final = OP_ID_PATTERN
+ClientId = Annotated[str, StringConstraints(pattern=CLIENT_ID_PATTERN)]
 OpId = Annotated[str, StringConstraints(pattern=OP_ID_PATTERN)]
 WorkspaceId = Annotated[str, StringConstraints(pattern=WORKSPACE_ID_PATTERN)]
 SubDocId = Annotated[str, StringConstraints(pattern=SUB_DOC_PATTERN)]

@@ -82,6 +82,22 @@ def _type_is_required(schema: dict[str, Any]) -> None:
     required = schema.setdefault("required", [])
     if "type" not in required:
         required.insert(0, "type")
+    # The lane fields' rule (`OpIdEnvelope`: null is absent), which JSON Schema can state: a
+    # validator in another language refuses what parse_op refuses, and no more
+    # (tests/mutations/test_schema_parity.py).
+    schema["allOf"] = [
+        {
+            "if": {"properties": {"seq": {"type": "integer"}}, "required": ["seq"]},
+            "then": {
+                "properties": {"client_id": {"type": "string"}, "op_id": {"type": "string"}},
+                "required": ["client_id", "op_id"],
+            },
+        },
+        {
+            "if": {"properties": {"client_id": {"type": "string"}}, "required": ["client_id"]},
+            "then": {"properties": {"seq": {"type": "integer"}}, "required": ["seq"]},
+        },
+    ]
 
 
 class _OpModel(OpIdEnvelope):

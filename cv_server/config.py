@@ -50,11 +50,14 @@ class ServerConfig:
     #: evicted sub-doc is rebuilt from its snapshot plus at most `snapshot_every` log entries).
     subdoc_cache_limit: int = 10_000
 
-    # -- storage over time (docs/configuration.md, docs/operating.md) --
+    # -- storage over time and exactly-once (docs/configuration.md, docs/operating.md,
+    # docs/ops.md#exactly-once) --
     #: Ops older than this (and below their sub-doc's latest snapshot) are deleted with their
-    #: op_id records, and recorded rejections older than this too; 0 keeps everything. Seven
-    #: days because the SDK's outbox keeps an unsent op seven days: an op any outbox may still
-    #: resend keeps its op_id record at least that long, so the resend is answered from it.
+    #: op_id records, and recorded rejections older than this too; 0 keeps everything. It is the
+    #: one dedupe window of an op that carries only `op_id` (its record goes with its log row or
+    #: rejection record); an SDK op stays provable forever through its lane mark (`client_id` /
+    #: `seq`: one row per client and sub-doc). Seven days because the SDK's outbox keeps an unsent
+    #: op seven days: an op any outbox may still resend keeps its op_id record at least that long.
     oplog_retention_seconds: float = 7 * 24 * 3600.0
     #: A compaction pass starts this often. Its own cadence, not the hourly reaper's: a pass
     #: deletes what became old since the last one, and ten minutes' worth of a busy log is a
@@ -63,6 +66,12 @@ class ServerConfig:
     #: Rows one compaction transaction deletes at most: each batch holds the SQLite writer (or a
     #: PostgreSQL transaction) for milliseconds, so appends never queue behind a long delete.
     compact_batch_rows: int = 1000
+    #: How far a client's clock may be off the server's when an op's `minted_at` is judged: an op
+    #: without a lane is `op_expired` once minted more than `oplog_retention_seconds` minus this
+    #: ago with no record, and a `minted_at` more than this in the future is refused
+    #: (`invalid_field`). Five minutes: clocks set by NTP are within a second; a device's clock
+    #: left to drift gains minutes a month, and one further off is wrong, not skewed.
+    minted_at_skew_seconds: float = 300.0
 
     # -- queue (docs/configuration.md, docs/queue.md) --
     #: A claim's lease. The heartbeat that renews it is the worker's (`WorkerConfig`, 60 s),
@@ -146,6 +155,11 @@ class ServerConfig:
         if heartbeat is not None and not (math.isfinite(heartbeat) and heartbeat > 0):
             raise ValueError(
                 f"socket_heartbeat_seconds must be a finite number > 0 or None, not {heartbeat!r}"
+            )
+        retention = self.oplog_retention_seconds
+        if retention and math.isfinite(retention) and self.minted_at_skew_seconds >= retention:
+            raise ValueError(
+                "minted_at_skew_seconds must be below oplog_retention_seconds (or retention 0)"
             )
         for setting in fields(self):
             value = getattr(self, setting.name)

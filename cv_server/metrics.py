@@ -25,7 +25,7 @@ from typing import Any, Final
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
-from cv_server.oplog import Committed, Outcome
+from cv_server.oplog import Outcome, Rejected
 
 __all__ = ["CONTENT_TYPE", "Metrics", "ScrapeHook"]
 
@@ -274,10 +274,10 @@ class Metrics:
         for outcome in outcomes:
             if outcome.duplicate:
                 self.ops_duplicate.inc()
-            elif isinstance(outcome, Committed):
-                self.ops_committed.inc()
-            else:
+            elif isinstance(outcome, Rejected):
                 self.ops_rejected.labels(outcome.code).inc()
+            else:
+                self.ops_committed.inc()
 
     def record_group_commit(self, seconds: float, ops: int) -> None:
         self.commit_seconds.observe(seconds)

@@ -200,6 +200,7 @@ class WorkspaceClient(QueueMethods):
         )
         self._http = HttpApi(self._session, self.url, self.token, refresher=self.token_refresher)
         self._state = "open"
+        self._machine.use_lanes(self._outbox.client_id or self._mint(), self._outbox.lane_seqs)
         self._machine.restore(self._outbox.rows, self._outbox.backlog)
         if self.config.ops_over_websocket:
             for workspace_id in self._machine.workspaces():

@@ -19,7 +19,8 @@ class Commit:
 
     `duplicate` is true when this is the stored answer: an earlier send of the same `op_id` had
     already been committed (its answer was lost, or another process resent the outbox). The op
-    was applied once either way.
+    was applied once either way. `clock` 0 with `duplicate` is an op the server decided long ago
+    and no longer keeps the outcome of (docs/client.md#exactly-once): never applied again.
     """
 
     clock: int

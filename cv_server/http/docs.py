@@ -8,7 +8,13 @@ import orjson
 from aiohttp import web
 
 from cv_server.http.bodies import read_body
-from cv_server.http.inputs import MAX_CLOCK, check_ids, decode_json, parse_apply_body
+from cv_server.http.inputs import (
+    MAX_CLOCK,
+    check_ids,
+    decode_json,
+    latest_minted_at,
+    parse_apply_body,
+)
 from cv_server.http.models import ApplyBody, ApplyResults, DocState, OpsPage
 from cv_server.http.openapi import Doc, Param, documented
 from cv_server.http.problems import Problem
@@ -38,7 +44,7 @@ async def post_ops(request: web.Request) -> web.Response:
     authorize(request, workspace_id)
     config = request.app[CONFIG]
     body = decode_json(await read_body(request))
-    ops, atomic = parse_apply_body(body, config.max_ops_per_request)
+    ops, atomic = parse_apply_body(body, config.max_ops_per_request, latest_minted_at(config))
     outcomes = await asyncio.shield(
         commit_and_publish(request.app, workspace_id, sub_doc, ops, atomic)
     )

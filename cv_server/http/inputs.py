@@ -6,15 +6,25 @@ Everything is checked before anything is applied: one bad op refuses the whole r
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Final
 
 import orjson
 
 from cv_mutations import InvalidOp, fingerprint, is_valid_sub_doc, is_valid_workspace_id, parse_op
+from cv_server.config import ServerConfig
 from cv_server.http.problems import Problem
 from cv_server.oplog import IncomingOp
 
-__all__ = ["MAX_CLOCK", "check_ids", "check_since", "decode_json", "parse_apply_body", "parse_ops"]
+__all__ = [
+    "MAX_CLOCK",
+    "check_ids",
+    "check_since",
+    "decode_json",
+    "latest_minted_at",
+    "parse_apply_body",
+    "parse_ops",
+]
 
 #: The largest clock a client may name (`since`): far below SQLite's INTEGER range, past which a
 #: read would fail inside the store instead of answering `invalid_field`.
@@ -86,7 +96,21 @@ def _frame_problem(raw: object) -> str | None:
     return None
 
 
-def parse_ops(raw_ops: object, max_ops: int) -> list[IncomingOp]:
+def latest_minted_at(config: ServerConfig) -> int:
+    """The latest `minted_at` (unix ms) taken now: the server's clock plus the allowed skew."""
+    return int((time.time() + config.minted_at_skew_seconds) * 1000)
+
+
+def parse_ops(
+    raw_ops: object, max_ops: int, latest_minted_at: int | None = None
+) -> list[IncomingOp]:
+    """The ops of a batch, each parsed; 4xx problem naming the first bad op (`op_index`).
+
+    `latest_minted_at` (unix ms: the server's now plus `minted_at_skew_seconds`): an op without
+    a lane dated later is refused `invalid_field`. Its date is what proves its age once its
+    record is compacted (docs/ops.md#exactly-once), so a date from the future is not taken.
+    A lane op is not refused for its date here: one from the future is judged in the
+    pipeline, where only an op at or below its mark reads it."""
     if not isinstance(raw_ops, list):
         raise Problem(400, "malformed_json", '"ops" must be a list')
     if not raw_ops:  # the schema's minItems (tests/server/http/test_inputs.py)
@@ -103,12 +127,26 @@ def parse_ops(raw_ops: object, max_ops: int) -> list[IncomingOp]:
         except InvalidOp as exc:
             raise Problem(422, exc.code, exc.message, op_index=index) from None
         assert isinstance(raw, dict)  # parse_op refuses anything else
+        if (
+            latest_minted_at is not None
+            and op.seq is None
+            and op.minted_at is not None
+            and op.minted_at > latest_minted_at
+        ):
+            raise Problem(
+                422,
+                "invalid_field",
+                "minted_at is in the future by more than the allowed clock skew",
+                op_index=index,
+            )
         incoming.append(IncomingOp(op=op, raw=raw, fingerprint=fingerprint(raw)))
     return incoming
 
 
-def parse_apply_body(body: object, max_ops: int) -> tuple[list[IncomingOp], bool]:
-    """`{"ops": [...], "atomic"?: bool}` → (ops, atomic)."""
+def parse_apply_body(
+    body: object, max_ops: int, latest_minted_at: int | None = None
+) -> tuple[list[IncomingOp], bool]:
+    """`{"ops": [...], "atomic"?: bool}` → (ops, atomic); `latest_minted_at` as `parse_ops`."""
     if not isinstance(body, dict):
         raise Problem(400, "malformed_json", 'body must be an object {"ops": [...]}')
     # One vocabulary on every route (docs/problems.md): a body that is not JSON, or not an
@@ -120,4 +158,4 @@ def parse_apply_body(body: object, max_ops: int) -> tuple[list[IncomingOp], bool
     atomic = body.get("atomic", False)
     if not isinstance(atomic, bool):
         raise Problem(422, "invalid_field", '"atomic" must be a boolean')
-    return parse_ops(body.get("ops"), max_ops), atomic
+    return parse_ops(body.get("ops"), max_ops, latest_minted_at), atomic

@@ -152,13 +152,20 @@ class ApplyBody(_Closed):
 
 class AppliedOp(_Answer):
     op_id: str | None
-    clock: int
+    clock: int | None = Field(
+        description="The op's clock; null only with `duplicate: true` for a lane op decided"
+        " before and no longer on record (docs/ops.md#exactly-once): never applied again"
+    )
     duplicate: bool
 
 
 class ErrorInfo(_Answer):
     code: str
     message: str
+    expected_seq: int | None = Field(
+        default=None, description="`seq_gap`: the seq the lane expects next"
+    )
+    clock: int | None = Field(default=None, description="`op_expired`: the sub-doc's head clock")
 
 
 class RejectedOp(_Answer):

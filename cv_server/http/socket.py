@@ -22,7 +22,7 @@ import orjson
 from aiohttp import WSMsgType, web
 
 from cv_mutations import is_valid_sub_doc, is_valid_workspace_id
-from cv_server.http.inputs import check_since, decode_json, parse_apply_body
+from cv_server.http.inputs import check_since, decode_json, latest_minted_at, parse_apply_body
 from cv_server.http.openapi import Doc, Param, documented
 from cv_server.http.problems import Problem
 from cv_server.http.ratelimit import refusal
@@ -179,7 +179,9 @@ class _Session:
                     old.stop()
             elif kind == "apply":
                 body = {k: v for k, v in frame.items() if k in ("ops", "atomic")}
-                ops, atomic = parse_apply_body(body, self.config.max_ops_per_request)
+                ops, atomic = parse_apply_body(
+                    body, self.config.max_ops_per_request, latest_minted_at(self.config)
+                )
                 # An apply frame is an ops request sent another way: the same bucket pays for
                 # it, and a refusal is an error frame naming the req (with `retry_after`) that
                 # the client retries, as it retries a 429.

@@ -4,6 +4,7 @@ from cv_server.oplog.store import OpLogStore
 from cv_server.oplog.values import (
     Committed,
     Compaction,
+    Forgotten,
     IncomingOp,
     LogEntry,
     OpLogCorrupted,
@@ -16,6 +17,7 @@ from cv_server.oplog.values import (
 __all__ = [
     "Committed",
     "Compaction",
+    "Forgotten",
     "IncomingOp",
     "LogEntry",
     "OpLogCorrupted",

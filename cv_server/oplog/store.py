@@ -16,6 +16,7 @@ from cv_mutations import SubDocState
 from cv_server.oplog.values import (
     Committed,
     Compaction,
+    Forgotten,
     IncomingOp,
     LogEntry,
     OpLogCorrupted,
@@ -31,6 +32,7 @@ if TYPE_CHECKING:  # the seam names the future's type; it never makes one (no as
 __all__ = [
     "Committed",
     "Compaction",
+    "Forgotten",
     "IncomingOp",
     "LogEntry",
     "OpLogCorrupted",
@@ -59,16 +61,45 @@ class OpLogStore(abc.ABC):
     #: memory; set by `_settings` on both backends (tests/contract/oplog_contract.py).
     snapshot_every: int
     cache_limit: int
+    #: The dedupe window in seconds (`oplog_retention_seconds`; 0: op_id records are kept
+    #: forever) and the clock skew allowed to `minted_at` (docs/ops.md#exactly-once).
+    retention_seconds: float = 0.0
+    skew_seconds: float = 0.0
 
-    def _settings(self, *, snapshot_every: int, cache_limit: int) -> None:
-        """Check and keep the settings every backend shares. Raises `ValueError` if either is
-        below 1."""
+    def _settings(
+        self,
+        *,
+        snapshot_every: int,
+        cache_limit: int,
+        retention_seconds: float = 0.0,
+        skew_seconds: float = 0.0,
+    ) -> None:
+        """Check and keep the settings every backend shares. Raises `ValueError` if
+        `snapshot_every` or `cache_limit` is below 1, or a duration is negative."""
         if snapshot_every < 1:
             raise ValueError("snapshot_every must be at least 1")
         if cache_limit < 1:
             raise ValueError("cache_limit must be at least 1")
+        if retention_seconds < 0 or skew_seconds < 0:
+            raise ValueError("retention_seconds and skew_seconds must be >= 0")
         self.snapshot_every = snapshot_every
         self.cache_limit = cache_limit
+        self.retention_seconds = retention_seconds
+        self.skew_seconds = skew_seconds
+
+    def latest_minted_at(self, now: float) -> int:
+        """The latest `minted_at` (unix ms) an op can honestly carry at `now` (seconds): now plus
+        the allowed skew. A lane op dated later cannot prove its age (docs/ops.md#exactly-once)."""
+        return int((now + self.skew_seconds) * 1000)
+
+    def expired_before(self, now: float) -> int | None:
+        """The oldest `minted_at` (unix ms) inside the dedupe window at `now` (seconds): an op
+        without a lane minted before it, whose op_id record is gone, is `op_expired`. None when
+        records are kept forever. The window is shortened by the allowed skew, so a client clock
+        ahead by up to it never passes a compacted op off as young."""
+        if not self.retention_seconds:
+            return None
+        return int((now - self.retention_seconds + self.skew_seconds) * 1000)
 
     async def append(
         self,
@@ -175,6 +206,12 @@ class OpLogStore(abc.ABC):
     async def stats(self) -> OpLogStats:
         """The log's size and its oldest op's commit time, for `/metrics`. May read the whole
         table on SQLite: call it once per compaction pass, not per scrape."""
+
+    @abc.abstractmethod
+    async def client_mark(self, workspace_id: str, sub_doc: str, client_id: str) -> int:
+        """The highest seq decided in the lane `(workspace_id, sub_doc, client_id)`: 0 when the
+        lane never had an op decided (docs/ops.md#exactly-once). Updated in the transaction of
+        the append that decides it, so it never runs ahead of, or behind, the log."""
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -15,6 +15,7 @@ from cv_server.errors import CvServerError
 __all__ = [
     "Committed",
     "Compaction",
+    "Forgotten",
     "IncomingOp",
     "LogEntry",
     "OpLogCorrupted",
@@ -64,16 +65,37 @@ class Rejected:
     code: str
     message: str
     duplicate: bool = False
+    #: `seq_gap`: the seq the lane expects next (docs/ops.md#exactly-once).
+    expected_seq: int | None = None
+    #: `op_expired`: the sub-doc's head clock when the op was refused.
+    clock: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "op_id": self.op_id,
-            "error": {"code": self.code, "message": self.message},
-            "duplicate": self.duplicate,
-        }
+        error: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.expected_seq is not None:
+            error["expected_seq"] = self.expected_seq
+        if self.clock is not None:
+            error["clock"] = self.clock
+        return {"op_id": self.op_id, "error": error, "duplicate": self.duplicate}
 
 
-Outcome = Committed | Rejected
+@dataclass(frozen=True, slots=True)
+class Forgotten:
+    """The op was decided before (its `seq` is at or below its lane's mark) but its outcome is no
+    longer on record (compacted): a duplicate whose clock is unknown, `clock: null` on the wire
+    (docs/ops.md#exactly-once). Never applied again."""
+
+    op_id: str | None
+
+    @property
+    def duplicate(self) -> bool:
+        return True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op_id": self.op_id, "clock": None, "duplicate": True}
+
+
+Outcome = Committed | Rejected | Forgotten
 
 
 class OpLogCorrupted(CvServerError):

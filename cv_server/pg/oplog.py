@@ -148,8 +148,17 @@ class PostgresOpLogStore(OpLogStore):
         retry_policy: SerializationRetryPolicy | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         owns_pool: bool = False,
+        retention_seconds: float = 0.0,
+        skew_seconds: float = 0.0,
+        now: Callable[[], float] = time.time,
     ) -> None:
-        self._settings(snapshot_every=snapshot_every, cache_limit=cache_limit)
+        self._settings(
+            snapshot_every=snapshot_every,
+            cache_limit=cache_limit,
+            retention_seconds=retention_seconds,
+            skew_seconds=skew_seconds,
+        )
+        self._now = now
         if max_group_ops < 1:
             raise ValueError("max_group_ops must be at least 1")
         self.pool = pool
@@ -183,6 +192,9 @@ class PostgresOpLogStore(OpLogStore):
         channel: str = OPLOG_CHANNEL,
         max_group_ops: int = _DEFAULTS.max_ops_per_request,
         cache_limit: int = _DEFAULTS.subdoc_cache_limit,
+        retention_seconds: float = 0.0,
+        skew_seconds: float = 0.0,
+        now: Callable[[], float] = time.time,
     ) -> PostgresOpLogStore:
         """Open a pool, apply pending migrations, and return a store that closes the pool."""
         pool = await create_pool(dsn, settings)
@@ -198,6 +210,9 @@ class PostgresOpLogStore(OpLogStore):
             max_group_ops=max_group_ops,
             cache_limit=cache_limit,
             owns_pool=True,
+            retention_seconds=retention_seconds,
+            skew_seconds=skew_seconds,
+            now=now,
         )
 
     # -- OpLogStore ------------------------------------------------------------------------------
@@ -317,6 +332,11 @@ class PostgresOpLogStore(OpLogStore):
         async with self.pool.acquire() as conn:
             rows, oldest = await sql.read_stats(conn)
         return OpLogStats(rows, oldest, estimated=True)
+
+    async def client_mark(self, workspace_id: str, sub_doc: str, client_id: str) -> int:
+        self._check_open()
+        async with self.pool.acquire() as conn:
+            return await sql.read_mark(conn, workspace_id, sub_doc, client_id)
 
     async def close(self) -> None:
         """Finish every append queued before this call, then close the pool if this store
@@ -500,10 +520,35 @@ class PostgresOpLogStore(OpLogStore):
                     )
                 ]
                 recorded = await sql.look_up_many(conn, wanted) if wanted else {}
+                lanes = sorted(
+                    {
+                        (*member.key, pending_op.op.client_id)
+                        for member in members
+                        for pending in member.group
+                        for pending_op in pending.ops
+                        if pending_op.op.client_id is not None
+                    }
+                )
+                marks = await sql.look_up_marks(conn, lanes) if lanes else {}
+                now = self._now()
+                dating = (self.expired_before(now), self.latest_minted_at(now))
                 all_plans = [
-                    self._plan_group(doc, member.group, recorded.get(member.key, {}))
+                    self._plan_group(
+                        doc,
+                        member.group,
+                        recorded.get(member.key, {}),
+                        marks.get(member.key, {}),
+                        dating,
+                    )
                     for member, doc in zip(members, docs, strict=True)
                 ]
+                moved = [
+                    (*member.key, client_id, seq)
+                    for member, plans in zip(members, all_plans, strict=True)
+                    for client_id, seq in _last_marks(plans).items()
+                ]
+                if moved:
+                    await sql.write_marks(conn, moved)
                 writes: list[sql.DocWrite] = []
                 for member, plans in zip(members, all_plans, strict=True):
                     entries = [entry for plan in plans for entry in plan.entries]
@@ -574,16 +619,32 @@ class PostgresOpLogStore(OpLogStore):
 
     @staticmethod
     def _plan_group(
-        doc: sql.CachedSubDoc, group: list[_Pending], recorded: dict[str, Recorded]
+        doc: sql.CachedSubDoc,
+        group: list[_Pending],
+        recorded: dict[str, Recorded],
+        marks: dict[str, int],
+        dating: tuple[int | None, int],
     ) -> list[CommitPlan]:
         """The pipeline for each append of the group, in order, on the cached state (`recorded`:
-        what the log holds for the group's op_ids; it is added to as the plans go)."""
+        what the log holds for the group's op_ids, `marks` the lanes' marks; both are added to
+        as the plans go)."""
         plans: list[CommitPlan] = []
         clock = doc.clock
         for pending in group:
-            plan = plan_commit(doc.state, clock, pending.ops, recorded, atomic=pending.atomic)
+            plan = plan_commit(
+                doc.state,
+                clock,
+                pending.ops,
+                recorded,
+                atomic=pending.atomic,
+                marks=marks,
+                expired_before=dating[0],
+                latest_minted_at=dating[1],
+            )
             plans.append(plan)
             clock = plan.clock
+            # A later append of the same group decides against this one's marks.
+            marks.update(plan.marks)
             # A later append of the same group sees this one's outcomes as already recorded.
             for entry, fingerprint in zip(plan.entries, plan.fingerprints, strict=True):
                 if entry.op_id is not None:
@@ -593,6 +654,14 @@ class PostgresOpLogStore(OpLogStore):
                     rejection.code, rejection.message, rejection.fingerprint
                 )
         return plans
+
+
+def _last_marks(plans: Sequence[CommitPlan]) -> dict[str, int]:
+    """The marks a group's plans moved, each at its last value."""
+    moved: dict[str, int] = {}
+    for plan in plans:
+        moved.update(plan.marks)
+    return moved
 
 
 def _stamped(entries: list[LogEntry], committed_at: float | None) -> list[LogEntry]:

@@ -367,6 +367,48 @@ async def look_up_many(
     return recorded
 
 
+_LOOK_UP_MARKS: Final = """
+SELECT m.workspace_id, m.sub_doc, m.client_id, m.seq
+FROM unnest($1::text[], $2::text[], $3::text[]) AS w(workspace_id, sub_doc, client_id)
+JOIN workspace_sub_doc_client_marks m USING (workspace_id, sub_doc, client_id)
+"""
+_UPSERT_MARKS: Final = """
+INSERT INTO workspace_sub_doc_client_marks (workspace_id, sub_doc, client_id, seq)
+SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[])
+ON CONFLICT (workspace_id, sub_doc, client_id) DO UPDATE
+SET seq = greatest(workspace_sub_doc_client_marks.seq, excluded.seq), decided_at = now()
+"""
+_SELECT_MARK: Final = """
+SELECT seq FROM workspace_sub_doc_client_marks
+WHERE workspace_id = $1 AND sub_doc = $2 AND client_id = $3
+"""
+
+
+async def look_up_marks(
+    conn: asyncpg.Connection, wanted: Sequence[tuple[str, str, str]]
+) -> dict[tuple[str, str], dict[str, int]]:
+    """The marks of (workspace_id, sub_doc, client_id) lanes, per sub-doc (absent: none yet)."""
+    marks: dict[tuple[str, str], dict[str, int]] = {}
+    rows = await conn.fetch(_LOOK_UP_MARKS, *_columns(wanted, 3))
+    for row in rows:
+        marks.setdefault((row["workspace_id"], row["sub_doc"]), {})[row["client_id"]] = int(
+            row["seq"]
+        )
+    return marks
+
+
+async def write_marks(conn: asyncpg.Connection, marks: Sequence[tuple[str, str, str, int]]) -> None:
+    """Move lanes' marks up to the seqs given (never down), in the caller's transaction."""
+    await conn.execute(_UPSERT_MARKS, *_columns(marks, 4))
+
+
+async def read_mark(
+    conn: asyncpg.Connection, workspace_id: str, sub_doc: str, client_id: str
+) -> int:
+    value = await conn.fetchval(_SELECT_MARK, workspace_id, sub_doc, client_id)
+    return 0 if value is None else int(value)
+
+
 @dataclass(slots=True)
 class DocWrite:
     """What one sub-doc's group writes in a `write_batches` transaction."""

@@ -251,6 +251,8 @@ async def open_postgres_stores(config: ServerConfig) -> Stores:
             channel=oplog_channel,
             max_group_ops=config.max_ops_per_request,
             cache_limit=config.subdoc_cache_limit,
+            retention_seconds=config.oplog_retention_seconds,
+            skew_seconds=config.minted_at_skew_seconds,
         )
         await queue.listen(notifier)
         secret = config.token_secret or await postgres_token_secret(pool)

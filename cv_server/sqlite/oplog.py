@@ -8,6 +8,8 @@ Tables (composed into the server's schema by `create_schema`):
   milliseconds, read once per append, not once per op.
 - `workspace_sub_doc_op_rejections`: the recorded reducer rejection of an op_id, so a retry gets
   the same answer even after the state changed.
+- `workspace_sub_doc_client_marks`: per lane `(workspace_id, sub_doc, client_id)`, the highest
+  `seq` decided (docs/ops.md#exactly-once), written by the append that decides it, in its job.
 - `workspace_sub_doc_snapshots`: the latest state snapshot of a sub-doc and its clock. A cache of
   the log that bounds the rebuild after a restart to about `snapshot_every` ops (a snapshot is
   written by each commit that reaches or passes a multiple of it); the head clock is the log's
@@ -66,6 +68,7 @@ __all__ = ["OpLogCorrupted", "SQLiteOpLogStore", "create_schema"]
 OPS_TABLE: Final = "workspace_sub_doc_ops"
 REJECTIONS_TABLE: Final = "workspace_sub_doc_op_rejections"
 SNAPSHOTS_TABLE: Final = "workspace_sub_doc_snapshots"
+MARKS_TABLE: Final = "workspace_sub_doc_client_marks"
 
 #: op_ids per lookup query: far below SQLite's smallest host-parameter limit (999).
 _LOOKUP_CHUNK: Final = 400
@@ -96,6 +99,15 @@ _SELECT_OPS_AFTER: Final = (
 _READ_OPS_AFTER: Final = (
     f"SELECT clock, op_id, op, committed_at FROM {OPS_TABLE}"
     " WHERE workspace_id = ? AND sub_doc = ? AND clock > ? ORDER BY clock LIMIT ?"
+)
+_UPSERT_MARK: Final = (
+    f"INSERT INTO {MARKS_TABLE} (workspace_id, sub_doc, client_id, seq, decided_at)"
+    " VALUES (?, ?, ?, ?, ?)"
+    " ON CONFLICT (workspace_id, sub_doc, client_id)"
+    " DO UPDATE SET seq = max(seq, excluded.seq), decided_at = excluded.decided_at"
+)
+_SELECT_MARK: Final = (
+    f"SELECT seq FROM {MARKS_TABLE} WHERE workspace_id = ? AND sub_doc = ? AND client_id = ?"
 )
 _SELECT_HEAD: Final = f"SELECT max(clock) FROM {OPS_TABLE} WHERE workspace_id = ? AND sub_doc = ?"
 # The workspace's sub-docs by name, each found by one seek of the primary key to the next name
@@ -189,6 +201,12 @@ def create_schema(db: sqlite_utils.Database) -> None:
     db.table(REJECTIONS_TABLE).create_index(
         ["rejected_at"], index_name=f"{REJECTIONS_TABLE}_rejected_at", if_not_exists=True
     )
+    db.table(MARKS_TABLE).create(
+        {"workspace_id": str, "sub_doc": str, "client_id": str, "seq": int, "decided_at": int},
+        pk=("workspace_id", "sub_doc", "client_id"),
+        not_null={"seq", "decided_at"},
+        if_not_exists=True,
+    )
     db.table(SNAPSHOTS_TABLE).create(
         {"workspace_id": str, "sub_doc": str, "clock": int, "state": str, "taken_at": int},
         pk=("workspace_id", "sub_doc"),
@@ -231,8 +249,15 @@ class SQLiteOpLogStore(OpLogStore):
         cache_limit: int = _DEFAULT_CACHE_LIMIT,
         now: Callable[[], float] = time.time,
         owns_db: bool = False,
+        retention_seconds: float = 0.0,
+        skew_seconds: float = 0.0,
     ) -> None:
-        self._settings(snapshot_every=snapshot_every, cache_limit=cache_limit)
+        self._settings(
+            snapshot_every=snapshot_every,
+            cache_limit=cache_limit,
+            retention_seconds=retention_seconds,
+            skew_seconds=skew_seconds,
+        )
         self.db = db
         self._now = now
         self._owns_db = owns_db
@@ -249,10 +274,19 @@ class SQLiteOpLogStore(OpLogStore):
         *,
         snapshot_every: int = _DEFAULT_SNAPSHOT_EVERY,
         now: Callable[[], float] = time.time,
+        retention_seconds: float = 0.0,
+        skew_seconds: float = 0.0,
     ) -> SQLiteOpLogStore:
         """Open (or create) a database holding only the op-log; `close()` closes it too."""
         db = await SQLiteDatabase.open(path, schema=create_schema)
-        return cls(db, snapshot_every=snapshot_every, now=now, owns_db=True)
+        return cls(
+            db,
+            snapshot_every=snapshot_every,
+            now=now,
+            owns_db=True,
+            retention_seconds=retention_seconds,
+            skew_seconds=skew_seconds,
+        )
 
     # -- OpLogStore ------------------------------------------------------------------------------
 
@@ -415,6 +449,15 @@ class SQLiteOpLogStore(OpLogStore):
 
         return await self.db.read(read)
 
+    async def client_mark(self, workspace_id: str, sub_doc: str, client_id: str) -> int:
+        self._check_open()
+
+        def read(conn: sqlite3.Connection) -> int:
+            row = conn.execute(_SELECT_MARK, (workspace_id, sub_doc, client_id)).fetchone()
+            return 0 if row is None else int(row[0])
+
+        return await self.db.read(read)
+
     async def close(self) -> None:
         """Wait for every append queued before this call, drop the cache, and close the database
         if this store opened it."""
@@ -468,7 +511,24 @@ class SQLiteOpLogStore(OpLogStore):
         tx.count_ops(len(ops))
         op_ids = op_ids_to_look_up(ops)
         recorded = _look_up(tx, workspace_id, sub_doc, op_ids) if op_ids else {}
-        plan = plan_commit(doc.state, doc.clock, ops, recorded, atomic=atomic)
+        clients = {op.op.client_id for op in ops if op.op.client_id is not None}
+        # Read in this job: an earlier job of the same group transaction may have moved them.
+        marks = {
+            client_id: int(row[0])
+            for client_id in clients
+            if (row := tx.execute(_SELECT_MARK, (*key, client_id)).fetchone()) is not None
+        }
+        now = self._now()
+        plan = plan_commit(
+            doc.state,
+            doc.clock,
+            ops,
+            recorded,
+            atomic=atomic,
+            marks=marks,
+            expired_before=self.expired_before(now),
+            latest_minted_at=self.latest_minted_at(now),
+        )
 
         def undo() -> None:
             plan.revert()
@@ -479,8 +539,16 @@ class SQLiteOpLogStore(OpLogStore):
         tx.on_rollback(undo)
         doc.clock = plan.clock
         entries = plan.entries
+        if plan.marks:
+            tx.executemany(
+                _UPSERT_MARK,
+                [
+                    (workspace_id, sub_doc, client_id, seq, int(now * 1000))
+                    for client_id, seq in plan.marks.items()
+                ],
+            )
         if plan.entries or plan.rejections:
-            at = int(self._now() * 1000)
+            at = int(now * 1000)
             # Stamped as stored, so a live frame and a later log read show the same time.
             entries = [replace(e, committed_at=at / 1000) for e in plan.entries]
             if plan.entries:

@@ -158,7 +158,11 @@ async def open_sqlite_stores(config: ServerConfig) -> Stores:
         raise ValueError("ServerConfig.db_path is required for the SQLite backend")
     db = await open_sqlite_database(str(config.db_path))
     oplog = oplog_sqlite.SQLiteOpLogStore(
-        db, snapshot_every=config.snapshot_every, cache_limit=config.subdoc_cache_limit
+        db,
+        snapshot_every=config.snapshot_every,
+        cache_limit=config.subdoc_cache_limit,
+        retention_seconds=config.oplog_retention_seconds,
+        skew_seconds=config.minted_at_skew_seconds,
     )
     queue = queue_sqlite.SQLiteQueueStore(db)
     idempotency = idempotency_sqlite.SQLiteIdempotencyStore(

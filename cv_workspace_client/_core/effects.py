@@ -32,6 +32,7 @@ __all__ = [
     "OutboxRow",
     "Persist",
     "Resolve",
+    "Restamp",
     "Send",
     "Wait",
 ]
@@ -41,7 +42,9 @@ __all__ = [
 class OutboxRow:
     """One op as the outbox stores it. `op_json` is sent verbatim on every attempt, so the server
     fingerprints the same bytes each time (docs/concepts.md). `atomic_group` is the seq of the first
-    op of an atomic `apply_ops` call (its ops always travel together), None otherwise."""
+    op of an atomic `apply_ops` call (its ops always travel together), None otherwise.
+    `lane_seq` is the op's `seq` in its server lane (docs/client.md#exactly-once), set when it
+    was minted (None for a row read back from the file: its op text carries it)."""
 
     seq: int
     workspace_id: str
@@ -51,6 +54,7 @@ class OutboxRow:
     created_at: float
     attempts: int = 0
     atomic_group: int | None = None
+    lane_seq: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +163,17 @@ class Discard:
     backlog: tuple[BacklogRange, ...]
 
 
-Decision = Persist | Send | Resolve | Forget | CountAttempt | Wait | Load | Discard
+@dataclass(frozen=True, slots=True)
+class Restamp:
+    """Rewrite these rows' op text in the outbox (same `seq`, a new lane `seq` in the op) and set
+    the lanes' last minted seq to `lane_seqs` (absent lanes keep theirs), durably; then call
+    `restamped(seqs, None)` (or with the error). The rows are not sent before."""
+
+    rows: tuple[OutboxRow, ...]
+    lane_seqs: tuple[tuple[str, str, int], ...] = ()
+
+
+Decision = Persist | Send | Resolve | Forget | CountAttempt | Wait | Load | Discard | Restamp
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,10 @@ The rules it keeps, each of which a test pins:
 - A final 4xx is never retried. A whole-request problem naming one op (`op_index`) fails that op
   alone and resends the others (nothing of the request was applied); `too_many_ops` and
   `body_too_large` on a multi-op batch halve the lane's batch size instead of failing anything.
+- Every op is stamped when minted with the client's id, its lane seq (1, 2, 3, ... per
+  `(workspace, sub_doc)`, kept by the outbox across restarts) and `minted_at` (unix ms), all
+  stored in its op text, so every resend carries the same (docs/client.md#exactly-once). A
+  `seq_gap` answer is retried like a lost answer: the lane's unanswered ops go again, in order.
 - A large backlog is restored a page per lane at a time (`restore` with the lanes' summaries,
   then `Load` / `loaded`): memory is bounded by lanes x pages, not by the backlog. Restored rows
   still on disk are a barrier: no batch reaches past them into the lane's new ops, so every
@@ -40,6 +44,7 @@ The rules it keeps, each of which a test pins:
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,16 +63,20 @@ from cv_workspace_client._core.effects import (
     OutboxRow,
     Persist,
     Resolve,
+    Restamp,
     Send,
     Wait,
 )
+from cv_workspace_client._core.stamp import restamp, stamped_seq
 from cv_workspace_client._core.wire import dumps_body, parse_results, row_size
 from cv_workspace_client.errors import (
     AuthError,
     ForbiddenError,
     InvalidRequestError,
     OpDiscardedError,
+    OpRejectedError,
     OutboxError,
+    ProtocolError,
     StillPendingError,
     WorkspaceError,
 )
@@ -86,11 +95,24 @@ __all__ = [
     "OutboxRow",
     "Persist",
     "Resolve",
+    "Restamp",
     "Send",
     "Wait",
 ]
 
 Key = tuple[str, str]
+
+
+def _is_gap(outcome: Commit | WorkspaceError) -> bool:
+    return isinstance(outcome, OpRejectedError) and outcome.code == "seq_gap"
+
+
+def _expected_seq(results: Any, index: int) -> int | None:
+    """The `error.expected_seq` of a `seq_gap` result (None if absent or not a seq)."""
+    error = results[index].get("error")
+    expected = error.get("expected_seq") if isinstance(error, Mapping) else None
+    return expected if type(expected) is int and expected >= 1 else None
+
 
 #: Server-side request limits that mean "send fewer ops at once", not "this op is bad".
 _BATCH_TOO_BIG = frozenset({"too_many_ops", "body_too_large"})
@@ -192,6 +214,11 @@ class OutboxMachine:
         self._restored = False
         #: Seqs up to this one were restored; new ops get higher ones.
         self._restored_seq = 0
+        #: The id ops are stamped with (None: no lane fields) and each lane's last minted seq.
+        self.client_id: str | None = None
+        self._lane_seqs: dict[Key, int] = {}
+        #: Outbox seq -> (entry, its row before a `Restamp` under way, the lane's counter before).
+        self._restamping: dict[int, tuple[_Entry, OutboxRow, int | None]] = {}
 
     # -- queries -----------------------------------------------------------------------------------
 
@@ -269,6 +296,12 @@ class OutboxMachine:
         return out
 
     # -- events ------------------------------------------------------------------------------------
+
+    def use_lanes(self, client_id: str, lane_seqs: Mapping[Key, int]) -> None:
+        """Stamp ops submitted from now on as `client_id`'s, each lane going on from its last
+        minted seq in `lane_seqs` (what the outbox kept). Call before any `submit`."""
+        self.client_id = client_id
+        self._lane_seqs = dict(lane_seqs)
 
     def restore(
         self, rows: Iterable[OutboxRow], backlog: Iterable[LaneBacklog] | None = None
@@ -361,6 +394,13 @@ class OutboxMachine:
             op_id = op.get("op_id") or self.new_op_id()
             body = dict(op)
             body["op_id"] = op_id
+            lane_seq: int | None = None
+            if self.client_id is not None and "seq" not in body and "client_id" not in body:
+                lane_seq = self._lane_seqs.get(lane.key, 0) + 1
+                self._lane_seqs[lane.key] = lane_seq
+                body["client_id"] = self.client_id
+                body["seq"] = lane_seq
+            body.setdefault("minted_at", int(now * 1000))
             row = OutboxRow(
                 seq=self._next_seq,
                 workspace_id=workspace_id,
@@ -369,6 +409,7 @@ class OutboxMachine:
                 op_json=dumps_body(body),
                 created_at=now,
                 atomic_group=group,
+                lane_seq=lane_seq,
             )
             self._next_seq += 1
             entry = _Entry(row, persisted=False, awaited=True, size=row_size(row))
@@ -406,11 +447,14 @@ class OutboxMachine:
         """The outbox write failed: these ops were never sent and never will be."""
         outcomes: list[tuple[int, Commit | WorkspaceError]] = []
         lanes: dict[Key, _Lane] = {}
+        unsent: dict[Key, list[int]] = {}
         for seq in seqs:
             entry = self._unpersisted.pop(seq, None)
             if entry is None:
                 continue
             lane = self._lanes[(entry.row.workspace_id, entry.row.sub_doc)]
+            if entry.row.lane_seq is not None:
+                unsent.setdefault(lane.key, []).append(entry.row.lane_seq)
             lane.queue.remove(entry)
             self._pending -= 1
             lanes[lane.key] = lane
@@ -420,6 +464,12 @@ class OutboxMachine:
                 outcomes.append(
                     (seq, OutboxError("outbox_write_failed", f"op {entry.row.op_id}: {reason}"))
                 )
+        for key, lane_seqs in unsent.items():
+            # The lane's newest seqs were never stored nor sent: they are minted again, so the
+            # server never waits for a seq that will not come (`seq_gap` for good).
+            low, high = min(lane_seqs), max(lane_seqs)
+            if high == self._lane_seqs.get(key) and len(set(lane_seqs)) == high - low + 1:
+                self._lane_seqs[key] = low - 1
         if outcomes:
             self._out.append(Resolve(tuple(outcomes)))
         for lane in lanes.values():
@@ -437,13 +487,119 @@ class OutboxMachine:
         if isinstance(outcomes, WorkspaceError):
             self._fail(batch, outcomes)
             return
+        gap = next((i for i, o in enumerate(outcomes) if _is_gap(o)), None)
+        if gap is not None:
+            # The server is missing an earlier seq of the lane (a send it has not decided yet):
+            # nothing from the gap on was applied. Ops before it are answered (an atomic
+            # batch's are not: it failed whole), the rest go again, in order, after a backoff.
+            gap_error = outcomes[gap]
+            assert isinstance(gap_error, WorkspaceError)
+            if gap and not batch.atomic:
+                self._settle(lane, batch.entries[:gap], outcomes[:gap])
+            # The gap op heads what is left of the lane (an atomic batch is all still queued).
+            start = gap if batch.atomic else 0
+            if self._restamp(lane, _expected_seq(results, gap), start):
+                return  # the lane goes on once the outbox holds the new stamps (`restamped`)
+            rest = batch.entries if batch.atomic else batch.entries[gap:]
+            self._fail(
+                _Batch(lane, rest, batch.atomic),
+                ProtocolError("seq_gap", gap_error.message),
+            )
+            return
+        self._settle(lane, batch.entries, outcomes)
+        self._maybe_send(lane)
+
+    def restamped(self, seqs: Iterable[int], error: BaseException | None) -> None:
+        """The outbox write of a `Restamp` is durable (`error` None): its rows may be sent. If it
+        failed, the rows keep their old stamps and the lane retries after a backoff (the server
+        answers `seq_gap` again, and the restamp is tried again)."""
+        lanes: dict[Key, _Lane] = {}
+        reverted: dict[Key, list[_Entry]] = {}
+        for seq in seqs:
+            under_way = self._restamping.pop(seq, None)
+            if under_way is None:
+                continue
+            entry, old, counter = under_way
+            entry.persisted = True
+            key = (entry.row.workspace_id, entry.row.sub_doc)
+            lane = lanes[key] = self._lanes[key]
+            if error is not None:
+                entry.row = old
+                entry.size = row_size(old)
+                reverted.setdefault(key, []).append(entry)
+                if counter is not None:
+                    self._lane_seqs[key] = counter
+        for key, lane in lanes.items():
+            if key in reverted:
+                reason = error.message if isinstance(error, WorkspaceError) else str(error)
+                self._fail(_Batch(lane, reverted[key], False), ProtocolError("seq_gap", reason))
+            else:
+                self._maybe_send(lane)
+
+    def _restamp(self, lane: _Lane, expected: int | None, start: int = 0) -> bool:
+        """The server answered `seq_gap` for the op at `lane.queue[start]`: it decided exactly
+        seqs 1 .. `expected` - 1 of this lane (it never decides n + 1 before n) and none of them
+        under this op's op_id. Either it waits for `expected`, which this client will never send
+        (that op was dropped after a whole-request refusal, or discarded, or its outbox write
+        failed), or `expected` is past the op's own seq (a stale copy of an op this client gave
+        up was decided at that seq after the lane was renumbered over it). Either way the op
+        and those queued after it were not decided: they are renumbered `expected`,
+        `expected` + 1, ... in order (their op_ids and fingerprints unchanged; an op_id on
+        record is answered before its seq is looked at), durably before any is sent. Returns
+        False when there is nothing to renumber.
+        (tests/client/test_lane_stamps.py, tests/client/core/test_lane_stamps.py,
+        test_a_dropped_op_does_not_wedge_its_lane_over_http)
+        """
+        client_id = self.client_id
+        if client_id is None or expected is None or expected < 1:
+            return False
+        run: list[tuple[_Entry, int]] = []
+        for entry in itertools.islice(lane.queue, start, None):
+            seq = stamped_seq(entry.row.op_json, client_id) if entry.persisted else None
+            if seq is None or entry.row.seq in self._restamping:
+                break
+            run.append((entry, seq))
+        if not run or run[0][1] == expected:
+            return False
+        counter = self._lane_seqs.get(lane.key)
+        last = expected + len(run) - 1
+        whole = start + len(run) == len(lane.queue) and not lane.on_disk
+        rows: list[OutboxRow] = []
+        for offset, (entry, _) in enumerate(run):
+            old = entry.row
+            new_seq = expected + offset
+            entry.row = OutboxRow(
+                old.seq,
+                old.workspace_id,
+                old.sub_doc,
+                old.op_id,
+                restamp(old.op_json, client_id, new_seq),
+                old.created_at,
+                old.attempts,
+                old.atomic_group,
+                new_seq,
+            )
+            entry.size = row_size(entry.row)
+            entry.persisted = False
+            self._restamping[old.seq] = (entry, old, counter if whole else None)
+            rows.append(entry.row)
+        lane_seqs: tuple[tuple[str, str, int], ...] = ()
+        if whole:
+            # Nothing of the lane is minted past the run: the next op follows it with no gap.
+            self._lane_seqs[lane.key] = last
+            lane_seqs = ((lane.key[0], lane.key[1], last),)
+        self._out.append(Restamp(tuple(rows), lane_seqs))
+        return True
+
+    def _settle(
+        self, lane: _Lane, entries: list[_Entry], outcomes: Sequence[Commit | WorkspaceError]
+    ) -> None:
         for outcome in outcomes:
             if isinstance(outcome, Commit) and outcome.clock > lane.clock:
                 lane.clock = outcome.clock
         lane.failures = 0
         lane.last_error = None
-        self._answer(lane, batch.entries, outcomes)
-        self._maybe_send(lane)
+        self._answer(lane, entries, outcomes)
 
     def batch_failed(self, batch_id: int, error: WorkspaceError) -> None:
         """Sending batch `batch_id` failed with `error` (retryable or final, see

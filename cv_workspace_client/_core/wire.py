@@ -67,6 +67,11 @@ def parse_results(
             )
             continue
         clock = result.get("clock")
+        if clock is None and result.get("duplicate") is True:
+            # A lane op decided before and no longer on record (docs/client.md#exactly-once):
+            # acknowledged, never applied again; its clock is not known any more.
+            outcomes.append(Commit(clock=0, op_id=op_id, duplicate=True))
+            continue
         if not isinstance(clock, int) or isinstance(clock, bool) or clock < 1:
             return ProtocolError("bad_results", f"result for op {op_id} has no valid clock")
         outcomes.append(Commit(clock=clock, op_id=op_id, duplicate=bool(result.get("duplicate"))))

@@ -29,6 +29,7 @@ from cv_workspace_client._core.machine import (
     OutboxMachine,
     Persist,
     Resolve,
+    Restamp,
     Send,
     Wait,
 )
@@ -182,6 +183,17 @@ class OpPump:
                         self._resolve(decision)
                     elif isinstance(decision, Persist):
                         write.inserts.extend(decision.rows)
+                    elif isinstance(decision, Restamp):
+                        # A write of its own: its rows are answered by `restamped`, not
+                        # `persisted`, and an insert's failure must not undo them.
+                        restamp = OutboxWrite(
+                            restamps=list(decision.rows),
+                            lane_seqs=list(decision.lane_seqs),
+                            done=functools.partial(
+                                self._restamped, [row.seq for row in decision.rows]
+                            ),
+                        )
+                        outbox.write(restamp)
                     elif isinstance(decision, Forget):
                         write.deletes.extend(decision.seqs)
                     elif isinstance(decision, CountAttempt):
@@ -219,6 +231,10 @@ class OpPump:
             self._machine.persisted(seqs)
         else:
             self._machine.persist_failed(seqs, error)
+        self._kick()
+
+    def _restamped(self, seqs: list[int], error: BaseException | None) -> None:
+        self._machine.restamped(seqs, error)
         self._kick()
 
     def _send(self, send: Send) -> None:

@@ -30,10 +30,21 @@ class OutboxWrite:
     deletes: list[int] = field(default_factory=list)
     attempts: list[int] = field(default_factory=list)
     ranges: list[BacklogRange] = field(default_factory=list)
+    #: Rows whose op text gets a new lane stamp (same outbox seq), and lanes' last minted seq
+    #: set as given, `(workspace_id, sub_doc, seq)` (docs/client.md#exactly-once).
+    restamps: list[OutboxRow] = field(default_factory=list)
+    lane_seqs: list[tuple[str, str, int]] = field(default_factory=list)
     done: Callable[[BaseException | None], None] | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.inserts or self.deletes or self.attempts or self.ranges)
+        return bool(
+            self.inserts
+            or self.deletes
+            or self.attempts
+            or self.ranges
+            or self.restamps
+            or self.lane_seqs
+        )
 
 
 class Outbox(abc.ABC):
@@ -45,6 +56,11 @@ class Outbox(abc.ABC):
     def __init__(self) -> None:
         self.rows: list[OutboxRow] = []
         self.backlog: list[LaneBacklog] = []
+        #: The client id this outbox's ops were minted under, and each lane's last minted seq
+        #: (docs/client.md#exactly-once): kept with the rows, so a restarted client goes on
+        #: with the same id and sequence. None: the outbox keeps no id (memory), mint a new one.
+        self.client_id: str | None = None
+        self.lane_seqs: dict[tuple[str, str], int] = {}
 
     @abc.abstractmethod
     def write(self, job: OutboxWrite) -> None:
@@ -88,6 +104,9 @@ class MemoryOutbox(Outbox):
     def write(self, job: OutboxWrite) -> None:
         for row in job.inserts:
             self._rows[row.seq] = row
+        for row in job.restamps:
+            if row.seq in self._rows:
+                self._rows[row.seq] = row
         for seq in job.attempts:
             stored = self._rows.get(seq)
             if stored is not None:
@@ -134,6 +153,7 @@ def _with_attempt(row: OutboxRow) -> OutboxRow:
         row.created_at,
         row.attempts + 1,
         row.atomic_group,
+        row.lane_seq,
     )
 
 

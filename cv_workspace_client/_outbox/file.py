@@ -8,6 +8,7 @@ import contextlib
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 from typing import Any
 
 from cv_workspace_client._core.effects import LaneBacklog, OutboxRow
@@ -27,6 +28,7 @@ __all__ = [
     "fsync_path",
     "index_backlog",
     "load_all",
+    "load_lanes",
     "locked_error",
     "lost_error",
     "read_lane_rows",
@@ -52,6 +54,26 @@ CREATE TABLE IF NOT EXISTS outbox (
     atomic_group INTEGER
 )
 """
+
+#: The client id the file's ops are minted under (one row) and each lane's last minted seq
+#: (docs/client.md#exactly-once). Tables of their own, so the `outbox` table keeps its shape.
+_LANE_TABLES = ("outbox_client", "outbox_lanes")
+_LANES_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS outbox_client (id TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS outbox_lanes (workspace_id TEXT NOT NULL, sub_doc TEXT NOT NULL,"
+    " last_seq INTEGER NOT NULL, PRIMARY KEY (workspace_id, sub_doc)) WITHOUT ROWID",
+)
+_UPSERT_LANE = (
+    "INSERT INTO outbox_lanes (workspace_id, sub_doc, last_seq) VALUES (?, ?, ?)"
+    " ON CONFLICT (workspace_id, sub_doc) DO UPDATE SET last_seq = max(last_seq, excluded.last_seq)"
+)
+
+#: A renumbered op (`Restamp`): same row, new lane stamp; the lane's last seq set down with it.
+_RESTAMP = "UPDATE outbox SET op = ? WHERE seq = ?"
+_SET_LANE = (
+    "INSERT INTO outbox_lanes (workspace_id, sub_doc, last_seq) VALUES (?, ?, ?)"
+    " ON CONFLICT (workspace_id, sub_doc) DO UPDATE SET last_seq = excluded.last_seq"
+)
 
 #: The backlog found at open, by lane, made when it is more than a page: `WHERE seq <= last`,
 #: so the rows written afterwards are not in it. An index is no change of schema: SDKs of
@@ -101,6 +123,18 @@ def _statements(job: OutboxWrite) -> list[tuple[str, list[tuple[Any, ...]]]]:
     statements: list[tuple[str, list[tuple[Any, ...]]]] = []
     if job.inserts:
         statements.append((_INSERT, [_row_values(r) for r in job.inserts]))
+        lanes: dict[tuple[str, str], int] = {}
+        for r in job.inserts:
+            if r.lane_seq is not None:
+                key = (r.workspace_id, r.sub_doc)
+                lanes[key] = max(lanes.get(key, 0), r.lane_seq)
+        if lanes:
+            # In the insert's transaction: a lane's seq is never behind an op stored with it.
+            statements.append((_UPSERT_LANE, [(*key, seq) for key, seq in lanes.items()]))
+    if job.restamps:
+        statements.append((_RESTAMP, [(r.op_json, r.seq) for r in job.restamps]))
+    if job.lane_seqs:
+        statements.append((_SET_LANE, list(job.lane_seqs)))
     if job.attempts:
         statements.append((_COUNT_ATTEMPT, [(seq,) for seq in job.attempts]))
     if job.deletes:
@@ -176,7 +210,7 @@ def claim(conn: sqlite3.Connection) -> None:
     application_id = conn.execute("PRAGMA application_id").fetchone()[0]
     version = conn.execute("PRAGMA user_version").fetchone()[0]
     tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master")}
-    ours = tables - {_BACKLOG_INDEX} == {"outbox"}
+    ours = tables - {_BACKLOG_INDEX, *_LANE_TABLES} == {"outbox"}
     if application_id == APPLICATION_ID or (application_id == 0 and ours):
         if version > SCHEMA_VERSION:
             raise OutboxError(
@@ -204,6 +238,35 @@ def claim(conn: sqlite3.Connection) -> None:
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
     if application_id != APPLICATION_ID:
         conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+
+
+def load_lanes(
+    conn: sqlite3.Connection, mint: Callable[[], str]
+) -> tuple[str, dict[tuple[str, str], int]]:
+    """The file's client id (minted with `mint` and stored on first use) and its lanes' last
+    minted seqs."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for statement in _LANES_SCHEMA:
+            conn.execute(statement)
+        row = conn.execute("SELECT id FROM outbox_client").fetchone()
+        if row is None:
+            client_id = mint()
+            conn.execute("INSERT INTO outbox_client (id) VALUES (?)", (client_id,))
+        else:
+            client_id = str(row[0])
+        lanes = {
+            (str(ws), str(doc)): int(seq)
+            for ws, doc, seq in conn.execute(
+                "SELECT workspace_id, sub_doc, last_seq FROM outbox_lanes"
+            )
+        }
+        conn.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+        raise
+    return client_id, lanes
 
 
 def file_identity(path: str) -> tuple[int, int] | None:

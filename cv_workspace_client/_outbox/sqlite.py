@@ -45,6 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cv_mutations import new_op_id
 from cv_workspace_client._core.effects import LaneBacklog, OutboxRow
 from cv_workspace_client._outbox.base import Outbox, OutboxSync, OutboxWrite
 from cv_workspace_client._outbox.file import (
@@ -57,6 +58,7 @@ from cv_workspace_client._outbox.file import (
     fsync_path,
     index_backlog,
     load_all,
+    load_lanes,
     lost_error,
     read_lane_rows,
     take_file_lock,
@@ -195,6 +197,7 @@ class SQLiteOutbox(Outbox):
                         conn, lane.workspace_id, lane.sub_doc, 0, last, page_rows
                     )
                 ]
+            self.client_id, self.lane_seqs = load_lanes(conn, new_op_id)
             # The WAL file was just created: make its directory entry durable once.
             fsync_path(os.path.dirname(os.path.abspath(self.path)))
         except BaseException:

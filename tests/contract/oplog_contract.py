@@ -21,13 +21,14 @@ import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Final, Protocol
 
 import pytest
 
 from cv_mutations import fingerprint, new_op_id, parse_op
 from cv_server.oplog import (
     Committed,
+    Forgotten,
     IncomingOp,
     LogEntry,
     OpLogCorrupted,
@@ -56,6 +57,11 @@ class LogRows(Protocol):
 
     def cached_sub_docs(self, store: OpLogStore) -> int:
         """How many sub-doc states `store` holds in its cache."""
+        ...
+
+    async def drop_op_id_records(self) -> None:
+        """Forget every op_id's outcome (commits and rejections), keeping the log rows' ops:
+        what compaction leaves of old ops' dedupe records."""
         ...
 
 
@@ -98,15 +104,229 @@ async def all_entries(store: OpLogStore, ws: str = WS, doc: str = DOC) -> list[L
     return entries
 
 
+def in_lane(
+    op: IncomingOp, client_id: str, seq: int, *, minted_at: int | None = None
+) -> IncomingOp:
+    """`op` stamped as op `seq` of `client_id`'s lane (with an op_id if it had none)."""
+    raw = {**op.raw, "client_id": client_id, "seq": seq}
+    raw.setdefault("op_id", new_op_id())
+    if minted_at is not None:
+        raw["minted_at"] = minted_at
+    return incoming(raw)
+
+
+#: A store's clock for the tests of the dedupe window: `NOW` (seconds), then past the window.
+NOW: Final = 1_800_000_000.0
+NOW_MS: Final = int(NOW * 1000)
+WINDOW_SECONDS: Final = 3600.0
+SKEW_SECONDS: Final = 60.0
+PAST_THE_WINDOW: Final = NOW + WINDOW_SECONDS
+
+
+async def open_windowed(open_store: OpenStore, clock: list[float]) -> OpLogStore:
+    """A store with a one-hour dedupe window whose clock reads `clock[0]`."""
+    return await open_store(
+        snapshot_every=4,
+        retention_seconds=WINDOW_SECONDS,
+        skew_seconds=SKEW_SECONDS,
+        now=lambda: clock[0],
+    )
+
+
+def minted(op: IncomingOp, minted_at: int) -> IncomingOp:
+    """`op` dated `minted_at` (unix ms), with an op_id if it had none."""
+    raw = {**op.raw, "minted_at": minted_at}
+    raw.setdefault("op_id", new_op_id())
+    return incoming(raw)
+
+
 async def append_one(
     store: OpLogStore, op: IncomingOp, ws: str = WS, doc: str = DOC
-) -> Committed | Rejected:
+) -> Committed | Rejected | Forgotten:
     outcomes, _ = await store.append(ws, doc, [op])
     assert len(outcomes) == 1
     return outcomes[0]
 
 
-class OpLogContract:
+class LaneMarkContract:
+    """Every `OpLogStore` keeps a mark per client lane (docs/ops.md#exactly-once): the highest
+    seq decided, moved in the append's own transaction; ops at or below it are never applied
+    again, a gap is refused, and an op without a lane dated before the window and without
+    record is expired. Mixed into `OpLogContract` so every backend runs it."""
+
+    async def test_a_lane_mark_is_the_highest_seq_decided_applied_or_rejected(
+        self, store: OpLogStore
+    ) -> None:
+        assert await store.client_mark(WS, DOC, "client-a1") == 0
+        outcomes, _ = await store.append(
+            WS,
+            DOC,
+            [
+                in_lane(increment(), "client-a1", 1),
+                in_lane(insert("root", parent="nowhere"), "client-a1", 2),
+            ],
+        )
+        assert isinstance(outcomes[0], Committed)
+        assert isinstance(outcomes[1], Rejected)
+        assert await store.client_mark(WS, DOC, "client-a1") == 2
+        assert await store.client_mark(WS, DOC, "client-b1") == 0
+        assert await store.client_mark(WS, "other", "client-a1") == 0
+
+    async def test_an_op_at_or_below_its_mark_without_record_is_never_applied_again(
+        self, open_store: OpenStore, log_rows: LogRows
+    ) -> None:
+        clock = [NOW]
+        store = await open_windowed(open_store, clock)
+        ops = [in_lane(increment(), "client-a1", seq, minted_at=NOW_MS) for seq in (1, 2, 3)]
+        await store.append(WS, DOC, ops)
+        await store.close()
+        clock[0] = PAST_THE_WINDOW  # compaction's age: the records are gone
+        await log_rows.drop_op_id_records()
+        store = await open_windowed(open_store, clock)
+        outcomes, entries = await store.append(WS, DOC, ops)
+        assert outcomes == [Forgotten(op.op_id) for op in ops]
+        assert outcomes[0].to_json() == {
+            "op_id": ops[0].op_id,
+            "clock": None,
+            "duplicate": True,
+        }
+        assert entries == []
+        assert await field_value(store) == 3
+        assert await store.head(WS, DOC) == 3
+
+    async def test_a_recent_op_below_its_mark_without_record_is_refused_so_it_is_renumbered(
+        self, open_store: OpenStore
+    ) -> None:
+        """D (seq 5) was given up while a copy of it was in flight; the SDK renumbered E to seq
+        5; the stale copy of D is decided at 5. E at seq 5, minted inside the window, was never
+        applied (its record would be there): refused `seq_gap` expecting 6, never answered as a
+        duplicate, and applied once it comes as seq 6."""
+        store = await open_windowed(open_store, [NOW])
+        lane = "client-a1"
+        await store.append(
+            WS, DOC, [in_lane(increment(), lane, seq, minted_at=NOW_MS) for seq in (1, 2, 3, 4)]
+        )
+        stale_d = in_lane(increment(), lane, 5, minted_at=NOW_MS)
+        e_op_id = new_op_id()
+        e_at_5 = in_lane(increment(e_op_id), lane, 5, minted_at=NOW_MS)
+        assert isinstance(await append_one(store, stale_d), Committed)
+        refused = await append_one(store, e_at_5)
+        assert isinstance(refused, Rejected)
+        assert (refused.code, refused.expected_seq) == ("seq_gap", 6)
+        assert await store.head(WS, DOC) == 5
+        assert await store.client_mark(WS, DOC, lane) == 5
+        e_at_6 = in_lane(increment(e_op_id), lane, 6, minted_at=NOW_MS)
+        assert await append_one(store, e_at_6) == Committed(e_op_id, 6)
+        assert await field_value(store) == 6
+        # Its resend is answered from its record, at either seq.
+        assert await append_one(store, e_at_5) == Committed(e_op_id, 6, duplicate=True)
+
+    async def test_a_seq_past_the_mark_plus_one_is_a_gap_and_nothing_after_it_applies(
+        self, store: OpLogStore
+    ) -> None:
+        await store.append(WS, DOC, [in_lane(increment(), "client-a1", 1)])
+        outcomes, _ = await store.append(
+            WS,
+            DOC,
+            [
+                in_lane(increment(), "client-a1", 3),
+                in_lane(increment(), "client-a1", 4),
+                increment(new_op_id()),
+            ],
+        )
+        assert [getattr(o, "code", None) for o in outcomes] == ["seq_gap"] * 3
+        assert isinstance(outcomes[0], Rejected)
+        assert outcomes[0].expected_seq == 2
+        assert outcomes[0].to_json()["error"]["expected_seq"] == 2
+        assert await field_value(store) == 1
+        assert await store.client_mark(WS, DOC, "client-a1") == 1
+        # Sent in order, the same ops are decided.
+        outcomes, _ = await store.append(
+            WS,
+            DOC,
+            [in_lane(increment(), "client-a1", seq) for seq in (2, 3, 4)],
+        )
+        assert [type(o) for o in outcomes] == [Committed] * 3
+        assert await store.client_mark(WS, DOC, "client-a1") == 4
+
+    async def test_marks_are_exact_across_appends_of_one_group_commit(
+        self, store: OpLogStore
+    ) -> None:
+        # Concurrent appends share transactions on both backends; each sees the last's mark.
+        ops = [in_lane(increment(), "client-a1", seq) for seq in range(1, 41)]
+        results = await asyncio.gather(*(store.append(WS, DOC, [op]) for op in ops))
+        assert all(type(outcomes[0]) is Committed for outcomes, _ in results)
+        assert await store.client_mark(WS, DOC, "client-a1") == 40
+        assert await field_value(store) == 40
+
+    async def test_an_atomic_batch_failed_by_a_decision_moves_the_mark_past_all_its_ops(
+        self, open_store: OpenStore, log_rows: LogRows
+    ) -> None:
+        clock = [NOW]
+        store = await open_windowed(open_store, clock)
+        ops = [
+            in_lane(increment(), "client-a1", 1, minted_at=NOW_MS),
+            in_lane(insert("root", parent="nowhere"), "client-a1", 2, minted_at=NOW_MS),
+            in_lane(increment(), "client-a1", 3, minted_at=NOW_MS),
+        ]
+        outcomes, _ = await store.append(WS, DOC, ops, atomic=True)
+        codes = [getattr(o, "code", None) for o in outcomes]
+        assert codes[0] == codes[2] == "atomic_aborted"
+        assert codes[1] not in (None, "atomic_aborted", "seq_gap")
+        assert await store.client_mark(WS, DOC, "client-a1") == 3
+        # A resend gets the same answers from the records; once they are gone, forgotten.
+        again, _ = await store.append(WS, DOC, ops, atomic=True)
+        assert [getattr(o, "code", None) for o in again] == codes
+        clock[0] = PAST_THE_WINDOW
+        await log_rows.drop_op_id_records()
+        again, _ = await store.append(WS, DOC, ops, atomic=True)
+        assert again == [Forgotten(op.op_id) for op in ops]
+        assert await store.head(WS, DOC) == 0
+
+    async def test_an_atomic_batch_failed_by_a_gap_decides_nothing(self, store: OpLogStore) -> None:
+        ops = [in_lane(increment(), "client-a1", 1), in_lane(increment(), "client-a1", 3)]
+        outcomes, _ = await store.append(WS, DOC, ops, atomic=True)
+        assert [getattr(o, "code", None) for o in outcomes] == ["atomic_aborted", "seq_gap"]
+        assert await store.client_mark(WS, DOC, "client-a1") == 0
+        outcomes, _ = await store.append(
+            WS, DOC, [ops[0], in_lane(increment(), "client-a1", 2)], atomic=True
+        )
+        assert [type(o) for o in outcomes] == [Committed, Committed]
+
+    async def test_an_op_minted_before_the_window_without_record_is_expired(
+        self, open_store: OpenStore, log_rows: LogRows
+    ) -> None:
+        now = 1_800_000_000.0
+        clock = [now]
+        store = await open_store(
+            snapshot_every=4, retention_seconds=3600.0, skew_seconds=60.0, now=lambda: clock[0]
+        )
+        op = minted(increment(), int(now * 1000))
+        assert isinstance(await append_one(store, op), Committed)
+        clock[0] = now + 3600.0 - 120.0  # inside the window less the skew: the record answers
+        assert await append_one(store, op) == Committed(op.op_id, 1, duplicate=True)
+        clock[0] = now + 3600.0 - 30.0  # past the window less the skew; the record is gone
+        await log_rows.drop_op_id_records()
+        expired = await append_one(store, op)
+        assert isinstance(expired, Rejected)
+        assert expired.code == "op_expired"
+        assert expired.clock == 1
+        assert await store.head(WS, DOC) == 1
+        assert await field_value(store) == 1
+        # Dated inside the window, an op without record is decided as usual.
+        fresh = minted(increment(), int(clock[0] * 1000))
+        assert isinstance(await append_one(store, fresh), Committed)
+
+    async def test_ops_without_the_new_fields_keep_working_with_a_window(
+        self, open_store: OpenStore
+    ) -> None:
+        store = await open_store(snapshot_every=4, retention_seconds=3600.0, skew_seconds=60.0)
+        op = increment(new_op_id())
+        assert isinstance(await append_one(store, op), Committed)
+        assert await append_one(store, op) == Committed(op.op_id, 1, duplicate=True)
+
+
+class OpLogContract(LaneMarkContract):
     """Every `OpLogStore` keeps these rules."""
 
     #: Small, so a handful of ops crosses several snapshots.

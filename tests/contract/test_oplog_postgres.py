@@ -91,6 +91,9 @@ class PostgresLogRows:
     async def delete_ops(self, where: str) -> None:
         await self.pool.execute(f"DELETE FROM {OPS_TABLE} WHERE {where}")
 
+    async def drop_op_id_records(self) -> None:
+        await self.pool.execute("DELETE FROM workspace_sub_doc_op_outcomes")
+
     def cached_sub_docs(self, store: OpLogStore) -> int:
         assert isinstance(store, PostgresOpLogStore)
         return len(store._lanes)

@@ -20,6 +20,7 @@ from cv_server.oplog import Committed, OpLogStore
 from cv_server.sqlite.engine import SQLiteDatabase, Transaction
 from cv_server.sqlite.oplog import (
     OPS_TABLE,
+    REJECTIONS_TABLE,
     SNAPSHOTS_TABLE,
     SQLiteOpLogStore,
     create_schema,
@@ -113,6 +114,14 @@ class SQLiteLogRows:
                 conn.execute(f"DELETE FROM {OPS_TABLE} WHERE {where}")
 
         await asyncio.to_thread(delete)
+
+    async def drop_op_id_records(self) -> None:
+        def drop() -> None:
+            with contextlib.closing(sqlite3.connect(self.path)) as conn, conn:
+                conn.execute(f"UPDATE {OPS_TABLE} SET op_id = NULL")
+                conn.execute(f"DELETE FROM {REJECTIONS_TABLE}")
+
+        await asyncio.to_thread(drop)
 
     def cached_sub_docs(self, store: OpLogStore) -> int:
         assert isinstance(store, SQLiteOpLogStore)

@@ -92,7 +92,9 @@ def from_schema(schema: dict[str, Any], root: dict[str, Any]) -> st.SearchStrate
             return st.from_regex(schema["pattern"], fullmatch=True)
         return st.text(min_size=schema.get("minLength", 0), max_size=schema.get("maxLength", 12))
     if kind in ("integer", "number"):
-        ints = st.integers(min_value=schema.get("minimum", -(2**63)), max_value=2**64 - 1)
+        ints = st.integers(
+            min_value=schema.get("minimum", -(2**63)), max_value=schema.get("maximum", 2**64 - 1)
+        )
         if kind == "number":
             return ints | st.floats(allow_nan=False, allow_infinity=False)
         # JSON Schema's integer is any number with a zero fraction: 1.0 is one.
@@ -104,10 +106,13 @@ def from_schema(schema: dict[str, Any], root: dict[str, Any]) -> st.SearchStrate
     if properties is not None:
         assert schema.get("additionalProperties") is False, schema
         required = set(schema.get("required", []))
+        # `allOf` of `if`/`then` rules between properties (the lane fields): drawn, then kept
+        # only where each rule holds.
+        rules = Draft202012Validator({"allOf": schema.get("allOf", [])})
         return st.fixed_dictionaries(
             {k: from_schema(v, root) for k, v in properties.items() if k in required},
             optional={k: from_schema(v, root) for k, v in properties.items() if k not in required},
-        )
+        ).filter(rules.is_valid)
     names = schema.get("propertyNames", {})
     keys = st.text(min_size=names.get("minLength", 0), max_size=names.get("maxLength", 8))
     return st.dictionaries(keys, from_schema(schema["additionalProperties"], root), max_size=3)
@@ -162,6 +167,9 @@ _SCHEMA_MAPS = ("properties", "$defs", "patternProperties", "dependentSchemas")
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
 
 
+_NOT_SCHEMAS = ("const", "default", "examples")
+
+
 def _keywords(schema: dict[str, Any]) -> Iterator[str]:
     """Every keyword used at a schema position inside `schema` (not inside const/default)."""
     for key, value in schema.items():
@@ -172,7 +180,7 @@ def _keywords(schema: dict[str, Any]) -> Iterator[str]:
         elif key in _SCHEMA_LISTS:
             for sub in value:
                 yield from _keywords(sub)
-        elif isinstance(value, dict) and key not in ("const", "default", "examples"):
+        elif isinstance(value, dict) and key not in _NOT_SCHEMAS:
             yield from _keywords(value)
 
 

@@ -38,6 +38,9 @@ class Log(OpLogStore):
         self.entries += new
         return new
 
+    async def client_mark(self, workspace_id: str, sub_doc: str, client_id: str) -> int:
+        raise NotImplementedError
+
     async def read_since(
         self, workspace_id: str, sub_doc: str, since: int, limit: int
     ) -> tuple[int, list[LogEntry]]:

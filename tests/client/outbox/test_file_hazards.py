@@ -560,6 +560,9 @@ async def test_a_full_disk_fails_the_op_that_did_not_fit_and_keeps_every_op_said
 #: wraps around a lone op: `{"ops":[` ... `],"atomic":false}`.
 MAX_BODY = ServerConfig().max_body_bytes
 WRAPPER = len('{"ops":[],"atomic":false}')
+#: The stamp the SDK appends to each op it mints (docs/limits.md#ops-through-the-sdk): its client
+#: id (21 characters), the lane seq (the big op is the lane's 4th) and `minted_at` (13 digits).
+STAMP = len(',"client_id":"' + "c" * 21 + '","seq":4,"minted_at":' + "1" * 13)
 
 
 TEXT = 'ñ 日本語 🎉 👩\u200d👩\u200d👧 \u2028\u2029 \u0000 "quoted" \\ \ufeff \U0010fffd'
@@ -583,8 +586,8 @@ def op_text(op: NodeUpdate | NodeIncrement) -> str:
 
 def limit_ops() -> list[NodeUpdate | NodeIncrement]:
     """Unicode the JSON encoder must not touch (astral planes, joiners, line separators, NUL,
-    quotes, a BOM), floats at the edges of the double range, and one op whose request is exactly
-    the server's body limit."""
+    quotes, a BOM), floats at the edges of the double range, and one op whose request, once the
+    SDK stamped it, is exactly the server's body limit."""
     text = TEXT
     floats = FLOATS
     ops: list[NodeUpdate | NodeIncrement] = [
@@ -599,10 +602,10 @@ def limit_ops() -> list[NodeUpdate | NodeIncrement]:
     # The biggest op one request can carry: pad with 2- and 3-byte characters up to exactly
     # the limit, in bytes (what the server counts).
     base = NodeUpdate(node_id="n", set={"big": ""}, op_id="limits-big-000001")
-    room = MAX_BODY - WRAPPER - len(op_text(base).encode())
+    room = MAX_BODY - WRAPPER - STAMP - len(op_text(base).encode())
     pad = "日" * (room // 3) + "é" * ((room % 3) // 2) + "x" * ((room % 3) % 2)
     ops.append(NodeUpdate(node_id="n", set={"big": pad}, op_id="limits-big-000001"))
-    assert len(op_text(ops[-1]).encode()) + WRAPPER == MAX_BODY
+    assert len(op_text(ops[-1]).encode()) + STAMP + WRAPPER == MAX_BODY
     return ops
 
 
@@ -685,7 +688,12 @@ async def test_ops_at_the_limits_are_resent_after_a_restart_byte_for_byte_and_ap
             stored = conn.execute("SELECT op_id, op FROM outbox ORDER BY seq").fetchall()
         finally:
             conn.close()
-        assert stored == [(op.op_id, text) for op, text in zip(ops, texts, strict=True)]
+        # Stored as the app wrote it, then the lane stamp (client_id, seq, minted_at): the
+        # stamped text is what goes on the wire, and the big op's request is the limit exactly.
+        assert [op_id for op_id, _ in stored] == [op.op_id for op in ops]
+        for (_, stored_text), text in zip(stored, texts, strict=True):
+            assert stored_text.startswith(text[:-1] + ',"client_id":')
+        assert len(stored[-1][1].encode()) + WRAPPER == MAX_BODY
 
         bodies.clear()
         drop_answers[0] = False
@@ -705,7 +713,8 @@ async def test_ops_at_the_limits_are_resent_after_a_restart_byte_for_byte_and_ap
     if replay_over == "http":
         replayed = b"".join(bodies)
         position = 0
-        for text in texts:
+        for _, text in stored:
+            # The stamped text the first client stored, byte for byte.
             found = replayed.find(text.encode(), position)
             assert found >= 0, text[:80]
             position = found + len(text.encode())

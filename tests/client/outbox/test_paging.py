@@ -458,6 +458,23 @@ def schema(path: Path) -> dict[str, str | None]:
         conn.close()
 
 
+#: The outbox and its two small lane tables (the client id; each lane's last minted seq): what a
+#: file holds with no backlog index.
+OUTBOX_AND_LANES = {"outbox", "outbox_client", "outbox_lanes"}
+
+
+def lane_table_rows(path: Path) -> tuple[int, int]:
+    """Rows of `outbox_client` and `outbox_lanes`: one, and one per lane, however many ops."""
+    conn = sqlite3.connect(path)
+    try:
+        return (
+            conn.execute("SELECT count(*) FROM outbox_client").fetchone()[0],
+            conn.execute("SELECT count(*) FROM outbox_lanes").fetchone()[0],
+        )
+    finally:
+        conn.close()
+
+
 async def test_a_backlog_index_covers_only_the_rows_found_at_open(tmp_path: Path) -> None:
     """New rows are above the index's bound: writing and deleting them costs nothing more than
     before. The index goes once the backlog is answered, and a page or less needs none."""
@@ -465,7 +482,7 @@ async def test_a_backlog_index_covers_only_the_rows_found_at_open(tmp_path: Path
     await write_backlog(path, interleaved(30, ("a", "b")))
     small = await SQLiteOutbox.open(path, page_rows=30)
     await small.close()
-    assert set(schema(path)) == {"outbox"}
+    assert set(schema(path)) == OUTBOX_AND_LANES
     outbox = await SQLiteOutbox.open(path, page_rows=10)
     try:
         conn = outbox._conn  # the file is locked to any other connection
@@ -493,7 +510,8 @@ async def test_a_backlog_index_covers_only_the_rows_found_at_open(tmp_path: Path
         assert [r.seq for r in again.rows] == [31]
     finally:
         await again.close()
-    assert set(schema(path)) == {"outbox"}
+    assert set(schema(path)) == OUTBOX_AND_LANES
+    assert lane_table_rows(path) == (1, 0)  # rows written by hand carry no lane seq
 
 
 async def test_an_unstamped_outbox_holding_the_backlog_index_is_still_taken_for_an_outbox(
