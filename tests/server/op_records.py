@@ -1,15 +1,13 @@
-"""What compaction does to op_id records, for tests on both backends (docs/ops.md#exactly-once):
-drop them, once the ops they record are older than a dedupe window the test shrinks."""
+"""Compaction of op_id records, for tests on both backends (docs/ops.md#exactly-once): the
+server's own compaction verbs, run once the ops they record are older than a dedupe window the
+test shrinks."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import sqlite3
 import time
 from typing import Final
 
-from cv_server import ServerConfig
 from cv_server.oplog import OpLogStore
 
 #: The server's dedupe window (`oplog_retention_seconds`) and allowed skew, shrunk so a test's
@@ -25,19 +23,25 @@ async def outlive_the_window(minted_before: float) -> None:
     await asyncio.sleep(max(0.0, minted_before + RETENTION_SECONDS - SKEW_SECONDS - time.time()))
 
 
-async def drop_op_id_records(store: OpLogStore, config: ServerConfig) -> None:
-    """Forget every op_id's outcome, as compaction will for ops past the retention: the lane
-    marks and `minted_at` are all that is left to tell a resend from a new op."""
-    pool = getattr(store, "pool", None)
-    if pool is not None:
-        await pool.execute("DELETE FROM workspace_sub_doc_op_outcomes")
-        return
-    db_path = config.db_path
-    assert db_path is not None
+async def compact_past(store: OpLogStore, workspace_id: str, sub_doc: str, clock: int) -> None:
+    """Run the server's compaction (`compact`, then `expire_rejections`) with every op counted
+    as old, and check that it took the sub-doc's log, and the op_id records with it, past
+    `clock`: only the lane marks and `minted_at` are then left to tell a resend from a new op.
 
-    def drop() -> None:
-        with contextlib.closing(sqlite3.connect(db_path, timeout=10)) as conn, conn:
-            conn.execute("UPDATE workspace_sub_doc_ops SET op_id = NULL")
-            conn.execute("DELETE FROM workspace_sub_doc_op_rejections")
+    Compaction keeps the op at the latest snapshot, so the tests snapshot every op
+    (`SNAPSHOT_EVERY`) and write one op after those whose records must go.
+    """
+    everything = time.time() + 1.0
+    resume: tuple[str, str] | None = None
+    while True:
+        batch = await store.compact(everything, limit=1000, start=resume)
+        resume = batch.resume
+        if resume is None:
+            break
+    while await store.expire_rejections(everything, limit=1000):
+        pass
+    assert await store.horizon(workspace_id, sub_doc) > clock
 
-    await asyncio.to_thread(drop)
+
+#: Ops between two snapshots in these tests' servers: compaction deletes only below the latest.
+SNAPSHOT_EVERY: Final = 1

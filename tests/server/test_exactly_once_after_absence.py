@@ -25,7 +25,8 @@ from .conftest import auth
 from .op_records import (
     RETENTION_SECONDS,
     SKEW_SECONDS,
-    drop_op_id_records,
+    SNAPSHOT_EVERY,
+    compact_past,
     outlive_the_window,
 )
 
@@ -89,7 +90,9 @@ async def stand(
     aiohttp_server: Callable[..., Any], make_server_config: Callable[..., ServerConfig]
 ) -> AsyncIterator[tuple[TestServer, FaultProxy, ServerConfig]]:
     config = make_server_config(
-        oplog_retention_seconds=RETENTION_SECONDS, minted_at_skew_seconds=SKEW_SECONDS
+        oplog_retention_seconds=RETENTION_SECONDS,
+        minted_at_skew_seconds=SKEW_SECONDS,
+        snapshot_every=SNAPSHOT_EVERY,
     )
     server: TestServer = await aiohttp_server(create_app(config))
 
@@ -100,6 +103,18 @@ async def stand(
             assert response.status == 200, await response.text()
     async with FaultProxy(str(server.make_url("")).rstrip("/")) as proxy:
         yield server, proxy, config
+
+
+async def write_later_op(server: TestServer) -> None:
+    """One op of another writer after the SDK's: the op at the latest snapshot is one that
+    compaction keeps, so the SDK's ops all fall below it."""
+    url = str(server.make_url(f"/v1/workspaces/{WS}/docs/{DOC}/ops"))
+    body = {"ops": [{"type": "node.insert", "node_id": "later", "parent_id": "root"}]}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url, json=body, headers=auth(WS)) as response,
+    ):
+        assert response.status == 200, await response.text()
 
 
 async def wait_for_count(server: TestServer, count: int) -> None:
@@ -114,10 +129,10 @@ async def test_ops_applied_unheard_and_ops_queued_are_applied_once_after_a_resta
     stand: tuple[TestServer, FaultProxy, ServerConfig], tmp_path: Path
 ) -> None:
     """Three ops are applied but every answer is cut; the server becomes unreachable; four more
-    are queued; the process is SIGKILLed. The server forgets every op_id record. A new process
-    on the outbox resends all seven: the three are answered as decided (never applied again),
-    the four applied, each once."""
-    server, proxy, config = stand
+    are queued; the process is SIGKILLed. The server's compaction deletes the three's log rows
+    and op_id records. A new process on the outbox resends all seven: the three are answered as
+    decided (never applied again), the four applied, each once."""
+    server, proxy, _config = stand
     outbox = tmp_path / "app.outbox"
     first = await SdkProcess.start(proxy.url, outbox)
     proxy.cut_fraction(1.0)  # every answer is lost after the server committed
@@ -128,8 +143,9 @@ async def test_ops_applied_unheard_and_ops_queued_are_applied_once_after_a_resta
     assert await first.say("submit 4") == "stored 7"
     await first.kill()
 
+    await write_later_op(server)  # clock 5, after the three applied at 2..4
     await outlive_the_window(time.time())
-    await drop_op_id_records(server.app[STORES].oplog, config)
+    await compact_past(server.app[STORES].oplog, WS, DOC, 4)
     proxy.refuse = False
     proxy.cut_fraction(0.0)
     second = await SdkProcess.start(proxy.url, outbox)
@@ -137,17 +153,17 @@ async def test_ops_applied_unheard_and_ops_queued_are_applied_once_after_a_resta
     await second.stop()
     value, clock = await counter(server)
     assert value == 7
-    assert clock == 1 + 7  # the insert, then each op once
+    assert clock == 1 + 7 + 1  # the insert, each op once, and the later op
 
 
 async def test_a_cut_between_seq_n_and_n_plus_1_applies_each_op_once(
     stand: tuple[TestServer, FaultProxy, ServerConfig], tmp_path: Path
 ) -> None:
     """Seqs 1..3 are committed and their answer cut; while the server is unreachable 4..6 are
-    queued behind them and the op_id records are dropped. When the network is back the SDK
-    resends 1..6 in one lane: 1..3 are at or below the mark (answered, not applied), 4..6
-    apply, each once."""
-    server, proxy, config = stand
+    queued behind them and compaction deletes the log rows and op_id records of 1..3. When the
+    network is back the SDK resends 1..6 in one lane: 1..3 are at or below the mark (answered,
+    not applied), 4..6 apply, each once."""
+    server, proxy, _config = stand
     sdk = await SdkProcess.start(proxy.url, tmp_path / "app.outbox")
     proxy.cut_fraction(1.0)
     assert await sdk.say("submit 3") == "stored 3"
@@ -155,12 +171,13 @@ async def test_a_cut_between_seq_n_and_n_plus_1_applies_each_op_once(
     proxy.refuse = True
     proxy.drop_all()
     assert await sdk.say("submit 3") == "stored 6"
+    await write_later_op(server)  # clock 5, after seqs 1..3 at 2..4
     await outlive_the_window(time.time())
-    await drop_op_id_records(server.app[STORES].oplog, config)
+    await compact_past(server.app[STORES].oplog, WS, DOC, 4)
     proxy.cut_fraction(0.0)
     proxy.refuse = False
     assert await sdk.say("sync") == "synced"
     await sdk.stop()
     value, clock = await counter(server)
     assert value == 6
-    assert clock == 1 + 6
+    assert clock == 1 + 6 + 1

@@ -13,11 +13,12 @@ from cv_mutations import new_op_id
 from cv_server import ServerConfig, create_app
 from cv_server.keys import STORES
 from tests.server.conftest import ClientFactory
-from tests.server.helpers import get_doc, get_ops, insert, post_ops
+from tests.server.helpers import WS, get_doc, get_ops, insert, post_ops
 from tests.server.op_records import (
     RETENTION_SECONDS,
     SKEW_SECONDS,
-    drop_op_id_records,
+    SNAPSHOT_EVERY,
+    compact_past,
     outlive_the_window,
 )
 
@@ -33,7 +34,9 @@ async def test_a_raw_op_resent_after_its_record_is_gone_is_expired_and_the_log_u
     aiohttp_client: ClientFactory, make_server_config: Callable[..., ServerConfig]
 ) -> None:
     config = make_server_config(
-        oplog_retention_seconds=RETENTION_SECONDS, minted_at_skew_seconds=SKEW_SECONDS
+        oplog_retention_seconds=RETENTION_SECONDS,
+        minted_at_skew_seconds=SKEW_SECONDS,
+        snapshot_every=SNAPSHOT_EVERY,
     )
     client = await aiohttp_client(create_app(config))
     await post_ops(client, [insert("n")])
@@ -44,15 +47,16 @@ async def test_a_raw_op_resent_after_its_record_is_gone_is_expired_and_the_log_u
     (again,) = (await post_ops(client, [op]))["results"]
     assert again == {**committed, "duplicate": True}  # on record: answered from it
 
+    await post_ops(client, [insert("later")])  # clock 3: the op at the latest snapshot stays
     await outlive_the_window(minted)
-    await drop_op_id_records(client.app[STORES].oplog, config)
-    log_before, doc_before = await get_ops(client), await get_doc(client)
+    await compact_past(client.app[STORES].oplog, WS, "tree", 2)
+    log_before, doc_before = await get_ops(client, since=2), await get_doc(client)
     (expired,) = (await post_ops(client, [op]))["results"]
     assert expired["op_id"] == op["op_id"]
     assert expired["duplicate"] is False
     assert expired["error"]["code"] == "op_expired"
-    assert expired["error"]["clock"] == 2  # the head: what the client reads from
-    assert await get_ops(client) == log_before
+    assert expired["error"]["clock"] == 3  # the head: what the client reads from
+    assert await get_ops(client, since=2) == log_before
     assert await get_doc(client) == doc_before
 
 
