@@ -143,7 +143,10 @@ async def test_the_server_compacts_by_itself_and_counts_it_on_metrics(
 ) -> None:
     # A retention of a millisecond and a pass every 50 ms: the background task's own passes.
     config = make_server_config(
-        snapshot_every=5, oplog_retention_seconds=0.001, compact_seconds=0.05
+        snapshot_every=5,
+        oplog_retention_seconds=0.001,
+        minted_at_skew_seconds=0.0005,
+        compact_seconds=0.05,
     )
     client = await aiohttp_client(create_app(config))
     await written(client, 12)
