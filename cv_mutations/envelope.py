@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Final
+from typing import ClassVar, Final
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
@@ -88,6 +88,24 @@ class OpIdEnvelope(BaseModel):
         description=f"Provenance (actor, request_id): at most {META_MAX_BYTES} bytes as compact "
         "UTF-8 JSON.",
     )
+
+    #: The delivery stamp the SDK adds: where and when the op was minted, not what it does.
+    STAMP: ClassVar[frozenset[str]] = frozenset({"client_id", "seq", "minted_at"})
+
+    def __eq__(self, other: object) -> bool:
+        """The same op: same type, fields, op_id and meta. The delivery stamp (`client_id`,
+        `seq`, `minted_at`) takes no part, as in the server's fingerprint: the op an app
+        submitted equals the stamped one it reads back from `pending_ops()` or a subscription
+        (tests/mutations/test_envelope_stamp.py)."""
+        if not isinstance(other, OpIdEnvelope):
+            return NotImplemented
+        return type(self) is type(other) and self._unstamped() == other._unstamped()
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.op_id))
+
+    def _unstamped(self) -> dict[str, object]:
+        return {k: v for k, v in self.__dict__.items() if k not in self.STAMP}
 
     @field_validator("seq", "minted_at", mode="before")
     @classmethod

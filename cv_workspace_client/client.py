@@ -26,6 +26,7 @@ from cv_mutations import (
     new_op_id,
     parse_op,
 )
+from cv_mutations import new_op_id as new_client_id
 from cv_workspace_client._core.machine import (
     BacklogRange,
     Discard,
@@ -200,7 +201,9 @@ class WorkspaceClient(QueueMethods):
         )
         self._http = HttpApi(self._session, self.url, self.token, refresher=self.token_refresher)
         self._state = "open"
-        self._machine.use_lanes(self._outbox.client_id or self._mint(), self._outbox.lane_seqs)
+        # A client id is no op_id: it never comes from the app's injected op_id minter
+        # (tests/client/test_live_doc.py, test_ops_get_the_clients_op_ids_...).
+        self._machine.use_lanes(self._outbox.client_id or new_client_id(), self._outbox.lane_seqs)
         self._machine.restore(self._outbox.rows, self._outbox.backlog)
         if self.config.ops_over_websocket:
             for workspace_id in self._machine.workspaces():
