@@ -1,18 +1,23 @@
-"""Storage over time: a steady workload with op-log compaction on and off, printing the database
-size at intervals (docs/operating.md, "Storage over time").
+"""Storage over time: a steady workload of op-log writers and queue requests with retention on and
+off, printing the database size at intervals (docs/operating.md, "Storage over time").
 
     .venv/bin/python -m bench.storage --quick                 # SQLite, then PostgreSQL if set
     .venv/bin/python -m bench.storage --seconds 300 --backend sqlite
 
-Time is compressed: the retention is seconds, not days, so a run of a minute or two shows what
-a deployment sees over weeks: with compaction on, the size plateaus once the oldest ops pass the
-retention; off, it grows with every op. PostgreSQL runs in a fresh schema of
+Time is compressed: the retentions are seconds, not days, so a run of a minute or two shows what
+a deployment sees over weeks. "On" sets `oplog_retention_seconds` and `request_retention_seconds`
+to `--retention` and runs the server's two background passes (compaction every `compact_seconds`,
+the reaper every `reap_seconds`), as `cv-server serve` does; the size plateaus once the oldest ops
+and finished requests pass the retention. "Off" sets both to 0; the size grows with every op and
+every request. PostgreSQL runs in a fresh schema of
 `CV_TEST_DATABASE_URL` (skipped when unset), with the per-table autovacuum settings the docs
 recommend; its deleted rows come back only when autovacuum visits (every `autovacuum_naptime`,
 one minute by default), so short runs show its plateau late.
 
-Workloads are a list (`WORKLOADS`): each is started with the stores and a rate, and runs until
-cancelled. Another workload (queue requests, say) is one more entry.
+Workloads are a list (`WORKLOADS`): each is started with the stores, the configuration and the
+rates, and runs until cancelled. Both drive the stores straight (no HTTP): the op-log writer
+appends, the queue workload enqueues, claims and completes, storing a result larger than
+`blob_threshold_bytes` as a blob first, as the complete route does.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import secrets
 import sqlite3
 import tempfile
 import time
@@ -37,20 +43,36 @@ from cv_server.cli import _with_schema
 from cv_server.compaction import compact_once
 from cv_server.config import ServerConfig
 from cv_server.oplog import IncomingOp
+from cv_server.queue import Completion, EnqueueAsk, NewRequest, random_request_id
+from cv_server.reaper import batches, reap_pass
 from cv_server.stores import Stores
 
-#: `await workload(stores, ops_per_second)`: writes until cancelled.
-Workload = Callable[[Stores, float], Coroutine[Any, Any, None]]
+
+@dataclass(frozen=True)
+class Rates:
+    ops_per_second: float
+    requests_per_second: float
+
+
+#: `await workload(stores, config, rates)`: writes until cancelled.
+Workload = Callable[[Stores, ServerConfig, Rates], Coroutine[Any, Any, None]]
 
 SUB_DOCS = 20
 BATCH = 10
 PAD = "x" * 200
+#: Requests enqueued per call, and claimed and completed per call at most.
+REQUEST_BATCH = 5
+CLAIM_BATCH = 20
+#: One result in `BLOB_EVERY` is larger than `blob_threshold_bytes` (stored as a blob).
+BLOB_EVERY = 10
+WORKSPACE = "bench"
+STAGE = "soak"
 
 
-async def steady_writer(stores: Stores, ops_per_second: float) -> None:
+async def steady_writer(stores: Stores, config: ServerConfig, rates: Rates) -> None:
     """Batches of `BATCH` `node.update` ops, round robin over `SUB_DOCS` sub-docs, paced to
-    `ops_per_second`."""
-    interval = BATCH / ops_per_second
+    `rates.ops_per_second`."""
+    interval = BATCH / rates.ops_per_second
     began = time.monotonic()
     for n in range(1_000_000_000):
         ops = []
@@ -64,7 +86,72 @@ async def steady_writer(stores: Stores, ops_per_second: float) -> None:
             await asyncio.sleep(delay)
 
 
-WORKLOADS: list[Workload] = [steady_writer]
+async def steady_queue(stores: Stores, config: ServerConfig, rates: Rates) -> None:
+    """Requests enqueued `REQUEST_BATCH` at a time, paced to `rates.requests_per_second`, and one
+    worker claiming and completing them as they come: a small inline result (~200 bytes), or one
+    in `BLOB_EVERY` a result `blob_threshold_bytes` + 1 KiB stored as a blob and named by the
+    completion, as the complete route stores one."""
+    queue = stores.queue
+    enqueued = 0
+
+    async def enqueuer() -> None:
+        nonlocal enqueued
+        interval = REQUEST_BATCH / rates.requests_per_second
+        began = time.monotonic()
+        for n in range(1_000_000_000):
+            asks = [
+                EnqueueAsk(
+                    NewRequest(
+                        workspace_id=WORKSPACE,
+                        stage=STAGE,
+                        request_id=random_request_id(secrets.token_hex(20)),
+                        input={"pad": PAD},
+                    )
+                )
+                for _ in range(REQUEST_BATCH)
+            ]
+            await queue.enqueue_many(asks, now=None)
+            enqueued += REQUEST_BATCH
+            delay = began + (n + 1) * interval - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+
+    async def worker() -> None:
+        large = "y" * (config.blob_threshold_bytes + 1024)
+        done = 0
+        while True:
+            held = await queue.claim_many(STAGE, "bench-worker", 60.0, now=None, limit=CLAIM_BATCH)
+            if not held:
+                # Polling is the bench's shortcut for the long poll a real worker waits on.
+                await asyncio.sleep(0.05)
+                continue
+            completions = []
+            for row in held:
+                done += 1
+                token = row.claim_token or ""
+                if done % BLOB_EVERY:
+                    completions.append(Completion(row.request_id, token, {"pad": PAD}))
+                    continue
+                encoded = ('{"pad":"' + large + '"}').encode()
+                ref = await stores.blobs.put(row.workspace_id, encoded, time.time())
+                completions.append(Completion(row.request_id, token, None, blob_ref=ref))
+            await queue.complete_many(completions, now=None)
+
+    await asyncio.gather(enqueuer(), worker())
+
+
+WORKLOADS: list[Workload] = [steady_writer, steady_queue]
+
+
+#: The tables the passes delete from: VACUUMed after each pass where autovacuum is off.
+TABLES = (
+    "workspace_sub_doc_ops",
+    "workspace_sub_doc_op_outcomes",
+    "workspace_process_requests",
+    "request_blobs",
+)
+COUNTED = {"ops": "workspace_sub_doc_ops", "requests": "workspace_process_requests"}
+COUNTS_SQL = "SELECT " + ", ".join(f"(SELECT count(*) FROM {{s}}{t})" for t in COUNTED.values())
 
 
 @dataclass
@@ -72,15 +159,17 @@ class Backend:
     name: str
     config: ServerConfig
     size: Callable[[], Awaitable[int]]
-    rows: Callable[[], Awaitable[int]]
-    #: Run after each compaction pass: what the database's own maintenance would do meanwhile
-    #: (PostgreSQL with autovacuum off: a plain VACUUM of the op tables, as autovacuum would).
+    #: Rows of each table in `COUNTED`, by its key.
+    rows: Callable[[], Awaitable[dict[str, int]]]
+    #: Run after each background pass: what the database's own maintenance would do meanwhile
+    #: (PostgreSQL with autovacuum off: a plain VACUUM of `TABLES`, as autovacuum would).
     after_pass: Callable[[], Awaitable[None]] | None = None
 
 
-def _sqlite_rows(path: Path) -> int:
+def _sqlite_rows(path: Path) -> dict[str, int]:
     with contextlib.closing(sqlite3.connect(path)) as conn:
-        return int(conn.execute("SELECT count(*) FROM workspace_sub_doc_ops").fetchone()[0])
+        counts = conn.execute(COUNTS_SQL.format(s="")).fetchone()
+    return dict(zip(COUNTED, map(int, counts), strict=True))
 
 
 def _sqlite_size(path: Path) -> int:
@@ -99,7 +188,7 @@ async def sqlite_backend(base: ServerConfig) -> AsyncIterator[Backend]:
         async def size() -> int:
             return await asyncio.to_thread(_sqlite_size, path)
 
-        async def rows() -> int:
+        async def rows() -> dict[str, int]:
             return await asyncio.to_thread(_sqlite_rows, path)
 
         yield Backend("sqlite", replace(base, db_path=path), size, rows)
@@ -114,10 +203,8 @@ async def postgres_backend(base: ServerConfig, url: str) -> AsyncIterator[Backen
 
     async def size() -> int:
         nonlocal tuned
-        if not tuned and await admin.fetchval(
-            "SELECT to_regclass($1)", f"{schema}.workspace_sub_doc_ops"
-        ):
-            for table in ("workspace_sub_doc_ops", "workspace_sub_doc_op_outcomes"):
+        if not tuned and await admin.fetchval("SELECT to_regclass($1)", f"{schema}.{TABLES[-1]}"):
+            for table in TABLES:  # docs/operating.md, "Storage over time"
                 await admin.execute(
                     f"ALTER TABLE {schema}.{table} SET (autovacuum_vacuum_scale_factor = 0.01,"
                     " autovacuum_vacuum_insert_scale_factor = 0.01)"
@@ -131,8 +218,9 @@ async def postgres_backend(base: ServerConfig, url: str) -> AsyncIterator[Backen
         )
         return int(value)
 
-    async def rows() -> int:
-        return int(await admin.fetchval(f"SELECT count(*) FROM {schema}.workspace_sub_doc_ops"))
+    async def rows() -> dict[str, int]:
+        counts = await admin.fetchrow(COUNTS_SQL.format(s=f"{schema}."))
+        return dict(zip(COUNTED, map(int, counts), strict=True))
 
     vacuum: Callable[[], Awaitable[None]] | None = None
     if await admin.fetchval("SHOW autovacuum") == "off":
@@ -140,7 +228,7 @@ async def postgres_backend(base: ServerConfig, url: str) -> AsyncIterator[Backen
         vacuumer = await asyncpg.connect(url)
 
         async def vacuum() -> None:
-            for table in ("workspace_sub_doc_ops", "workspace_sub_doc_op_outcomes"):
+            for table in TABLES:
                 await vacuumer.execute(f"VACUUM {schema}.{table}")
 
     try:
@@ -153,23 +241,38 @@ async def postgres_backend(base: ServerConfig, url: str) -> AsyncIterator[Backen
         await admin.close()
 
 
-async def run(backend: Backend, *, seconds: float, every: float, rate: float) -> list[int]:
-    """Run every workload for `seconds`, compacting as the server would (when the config's
-    retention is not 0); print and return the size every `every` seconds."""
+async def run(backend: Backend, *, seconds: float, every: float, rates: Rates) -> list[int]:
+    """Run every workload for `seconds` with the server's background passes (compaction when
+    `oplog_retention_seconds` is not 0, the reaper always, each at its configured cadence);
+    print and return the size every `every` seconds."""
     stores = await open_stores(backend.config)
     config = backend.config
-    tasks = [asyncio.create_task(workload(stores, rate)) for workload in WORKLOADS]
+    tasks = [asyncio.create_task(workload(stores, config, rates)) for workload in WORKLOADS]
+    # One pass at a time: the after-pass VACUUM of one must not race the other's.
+    passes = asyncio.Lock()
+
+    async def after_pass() -> None:
+        if backend.after_pass is not None:
+            await backend.after_pass()
 
     async def compactor() -> None:
         if config.oplog_retention_seconds == 0:
             return
         while True:
             await asyncio.sleep(config.compact_seconds)
-            await compact_once(stores, config)
-            if backend.after_pass is not None:
-                await backend.after_pass()
+            async with passes:
+                await compact_once(stores, config)
+                await after_pass()
 
-    tasks.append(asyncio.create_task(compactor()))
+    async def reaper() -> None:
+        kinds = batches(stores, config)
+        while True:
+            await asyncio.sleep(config.reap_seconds)
+            async with passes:
+                await reap_pass(stores, config, kinds)
+                await after_pass()
+
+    tasks += [asyncio.create_task(compactor()), asyncio.create_task(reaper())]
     sizes: list[int] = []
     mode = "on " if config.oplog_retention_seconds else "off"
     began = time.monotonic()
@@ -182,8 +285,9 @@ async def run(backend: Backend, *, seconds: float, every: float, rate: float) ->
             sizes.append(await backend.size())
             rows = await backend.rows()
             print(
-                f"{backend.name:8} compaction {mode} t={elapsed + every:5.0f}s"
-                f" size={sizes[-1] / 2**20:8.2f} MiB op rows={rows:8,}",
+                f"{backend.name:8} retention {mode} t={elapsed + every:5.0f}s"
+                f" size={sizes[-1] / 2**20:8.2f} MiB op rows={rows['ops']:8,}"
+                f" request rows={rows['requests']:8,}",
                 flush=True,
             )
     finally:
@@ -198,11 +302,12 @@ async def _main(args: argparse.Namespace) -> None:
     base = ServerConfig(
         token_secret=b"bench-storage-secret-0123456789ab",
         snapshot_every=100,
-        oplog_retention_seconds=args.retention,
         # The bench's ops carry no minted_at; the skew must only stay below the short retention.
         minted_at_skew_seconds=min(ServerConfig().minted_at_skew_seconds, args.retention / 2),
         compact_seconds=args.compact_every,
+        reap_seconds=args.reap_every,
     )
+    rates = Rates(args.rate, args.requests_rate)
     url = os.environ.get("CV_TEST_DATABASE_URL")
     backends = ["sqlite", "postgres"] if args.backend == "both" else [args.backend]
     for name in backends:
@@ -210,15 +315,17 @@ async def _main(args: argparse.Namespace) -> None:
             print("postgres: skipped (set CV_TEST_DATABASE_URL)")
             continue
         for retention in (args.retention, 0.0):
-            config = replace(base, oplog_retention_seconds=retention)
+            config = replace(
+                base, oplog_retention_seconds=retention, request_retention_seconds=retention
+            )
             opened = (
                 sqlite_backend(config) if name == "sqlite" else postgres_backend(config, url or "")
             )
             async with opened as backend:
-                sizes = await run(backend, seconds=args.seconds, every=args.every, rate=args.rate)
+                sizes = await run(backend, seconds=args.seconds, every=args.every, rates=rates)
             half = sizes[len(sizes) // 2] if sizes else 0
             print(
-                f"{name:8} compaction {'on ' if retention else 'off'}"
+                f"{name:8} retention {'on ' if retention else 'off'}"
                 f" final={sizes[-1] / 2**20:.2f} MiB, at half time {half / 2**20:.2f} MiB\n",
                 flush=True,
             )
@@ -230,8 +337,17 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=300.0, help="per run")
     parser.add_argument("--every", type=float, default=10.0, help="seconds between sizes")
     parser.add_argument("--rate", type=float, default=1000.0, help="ops per second written")
-    parser.add_argument("--retention", type=float, default=20.0, help="oplog_retention_seconds")
+    parser.add_argument(
+        "--requests-rate", type=float, default=40.0, help="queue requests per second enqueued"
+    )
+    parser.add_argument(
+        "--retention",
+        type=float,
+        default=20.0,
+        help="oplog_retention_seconds and request_retention_seconds of the 'on' run",
+    )
     parser.add_argument("--compact-every", type=float, default=5.0, help="compact_seconds")
+    parser.add_argument("--reap-every", type=float, default=5.0, help="reap_seconds")
     parser.add_argument("--quick", action="store_true", help="60 s runs, a size every 5 s")
     args = parser.parse_args()
     if args.quick:

@@ -4,7 +4,7 @@ time").
 A pass deletes, in batches of at most `compact_batch_rows` rows per transaction, every op older
 than `oplog_retention_seconds` below its sub-doc's latest snapshot (`OpLogStore.compact`) and
 every recorded rejection older than that (`OpLogStore.expire_rejections`), then gives the freed
-space back where the backend can (`Stores.reclaim_space`: SQLite's incremental vacuum) and reads
+space back where the backend can (`give_space_back`: SQLite's incremental vacuum) and reads
 the log's size for `/metrics`. Retention 0 runs no pass. Several servers on one PostgreSQL
 database may run passes at once: the store verbs make that safe and cheap.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from cv_server.config import ServerConfig
 from cv_server.metrics import Metrics
-from cv_server.stores import Stores
+from cv_server.stores import Stores, give_space_back
 
 __all__ = ["PassReport", "compact_forever", "compact_once"]
 
@@ -69,12 +69,8 @@ async def compact_once(
         batches += 1
         if deleted < limit:
             break
-    if stores.reclaim_space is not None and (ops or rejections):
-        while True:
-            freed = await stores.reclaim_space(limit)
-            pages += freed
-            if freed < limit:
-                break
+    if ops or rejections:
+        pages = await give_space_back(stores, limit)
     if metrics is not None:
         stats = await oplog.stats()
         metrics.oplog_rows.set(stats.op_rows)

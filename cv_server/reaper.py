@@ -9,6 +9,10 @@ each), what has outlived its retention:
   never); `poison` rows stay until an operator replays or discards them;
 - `compute_locks`: locks dead past their TTL that nobody acquired again.
 
+A pass that deleted anything then gives the freed pages back to the file system where the
+backend can (`give_space_back`: SQLite's incremental vacuum), as compaction does, so the file
+shrinks after a large purge even with the op-log kept whole (tests/server/test_sqlite_space.py).
+
 A pass takes one batch of each kind in turn, dropping a kind once a batch of it comes back
 short, until every kind is caught up or `PASS_BUDGET_SECONDS` ran out; a pass still behind is
 followed by the next at once, so a steady workload is caught up with, not outpaced
@@ -22,14 +26,21 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
 from cv_server.config import ServerConfig
 from cv_server.metrics import Metrics
-from cv_server.stores import Stores
+from cv_server.stores import Stores, give_space_back
 
-__all__ = ["KINDS", "PASS_BUDGET_SECONDS", "PassReport", "reap_forever", "reap_once"]
+__all__ = [
+    "KINDS",
+    "PASS_BUDGET_SECONDS",
+    "PassReport",
+    "reap_forever",
+    "reap_once",
+    "reap_pass",
+]
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +57,13 @@ Batch = Callable[[int], Awaitable[dict[str, int]]]
 
 @dataclass(frozen=True, slots=True)
 class PassReport:
-    """What one pass deleted, per kind, how long it took and whether it caught up."""
+    """What one pass deleted, per kind, how long it took, whether it caught up, and how many
+    freed pages it gave back to the file system (`reap_pass`; 0 from `reap_once`)."""
 
     deleted: dict[str, int]
     seconds: float
     caught_up: bool
+    pages: int = 0
 
 
 def batches(stores: Stores, config: ServerConfig) -> dict[str, Batch]:
@@ -105,14 +118,23 @@ async def reap_once(
     return PassReport(deleted, monotonic() - started, caught_up=not behind)
 
 
+async def reap_pass(stores: Stores, config: ServerConfig, kinds: dict[str, Batch]) -> PassReport:
+    """One pass of the server's reaper over `kinds` (`batches(stores, config)`): `reap_once`,
+    then, if it deleted anything, the freed pages given back (`give_space_back`)."""
+    report = await reap_once(kinds, config.reap_batch_size)
+    if not any(report.deleted.values()):
+        return report
+    return replace(report, pages=await give_space_back(stores, config.reap_batch_size))
+
+
 async def reap_forever(stores: Stores, config: ServerConfig, metrics: Metrics) -> None:
     """Run a pass every `config.reap_seconds`, at once again while a pass is behind."""
     kinds = batches(stores, config)
     while True:
         await asyncio.sleep(config.reap_seconds)
-        report = await reap_once(kinds, config.reap_batch_size)
+        report = await reap_pass(stores, config, kinds)
         metrics.record_reap(report.deleted, report.seconds)
         while not report.caught_up:
             log.info("reaping is behind after %.0f s: next pass at once", report.seconds)
-            report = await reap_once(kinds, config.reap_batch_size)
+            report = await reap_pass(stores, config, kinds)
             metrics.record_reap(report.deleted, report.seconds)

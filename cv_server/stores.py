@@ -18,7 +18,14 @@ from cv_server.oplog import OpLogStore
 from cv_server.queue import BlobStore, IdempotencyStore, QueueStore
 from cv_server.storage_faults import StorageFaults, StorageUnavailable
 
-__all__ = ["DatabaseUnusable", "FollowCommits", "FollowSecret", "Stores", "translating"]
+__all__ = [
+    "DatabaseUnusable",
+    "FollowCommits",
+    "FollowSecret",
+    "Stores",
+    "give_space_back",
+    "translating",
+]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -94,7 +101,8 @@ class Stores:
     #: `faults.fault` is set, and clears it when it succeeds (writes resume by themselves).
     probe_write: Callable[[], Awaitable[None]] | None = None
     #: `await reclaim_space(max_pages)`: give at most that many freed pages back to the file
-    #: system and return how many (SQLite's incremental vacuum, after compaction deleted rows).
+    #: system and return how many (SQLite's incremental vacuum, after a background pass deleted
+    #: rows: `give_space_back`).
     #: None where the database does it itself (PostgreSQL: autovacuum, docs/operating.md).
     reclaim_space: Callable[[int], Awaitable[int]] | None = None
     _closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
@@ -102,3 +110,20 @@ class Stores:
     async def close(self) -> None:
         for close in reversed(self._closers):
             await close()
+
+
+async def give_space_back(stores: Stores, step: int) -> int:
+    """Give every freed page back to the file system, `step` pages per write job (the writer is
+    free between steps); return how many. 0 where the backend has no `reclaim_space`.
+
+    Call after a background pass deleted rows: compaction (`cv_server.compaction`) and the
+    reaper (`cv_server.reaper`) both do, so the SQLite file shrinks whichever of them freed the
+    pages (tests/server/test_sqlite_space.py)."""
+    if stores.reclaim_space is None:
+        return 0
+    pages = 0
+    while True:
+        freed = await stores.reclaim_space(step)
+        pages += freed
+        if freed < step:
+            return pages
