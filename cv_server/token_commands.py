@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sqlite3
 import sys
 import time
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from typing import Any, Final
 from cv_server.auth import check_grant, mint_token, new_token_id, token_id_expiry, token_id_of
 from cv_server.scopes import ALL_SCOPES
 from cv_server.sqlite.revocations import revoke_in_file
+from cv_server.stores import DatabaseUnusable
 
 __all__ = ["DEFAULT_TTL_SECONDS", "add_token_parser", "mint", "revoke"]
 
@@ -143,7 +143,7 @@ def revoke(args: argparse.Namespace, database_url: str | None, db_path: Path) ->
             raise SystemExit(f"cv-server token revoke: {db_path} does not exist")
         try:
             newly = revoke_in_file(db_path, token_id, expires_at)
-        except sqlite3.Error as exc:
+        except DatabaseUnusable as exc:
             raise SystemExit(f"cv-server token revoke: cannot write {db_path}: {exc}") from None
         where = str(db_path)
     already = "" if newly else " (it was already)"

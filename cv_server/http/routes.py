@@ -21,7 +21,14 @@ from cv_server.http import (
     socket,
 )
 
-__all__ = ["PUBLIC", "ROUTE_SCOPES", "ROUTE_TABLES", "SOCKET_ROUTE", "unscoped_routes"]
+__all__ = [
+    "PUBLIC",
+    "ROUTE_SCOPES",
+    "ROUTE_TABLES",
+    "SOCKET_ROUTE",
+    "render_scope_table",
+    "unscoped_routes",
+]
 
 ROUTE_TABLES: Final[tuple[web.RouteTableDef, ...]] = (
     docs.routes,
@@ -97,3 +104,16 @@ def unscoped_routes(app: web.Application) -> list[str]:
         if (route.method, resource.canonical) not in ROUTE_SCOPES:
             missing.add(f"{route.method} {resource.canonical}")
     return sorted(missing)
+
+
+def render_scope_table() -> str:
+    """`ROUTE_SCOPES` and the socket's frames as the Markdown table of docs/operating.md
+    (between its `scopes:begin` / `scopes:end` markers; tests/server/http/test_scopes.py
+    holds the page to it)."""
+    lines = ["| route | scope (any one) |", "| --- | --- |"]
+    for (method, path), scopes in sorted(ROUTE_SCOPES.items(), key=lambda kv: kv[0][::-1]):
+        needed = ", ".join(f"`{s}`" for s in sorted(scopes)) or "none (public)"
+        lines.append(f"| `{method} {path}` | {needed} |")
+    for kind, scope in socket.FRAME_SCOPES.items():
+        lines.append(f"| websocket frame `{kind}` | `{scope}` |")
+    return "\n".join(lines) + "\n"

@@ -16,6 +16,7 @@ import sqlite_utils
 from cv_server.queue.idempotency import check_sweep_limit
 from cv_server.revocations import Revocation, RevocationStore
 from cv_server.sqlite.engine import SQLiteDatabase, Transaction
+from cv_server.stores import DatabaseUnusable
 
 __all__ = ["TABLE", "SQLiteRevocationStore", "create_schema", "revoke_in_file"]
 
@@ -46,14 +47,18 @@ def _revoke(conn: sqlite3.Connection, token_id: str, expires_at: int | None) -> 
 def revoke_in_file(path: Path, token_id: str, expires_at: int | None) -> bool:
     """Revoke `token_id` in the existing database file `path` (`cv-server token revoke`),
     whether or not a server is serving it; False if it already was. The file is opened `mode=rw`:
-    a missing one is an error, never a new database. Raises `sqlite3.Error`."""
-    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=rw", uri=True, timeout=30)
+    a missing one is an error, never a new database. Raises `DatabaseUnusable` (SQLite's
+    message kept) for a file SQLite cannot open or write."""
     try:
-        with conn:
-            conn.execute(_CREATE)  # a file served by a cv-server from before revocations
-            return _revoke(conn, token_id, expires_at)
-    finally:
-        conn.close()
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=rw", uri=True, timeout=30)
+        try:
+            with conn:
+                conn.execute(_CREATE)  # a file served by a cv-server from before revocations
+                return _revoke(conn, token_id, expires_at)
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise DatabaseUnusable(str(exc) or type(exc).__name__) from exc
 
 
 class SQLiteRevocationStore(RevocationStore):

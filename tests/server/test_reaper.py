@@ -4,11 +4,10 @@ live, recent or poison stays."""
 
 from __future__ import annotations
 
-import time
-
 import asyncio
 import itertools
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
