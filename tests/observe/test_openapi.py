@@ -55,7 +55,7 @@ def test_every_route_is_documented_and_a_new_one_is_named_until_it_is(tmp_path: 
     operation = build_document(app)["paths"]["/v1/new/{ws}/thing"]["get"]
     # the codes every route under a workspace can answer come with it
     assert _codes(operation, "403") == ["forbidden_workspace", "missing_scope"]
-    assert _codes(operation, "401") == ["unauthorized", "token_revoked"]
+    assert _codes(operation, "401") == ["token_revoked", "unauthorized"]
     assert operation["parameters"][0]["name"] == "ws"
 
 
