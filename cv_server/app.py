@@ -20,7 +20,8 @@ from cv_server.http.models import Health, Ready
 from cv_server.http.openapi import Doc, Media, build_document, documented, render_docs_page
 from cv_server.http.problems import Problem, problem_response
 from cv_server.http.ratelimit import rate_limit_middleware
-from cv_server.http.routes import ROUTE_TABLES
+from cv_server.http.routes import ROUTE_SCOPES, ROUTE_TABLES
+from cv_server.http.scoping import scope_middleware
 from cv_server.http.storage_faults import retry_after_seconds, storage_problem
 from cv_server.hub import Connection, Hub
 from cv_server.keys import (
@@ -29,6 +30,9 @@ from cv_server.keys import (
     HUB,
     METRICS,
     RATE_LIMITS,
+    REVOCATIONS,
+    REVOKED_TOKENS,
+    ROUTE_SCOPE_TABLE,
     STATE,
     STORES,
     TOKEN_SECRET,
@@ -39,6 +43,8 @@ from cv_server.keys import (
 from cv_server.metrics import CONTENT_TYPE, Metrics
 from cv_server.ratelimit import RateLimits
 from cv_server.reaper import reap_forever
+from cv_server.revocation_follow import RevocationFollower
+from cv_server.revocations import RevokedTokens
 from cv_server.secret import TokenSecret
 from cv_server.waiters import Waiters, WorkSignals
 
@@ -127,6 +133,15 @@ async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
     # given in the config is not the database's, so a rotation there does not replace it.
     if stores.follow_secret is not None and app[CONFIG].token_secret is None:
         await stores.follow_secret(token_secret.replace)
+    # Revoked tokens are read before the first request is served: a restart never forgets one.
+    revocations = RevocationFollower(
+        stores.revocations, app[REVOKED_TOKENS], poll_seconds=app[CONFIG].revocation_poll_seconds
+    )
+    await revocations.refresh()
+    revocations.start()
+    app[REVOCATIONS] = revocations
+    if stores.follow_revocations is not None:  # PostgreSQL: told by NOTIFY, not the poll
+        await stores.follow_revocations(revocations.wake)
     metrics = app[METRICS]
     metrics.gauge(
         "cv_ws_connections", "Open websockets (this process).", lambda: len(app[CONNECTIONS])
@@ -159,6 +174,7 @@ async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    await revocations.close()
     await waiters.close()
     signals.close()
     # In-flight commits finished before cleanup (the runner waited for handlers); now flush.
@@ -298,7 +314,13 @@ def create_app(config: ServerConfig) -> web.Application:
     """Build the application. Stores open in `cleanup_ctx`, i.e. when the app starts."""
     app = web.Application(
         client_max_size=config.max_body_bytes,
-        middlewares=[observe.observe_middleware, problems_middleware, rate_limit_middleware],
+        # Scopes before rate limits: a request its token may not make spends no bucket.
+        middlewares=[
+            observe.observe_middleware,
+            problems_middleware,
+            scope_middleware,
+            rate_limit_middleware,
+        ],
         # Bodies are decoded by `bodies.read_body`, which answers a bad or unknown coding with
         # its own code and holds the limit on the decoded size (docs/limits.md).
         handler_args={"auto_decompress": False},
@@ -310,6 +332,8 @@ def create_app(config: ServerConfig) -> web.Application:
     app[STATE] = ServerState()
     app[METRICS] = Metrics()
     app[RATE_LIMITS] = RateLimits(config)
+    app[REVOKED_TOKENS] = RevokedTokens()
+    app[ROUTE_SCOPE_TABLE] = ROUTE_SCOPES
     connections: set[Connection] = set()
     app[CONNECTIONS] = connections
     app.cleanup_ctx.append(_stores_ctx)

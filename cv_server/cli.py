@@ -17,7 +17,6 @@ import math
 import os
 import signal
 import sys
-import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -27,14 +26,15 @@ from aiohttp import web
 
 from cv_mutations.cli_flags import add_argument
 from cv_mutations.logs import LOG_FORMATS, JsonFormatter, LogFormat, configure_logging
+from cv_server import token_commands
 from cv_server.app import create_app
-from cv_server.auth import check_grant, mint_token
 from cv_server.config import ServerConfig
 from cv_server.errors import CvServerError
 from cv_server.serving import ServerRunner
 from cv_server.sqlite.meta import read_sqlite_token_secret, rotate_sqlite_token_secret
 from cv_server.sqlite.stores import hold_serving_lock, set_up_sqlite_database
 from cv_server.stores import DatabaseUnusable
+from cv_server.token_commands import add_token_parser
 
 __all__ = ["EXIT_CODES", "main"]
 
@@ -271,19 +271,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_backend_args(init)
 
-    token = commands.add_parser(
-        "token", help="mint a bearer token (printed alone on stdout)", **_HELP_LAYOUT
-    )
-    _add_backend_args(token)
-    token.add_argument(
-        "--workspace",
-        action="append",
-        required=True,
-        help="a workspace the token grants (repeatable; * grants every workspace)",
-    )
-    token.add_argument(
-        "--ttl", type=float, default=None, help="seconds until it expires (default: never)"
-    )
+    token = add_token_parser(commands, _add_backend_args, _HELP_LAYOUT)
+    token.set_defaults(token_parser=token)  # for its own usage errors
 
     rotate = commands.add_parser(
         "rotate-secret",
@@ -529,12 +518,19 @@ def _main(argv: list[str] | None) -> int:
             raise SystemExit(f"cv-server init: cannot set up the database: {exc}") from None
         print(f"cv-server init: {done}")
         return 0
+    if args.command == "token" and args.token_command == "revoke":
+        database_url = args.database_url and _with_schema(args.database_url, args.schema)
+        try:
+            _needs_asyncpg(database_url)
+            done = token_commands.revoke(args, database_url, args.db or DEFAULT_DB)
+        except _STARTUP_ERRORS as exc:
+            raise SystemExit(f"cv-server token revoke: {exc}") from None
+        print(f"cv-server token revoke: {done}", flush=True)
+        return 0
     if args.command == "token":
         database_url = args.database_url and _with_schema(args.database_url, args.schema)
-        try:  # before the database is read: the arguments alone are wrong
-            check_grant(args.workspace, args.ttl)
-        except ValueError as exc:
-            raise SystemExit(f"cv-server token: {exc}") from None
+        # Before the database is read: the arguments alone are wrong.
+        ttl = token_commands.check_mint_args(args.token_parser, args)
         if database_url:
             try:
                 _needs_asyncpg(database_url)
@@ -545,7 +541,7 @@ def _main(argv: list[str] | None) -> int:
                 raise SystemExit(f"cv-server: cannot read the token secret: {exc}") from None
         else:
             secret = _sqlite_token_secret(args.db or DEFAULT_DB)
-        token = mint_token(secret, args.workspace, now=time.time(), ttl=args.ttl)
+        token = token_commands.mint(secret, args, ttl)
         try:
             print(token, flush=True)
         except BrokenPipeError:

@@ -102,6 +102,12 @@ class ServerConfig:
     #: locks are reaped this often (hourly). A pass deletes in batches until one comes back
     #: short; one that is still behind after a minute starts its next pass at once.
     reap_seconds: float = 3600.0
+    #: How often a server reads token revocations it was not told of (docs/operating.md,
+    #: "Revoking a token"): the bound on how long a token revoked with `cv-server token revoke`
+    #: on SQLite (another process writing the file) stays accepted, and on PostgreSQL the
+    #: fallback for a lost NOTIFY. One second: each poll is one index seek past the last entry
+    #: seen, and "revoked" should mean now, not at the next sweep (`sweep_seconds`, 5 s).
+    revocation_poll_seconds: float = 1.0
     #: Rows one reaping batch deletes at most (one short transaction each). 1,000: on SQLite a
     #: batch holds the single writer (and the op-log commits queued behind it) for a few
     #: milliseconds; on PostgreSQL each batch commits on its own, so no long transaction holds

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -12,6 +13,8 @@ if TYPE_CHECKING:
     from cv_server.hub import Connection, Hub
     from cv_server.metrics import Metrics
     from cv_server.ratelimit import RateLimits
+    from cv_server.revocation_follow import RevocationFollower
+    from cv_server.revocations import RevokedTokens
     from cv_server.secret import TokenSecret
     from cv_server.stores import Stores
     from cv_server.waiters import Waiters, WorkSignals
@@ -22,6 +25,9 @@ __all__ = [
     "HUB",
     "METRICS",
     "RATE_LIMITS",
+    "REVOCATIONS",
+    "REVOKED_TOKENS",
+    "ROUTE_SCOPE_TABLE",
     "STATE",
     "STORES",
     "TOKEN_SECRET",
@@ -51,3 +57,12 @@ STATE = web.AppKey("state", ServerState)
 WAITERS: web.AppKey[Waiters] = web.AppKey("waiters")
 WORK_SIGNALS: web.AppKey[WorkSignals] = web.AppKey("work_signals")
 CONNECTIONS: web.AppKey[set[Connection]] = web.AppKey("connections")
+#: The token ids this server refuses (`cv_server.revocations.RevokedTokens`), kept current by
+#: `REVOCATIONS` (`cv_server.revocation_follow.RevocationFollower`).
+REVOKED_TOKENS: web.AppKey[RevokedTokens] = web.AppKey("revoked_tokens")
+REVOCATIONS: web.AppKey[RevocationFollower] = web.AppKey("revocations")
+#: The scope table of the app's routes (`cv_server.http.routes.ROUTE_SCOPES`), for the OpenAPI
+#: document, which cannot import the routes it documents.
+ROUTE_SCOPE_TABLE: web.AppKey[Mapping[tuple[str, str], frozenset[str]]] = web.AppKey(
+    "route_scope_table"
+)

@@ -7,7 +7,9 @@ each), what has outlived its retention:
 - `blobs`: result blobs past `blob_retention_seconds`, and those of the requests purged below;
 - `requests`: `done` and `cancelled` rows `request_retention_seconds` after they finished (0:
   never); `poison` rows stay until an operator replays or discards them;
-- `compute_locks`: locks dead past their TTL that nobody acquired again.
+- `compute_locks`: locks dead past their TTL that nobody acquired again;
+- `token_revocations`: revocations of tokens that have expired since (docs/operating.md,
+  "Revoking a token"): such a token is refused as expired anyway.
 
 A pass that deleted anything then gives the freed pages back to the file system where the
 backend can (`give_space_back`: SQLite's incremental vacuum), as compaction does, so the file
@@ -45,7 +47,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: What a pass deletes, as the `kind` label of its metrics.
-KINDS: Final = ("idempotency_keys", "blobs", "requests", "compute_locks")
+KINDS: Final = ("idempotency_keys", "blobs", "requests", "compute_locks", "token_revocations")
 #: A pass stops taking batches after this long (the next one then starts at once): its metrics
 #: are published and the server's shutdown is never held up by a long backlog.
 PASS_BUDGET_SECONDS: Final = 60.0
@@ -84,10 +86,14 @@ def batches(stores: Stores, config: ServerConfig) -> dict[str, Batch]:
     async def locks(limit: int) -> dict[str, int]:
         return {"compute_locks": await stores.locks.sweep(await stores.locks.clock(), limit=limit)}
 
+    async def revocations(limit: int) -> dict[str, int]:
+        return {"token_revocations": await stores.revocations.sweep(time.time(), limit=limit)}
+
     kinds: dict[str, Batch] = {"idempotency_keys": keys, "blobs": blobs}
     if config.request_retention_seconds > 0:
         kinds["requests"] = requests
     kinds["compute_locks"] = locks
+    kinds["token_revocations"] = revocations
     return kinds
 
 

@@ -16,11 +16,13 @@ from cv_server.errors import CvServerError
 from cv_server.locks.store import ComputeLockStore
 from cv_server.oplog import OpLogStore
 from cv_server.queue import BlobStore, IdempotencyStore, QueueStore
+from cv_server.revocations import RevocationStore
 from cv_server.storage_faults import StorageFaults, StorageUnavailable
 
 __all__ = [
     "DatabaseUnusable",
     "FollowCommits",
+    "FollowRevocations",
     "FollowSecret",
     "Stores",
     "give_space_back",
@@ -73,6 +75,11 @@ FollowCommits: TypeAlias = Callable[
 #: one: an embedded server's file is not rotated while it is served.
 FollowSecret: TypeAlias = Callable[[Callable[[bytes], None]], Awaitable[None]]
 
+#: `await follow(on_revoked)`: from now on, call `on_revoked()` whenever another instance may
+#: have revoked a token (PostgreSQL: NOTIFY; also after the LISTEN connection came back), so
+#: that revocations are read at once rather than at the next poll.
+FollowRevocations: TypeAlias = Callable[[Callable[[], None]], Awaitable[None]]
+
 
 def _translated_already(exc: BaseException) -> StorageUnavailable | None:
     return exc if isinstance(exc, StorageUnavailable) else None
@@ -87,9 +94,11 @@ class Stores:
     idempotency: IdempotencyStore
     blobs: BlobStore
     locks: ComputeLockStore
+    revocations: RevocationStore
     secret: bytes
     follow_commits: FollowCommits | None = None
     follow_secret: FollowSecret | None = None
+    follow_revocations: FollowRevocations | None = None
     #: Writes refused for storage, and whether the last one was (docs/operating.md, "Storage
     #: faults"): read by `/readyz` and `cv_storage_writes_refused_total`.
     faults: StorageFaults = field(default_factory=StorageFaults)

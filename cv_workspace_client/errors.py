@@ -317,6 +317,10 @@ _RETRYABLE_SERVER_CODES: Final = frozenset({"internal", "unavailable", "storage_
 _FINAL_BY_CODE: dict[str, type[WorkspaceError]] = {
     "unauthorized": AuthError,
     "forbidden_workspace": ForbiddenError,
+    # Scopes and sub-doc grants (docs/operating.md, "Tokens and scopes"): the token may not.
+    "missing_scope": ForbiddenError,
+    "forbidden_sub_doc": ForbiddenError,
+    "token_revoked": AuthError,
     "not_found": NotFoundError,
 }
 

@@ -25,7 +25,7 @@ from cv_server.http.inputs import check_ids
 from cv_server.http.models import DocList, LockList
 from cv_server.http.openapi import Doc, Param, documented
 from cv_server.http.problems import Problem
-from cv_server.http.security import authorize
+from cv_server.http.security import authenticate, authorize
 from cv_server.keys import CONFIG, STORES
 
 __all__ = ["MAX_PAGE", "routes"]
@@ -74,7 +74,7 @@ def _workspace(request: web.Request) -> str:
 @routes.get("/v1/workspaces/{ws}/docs")
 @documented(
     Doc(
-        "Operators: a workspace's written sub-docs at their head clocks (paged)",
+        "A workspace's written sub-docs the token grants, at their head clocks (paged)",
         {200: DocList},
         params=_PAGING,
         problems=_LISTING_PROBLEMS,
@@ -83,13 +83,18 @@ def _workspace(request: web.Request) -> str:
 )
 async def list_docs(request: web.Request) -> web.Response:
     workspace_id = _workspace(request)
+    claims = authenticate(request)
     limit = _limit(request)
     after = request.query.get("after")
     if after is not None and not is_valid_sub_doc(after):
         raise Problem(422, "invalid_field", "after must be the next_after of a listing page")
     docs = await request.app[STORES].oplog.list_sub_docs(workspace_id, after=after, limit=limit)
     next_after = docs[-1].sub_doc if len(docs) == limit else None
-    body = {"docs": [doc.to_json() for doc in docs], "next_after": next_after}
+    # A token limited to some sub-docs sees only those (docs/operating.md, "Sub-doc grants"):
+    # filtered after the page is read, so a page may hold fewer than `limit`, and `next_after`
+    # still pages on through the workspace's sub-docs.
+    shown = [doc for doc in docs if claims.allows_sub_doc(doc.sub_doc)]
+    body = {"docs": [doc.to_json() for doc in shown], "next_after": next_after}
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 

@@ -65,6 +65,7 @@ __all__ = [
     "RequestList",
     "StateOut",
     "SubDocHeadOut",
+    "TokenRevoked",
     "UploadAnswer",
     "parse_body",
 ]
@@ -487,3 +488,15 @@ class LockLocked(_LockTiming):
 
 class LockReleased(_Answer):
     released: bool
+
+
+# -- tokens ---------------------------------------------------------------------------------------
+
+
+class TokenRevoked(_Answer):
+    token_id: str
+    revoked: Literal[True]
+    newly: bool = Field(description="False when the token was revoked already")
+    expires_at: int | None = Field(
+        description="When the entry goes (the token expires anyway); null: never"
+    )

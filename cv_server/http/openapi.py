@@ -26,10 +26,12 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from cv_mutations.schema import PublishedJsonSchema
+from cv_server.auth import TOKEN_ID_PATTERN
 from cv_server.http.models import ProblemDetails
 from cv_server.http.problems import CODES
 from cv_server.http.ratelimit import ROUTE_CLASS_OF
 from cv_server.http.security import BEARER_SUBPROTOCOL_PREFIX, SOCKET_SUBPROTOCOL
+from cv_server.keys import ROUTE_SCOPE_TABLE
 from cv_server.observe import REQUEST_ID_HEADER
 
 __all__ = [
@@ -131,6 +133,10 @@ _PATH_PARAMS: Final[Mapping[str, tuple[Mapping[str, Any], str]]] = {
     "sub_doc": ({"type": "string", "pattern": "^[a-z0-9_.-]{1,64}$"}, "The sub-doc name"),
     "id": ({"type": "string"}, "The queue request id"),
     "ref": ({"type": "string"}, "The blob reference"),
+    "token_id": (
+        {"type": "string", "pattern": TOKEN_ID_PATTERN},
+        "A token's id (`jti`), as `cv-server token` prints it",
+    ),
 }
 
 
@@ -144,7 +150,10 @@ def _common_problems(path: str, doc: Doc) -> dict[int, list[str]]:
         500: ["internal"],
     }
     if doc.auth:
-        problems[401] = ["unauthorized"]
+        problems[401] = ["unauthorized", "token_revoked"]
+        problems[403] = ["missing_scope"]
+    if "{sub_doc}" in path:
+        problems.setdefault(403, []).append("forbidden_sub_doc")
     if "{ws}" in path:
         problems.setdefault(403, []).append("forbidden_workspace")
         problems.setdefault(422, []).append("invalid_id")
@@ -285,7 +294,9 @@ def _answer_object(status: int, answer: Answer, headers: Sequence[str]) -> dict[
     return found
 
 
-def _operation(path: str, method: str, doc: Doc, handler: Any) -> dict[str, Any]:
+def _operation(
+    path: str, method: str, doc: Doc, handler: Any, scopes: frozenset[str]
+) -> dict[str, Any]:
     name = getattr(handler, "__name__", "handler")
     operation: dict[str, Any] = {"operationId": name, "summary": doc.summary}
     if doc.description:
@@ -343,7 +354,10 @@ def _operation(path: str, method: str, doc: Doc, handler: Any) -> dict[str, Any]
     for status in sorted(problems):
         responses[str(status)] = _problem_response(status, problems[status])
     operation["responses"] = dict(sorted(responses.items()))
-    operation["security"] = [{"bearer": []}] if doc.auth else []
+    operation["security"] = [{"bearer": sorted(scopes)}] if doc.auth else []
+    if doc.auth:
+        # Any one of them will do (docs/operating.md, "Tokens and scopes").
+        operation["x-required-scope"] = sorted(scopes)
     return operation
 
 
@@ -360,9 +374,11 @@ def build_document(app: web.Application) -> dict[str, Any]:
         ref_template="#/components/schemas/{model}",
         schema_generator=PublishedJsonSchema,
     )
+    scope_table = app.get(ROUTE_SCOPE_TABLE, {})
     paths: dict[str, dict[str, Any]] = {}
     for path, method, doc, handler in sorted(ops, key=lambda op: (op[0], op[1])):
-        paths.setdefault(path, {})[method] = _operation(path, method, doc, handler)
+        scopes = scope_table.get((method.upper(), path), frozenset())
+        paths.setdefault(path, {})[method] = _operation(path, method, doc, handler, scopes)
     return {
         "openapi": "3.1.0",
         "info": {

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from cv_server.auth import TokenClaims, TokenError, verify_token
 from cv_server.http.problems import Problem
-from cv_server.keys import TOKEN_SECRET
+from cv_server.keys import REVOKED_TOKENS, TOKEN_SECRET
 
 __all__ = [
     "BEARER_SUBPROTOCOL_PREFIX",
@@ -19,6 +19,8 @@ __all__ = [
     "authenticate",
     "authorize",
     "bearer_token",
+    "check_sub_doc",
+    "missing_scope",
     "seconds_left",
     "signed_with",
 ]
@@ -78,6 +80,8 @@ def authenticate(
         raise Problem(401, "unauthorized", str(exc)) from None
     if claims.expires_at is not None and now() >= claims.expires_at:
         raise Problem(401, "unauthorized", "token expired")
+    if claims.token_id is not None and claims.token_id in request.app[REVOKED_TOKENS]:
+        raise Problem(401, "token_revoked", f"token {claims.token_id} was revoked")
     return claims
 
 
@@ -102,3 +106,25 @@ def seconds_left(claims: TokenClaims) -> float | None:
     """Seconds until `claims` expire, on the clock `authenticate` checks (None: never). For
     what outlives one check, as a socket outlives its handshake."""
     return None if claims.expires_at is None else claims.expires_at - now()
+
+
+def missing_scope(accepted: frozenset[str]) -> Problem:
+    """The refusal of a token holding none of `accepted`."""
+    names = sorted(accepted)
+    return Problem(
+        403,
+        "missing_scope",
+        f"the token lacks the {' or '.join(repr(n) for n in names)} scope this needs",
+        required_scopes=names,
+    )
+
+
+def check_sub_doc(claims: TokenClaims, sub_doc: str) -> None:
+    """Raise `403 forbidden_sub_doc` unless the token's grant covers `sub_doc`."""
+    if not claims.allows_sub_doc(sub_doc):
+        raise Problem(
+            403,
+            "forbidden_sub_doc",
+            f"the token does not grant sub-doc {sub_doc!r}",
+            sub_doc=sub_doc,
+        )

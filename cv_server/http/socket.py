@@ -22,6 +22,7 @@ import orjson
 from aiohttp import WSMsgType, web
 
 from cv_mutations import is_valid_sub_doc, is_valid_workspace_id
+from cv_server.auth import TokenClaims
 from cv_server.http.inputs import check_since, decode_json, latest_minted_at, parse_apply_body
 from cv_server.http.openapi import Doc, Param, documented
 from cv_server.http.problems import Problem
@@ -31,6 +32,8 @@ from cv_server.http.security import (
     SOCKET_SUBPROTOCOL,
     authenticate,
     bearer_token,
+    check_sub_doc,
+    missing_scope,
     seconds_left,
     signed_with,
 )
@@ -43,6 +46,7 @@ from cv_server.keys import (
     HUB,
     METRICS,
     RATE_LIMITS,
+    REVOKED_TOKENS,
     STATE,
     STORES,
     TOKEN_SECRET,
@@ -50,7 +54,7 @@ from cv_server.keys import (
 from cv_server.oplog import LogEntry, Outcome
 from cv_server.publish import commit_and_publish, publish
 
-__all__ = ["CLOSE_FORBIDDEN", "CLOSE_UNAUTHORIZED", "FRAME_TYPES", "routes"]
+__all__ = ["CLOSE_FORBIDDEN", "CLOSE_UNAUTHORIZED", "FRAME_SCOPES", "FRAME_TYPES", "routes"]
 
 log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
@@ -85,6 +89,11 @@ def _check_req(req: Any) -> None:
 
 #: The frames a client may send, by their `type` member (docs/protocol.md).
 FRAME_TYPES: Final = ("subscribe", "unsubscribe", "apply")
+#: The scope each frame needs (docs/operating.md, "Tokens and scopes"); a frame refused for it
+#: is answered with a `missing_scope` error frame and the socket stays. The handshake needs one
+#: of them (`cv_server.http.routes.ROUTE_SCOPES`; tests/server/http/test_scopes.py holds the two
+#: alike). Subscribe and apply are held to the token's sub-doc grant too (`forbidden_sub_doc`).
+FRAME_SCOPES: Final = {"subscribe": "read", "unsubscribe": "read", "apply": "write"}
 _EXPECTED: Final = "one of " + ", ".join(f'"{kind}"' for kind in FRAME_TYPES)
 #: A JSON value's type, by the Python type `decode_json` reads it as.
 _JSON_TYPES: Final = {bool: "a boolean", int: "a number", float: "a number", list: "an array"}
@@ -111,9 +120,16 @@ class _Session:
     """One authenticated socket on one workspace."""
 
     def __init__(
-        self, app: web.Application, conn: Connection, workspace_id: str, token: str
+        self,
+        app: web.Application,
+        conn: Connection,
+        workspace_id: str,
+        token: str,
+        claims: TokenClaims,
     ) -> None:
         self.app = app
+        #: What the handshake's token may do: each frame is held to it.
+        self.claims = claims
         self.conn = conn
         self.workspace_id = workspace_id
         #: The bearer token of the handshake: its `ops` bucket pays for each apply frame.
@@ -163,6 +179,12 @@ class _Session:
             sub_doc = frame.get("sub_doc")
             if not isinstance(sub_doc, str) or not is_valid_sub_doc(sub_doc):
                 raise Problem(422, "invalid_id", "sub_doc must match [a-z0-9_.-]{1,64}")
+            if FRAME_SCOPES[kind] not in self.claims.scopes:
+                problem = missing_scope(frozenset({FRAME_SCOPES[kind]}))
+                problem.extra["sub_doc"] = sub_doc  # fails that subscription alone
+                raise problem
+            if kind != "unsubscribe":
+                check_sub_doc(self.claims, sub_doc)
             if kind == "subscribe":
                 # Bounded above as well: a `since` past SQLite's INTEGER range failed the
                 # catch-up read and closed the whole socket (1011), every subscription with it.
@@ -364,6 +386,8 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
         expires_in = seconds_left(claims)
         if not is_valid_workspace_id(workspace_id) or not claims.allows(workspace_id):
             close_code, reason = CLOSE_FORBIDDEN, b"forbidden workspace"
+        elif not claims.has_any_scope(frozenset(FRAME_SCOPES.values())):
+            close_code, reason = CLOSE_FORBIDDEN, b"missing_scope: read or write"
     except Problem as problem:
         close_code, reason = CLOSE_UNAUTHORIZED, problem.detail.encode()[:120]
     if app[STATE].shutting_down:
@@ -385,7 +409,7 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
     )
     token = bearer_token(request, allow_query=True, allow_subprotocol=True)
     assert token is not None  # `authenticate` took it
-    session = _Session(app, conn, workspace_id, token)
+    session = _Session(app, conn, workspace_id, token, claims)
     app[CONNECTIONS].add(conn)
     expiry = None
     if expires_in is not None:
@@ -406,6 +430,16 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
 
     unwatch = app[TOKEN_SECRET].watch(on_new_secret)
     on_new_secret(app[TOKEN_SECRET].value)  # one rotated during the handshake's awaits
+
+    def on_revoked(token_id: str) -> None:
+        # Revoked (docs/operating.md, "Revoking a token"): closed as an expired token is, as
+        # soon as this server reads the revocation (tests/server/test_token_revocation.py).
+        if token_id == claims.token_id:
+            conn.close(CLOSE_UNAUTHORIZED, b"token revoked")
+
+    unwatch_revoked = app[REVOKED_TOKENS].watch(on_revoked)
+    if claims.token_id is not None and claims.token_id in app[REVOKED_TOKENS]:
+        on_revoked(claims.token_id)  # revoked during the handshake's awaits
     try:
         try:
             async for msg in ws:
@@ -431,6 +465,7 @@ async def socket(request: web.Request) -> web.WebSocketResponse:
                 await closing
     finally:
         unwatch()
+        unwatch_revoked()
         if expiry is not None:
             expiry.cancel()
         app[CONNECTIONS].discard(conn)

@@ -40,6 +40,7 @@ from cv_server.pg.notifier import Notifier, reconnect_delays
 from cv_server.pg.oplog import OPLOG_CHANNEL, PostgresOpLogStore, parse_oplog_payload
 from cv_server.pg.pool import PostgresSettings, close_pool, create_pool
 from cv_server.pg.queue import QUEUE_CHANNEL, PostgresQueueStore
+from cv_server.pg.revocations import REVOCATIONS_CHANNEL, PostgresRevocationStore, revoke_token
 from cv_server.storage_faults import StorageFaults, StorageUnavailable
 from cv_server.stores import DatabaseUnusable, Stores, translating
 
@@ -51,6 +52,7 @@ __all__ = [
     "listen_application_name",
     "open_postgres_stores",
     "read_token_secret",
+    "revoke_token_in",
     "rotate_token_secret",
     "set_up_deployment",
 ]
@@ -177,6 +179,29 @@ async def rotate_token_secret(dsn: str) -> str:
     return schema
 
 
+@_refusals_translated
+async def revoke_token_in(dsn: str, token_id: str, expires_at: int | None) -> tuple[str, bool]:
+    """Revoke `token_id` in the deployment at `dsn` (`cv-server token revoke`); returns the
+    schema and whether it was new. Every running instance is told at commit (NOTIFY). Raises
+    `NotSetUp` where there is no deployment: a mistyped DSN gets no table."""
+    pool = await create_pool(dsn, PostgresSettings(pool_min_size=1, pool_max_size=1))
+    try:
+        schema = await _current_schema(pool)
+        if await stored_token_secret(pool) is None:
+            raise NotSetUp(f"schema {schema!r} holds no cv-server deployment: nothing to revoke")
+        channel = channel_name(REVOCATIONS_CHANNEL, schema)
+        try:
+            created = await revoke_token(pool, channel, token_id, expires_at)
+        except asyncpg.UndefinedTableError:
+            raise NotSetUp(
+                f"schema {schema!r} predates token revocation: start this cv-server on it once"
+                " (or run `cv-server init`) to migrate it"
+            ) from None
+    finally:
+        await pool.close()
+    return schema, created
+
+
 class _SecretFollower:
     """Reads the stored token secret again each time `wake` is called, and hands it on.
 
@@ -264,6 +289,14 @@ async def open_postgres_stores(config: ServerConfig) -> Stores:
     blobs = PostgresBlobStore(pool, retention=config.blob_retention_seconds)
     locks = PostgresComputeLockStore(pool)
     secret_follower = _SecretFollower(pool)
+    revocations_channel = channel_name(REVOCATIONS_CHANNEL, schema)
+    revocations = PostgresRevocationStore(pool, channel=revocations_channel)
+
+    async def follow_revocations(on_revoked: Callable[[], None]) -> None:
+        """Call `on_revoked()` whenever a token may have been revoked by any instance or by
+        `cv-server token revoke` (NOTIFY), or such news may have been lost (reconnect)."""
+        await notifier.listen(revocations_channel, lambda _payload: on_revoked(), on_revoked)
+        on_revoked()  # LISTEN is active: one revoked before it is read now
 
     async def follow_secret(on_secret: Callable[[bytes], None]) -> None:
         """Call `on_secret(secret)` with the stored secret each time it may have changed."""
@@ -317,9 +350,11 @@ async def open_postgres_stores(config: ServerConfig) -> Stores:
         idempotency=idempotency,
         blobs=blobs,
         locks=locks,
+        revocations=revocations,
         secret=secret,
         follow_commits=follow_commits,
         follow_secret=follow_secret,
+        follow_revocations=follow_revocations,
         # Closed in reverse: the stores first (finishing queued appends), the secret's reader,
         # then the LISTEN connection, the pool last.
         _closers=[

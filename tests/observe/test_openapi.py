@@ -54,8 +54,8 @@ def test_every_route_is_documented_and_a_new_one_is_named_until_it_is(tmp_path: 
     assert undocumented_routes(app) == []
     operation = build_document(app)["paths"]["/v1/new/{ws}/thing"]["get"]
     # the codes every route under a workspace can answer come with it
-    assert _codes(operation, "403") == ["forbidden_workspace"]
-    assert _codes(operation, "401") == ["unauthorized"]
+    assert _codes(operation, "403") == ["forbidden_workspace", "missing_scope"]
+    assert _codes(operation, "401") == ["token_revoked", "unauthorized"]
     assert operation["parameters"][0]["name"] == "ws"
 
 

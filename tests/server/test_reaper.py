@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -75,6 +76,12 @@ async def test_a_pass_deletes_what_outlived_its_retention_until_caught_up(
     for i in range(12):  # acquired after the live one: its acquisition swept none of them
         dead = await stores.locks.acquire(WS, "job", f"dead-{i}", "w", 1.0, lock_now - 10)
         assert isinstance(dead, Acquired)
+    # Revocations of tokens expired since go; one of a token still alive, or of one that
+    # never expires, stays (docs/operating.md, "Revoking a token").
+    expired_at = int(time.time()) - 10
+    await stores.revocations.revoke(f"{expired_at}-{'a' * 24}", expired_at)
+    await stores.revocations.revoke(f"{expired_at + 3600}-{'b' * 24}", expired_at + 3600)
+    await stores.revocations.revoke(f"never-{'c' * 24}", None)
 
     report = await reap_once(batches(stores, config), 10)  # three batches of requests
     assert report.caught_up
@@ -83,7 +90,10 @@ async def test_a_pass_deletes_what_outlived_its_retention_until_caught_up(
         "blobs": 0,
         "requests": 25,
         "compute_locks": 12,
+        "token_revocations": 1,
     }
+    kept_ids = [entry.token_id for entry in await stores.revocations.revoked_since(0)]
+    assert kept_ids == [f"{expired_at + 3600}-{'b' * 24}", f"never-{'c' * 24}"]
     assert all([await stores.queue.get(WS, row.request_id) is None for row in old])
     for kept in (recent, poison):
         assert await stores.queue.get(WS, kept.request_id) == kept
