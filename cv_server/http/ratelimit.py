@@ -43,6 +43,7 @@ ROUTE_CLASS_OF: Final[dict[tuple[str, str], RouteClass]] = {
     ("GET", "/v1/queue/pending"): "claim",
     ("GET", "/v1/queue/requests"): "claim",
     ("POST", "/v1/queue/complete"): "queue",
+    ("POST", "/v1/tokens/{token_id}/revoke"): "queue",
     ("POST", f"{_WS}/requests/{{id}}/heartbeat"): "queue",
     ("POST", f"{_WS}/requests/{{id}}/complete"): "queue",
     ("POST", f"{_WS}/requests/{{id}}/fail"): "queue",
