@@ -7,9 +7,11 @@ the HTTP edge.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
-from collections.abc import Iterable
-from typing import Final, Literal, get_args
+from collections.abc import Iterable, Mapping
+from typing import Any, Final, Literal, get_args
 
 __all__ = [
     "ALL_SCOPES",
@@ -17,6 +19,9 @@ __all__ = [
     "Scope",
     "check_scopes",
     "check_sub_doc_grants",
+    "enqueue_grant",
+    "grant_allows_sub_doc",
+    "grant_scope_key",
     "sub_doc_granted",
 ]
 
@@ -64,3 +69,30 @@ def sub_doc_granted(grants: frozenset[str] | None, sub_doc: str) -> bool:
     if grants is None or sub_doc in grants:
         return True
     return any(g.endswith("*") and sub_doc.startswith(g[:-1]) for g in grants)
+
+
+def enqueue_grant(scopes: frozenset[str], sub_docs: frozenset[str] | None) -> dict[str, Any] | None:
+    """The grant a request records from its enqueuer's verified token (docs/queue.md, "Whose
+    grant a stage runs under"): `{"scopes": [...], "sub_docs": [...] | null}`, or None for a
+    token with every scope and every sub-doc, whose requests keep the ids they always had."""
+    if scopes >= ALL_SCOPES and sub_docs is None:
+        return None
+    return {"scopes": sorted(scopes), "sub_docs": None if sub_docs is None else sorted(sub_docs)}
+
+
+def grant_scope_key(grant: Mapping[str, Any] | None) -> str | None:
+    """A short key naming `grant` (None for the full grant): part of a deterministic request id
+    and of compute-lock keys, so that work done under one grant is never shared with another
+    (tests/worker/test_enqueue_grant.py)."""
+    if grant is None:
+        return None
+    canonical = json.dumps(grant, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def grant_allows_sub_doc(grant: Mapping[str, Any] | None, sub_doc: str) -> bool:
+    """Whether a request enqueued under `grant` may have `sub_doc` read or written for it."""
+    if grant is None:
+        return True
+    grants = grant.get("sub_docs")
+    return sub_doc_granted(None if grants is None else frozenset(grants), sub_doc)

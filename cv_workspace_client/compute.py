@@ -283,6 +283,7 @@ async def compute_once(
     lease: Callable[[], None] | None = None,
     polling: LockPolling = LockPolling(),
     now: Callable[[], float] = time.time,
+    scope_key: str | None = None,
 ) -> ComputeResult[T]:
     """Run `compute` at most once across every caller of `(workspace_id, job_id, task)`.
 
@@ -303,6 +304,9 @@ async def compute_once(
         polling: the acquisition retry schedule while waiting.
         now: the clock that times the compute against the lock (injectable); only its
             differences count, so it need not agree with the server's.
+        scope_key: the grant the caller works under (`StageRequest.scope_key`; None: the full
+            grant). It is part of the lock's key (`task@scope_key`), so callers under different
+            grants never share a lock or wait on each other's write (docs/stages.md).
 
     Raises:
         LockExpiringError: the compute outran the lock's budget; it is cancelled rather than
@@ -312,6 +316,8 @@ async def compute_once(
     """
     if wait is not None and sub_doc is None:
         raise ValueError("wait needs sub_doc: the sub-doc the holder's write is broadcast on")
+    if scope_key is not None:
+        task = f"{task}@{scope_key}"
     me = f"{holder[:200]}#{secrets.token_hex(6)}"
 
     # 1. Pre-flight: no lock round trip when the value is already there.

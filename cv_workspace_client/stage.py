@@ -23,11 +23,12 @@ import base64
 import hashlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from cv_mutations import Op
+from cv_workspace_client._queue.holder import stage_write
 from cv_workspace_client.client import WorkspaceClient
 from cv_workspace_client.compute import ComputeResult, compute_once
 from cv_workspace_client.errors import (
@@ -79,6 +80,9 @@ class StageRequest:
     dequeue_count: int
     created_at: float
     claimed_at: float | None
+    #: The grant of the token that enqueued the request (`{"scopes", "sub_docs"}`), or None for
+    #: a token with every scope and sub-doc: the stage's writes stay inside it (docs/stages.md).
+    enqueue_grant: Mapping[str, Any] | None = None
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> StageRequest:
@@ -96,7 +100,25 @@ class StageRequest:
             dequeue_count=int(row["dequeue_count"]),
             created_at=float(row["created_at"]),
             claimed_at=None if claimed_at is None else float(claimed_at),
+            enqueue_grant=_grant(row.get("enqueue_grant")),
         )
+
+    @property
+    def scope_key(self) -> str | None:
+        """A short key naming `enqueue_grant` (None for the full grant): compute-lock keys carry
+        it, so work done for one grant is never shared with another."""
+        if self.enqueue_grant is None:
+            return None
+        canonical = json.dumps(dict(self.enqueue_grant), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _grant(value: Any) -> Mapping[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"enqueue_grant must be an object or null, not {value!r}")
+    return value
 
 
 Handler = Callable[["StageContext"], Awaitable[Any]]
@@ -163,8 +185,12 @@ class StageContext:
         provider: Provider | None = None,
         worker_id: str,
         lease: LeaseState | None = None,
+        claim_token: str | None = None,
     ) -> None:
         self.request = request
+        #: The worker's claim on the request: with it, the writes of a request enqueued under a
+        #: limited grant go through the route that holds them to that grant (`apply_op`).
+        self._claim_token = claim_token
         self.client = client
         self.provider = provider
         self.worker_id = worker_id
@@ -234,7 +260,7 @@ class StageContext:
         self._writes += 1
         self._settled.clear()
         try:
-            commit = await self.client.apply_op(self.workspace_id, sub_doc, derived)
+            commit = await self._write(sub_doc, derived)
             _log.info(
                 "wrote %s to %s at clock %s",
                 derived.op_id,
@@ -260,6 +286,22 @@ class StageContext:
             self._writes -= 1
             if self._writes == 0:
                 self._settled.set()
+
+    async def _write(self, sub_doc: str, op: Op) -> Commit:
+        # A request enqueued under a limited grant is written through the stage-write route,
+        # where the server checks the sub-doc against the grant recorded on the request (the
+        # enqueuer's code, `forbidden_sub_doc`, when outside it); others through the outbox.
+        # tests/worker/test_enqueue_grant.py pins both.
+        if self.request.enqueue_grant is not None and self._claim_token is not None:
+            return await stage_write(
+                self.client,
+                self.workspace_id,
+                self.request.request_id,
+                self._claim_token,
+                sub_doc,
+                op,
+            )
+        return await self.client.apply_op(self.workspace_id, sub_doc, op)
 
     def refused_write(self, exc: BaseException) -> dict[str, Any] | None:
         """The write of this run (`key`, `sub_doc`, op `type`, `op_id`) whose final refusal is
@@ -315,4 +357,5 @@ class StageContext:
             sub_doc=sub_doc,
             wait=wait,
             lease=self.ensure_lease,
+            scope_key=self.request.scope_key,
         )

@@ -62,6 +62,7 @@ __all__ = [
     "RefusedClaimed",
     "RefusedItem",
     "RejectedOp",
+    "RequestGrant",
     "RequestList",
     "StateOut",
     "SubDocHeadOut",
@@ -228,6 +229,13 @@ class EnqueueBody(_Closed):
     rerun: bool = False
 
 
+class RequestGrant(_Answer):
+    """The scopes and sub-doc grants (null: all) of the token that enqueued a request."""
+
+    scopes: list[str]
+    sub_docs: list[str] | None
+
+
 class QueueRequest(_Answer):
     request_id: str
     workspace_id: str
@@ -252,6 +260,11 @@ class QueueRequest(_Answer):
     finished_at: float | None
     telemetry: JsonValue
     cancel_requested: bool = Field(description="A cancel is asked for; its holder stops soon")
+    enqueue_grant: RequestGrant | None = Field(
+        default=None,
+        description="The grant of the token that enqueued it (null: every scope and sub-doc);"
+        " a stage's writes for it stay inside it (docs/queue.md)",
+    )
     unclaimed_seconds: float | None = Field(
         default=None, description="How long it has waited unclaimed (on some routes)"
     )

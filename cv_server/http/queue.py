@@ -78,6 +78,7 @@ from cv_server.queue import (
     request_fingerprint,
 )
 from cv_server.queue.model import fence, input_differs
+from cv_server.scopes import enqueue_grant, grant_scope_key
 
 __all__ = ["routes"]
 
@@ -186,17 +187,20 @@ def _enqueue_answer(enqueued: Enqueued, req: NewRequest) -> dict[str, Any]:
 
 
 def _new_request(
-    workspace_id: str, body: dict[str, Any], max_dequeues: int
+    workspace_id: str, body: dict[str, Any], max_dequeues: int, claims: TokenClaims
 ) -> tuple[NewRequest, bool]:
     """The request `body` asks for; `max_dequeues` is the server's setting, used unless the
-    body names its own."""
+    body names its own. The request records the grant of the verified `claims`, never of the
+    body, and a limited grant is part of its deterministic id (docs/queue.md, "Whose grant a
+    stage runs under")."""
+    grant = enqueue_grant(claims.scopes, claims.sub_docs)
     asked = parse_body(EnqueueBody, body)
     stage, job_id, branch_path = asked.stage, asked.job_id, asked.branch_path
     deterministic = job_id is not None if asked.deterministic is None else asked.deterministic
     rerun = asked.rerun
     # Where the stage declares it, re-enqueueing must not fork the work.
     request_id = (
-        deterministic_request_id(workspace_id, job_id, branch_path, stage)
+        deterministic_request_id(workspace_id, job_id, branch_path, stage, grant_scope_key(grant))
         if deterministic
         else random_request_id(secrets.token_hex(20))
     )
@@ -216,6 +220,7 @@ def _new_request(
             branch_path=branch_path,
             worker_class=asked.worker_class,
             max_dequeues=max_dequeues,
+            enqueue_grant=grant,
         )
     except ValueError as exc:
         raise Problem(422, "invalid_field", str(exc)) from None
@@ -250,9 +255,9 @@ IDEMPOTENCY_KEY: Final = Param(
 async def enqueue(request: web.Request) -> web.Response:
     workspace_id = request.match_info["ws"]
     check_ids(workspace_id)
-    authorize(request, workspace_id)
+    claims = authorize(request, workspace_id)
     raw, body = await _json_body(request)
-    req, rerun = _new_request(workspace_id, body, request.app[CONFIG].max_dequeues)
+    req, rerun = _new_request(workspace_id, body, request.app[CONFIG].max_dequeues, claims)
     queue = request.app[STORES].queue
     enqueued = await _once_per_key(
         request,
@@ -797,7 +802,9 @@ async def fail(request: web.Request) -> web.Response:
 # -- batched enqueue -------------------------------------------------------------------------------
 
 
-def _batch_of(workspace_id: str, body: dict[str, Any], max_dequeues: int) -> list[EnqueueAsk]:
+def _batch_of(
+    workspace_id: str, body: dict[str, Any], max_dequeues: int, claims: TokenClaims
+) -> list[EnqueueAsk]:
     """The enqueues `{"requests": [...]}` asks for, each item read as the single route reads its
     body (`_new_request`). A bad item refuses the whole call: 422 with the item's own code and
     `item_index`, and nothing is enqueued (pinned by
@@ -812,7 +819,7 @@ def _batch_of(workspace_id: str, body: dict[str, Any], max_dequeues: int) -> lis
         try:
             if not isinstance(item, dict):
                 raise Problem(422, "invalid_field", "an item must be a JSON object")
-            req, rerun = _new_request(workspace_id, item, max_dequeues)
+            req, rerun = _new_request(workspace_id, item, max_dequeues, claims)
         except Problem as exc:
             raise Problem(
                 exc.status, exc.code, f"requests[{index}]: {exc.detail}", item_index=index
@@ -850,9 +857,9 @@ async def enqueue_batch(request: web.Request) -> web.Response:
     [answer, ...]}`, each the single route's answer; all in one transaction (docs/queue.md)."""
     workspace_id = request.match_info["ws"]
     check_ids(workspace_id)
-    authorize(request, workspace_id)
+    claims = authorize(request, workspace_id)
     raw, body = await _json_body(request)
-    batch = _batch_of(workspace_id, body, request.app[CONFIG].max_dequeues)
+    batch = _batch_of(workspace_id, body, request.app[CONFIG].max_dequeues, claims)
     queue = request.app[STORES].queue
     answers = await _once_per_key(
         request,

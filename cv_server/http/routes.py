@@ -19,6 +19,7 @@ from cv_server.http import (
     results,
     revocations,
     socket,
+    stage_writes,
 )
 
 __all__ = [
@@ -34,6 +35,7 @@ ROUTE_TABLES: Final[tuple[web.RouteTableDef, ...]] = (
     docs.routes,
     socket.routes,
     queue.routes,
+    stage_writes.routes,
     results.routes,
     queue_operators.routes,
     locks.routes,
@@ -75,6 +77,8 @@ ROUTE_SCOPES: Final[Mapping[tuple[str, str], frozenset[str]]] = {
     ("POST", f"{_WS}/requests/{{id}}/complete"): frozenset({"work"}),
     ("POST", f"{_WS}/requests/{{id}}/fail"): frozenset({"work"}),
     ("POST", f"{_WS}/requests/{{id}}/result"): frozenset({"work"}),
+    # A stage's write, also held to the grant its request was enqueued under.
+    ("POST", f"{_WS}/requests/{{id}}/docs/{{sub_doc}}/ops"): frozenset({"work"}),
     ("POST", f"{_WS}/locks/acquire"): frozenset({"work"}),
     ("POST", f"{_WS}/locks/release"): frozenset({"work"}),
     # Operators.

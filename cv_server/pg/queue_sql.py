@@ -51,11 +51,11 @@ __all__ = [
 TABLE: Final = "workspace_process_requests"
 
 COLUMNS: Final = tuple(f.name for f in fields(ProcessRequest))
-_JSON_COLUMNS: Final = frozenset({"input", "result", "error", "telemetry"})
+_JSON_COLUMNS: Final = frozenset({"input", "result", "error", "telemetry", "enqueue_grant"})
 #: What only a rerun (which rewrites the whole request) may change.
 _REQUEST_COLUMNS: Final = frozenset(
     {"request_id", "workspace_id", "stage", "job_id", "branch_path", "input", "worker_class"}
-    | {"run", "max_dequeues", "created_at"}
+    | {"run", "max_dequeues", "created_at", "enqueue_grant"}
 )
 #: What every other verb may change.
 LIFECYCLE: Final = tuple(c for c in COLUMNS if c not in _REQUEST_COLUMNS)
@@ -157,6 +157,7 @@ _ROW_TYPES: Final = {
         ("request_id", "workspace_id", "stage", "job_id", "branch_path", "worker_class"), "text"
     ),
     "input": "text",
+    "enqueue_grant": "text",
     "run": "int4",
     "max_dequeues": "int4",
 }

@@ -116,7 +116,11 @@ _DEFAULT_MAX_DEQUEUES: Final = ServerConfig().max_dequeues
 
 
 def deterministic_request_id(
-    workspace_id: str, job_id: str | None, branch_path: str | None, stage: str
+    workspace_id: str,
+    job_id: str | None,
+    branch_path: str | None,
+    stage: str,
+    scope_key: str | None = None,
 ) -> str:
     """The id of "run `stage` on job `job_id` at `branch_path` in `workspace_id`"
     (docs/concepts.md).
@@ -127,8 +131,13 @@ def deterministic_request_id(
     ensure_ascii=False)` encoded as UTF-8. A JSON array, not a joined string, so no field can
     bleed into the next (`("a|b", "c")` and `("a", "b|c")` differ) and `None` differs from `""`.
     The input is deliberately not part of it: re-enqueueing the same stage must not fork.
+    A `scope_key` (`cv_server.scopes.grant_scope_key` of a limited enqueuer's grant) is appended
+    to the array: requests enqueued under different grants never coalesce, while a full grant's
+    ids (no key) stay what they always were.
     """
     parts = [_DETERMINISTIC_RECIPE, workspace_id, job_id, branch_path, stage]
+    if scope_key is not None:
+        parts.append(scope_key)
     canonical = json.dumps(parts, separators=(",", ":"), ensure_ascii=False)
     return "d_" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:_ID_HEX_CHARS]
 
@@ -166,6 +175,9 @@ class NewRequest:
     branch_path: str | None = None
     worker_class: str | None = None
     max_dequeues: int = _DEFAULT_MAX_DEQUEUES
+    #: The enqueuer's grant (`cv_server.scopes.enqueue_grant`), from its verified token: what a
+    #: stage run for it may touch. None: every scope and sub-doc.
+    enqueue_grant: Any = None
 
     def __post_init__(self) -> None:
         # A row that may be claimed zero times would be pending forever and never poisoned.
@@ -221,6 +233,9 @@ class ProcessRequest:
     finished_at: float | None
     telemetry: Any
     cancel_requested: bool = False
+    #: The enqueuer's grant (`NewRequest.enqueue_grant`); a stage's writes for this request are
+    #: held to it as well as to the worker's token (docs/queue.md).
+    enqueue_grant: Any = None
 
     @property
     def is_live(self) -> bool:
@@ -269,6 +284,7 @@ class ProcessRequest:
             finished_at=self.finished_at,
             telemetry=_copy_json(self.telemetry),
             cancel_requested=self.cancel_requested,
+            enqueue_grant=_copy_json(self.enqueue_grant),
         )
         if now is not None:
             data["unclaimed_seconds"] = unclaimed_seconds(self, now)
@@ -378,6 +394,7 @@ def new_row(req: NewRequest, now: float) -> ProcessRequest:
         claimed_at=None,
         finished_at=None,
         telemetry=None,
+        enqueue_grant=_copy_json(req.enqueue_grant),
     )
 
 

@@ -53,11 +53,11 @@ __all__ = ["CLAIM_PROBES", "TABLE", "SQLiteQueueStore", "claimable_sql", "create
 TABLE: Final = "workspace_process_requests"
 
 _COLUMNS: Final = tuple(f.name for f in fields(ProcessRequest))
-_JSON_COLUMNS: Final = frozenset({"input", "result", "error", "telemetry"})
+_JSON_COLUMNS: Final = frozenset({"input", "result", "error", "telemetry", "enqueue_grant"})
 #: What only a rerun (which rewrites the whole request) may change.
 _REQUEST_COLUMNS: Final = frozenset(
     {"request_id", "workspace_id", "stage", "job_id", "branch_path", "input", "worker_class"}
-    | {"run", "max_dequeues", "created_at"}
+    | {"run", "max_dequeues", "created_at", "enqueue_grant"}
 )
 #: What every other verb may change: all `_update` compares and writes, so a claim never
 #: re-serializes the input.
@@ -158,6 +158,7 @@ def create_schema(db: sqlite_utils.Database) -> None:
             "finished_at": float,
             "telemetry": str,
             "cancel_requested": int,
+            "enqueue_grant": str,
         },
         pk="request_id",
         not_null={
@@ -179,6 +180,9 @@ def create_schema(db: sqlite_utils.Database) -> None:
     # A file made before cancelling existed lacks the column: every row of it is uncancelled.
     if "cancel_requested" not in db.table(TABLE).columns_dict:
         db.table(TABLE).add_column("cancel_requested", int, not_null_default=0)
+    # One made before enqueue grants: its rows were enqueued under the full grant (NULL).
+    if "enqueue_grant" not in db.table(TABLE).columns_dict:
+        db.table(TABLE).add_column("enqueue_grant", str)
     # Partial indexes need a WHERE clause, which sqlite-utils' create_index cannot express.
     # Each holds only the rows of one status, so it stays the size of the live backlog, not of
     # the whole history of done rows.

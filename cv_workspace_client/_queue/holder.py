@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, overload
 
+from cv_mutations import Op
+from cv_workspace_client._core.wire import parse_results
 from cv_workspace_client._queue.transport import QueueHost, call, retried, ws_path
 from cv_workspace_client.errors import (
     LeaseLostError,
@@ -29,6 +31,7 @@ from cv_workspace_client.errors import (
     WorkspaceError,
     error_from_problem,
 )
+from cv_workspace_client.models import Commit
 from cv_workspace_client.queue_models import (
     Claim,
     ClaimNext,
@@ -49,6 +52,7 @@ __all__ = [
     "complete_many",
     "fail",
     "heartbeat",
+    "stage_write",
     "upload_result",
     "wait_for_work",
 ]
@@ -131,6 +135,32 @@ async def heartbeat(host: QueueHost, workspace_id: str, request_id: str, claim_t
     path = ws_path(workspace_id, "requests", request_id, "heartbeat")
     answer = await retried(host, "POST", path, body={"claim_token": claim_token})
     return float(answer["lease_expires_at"])
+
+
+async def stage_write(
+    host: QueueHost,
+    workspace_id: str,
+    request_id: str,
+    claim_token: str,
+    sub_doc: str,
+    op: Op,
+) -> Commit:
+    """`POST .../requests/{id}/docs/{sub_doc}/ops`: apply `op` for the request the worker holds,
+    inside the grant the request was enqueued under (docs/queue.md, "Whose grant a stage runs
+    under"). Retried under the SDK's rule (the op_id makes a resend a duplicate). Raises
+    `ForbiddenError` `forbidden_sub_doc` outside that grant, `LeaseLostError` once the claim is
+    gone, `OpRejectedError` for a rejected op."""
+    path = ws_path(workspace_id, "requests", request_id, "docs", sub_doc, "ops")
+    body = {"ops": [op.model_dump(mode="json", exclude_none=True)]}
+    answer = await retried(host, "POST", path, body=body, headers={CLAIM_TOKEN_HEADER: claim_token})
+    results = answer.get("results") if isinstance(answer, Mapping) else None
+    outcomes = parse_results([str(op.op_id)], results)
+    if isinstance(outcomes, WorkspaceError):
+        raise outcomes
+    (outcome,) = outcomes
+    if isinstance(outcome, WorkspaceError):
+        raise outcome
+    return outcome
 
 
 async def upload_result(

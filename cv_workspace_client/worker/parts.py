@@ -31,9 +31,11 @@ _MISS: Final = object()
 
 def request_key(request: StageRequest) -> str | None:
     """The identity of "this stage on this input" for the TTL cache and single-flight: workspace,
-    stage, job, branch and the canonical JSON of the input (sorted keys, no spaces).
+    stage, job, branch, the enqueuer's grant and the canonical JSON of the input (sorted keys, no
+    spaces).
 
-    The workspace is part of it (the cache-safety rule: two scopes never share an answer),
+    The workspace and the grant are part of it (the cache-safety rule: two scopes never share
+    an answer, tests/worker/test_enqueue_grant.py),
     and so are the job and branch, which the handler sees. None when the input has no canonical
     JSON form (NaN, non-JSON types): such a request is never cached nor shared.
     """
@@ -45,6 +47,7 @@ def request_key(request: StageRequest) -> str | None:
                 request.job_id,
                 request.branch_path,
                 request.input,
+                *([] if request.scope_key is None else [request.scope_key]),
             ],
             sort_keys=True,
             separators=(",", ":"),

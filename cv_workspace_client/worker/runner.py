@@ -445,7 +445,12 @@ class Worker:
         lease = LeaseState()
         provider = None if self.provider is None else MeteredProvider(self.provider)
         ctx = StageContext(
-            request, self.client, provider=provider, worker_id=self.worker_id, lease=lease
+            request,
+            self.client,
+            provider=provider,
+            worker_id=self.worker_id,
+            lease=lease,
+            claim_token=claimed.claim_token,
         )
         meter = RunMeter(request).start()
         current = asyncio.current_task()

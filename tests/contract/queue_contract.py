@@ -132,6 +132,26 @@ class QueueContract:
         assert in_progress.status == "in_progress"
         assert len(await store.list(workspace_id=WS)) == 1
 
+    async def test_a_request_keeps_the_grant_it_was_enqueued_under(self, store: QueueStore) -> None:
+        """The enqueuer's grant (docs/queue.md) is stored with the row, read back by `get`,
+        `claim` and `list`, and a row enqueued without one (the full grant) has None."""
+        grant = {"scopes": ["enqueue"], "sub_docs": ["notes*", "x.y"]}
+        limited = dataclasses.replace(
+            request("J1", input={"v": 1}),
+            request_id=deterministic_request_id(WS, "J1", "main", STAGE, "k1"),
+            enqueue_grant=grant,
+        )
+        row, _ = await store.enqueue(limited, 1.0)
+        full, _ = await store.enqueue(request("J2"), 1.0)
+        assert row.enqueue_grant == grant
+        assert full.enqueue_grant is None
+        assert (await store.get(WS, row.request_id)) == row
+        claimed = await self.claimed(store, 2.0)
+        assert claimed.request_id == row.request_id
+        assert claimed.enqueue_grant == grant
+        listed = {r.request_id: r.enqueue_grant for r in await store.list(workspace_id=WS)}
+        assert listed == {row.request_id: grant, full.request_id: None}
+
     async def test_many_concurrent_identical_enqueues_make_one_row(
         self, store: QueueStore, peer_store: QueueStore
     ) -> None:
