@@ -159,7 +159,15 @@ class AuthError(WorkspaceError):
 
 class ForbiddenError(WorkspaceError):
     """403 `forbidden_workspace` (or websocket close 4003): the token may not touch this
-    workspace."""
+    workspace; `missing_scope`: it lacks the scope this needs (any one of `required_scopes`);
+    `forbidden_sub_doc`: the sub-doc is outside its grant."""
+
+    def __init__(
+        self, code: str, message: str = "", *, required_scopes: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__(code, message)
+        #: The scopes that would do (any one), from a `missing_scope` refusal; else empty.
+        self.required_scopes = required_scopes
 
 
 class OpRejectedError(WorkspaceError):
@@ -364,6 +372,10 @@ def error_from_problem(
             state_url=body.get("state_url") if isinstance(body.get("state_url"), str) else None,
         )
     final = _FINAL_BY_CODE.get(code)
+    if final is ForbiddenError:
+        scopes = body.get("required_scopes")
+        named = tuple(str(s) for s in scopes) if isinstance(scopes, list) else ()
+        return ForbiddenError(code, message, required_scopes=named)
     if final is NotFoundError:
         return NotFoundError(code, message, status=status)
     if final is not None:

@@ -16,7 +16,7 @@ import sys
 from typing import Any, NoReturn
 
 from cv_workspace_client._version import package_version
-from cv_workspace_client.errors import WorkspaceError
+from cv_workspace_client.errors import ForbiddenError, WorkspaceError
 
 __all__ = [
     "EXIT_CODES",
@@ -140,11 +140,20 @@ def announce(line: str) -> None:
 
 def print_error(exc: BaseException) -> None:
     """One error, in the commands' one style: `prog: message (code)` on one line, or with
-    `--json` the object `{"error": {"code", "message"}}`."""
+    `--json` the object `{"error": {"code", "message"}}`. A refusal for a missing scope names
+    the scopes that would do, in the line and as `required_scopes`
+    (tests/cli/test_conventions.py::test_a_missing_scope_is_named_in_the_error)."""
     code = exc.code if isinstance(exc, WorkspaceError) else "usage"
     message = exc.message if isinstance(exc, WorkspaceError) else str(exc)
+    scopes = exc.required_scopes if isinstance(exc, ForbiddenError) else ()
+    if scopes:
+        needed = " or ".join(scopes)
+        message = f"{message}; the token needs the {needed} scope (cv-server token --scope)"
     if ErrorStyle.json:
-        line = json.dumps({"error": {"code": code, "message": message}})
+        error: dict[str, object] = {"code": code, "message": message}
+        if scopes:
+            error["required_scopes"] = list(scopes)
+        line = json.dumps({"error": error})
     else:
         text = " ".join(message.split())  # one line, whatever the server's message held
         line = text if code == "usage" else f"{text} ({code})"

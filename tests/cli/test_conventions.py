@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from importlib.metadata import version
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from cv_server import ServerConfig, create_app
+from cv_server.auth import mint_token
 from cv_server.cli import _parser as server_parser
 from cv_workspace_client._queue import requester as api
 from cv_workspace_client.cli.conventions import EXIT_USAGE
@@ -266,3 +268,20 @@ async def test_the_worker_is_ready_only_once_its_server_answers(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_a_missing_scope_is_named_in_the_error(
+    capsys: pytest.CaptureFixture[str], server: TestServer
+) -> None:
+    read_only = mint_token(SECRET, [WS], now=time.time(), scopes=["read"])
+    argv = ["enqueue", "--workspace", WS, "--stage", "s"]
+    argv += ["--url", url_of(server), "--token", read_only]
+    assert await asyncio.to_thread(workspace_main, argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "the token needs the enqueue scope" in err
+    assert err.rstrip().endswith("(missing_scope)")
+    assert await asyncio.to_thread(workspace_main, [*argv, "--json"]) == 1
+    error = json.loads(capsys.readouterr().err)["error"]
+    assert error["code"] == "missing_scope"
+    assert error["required_scopes"] == ["enqueue"]
