@@ -43,6 +43,7 @@ from cv_workspace_client._queue.requester import get_blob
 from cv_workspace_client._version import package_version
 from cv_workspace_client.client import WorkspaceClient
 from cv_workspace_client.errors import OpRejectedError, ProtocolError, WorkspaceError
+from cv_workspace_client.mcp_server.access import hidden_tools_note, token_scopes, tool_allowed
 from cv_workspace_client.mcp_server.answers import (
     ApplyAnswer,
     CommittedOp,
@@ -404,20 +405,25 @@ def _json_object(data: Mapping[str, Any]) -> dict[str, JsonValue]:
 
 def build_server(client: WorkspaceClient) -> tuple[MCPServer[None], ResourceFeeds]:
     """The MCP server's tools and resources over `client` (open, for the server's lifetime),
-    and its resource feeds (close them when the server stops)."""
+    and its resource feeds (close them when the server stops). Only the tools the client's
+    token allows are offered; the instructions name the others and the scope each needs."""
     bus = InMemorySubscriptionBus()
+    scopes = token_scopes(client.token)
     server = _Server(
         "cv-workspace",
         version=package_version(),
         instructions="Tools over a cv-workspace server: read and write sub-docs (ops are "
         "applied exactly once: retry apply_ops with the op_ids of its first answer), enqueue "
         "stage work and wait for its result. Resources cv://{workspace_id}/docs/{sub_doc} hold "
-        "each sub-doc's state and notify subscribers when an op is committed to it.",
+        "each sub-doc's state and notify subscribers when an op is committed to it."
+        + hidden_tools_note(TOOL_NAMES, scopes),
         subscriptions=bus,
         log_level="WARNING",
     )
     tools = _Tools(client)
     for name in TOOL_NAMES:
+        if not tool_allowed(name, scopes):
+            continue  # named in the instructions (tests/mcp_server/test_tool_scopes.py)
         server.add_tool(
             getattr(tools, name),
             name=name,
