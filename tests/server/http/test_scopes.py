@@ -67,6 +67,7 @@ EXPECTED_SCOPES: dict[tuple[str, str], frozenset[str]] = {
                 ("POST", f"{_W}/requests/{{id}}/{verb}")
                 for verb in ("heartbeat", "complete", "fail", "result")
             ],
+            ("POST", f"{_W}/requests/{{id}}/docs/{{sub_doc}}/ops"),  # a stage's writes
             ("POST", f"{_W}/locks/acquire"),
             ("POST", f"{_W}/locks/release"),
         ],
