@@ -300,9 +300,7 @@ async def _once_per_key(
     # store can encode; it is refused as a 422, never a 500 that clients would retry.
     if not 0 < len(key) <= 255 or not key.isprintable():
         raise Problem(422, "invalid_field", "Idempotency-Key must be 1..255 printable chars")
-    key = grant_scoped_key(
-        key, grant_scope_key(enqueue_grant(claims.scopes, claims.sub_docs))
-    )
+    key = grant_scoped_key(key, grant_scope_key(enqueue_grant(claims.scopes, claims.sub_docs)))
     # Fingerprint of the raw bytes as received, scoped to the workspace.
     fingerprint = request_fingerprint("POST", request.path_qs, raw)
     # The key's 24 h retention (docs/configuration.md) is judged on this server's clock: a skew of

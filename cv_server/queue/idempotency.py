@@ -14,8 +14,9 @@ stage does not declare a deterministic id). The server:
    - `Mismatch`: the key was used for a different request: 422 `idempotency_key_reuse`.
 2. Keys are scoped to the workspace (tenant B's `abc` is not tenant A's `abc`: a global key space
    would give A's stored answer to B) and, within it, to the enqueuer's grant (`grant_scoped_key`:
-   a token limited to `notes*` never gets back what a full token's `abc` answered), and live `ServerConfig.idempotency_retention_seconds`
-   (24 h) from their first use; `sweep` deletes the expired ones.
+   a token limited to `notes*` never gets back what a full token's `abc` answered), and live
+   `ServerConfig.idempotency_retention_seconds` (24 h) from their first use; `sweep` deletes the
+   expired ones.
 
 The decision itself (`decide_begin`) and the fingerprint are pure.
 """

@@ -40,7 +40,8 @@ async def test_the_same_key_and_body_under_another_grant_is_a_request_of_its_own
     limited = _token("enqueue", sub_docs=["notes*"])
     other_limit = _token("enqueue", sub_docs=["jobs"])
     first = await _post(server, REQUESTS, BODY, full, "k-1")
-    assert first[0] == 202 and first[2] is None
+    assert first[0] == 202
+    assert first[2] is None
     as_limited = await _post(server, REQUESTS, BODY, limited, "k-1")
     assert as_limited[0] == 202
     assert as_limited[2] is None, "a full grant's answer replayed to a limited grant"
