@@ -30,6 +30,7 @@ coordinates across workspaces — docs/concepts.md).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -55,6 +56,7 @@ __all__ = [
     "acquire_lock",
     "compute_budget",
     "compute_once",
+    "lock_task",
     "release_lock",
 ]
 
@@ -70,6 +72,32 @@ ComputeStatus = Literal["present", "computed", "locked"]
 #: server does not enter: the lock is timed on the worker's clock from the server's durations).
 #: Derived from the TTL (docs/configuration.md), not a constant of its own.
 LOCK_MARGIN_FRACTION = 0.1
+
+#: The longest `task` the lock routes take (1..256 characters, docs/limits.md).
+MAX_LOCK_TASK = 256
+#: Hex digits of sha256 standing in for the cut tail of a task too long for its grant suffix:
+#: 128 bits, so no two tasks of one grant are made to share a lock.
+_TASK_DIGEST_HEX = 32
+
+
+def lock_task(task: str, scope_key: str | None) -> str:
+    """The `task` a compute lock is taken under for a caller of grant `scope_key` (None: the full
+    grant, whose locks keep their plain `task`).
+
+    Under a limited grant it is `task@scope_key`, so two grants never share a lock and one grant
+    always finds its own (tests/compute/test_compute_lock_grants.py). When that would pass the
+    routes' limit (`MAX_LOCK_TASK`), the task's tail is replaced by a digest of the whole task:
+    `<head>~<sha256 of task, 32 hex>@scope_key`, exactly the limit long, and the same for the same
+    task every time (docs/stages.md).
+    """
+    if scope_key is None:
+        return task
+    suffix = f"@{scope_key}"
+    if len(task) + len(suffix) <= MAX_LOCK_TASK:
+        return f"{task}{suffix}"
+    digest = hashlib.sha256(task.encode("utf-8", "surrogatepass")).hexdigest()[:_TASK_DIGEST_HEX]
+    head = task[: MAX_LOCK_TASK - len(suffix) - 1 - _TASK_DIGEST_HEX]
+    return f"{head}~{digest}{suffix}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +333,7 @@ async def compute_once(
         now: the clock that times the compute against the lock (injectable); only its
             differences count, so it need not agree with the server's.
         scope_key: the grant the caller works under (`StageRequest.scope_key`; None: the full
-            grant). It is part of the lock's key (`task@scope_key`), so callers under different
+            grant). It is part of the lock's key (`lock_task`), so callers under different
             grants never share a lock or wait on each other's write (docs/stages.md).
 
     Raises:
@@ -316,8 +344,7 @@ async def compute_once(
     """
     if wait is not None and sub_doc is None:
         raise ValueError("wait needs sub_doc: the sub-doc the holder's write is broadcast on")
-    if scope_key is not None:
-        task = f"{task}@{scope_key}"
+    task = lock_task(task, scope_key)
     me = f"{holder[:200]}#{secrets.token_hex(6)}"
 
     # 1. Pre-flight: no lock round trip when the value is already there.

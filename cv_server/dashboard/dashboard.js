@@ -74,14 +74,28 @@
     return count > 0 ? (after.sum - before.sum) / count : null;
   }
 
-  function decodeTokenWorkspaces(token) {
+  /** The token's payload, read without the secret: it is the page's own token, and the server
+   * still checks every call; this only decides what the page offers. {} when unreadable. */
+  function decodeTokenPayload(token) {
     try {
       const body = token.split(".")[1].replace(/-/g, "+").replace(/_/g, "/");
       const payload = JSON.parse(atob(body + "=".repeat((4 - (body.length % 4)) % 4)));
-      return Array.isArray(payload.ws) ? payload.ws : [];
+      return payload && typeof payload === "object" ? payload : {};
     } catch {
-      return [];
+      return {};
     }
+  }
+
+  function decodeTokenWorkspaces(token) {
+    const payload = decodeTokenPayload(token);
+    return Array.isArray(payload.ws) ? payload.ws : [];
+  }
+
+  /** The scopes the token names (`sc`), or null for every scope: a token minted before scopes
+   * existed, or one whose payload cannot be read (docs/operating.md, "Tokens and scopes"). */
+  function decodeTokenScopes(token) {
+    const scopes = decodeTokenPayload(token).sc;
+    return Array.isArray(scopes) && scopes.every((s) => typeof s === "string") ? scopes : null;
   }
 
   function formatAge(seconds) {
@@ -159,7 +173,25 @@
     },
     lastClockSum: null,
     metricsHistory: [], // the last MEAN_WINDOW + 1 readings of the histograms
+    scopes: null, // the token's scopes (null: every scope), from its own payload
   };
+
+  /** Whether the page's token carries `scope`: the page offers only what it allows. */
+  const can = (scope) => state.scopes === null || state.scopes.includes(scope);
+
+  /** Show, in each panel the token cannot use, why it is empty (and hide the note otherwise). */
+  function renderAllowed() {
+    const notes = {
+      "docs-not-allowed": can("read") ? "" : "this token cannot read sub-docs (scope read)",
+      "ops-not-allowed": can("read") ? "" : "this token cannot read live ops (scope read)",
+      "queue-not-allowed": can("operate") ? "" : "this token cannot operate the queue (scope operate)",
+      "locks-not-allowed": can("operate") ? "" : "this token cannot list compute locks (scope operate)",
+    };
+    for (const [id, text] of Object.entries(notes)) {
+      $(id).textContent = text;
+      $(id).hidden = !text;
+    }
+  }
 
   function setStatus(kind, text) {
     const el = $("status");
@@ -710,10 +742,15 @@
   async function refreshAll(generation) {
     if (generation !== state.generation) return;
     try {
-      await refreshDocs();
-      await Promise.all([refreshQueue(), refreshLocks(), refreshMetrics()]);
+      if (can("read")) await refreshDocs();
+      await Promise.all([
+        can("operate") ? refreshQueue() : null,
+        can("operate") ? refreshLocks() : null,
+        refreshMetrics(),
+      ]);
       drawCharts();
-      if ($("status").dataset.state === "error") setStatus("live", "live");
+      // Without `read` there is no live stream to say so: a refresh that went through does.
+      if ($("status").dataset.state === "error" || !can("read")) setStatus("live", "live");
       document.body.dataset.loaded = "true";
       state.refreshes += 1;
     } catch (error) {
@@ -752,9 +789,16 @@
     $("ops").replaceChildren();
     state.opsShown = 0;
     showError("");
+    state.scopes = decodeTokenScopes(state.token);
+    renderAllowed();
+    $("queue-counts").replaceChildren();
+    $("queue").tBodies[0].replaceChildren();
+    $("docs").tBodies[0].replaceChildren();
+    state.locks = [];
+    renderLocks();
     setStatus("connecting", "connecting");
     const generation = state.generation;
-    openSocket(generation);
+    if (can("read")) openSocket(generation);
     refreshAll(generation);
   }
 

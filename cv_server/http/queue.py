@@ -74,6 +74,7 @@ from cv_server.queue import (
     StoredAnswer,
     StoredResponse,
     deterministic_request_id,
+    grant_scoped_key,
     random_request_id,
     request_fingerprint,
 )
@@ -262,6 +263,7 @@ async def enqueue(request: web.Request) -> web.Response:
     enqueued = await _once_per_key(
         request,
         workspace_id,
+        claims,
         raw,
         lambda key: queue.enqueue(req, now=None, rerun=rerun, idempotency=key),
         lambda answer: StoredResponse(202, _enqueue_answer(answer, req)),
@@ -275,13 +277,17 @@ async def enqueue(request: web.Request) -> web.Response:
 async def _once_per_key(
     request: web.Request,
     workspace_id: str,
+    claims: TokenClaims,
     raw: bytes,
     write: Callable[[KeyCompletion[T] | None], Awaitable[T]],
     respond: Callable[[T], StoredResponse],
 ) -> T | web.Response:
     """`write` under the request's `Idempotency-Key`, if any (docs/queue.md): the value it
     committed, the key's answer completed in the same transaction; or, for a key already
-    answered, that stored answer, replayed. A `QueueError` becomes its problem."""
+    answered, that stored answer, replayed. A `QueueError` becomes its problem.
+
+    The key is scoped to the workspace and to the grant of `claims` (`grant_scoped_key`): a
+    token of another grant sending the same key and body gets its own answer, never this one."""
     stores = request.app[STORES]
     key = request.headers.get("Idempotency-Key")
     if key is None:
@@ -294,6 +300,7 @@ async def _once_per_key(
     # store can encode; it is refused as a 422, never a 500 that clients would retry.
     if not 0 < len(key) <= 255 or not key.isprintable():
         raise Problem(422, "invalid_field", "Idempotency-Key must be 1..255 printable chars")
+    key = grant_scoped_key(key, grant_scope_key(enqueue_grant(claims.scopes, claims.sub_docs)))
     # Fingerprint of the raw bytes as received, scoped to the workspace.
     fingerprint = request_fingerprint("POST", request.path_qs, raw)
     # The key's 24 h retention (docs/configuration.md) is judged on this server's clock: a skew of
@@ -864,6 +871,7 @@ async def enqueue_batch(request: web.Request) -> web.Response:
     answers = await _once_per_key(
         request,
         workspace_id,
+        claims,
         raw,
         lambda key: queue.enqueue_many(batch, now=None, idempotency=key),
         lambda done: StoredResponse(202, _batch_answer(done, batch)),

@@ -27,6 +27,7 @@ from cv_server.queue.idempotency import (
     Owned,
     StoredAnswer,
     StoredResponse,
+    grant_scoped_key,
     request_fingerprint,
 )
 from cv_server.queue.model import (
@@ -84,6 +85,7 @@ __all__ = [
     "StoredAnswer",
     "StoredResponse",
     "deterministic_request_id",
+    "grant_scoped_key",
     "new_blob_ref",
     "random_request_id",
     "request_fingerprint",

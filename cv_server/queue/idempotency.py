@@ -13,8 +13,10 @@ stage does not declare a deterministic id). The server:
    - `InProgress`: the first request is still running: 409 with `Retry-After: 1`, run nothing;
    - `Mismatch`: the key was used for a different request: 422 `idempotency_key_reuse`.
 2. Keys are scoped to the workspace (tenant B's `abc` is not tenant A's `abc`: a global key space
-   would give A's stored answer to B) and live `ServerConfig.idempotency_retention_seconds`
-   (24 h) from their first use; `sweep` deletes the expired ones.
+   would give A's stored answer to B) and, within it, to the enqueuer's grant (`grant_scoped_key`:
+   a token limited to `notes*` never gets back what a full token's `abc` answered), and live
+   `ServerConfig.idempotency_retention_seconds` (24 h) from their first use; `sweep` deletes the
+   expired ones.
 
 The decision itself (`decide_begin`) and the fingerprint are pure.
 """
@@ -39,6 +41,7 @@ __all__ = [
     "StoredResponse",
     "check_sweep_limit",
     "decide_begin",
+    "grant_scoped_key",
     "request_fingerprint",
 ]
 
@@ -58,6 +61,23 @@ def request_fingerprint(method: str, path: str, body: bytes) -> str:
         digest.update(f"{len(part)}:".encode("ascii"))
         digest.update(part)
     return digest.hexdigest()
+
+
+#: Joins a client's key to its grant's key. A header value never holds a newline (`_once_per_key`
+#: takes printable keys only), so a client's key can never spell another grant's stored key.
+_GRANT_SEPARATOR = "\n"
+
+
+def grant_scoped_key(key: str, grant_key: str | None) -> str:
+    """The key as stored: the client's `key` itself for a full-grant token (`grant_key` None,
+    so its keys stay where they always were), else `key` joined to the grant's
+    `cv_server.scopes.grant_scope_key`, so that the same key and body sent under two grants are
+    two keys with two answers (tests/server/http/test_idempotency_grants.py)."""
+    if grant_key is None:
+        return key
+    if not grant_key or _GRANT_SEPARATOR in grant_key:
+        raise ValueError(f"a grant key is a non-empty line: {grant_key!r}")
+    return f"{key}{_GRANT_SEPARATOR}{grant_key}"
 
 
 def check_sweep_limit(limit: int | None) -> None:

@@ -14,10 +14,11 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from cv_mutations import fingerprint, new_op_id, parse_op
+from cv_server.auth import mint_token
 from cv_server.oplog import IncomingOp
 from cv_server.sqlite.oplog import SQLiteOpLogStore
 from cv_workspace_client import WorkspaceClient
-from tests.browser.conftest import WS, Browser, dashboard_url, token_for
+from tests.browser.conftest import SECRET, WS, Browser, dashboard_url, token_for
 
 WORKER_CLASS = "browser-test"
 POISON_CLASS = "browser-test-poison"
@@ -251,6 +252,59 @@ async def test_a_refused_token_is_reported_and_nothing_is_shown(
     # The failed calls were the server's 403s, which the page reports; no script error.
     problems = await browser.problems()
     assert all("403" in problem for problem in problems), problems
+
+
+def scoped_token(*scopes: str) -> str:
+    return mint_token(SECRET, [WS], now=time.time(), scopes=scopes)
+
+
+async def test_a_read_only_token_sees_docs_and_ops_but_no_queue_and_no_operator_buttons(
+    browser: Browser, server: TestServer, sdk: WorkspaceClient, http: aiohttp.ClientSession
+) -> None:
+    first = await sdk.apply_op(WS, "tree", insert("a"))
+    await poisoned(http)
+    await enqueue(http)
+    await browser.call("goto", url=dashboard_url(server, scoped_token("read"), refresh="0.5"))
+    await browser.wait('#status[data-state="live"]')
+    await browser.wait(f'#ops li[data-op-id="{first.op_id}"]')
+    await browser.wait('#docs tr[data-sub-doc="tree"]')
+    await browser.wait("#queue-not-allowed")
+    assert (
+        await browser.call("text", selector="#queue-not-allowed")
+        == "this token cannot operate the queue (scope operate)"
+    )
+    await browser.wait("#locks-not-allowed")
+    # Refreshes went by with no queue listing: no row, so no replay, discard or cancel.
+    before = await browser.call("evaluate", source="() => window.cvDashboard.refreshes()")
+    await browser.call(
+        "waitFunction",
+        source="(n) => window.cvDashboard.refreshes() >= n + 2",
+        arg=before,
+        timeout=10_000,
+    )
+    assert await browser.call("count", selector="#queue button") == 0
+    assert await browser.call("count", selector="#queue tr[data-request-id]") == 0
+    assert await browser.call("text", selector="#error") == ""
+
+
+async def test_an_operate_token_gets_the_operator_buttons_and_is_told_it_cannot_read(
+    browser: Browser, server: TestServer, sdk: WorkspaceClient, http: aiohttp.ClientSession
+) -> None:
+    await sdk.apply_op(WS, "tree", insert("a"))
+    poison = await poisoned(http)
+    pending = await enqueue(http)
+    await browser.call("goto", url=dashboard_url(server, scoped_token("operate")))
+    await browser.wait(row(poison, "poison") + " button.replay")
+    await browser.wait(row(poison, "poison") + " button.discard")
+    await browser.wait(row(pending, "pending") + " button.cancel")
+    await browser.wait('#status[data-state="live"]')
+    assert await browser.call("count", selector="#queue-not-allowed:not([hidden])") == 0
+    assert (
+        await browser.call("text", selector="#ops-not-allowed")
+        == "this token cannot read live ops (scope read)"
+    )
+    assert await browser.call("count", selector="#docs tr[data-sub-doc]") == 0
+    assert await browser.call("text", selector="#error") == ""
 
 
 async def test_the_commit_rate_chart_draws_the_workspace_s_commits(
