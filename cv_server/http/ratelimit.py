@@ -30,6 +30,7 @@ _WS: Final = "/v1/workspaces/{ws}"
 #: (method, route path) -> route class; a route not listed is never limited.
 ROUTE_CLASS_OF: Final[dict[tuple[str, str], RouteClass]] = {
     ("POST", f"{_WS}/docs/{{sub_doc}}/ops"): "ops",
+    ("POST", f"{_WS}/requests/{{id}}/docs/{{sub_doc}}/ops"): "ops",  # a stage's writes
     ("GET", f"{_WS}/docs/{{sub_doc}}"): "reads",
     ("GET", f"{_WS}/docs/{{sub_doc}}/ops"): "reads",
     ("GET", f"{_WS}/requests/{{id}}"): "reads",

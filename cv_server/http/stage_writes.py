@@ -59,10 +59,10 @@ CLAIM_TOKEN = Param(
 async def post_stage_ops(request: web.Request) -> web.Response:
     sub_doc = request.match_info["sub_doc"]
     check_ids(request.match_info["ws"], sub_doc)
+    row = await row_of(request)  # the workspace's grant first: 403 before anything about the call
     claim_token = request.headers.get("Claim-Token", "")
     if not claim_token:
         raise Problem(422, "invalid_field", "the Claim-Token header is required")
-    row = await row_of(request)
     try:
         fence(row, claim_token)
     except QueueError as exc:
