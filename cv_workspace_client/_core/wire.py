@@ -67,9 +67,11 @@ def parse_results(
             )
             continue
         clock = result.get("clock")
-        if clock is None and result.get("duplicate") is True:
+        if "clock" in result and clock is None and result.get("duplicate") is True:
             # A lane op decided before and no longer on record (docs/client.md#exactly-once):
-            # acknowledged, never applied again; its clock is not known any more.
+            # acknowledged, never applied again; its clock is not known any more. Only the
+            # explicit `"clock": null` says so: an answer with no clock at all does not fit
+            # the request and is resent (tests/client/core/test_machine_hostile_answers.py).
             outcomes.append(Commit(clock=0, op_id=op_id, duplicate=True))
             continue
         if not isinstance(clock, int) or isinstance(clock, bool) or clock < 1:
