@@ -22,8 +22,8 @@ def test_a_commit_time_that_is_absent_or_not_a_number_reads_as_none(value: Any) 
 
 
 def test_an_explicit_null_clock_on_a_duplicate_is_a_decided_op_no_longer_on_record() -> None:
-    (outcome,) = parse_results(["a"], [{"op_id": "a", "clock": None, "duplicate": True}])
-    assert outcome == Commit(clock=0, op_id="a", duplicate=True)
+    outcomes = parse_results(["a"], [{"op_id": "a", "clock": None, "duplicate": True}])
+    assert outcomes == [Commit(clock=0, op_id="a", duplicate=True)]
 
 
 @pytest.mark.parametrize(
