@@ -181,8 +181,11 @@ def _connect(path: str, *, readonly: bool = False) -> sqlite3.Connection:
         conn.execute("PRAGMA query_only = ON")
     else:
         # Before the first write creates the file's header, where the mode is stored: a new
-        # file gives freed pages back to the file system in `incremental_vacuum` steps.
-        conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
+        # file gives freed pages back to the file system in `incremental_vacuum` steps. Only a
+        # new file: an existing one is converted apart, and one the storage refuses writes to
+        # is still served read-only (tests/acceptance/test_storage_faults.py).
+        if conn.execute("PRAGMA page_count").fetchone()[0] == 0:
+            conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
         conn.execute("PRAGMA journal_mode = WAL")
         # An acknowledged write is on disk: the promise of the product, not a tuning knob.
         conn.execute("PRAGMA synchronous = FULL")
