@@ -50,6 +50,7 @@ CLAIM_TOKEN = Param(
         params=(CLAIM_TOKEN,),
         problems={
             403: ("forbidden_sub_doc",),
+            404: ("not_found",),
             409: ("lease_lost",),
             422: ("too_many_ops", "unknown_op_type", "invalid_id"),
         },
