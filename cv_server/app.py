@@ -22,7 +22,7 @@ from cv_server.http.problems import Problem, problem_response
 from cv_server.http.ratelimit import rate_limit_middleware
 from cv_server.http.routes import ROUTE_SCOPES, ROUTE_TABLES
 from cv_server.http.scoping import scope_middleware
-from cv_server.http.storage_faults import retry_after_seconds, storage_problem
+from cv_server.http.storage_faults import storage_problem
 from cv_server.hub import Connection, Hub
 from cv_server.keys import (
     CONFIG,
@@ -248,17 +248,10 @@ async def _check_writes(app: web.Application) -> None:
     try:
         await stores.probe_write()
     except Exception as exc:
-        fault = stores.storage_fault(exc)
-        if fault is None:
+        problem = storage_problem(app, exc, what="reads are served, writes are refused")
+        if problem is None:
             raise Problem(503, "unavailable", "the database is unreachable") from None
-        seconds = retry_after_seconds(app)
-        raise Problem(
-            503,
-            "storage_unavailable",
-            f"reads are served, writes are refused: {fault}",
-            headers={"Retry-After": str(seconds)},
-            retry_after=seconds,
-        ) from None
+        raise problem from None
     stores.faults.wrote()
 
 

@@ -19,8 +19,14 @@ def retry_after_seconds(app: web.Application) -> int:
     return max(1, math.ceil(app[CONFIG].sweep_seconds))
 
 
-def storage_problem(app: web.Application, exc: BaseException) -> Problem | None:
-    """The 503 answer to `exc` if it is a storage fault of the app's backend, else None."""
+def storage_problem(
+    app: web.Application,
+    exc: BaseException,
+    *,
+    what: str = "the write was refused and nothing of it was kept",
+) -> Problem | None:
+    """The 503 answer to `exc` if it is a storage fault of the app's backend, else None;
+    `what` opens its detail."""
     stores = app.get(STORES)
     if stores is None:
         return None
@@ -31,7 +37,7 @@ def storage_problem(app: web.Application, exc: BaseException) -> Problem | None:
     return Problem(
         503,
         "storage_unavailable",
-        f"the write was refused and nothing of it was kept: {fault}",
+        f"{what}: {fault}",
         headers={"Retry-After": str(seconds)},
         retry_after=seconds,
     )
