@@ -78,7 +78,7 @@ def add_token_parser(
         help="revoke one token by its id: refused on every server from the next request",
         **layout,
     )
-    add_backend_args(revoke_parser)
+    _add_backend_overrides(token, revoke_parser)
     revoke_parser.add_argument(
         "token_id",
         metavar="ID",
@@ -86,6 +86,26 @@ def add_token_parser(
         " token itself",
     )
     return token
+
+
+def _add_backend_overrides(
+    token: argparse.ArgumentParser, revoke_parser: argparse.ArgumentParser
+) -> None:
+    """The backend flags again after `revoke`, with no default of their own: argparse lets a
+    subcommand's defaults overwrite what the parent parsed, so `token --db X revoke ID` would
+    otherwise revoke in the default file. A flag given on either side of `revoke` is used, the
+    later one winning; the environment is the parent's default (tests/server/test_cli_token.py,
+    `test_revoke_takes_backend_flags_on_either_side_of_the_subcommand`)."""
+    for action in token._actions:
+        if action.dest in ("db", "database_url", "schema"):
+            typed: dict[str, Any] = {} if action.type is None else {"type": action.type}
+            revoke_parser.add_argument(
+                *action.option_strings,
+                dest=action.dest,
+                default=argparse.SUPPRESS,
+                help=f"as {action.option_strings[0]} before `revoke`",
+                **typed,
+            )
 
 
 def ttl_of(args: argparse.Namespace) -> float | None:

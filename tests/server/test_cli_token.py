@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import sqlite3
 import subprocess
 import sys
@@ -193,3 +194,49 @@ def test_init_refuses_a_file_that_is_not_a_cv_server_database_in_one_line(
     assert answer.returncode == 1
     assert _one_line(answer.stderr).startswith("cv-server init: ")
     assert path.read_text() == "not a database\n"
+
+
+def _revoked_ids(db: Path) -> set[str]:
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT token_id FROM token_revocations").fetchall()
+    conn.close()
+    return {row[0] for row in rows}
+
+
+@pytest.mark.parametrize(
+    "placement",
+    ["before-revoke", "after-revoke", "environment"],
+)
+def test_revoke_takes_backend_flags_on_either_side_of_the_subcommand(
+    tmp_path: Path, placement: str
+) -> None:
+    """`token --db X revoke ID` revoked in the default file (the subcommand's own default
+    overwrote the parent's flag) and reported success: the token stayed valid."""
+    db = tmp_path / "mine.db"
+    create_sqlite_database(db)
+    decoy = tmp_path / "data" / "cv.db"  # the default file, relative to the working directory
+    decoy.parent.mkdir()
+    create_sqlite_database(decoy)
+    minted = _token("--db", str(db), "--workspace", "w", "--ttl", "600")
+    assert minted.returncode == 0, minted.stderr
+    token = minted.stdout.strip()
+    env = None
+    if placement == "before-revoke":
+        args = ["token", "--db", str(db), "revoke", token]
+    elif placement == "after-revoke":
+        args = ["token", "revoke", "--db", str(db), token]
+    else:
+        args = ["token", "revoke", token]
+        env = {**os.environ, "CV_DB": str(db)}
+    answer = subprocess.run(
+        [sys.executable, "-m", "cv_server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert answer.returncode == 0, answer.stderr
+    assert str(db) in answer.stdout
+    assert len(_revoked_ids(db)) == 1
+    assert _revoked_ids(decoy) == set()
