@@ -26,6 +26,7 @@ const pg = require("pg");
 const ENQUEUE_BATCH = 500;
 const DRAIN_TIMEOUT_MS = 900000;
 const PHASE_TIMEOUT_MS = 120000;
+const LOAD_IN_FLIGHT = 16;
 const quiet = new Logger(() => () => {});
 
 const now = () => (performance.timeOrigin + performance.now()) / 1000;
@@ -207,15 +208,30 @@ async function latency(dsn, schema, idle, gapS, load, rate, concurrency, logdir)
     }
     const idleElapsed = (performance.now() - began) / 1000;
     const loadIdx = [];
+    const calls = [];
+    let inFlight = 0;
+    const waiting = [];
+    const one = async (i) => {
+      // at most LOAD_IN_FLIGHT addJob calls at once, as bench/_peer_common.py
+      while (inFlight >= LOAD_IN_FLIGHT) await new Promise((resolve) => waiting.push(resolve));
+      inFlight++;
+      try {
+        await utils.addJob("noop", { i });
+      } finally {
+        inFlight--;
+        if (waiting.length) waiting.shift()();
+      }
+    };
     began = performance.now();
     for (let k = 0; k < load; k++) {
       const i = idle + k;
       const delay = began + (1000 * k) / rate - performance.now();
       if (delay > 0) await sleep(delay);
       sent.set(i, now());
-      await utils.addJob("noop", { i });
+      calls.push(one(i));
       loadIdx.push(i);
     }
+    await Promise.all(calls);
     const loadElapsed = (performance.now() - began) / 1000;
     const seen = await waitStarted(logdir, loadIdx, Date.now() + PHASE_TIMEOUT_MS);
     const idleLat = [];

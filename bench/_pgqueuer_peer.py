@@ -33,7 +33,7 @@ from typing import Any
 
 import asyncpg  # type: ignore[import-not-found,import-untyped,unused-ignore]  # peer venv only
 from pgqueuer import PgQueuer  # type: ignore[import-not-found]  # only in the peer's virtualenv
-from pgqueuer.db import AsyncpgDriver  # type: ignore[import-not-found]
+from pgqueuer.db import AsyncpgDriver, AsyncpgPoolDriver  # type: ignore[import-not-found]
 from pgqueuer.models import Job  # type: ignore[import-not-found]
 from pgqueuer.queries import Queries  # type: ignore[import-not-found]
 from pgqueuer.types import QueueExecutionMode  # type: ignore[import-not-found]
@@ -189,8 +189,11 @@ def latency(dsn: str, schema: str, idle: int, gap_s: float, load: int, rate: flo
     go.set()
 
     async def run() -> dict[str, Any]:
-        conn = await _connect(dsn, schema)
-        queries = Queries(AsyncpgDriver(conn))
+        # A pool: the load phase has several enqueue calls in flight.
+        pool = await asyncpg.create_pool(
+            dsn, server_settings={"search_path": schema}, min_size=1, max_size=8
+        )
+        queries = Queries(AsyncpgPoolDriver(pool))
         try:
             return await drive_latency(
                 lambda i: queries.enqueue(ENTRYPOINT, str(i).encode()),
@@ -201,7 +204,7 @@ def latency(dsn: str, schema: str, idle: int, gap_s: float, load: int, rate: flo
                 rate=rate,
             )
         finally:
-            await conn.close()
+            await pool.close()
 
     try:
         report = asyncio.run(run())
