@@ -6,14 +6,15 @@ from the project but the standard-library helpers of `bench._peer_common`.
     PYTHON -m bench._pgqueuer_peer latency DSN SCHEMA IDLE_JOBS GAP_S LOAD_JOBS RATE CONCURRENCY \
         LOGDIR
 
-Installs pgqueuer's tables in SCHEMA (which must exist and be empty; asyncpg connections with
-that `search_path`). *drain*: enqueues JOBS no-op jobs in batches (one `enqueue` call with lists,
-one INSERT per batch), then WORKERS worker processes drain them with pgqueuer's own drain mode
+Installs pgqueuer's tables in SCHEMA (which must exist and be empty; asyncpg connections with that
+`search_path`). *drain*: enqueues JOBS no-op jobs in batches (one `enqueue` call with lists, one
+INSERT per batch), then WORKERS worker processes drain them with pgqueuer's own drain mode
 (`QueueExecutionMode.drain`: exit once the queue is empty; LISTEN/NOTIFY on, as it ships).
-Concurrency 1 is the entrypoint's `concurrency_limit=1` with `batch_size=1` (pgqueuer refuses a
-`max_concurrent_tasks` below twice the batch); concurrency C > 1 is `max_concurrent_tasks=C`
-with batches of C // 2. *latency*: one worker stays up while `bench._peer_common.drive_latency`
-enqueues one job per call.
+Concurrency 1 is `batch_size=1` with the entrypoint's `concurrency_limit` = WORKERS (pgqueuer
+refuses a `max_concurrent_tasks` below twice the batch, and its entrypoint limit holds across all
+workers: WORKERS jobs at once in all, as many as one at a time each); concurrency C > 1 is
+`max_concurrent_tasks=C` with batches of C // 2. *latency*: one worker stays up while
+`bench._peer_common.drive_latency` enqueues one job per call.
 
 Each job logs its index and start time (`StartLog`); a job run twice or missing fails the run.
 Prints one JSON line; drain seconds are first to last job start (as `bench.queue` measures huey
@@ -51,19 +52,19 @@ async def _connect(dsn: str, schema: str) -> Any:
     return await asyncpg.connect(dsn, server_settings={"search_path": schema})
 
 
-def _worker_knobs(concurrency: int) -> tuple[int, int | None, int]:
-    """(batch_size, max_concurrent_tasks, entrypoint concurrency_limit)."""
+def _worker_knobs(concurrency: int, workers: int) -> tuple[int, int | None, int]:
+    """(batch_size, max_concurrent_tasks, entrypoint concurrency_limit) of each worker."""
     if concurrency <= 1:
-        return 1, None, 1
+        return 1, None, workers
     return max(1, concurrency // 2), concurrency, 0
 
 
-async def _work(dsn: str, schema: str, concurrency: int, log: str, drain: bool, ready: Any,
-                go: Any) -> None:  # fmt: skip
+async def _work(dsn: str, schema: str, concurrency: int, workers: int, log: str, drain: bool,
+                ready: Any, go: Any) -> None:  # fmt: skip
     conn = await _connect(dsn, schema)
     pgq = PgQueuer(AsyncpgDriver(conn))
     starts = StartLog(log)
-    batch, max_tasks, limit = _worker_knobs(concurrency)
+    batch, max_tasks, limit = _worker_knobs(concurrency, workers)
 
     @pgq.entrypoint(ENTRYPOINT, concurrency_limit=limit)  # type: ignore[untyped-decorator]
     async def noop(job: Job) -> None:
@@ -80,9 +81,9 @@ async def _work(dsn: str, schema: str, concurrency: int, log: str, drain: bool, 
     await conn.close()
 
 
-def _worker_main(dsn: str, schema: str, concurrency: int, log: str, drain: bool, ready: Any,
-                 go: Any) -> None:  # fmt: skip
-    asyncio.run(_work(dsn, schema, concurrency, log, drain, ready, go))
+def _worker_main(dsn: str, schema: str, concurrency: int, workers: int, log: str, drain: bool,
+                 ready: Any, go: Any) -> None:  # fmt: skip
+    asyncio.run(_work(dsn, schema, concurrency, workers, log, drain, ready, go))
 
 
 async def _install(dsn: str, schema: str) -> None:
@@ -133,7 +134,7 @@ def _start_workers(
     procs = [
         ctx.Process(
             target=_worker_main,
-            args=(dsn, schema, concurrency, str(logdir / f"w{k}.log"), drain, ready, go),
+            args=(dsn, schema, concurrency, workers, str(logdir / f"w{k}.log"), drain, ready, go),
         )
         for k, ready in enumerate(readies)
     ]

@@ -82,7 +82,7 @@ def _worker_args(transport: str) -> list[str]:
     raise SystemExit(f"this cv-worker has no --transport option: cannot ask for {transport!r}")
 
 
-def _start_worker(url: str, token: str, concurrency: int, transport: str, log: Path
+def _start_worker(url: str, token: str, concurrency: int, extra: list[str], log: Path
                   ) -> subprocess.Popen[str]:  # fmt: skip
     with log.open("w") as sink:
         return subprocess.Popen(
@@ -93,7 +93,7 @@ def _start_worker(url: str, token: str, concurrency: int, transport: str, log: P
                 "--concurrency", str(concurrency),
                 "--worker-id", "bench-latency",
                 "--log-level", "WARNING",
-                *_worker_args(transport),
+                *extra,
             ],
             stdout=subprocess.DEVNULL,
             stderr=sink,
@@ -163,9 +163,13 @@ def run_ours(backend: str, args: argparse.Namespace, directory: Path) -> dict[st
 def _ours_on(db: Path, database_url: str | None, read: Callable[[], Any],
              args: argparse.Namespace, directory: Path) -> dict[str, Any]:  # fmt: skip
     server = ServerProcess.start(db, database_url=database_url)
-    worker = _start_worker(
-        server.url, server.token, args.concurrency, args.transport, directory / "worker.log"
-    )
+    try:
+        worker = _start_worker(
+            server.url, server.token, args.concurrency, args.worker_args, directory / "worker.log"
+        )
+    except BaseException:
+        server.stop()
+        raise
     try:
         return asyncio.run(_run_ours(server, read, args))
     finally:
@@ -270,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     needs_pg = "postgres" in backends or set(peers) - {"huey"}
     if needs_pg and not args.database_url:
         parser.error("PostgreSQL runs need --database-url (or CV_TEST_DATABASE_URL)")
+    args.worker_args = _worker_args(args.transport) if backends else []
     print(
         f"enqueue -> stage start; idle: {args.idle_jobs} jobs one at a time, {args.gap} s after"
         f" each start; load: {args.load_jobs} jobs at {args.rate:g}/s; {args.concurrency} at once"

@@ -1,4 +1,4 @@
-"""Queue drain on PostgreSQL, next to procrastinate on the same database in the same run (issue 7).
+"""Queue drain on PostgreSQL, next to its PostgreSQL peers on the same database in the same run.
 
     python -m bench.pg_queue --database-url postgresql://postgres@127.0.0.1:5432/test
                              [--jobs 4000] [--workers 4] [--batches 1,16,64]
