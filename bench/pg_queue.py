@@ -1,6 +1,6 @@
 """Queue drain on PostgreSQL, next to its PostgreSQL peers on the same database in the same run.
 
-    python -m bench.pg_queue --database-url postgresql://postgres@127.0.0.1:5432/test
+    python -m bench.pg_queue --database-url postgresql://postgres@127.0.0.1:5432/test [--quick]
                              [--jobs 4000] [--workers 4] [--batches 1,16,64]
                              [--peer-concurrency 1,64] [--rounds 1] [--procrastinate-python PATH]
                              [--peers procrastinate,dbos,pgqueuer,oban,graphile-worker]
@@ -395,6 +395,9 @@ def run_new_peer(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.pg_queue", description=__doc__)
     parser.add_argument("--database-url", required=True)
+    parser.add_argument(
+        "--quick", action="store_true", help="2,000 jobs, 1 worker, batches and concurrency 1,64"
+    )
     parser.add_argument("--jobs", type=int, default=4000)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--batches", default="1,16,64")
@@ -409,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--oban-base-python", default=None, help="a Python >= 3.12 for Oban's venv")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.jobs, args.workers, args.batches, args.peer_concurrency = 2000, 1, "1,64", "1,64"
     dsn, jobs, workers = args.database_url, args.jobs, args.workers
     peers = [p for p in args.peers.split(",") if p and not (p == "dbos" and args.no_dbos)]
     unknown = set(peers) - set(PEERS)
