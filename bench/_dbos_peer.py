@@ -3,6 +3,8 @@ interpreter of a throwaway virtualenv that has `dbos` installed (never a depende
 project): it imports nothing from the project.
 
     PYTHON -m bench._dbos_peer SYSTEM_DB_URL JOBS WORKERS CONCURRENCY POLL_S [SCHEMA]
+    PYTHON -m bench._dbos_peer latency SYSTEM_DB_URL SCHEMA IDLE_JOBS GAP_S LOAD_JOBS RATE \
+        CONCURRENCY POLL_S LOGDIR
 
 (SCHEMA: on PostgreSQL, the schema DBOS's system tables go in; it must be empty.)
 
@@ -17,14 +19,20 @@ so its output is stored, as our `done` row's result is.
 Prints one JSON line: enqueue rate, drain seconds (first to last workflow run, the measure
 `bench.queue` uses for both other systems), wall seconds with start-up, and, per system table,
 how many rows a job left behind (what DBOS persists per job).
+
+`latency` (for `bench.latency`): one worker process (CONCURRENCY at once, polling every POLL_S)
+stays up while `bench._peer_common.drive_latency` enqueues one `mark` workflow per call from this
+process (an instance that listens to no queue); prints one JSON line.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import importlib.metadata
 import json
 import multiprocessing
+import os
 import pickle
 import sys
 import time
@@ -33,13 +41,18 @@ from typing import Any
 import sqlalchemy as sa  # type: ignore[import-not-found]  # only in the peer's virtualenv
 from dbos import DBOS, SetWorkflowID  # type: ignore[import-not-found]
 
+from bench._peer_common import StartLog, drive_latency, emit, read_starts
+
 QUEUE = "bench"
 #: Give up on a drain after this long (a stuck run must not hang the benchmark).
 DRAIN_TIMEOUT_S = 1800.0
 
 
-#: The PostgreSQL schema of DBOS's system tables (argv[6]; DBOS's default otherwise).
-SCHEMA = sys.argv[6] if len(sys.argv) > 6 else "dbos"
+#: The PostgreSQL schema of DBOS's system tables (argv[6], or argv[3] in latency mode; DBOS's
+#: default otherwise). Read at import: spawned worker processes see the parent's argv.
+LATENCY = len(sys.argv) > 1 and sys.argv[1] == "latency"
+SCHEMA = sys.argv[3] if LATENCY else sys.argv[6] if len(sys.argv) > 6 else "dbos"
+_STARTS: list[StartLog] = []
 
 
 def _configure(url: str, executor: str) -> None:
@@ -57,7 +70,14 @@ def _configure(url: str, executor: str) -> None:
     def noop() -> float:
         return time.time()
 
+    @DBOS.workflow(name="mark")  # type: ignore[untyped-decorator]
+    def mark(index: int) -> None:
+        if not _STARTS:
+            _STARTS.append(StartLog(os.environ["BENCH_LATENCY_LOG"]))
+        _STARTS[0].record(index)
+
     globals()["noop"] = noop
+    globals()["mark"] = mark
 
 
 def _register(concurrency: int, poll_s: float) -> Any:
@@ -95,7 +115,60 @@ def _table(url: str, name: str) -> str:
     return f"{schema}.{name}" if schema else name
 
 
+def _latency_worker(url: str, concurrency: int, poll_s: float, log: str, ready: Any,
+                    stop: Any) -> None:  # fmt: skip
+    os.environ["BENCH_LATENCY_LOG"] = log
+    _configure(url, "worker-0")
+    DBOS.launch()
+    _register(concurrency, poll_s)
+    ready.set()
+    stop.wait(DRAIN_TIMEOUT_S)
+    DBOS.destroy()
+
+
+def latency(argv: list[str]) -> None:
+    url, _schema_name, idle, gap, load, rate, concurrency, poll, logdir = argv
+    log = f"{logdir}/w0.log"
+    ctx = multiprocessing.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    proc = ctx.Process(
+        target=_latency_worker, args=(url, int(concurrency), float(poll), log, ready, stop)
+    )
+    proc.start()
+    try:
+        if not ready.wait(120):
+            raise SystemExit("the DBOS worker did not get ready")
+        _configure(url, "producer")
+        DBOS.listen_queues([])
+        DBOS.launch()
+        queue = _register(int(concurrency), float(poll))
+
+        async def enqueue(index: int) -> None:
+            queue.enqueue(globals()["mark"], index)
+
+        report = asyncio.run(
+            drive_latency(
+                enqueue,
+                lambda: read_starts(log),
+                idle_jobs=int(idle),
+                gap_s=float(gap),
+                load_jobs=int(load),
+                rate=float(rate),
+            )
+        )
+        DBOS.destroy()
+    finally:
+        stop.set()
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    emit({"system": "dbos", "version": importlib.metadata.version("dbos"), **report})
+
+
 def main() -> None:
+    if LATENCY:
+        latency(sys.argv[2:])
+        return
     url, jobs = sys.argv[1], int(sys.argv[2])
     workers, concurrency, poll_s = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
     ctx = multiprocessing.get_context("spawn")

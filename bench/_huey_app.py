@@ -14,9 +14,20 @@ import time
 
 from huey import SqliteHuey  # type: ignore[import-not-found]  # bench-only venv
 
+from bench._peer_common import StartLog
+
 huey = SqliteHuey("bench", filename=os.environ.get("BENCH_HUEY_DB", "huey-bench.db"))
+_STARTS: list[StartLog] = []
 
 
 @huey.task()  # type: ignore[untyped-decorator]
 def noop() -> float:
     return time.time()
+
+
+@huey.task()  # type: ignore[untyped-decorator]
+def mark(index: int) -> None:
+    """`bench.latency`'s job: log its start time to the file named by `BENCH_LATENCY_LOG`."""
+    if not _STARTS:
+        _STARTS.append(StartLog(os.environ["BENCH_LATENCY_LOG"]))
+    _STARTS[0].record(index)

@@ -1,8 +1,9 @@
-"""Queue drain on PostgreSQL, next to procrastinate on the same database in the same run (issue 7).
+"""Queue drain on PostgreSQL, next to its PostgreSQL peers on the same database in the same run.
 
-    python -m bench.pg_queue --database-url postgresql://postgres@127.0.0.1:5432/test
+    python -m bench.pg_queue --database-url postgresql://postgres@127.0.0.1:5432/test [--quick]
                              [--jobs 4000] [--workers 4] [--batches 1,16,64]
-                             [--peer-concurrency 1,16] [--rounds 1] [--procrastinate-python PATH]
+                             [--peer-concurrency 1,64] [--rounds 1] [--procrastinate-python PATH]
+                             [--peers procrastinate,dbos,pgqueuer,oban,graphile-worker]
 
 cv-workspace: one `cv-server` on PostgreSQL (fresh schema); N no-op requests enqueued through
 `POST /v1/workspaces/{ws}/requests` by 16 concurrent clients; then `--workers` worker processes
@@ -18,8 +19,20 @@ keeping more jobs in flight per worker, as our batches do). It runs from a throw
 (`--procrastinate-python`, or one this script creates under the temp dir): never a dependency of
 this project.
 
-Both sides are checked after the drain (every job done exactly once) before a figure is printed.
-Both are durable (`synchronous_commit` as configured, printed).
+DBOS (`bench._dbos_peer`), pgqueuer (`bench._pgqueuer_peer`), Oban's Python port
+(`bench._oban_peer`, PyPI `oban`, Python 3.12 or later) and graphile-worker
+(`bench._graphile_peer.js`, Node, npm) drain the same N no-op jobs on the same database, each in a
+fresh schema, each from a throwaway environment this script makes under the temp dir (a virtualenv,
+or an npm prefix): never a dependency of this project. `--peers` picks them. Each worker process
+runs one job at a time (`--peer-concurrency` 1) or several (each peer's own knob, named in its
+module). Each prints, per table, the rows a job left behind after the drain: what it persists per
+job.
+
+Every side is checked after the drain (every job done exactly once: the new peers log each job's
+start and fail on a job run twice or never) before a figure is printed. All are durable
+(`synchronous_commit` as configured, printed; none uses unlogged tables). The new peers' drain is
+first to last job start, as `bench.queue` measures huey and DBOS; ours and procrastinate's is the
+whole drain from the go signal (ours therefore counts its first claim and last completion too).
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,6 +61,12 @@ PEER_REQUIREMENT: Final = "procrastinate[psycopg]==3.10.0"
 DBOS_REQUIREMENTS: Final = ("dbos==3.4.0", "psycopg[binary]")
 #: DBOS's queue polling interval for the benchmark (its default is 1 s).
 DEFAULT_DBOS_POLL_S: Final = 0.01
+PGQUEUER_REQUIREMENTS: Final = ("pgqueuer==1.6.0", "asyncpg")
+OBAN_REQUIREMENT: Final = "oban==0.7.0"
+GRAPHILE_REQUIREMENT: Final = "graphile-worker@0.18.0"
+PEERS: Final = ("procrastinate", "dbos", "pgqueuer", "oban", "graphile-worker")
+REPO: Final = Path(__file__).resolve().parent.parent
+PEER_TIMEOUT_S: Final = 1800
 
 
 # -- cv-workspace ----------------------------------------------------------------------------------
@@ -251,62 +271,214 @@ def run_dbos(
     return jobs / float(report["enqueue_per_s"]), float(report["drain_s"]), report["rows_per_job"]
 
 
+# -- pgqueuer, Oban, graphile-worker ---------------------------------------------------------------
+
+
+def _venv(name: str, module: str, requirements: tuple[str, ...], base_python: str) -> str:
+    """The interpreter of a throwaway virtualenv in the temp dir where `module` imports, made
+    (again, if a earlier one is broken) from `base_python` with `requirements`."""
+    venv = Path(tempfile.gettempdir()) / name
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", f"import {module}"]
+    if python.exists() and subprocess.run(probe, capture_output=True, check=False).returncode == 0:
+        return str(python)
+    print(f"creating {venv} with {' '.join(requirements)} (benchmark only)", flush=True)
+    shutil.rmtree(venv, ignore_errors=True)
+    subprocess.run([base_python, "-m", "venv", str(venv)], check=True, timeout=120)
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", *requirements], check=True, timeout=600
+    )
+    subprocess.run(probe, check=True, timeout=60)
+    return str(python)
+
+
+def pgqueuer_python() -> str:
+    return _venv("cv-bench-pgqueuer", "pgqueuer", PGQUEUER_REQUIREMENTS, sys.executable)
+
+
+def _python_312(given: str | None) -> str:
+    """An interpreter of Python 3.12 or later: `given`, this one, the first `python3.13` /
+    `python3.12` on PATH that really is one, or one that pyenv has installed (its shims run only
+    the selected version, so each installed 3.12+ is asked for by `PYENV_VERSION`)."""
+    if given:
+        return given
+    if sys.version_info >= (3, 12):
+        return sys.executable
+    candidates: list[tuple[str, dict[str, str]]] = [
+        (name, {}) for name in ("python3.13", "python3.12") if shutil.which(name)
+    ]
+    if shutil.which("pyenv"):
+        listed = subprocess.run(
+            ["pyenv", "versions", "--bare"], capture_output=True, text=True, check=False
+        ).stdout.split()
+        candidates += [
+            ("python3", {"PYENV_VERSION": v})
+            for v in sorted(listed, reverse=True)
+            if v.startswith(("3.12", "3.13", "3.14"))
+        ]
+    probe = "import sys; print(sys.version_info >= (3, 12), sys.executable)"
+    for name, extra in candidates:
+        done = subprocess.run(
+            [name, "-c", probe],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **extra},
+            check=False,
+        )
+        ok, _, executable = done.stdout.strip().partition(" ")
+        if done.returncode == 0 and ok == "True":
+            return executable
+    raise RuntimeError("Oban needs Python >= 3.12: pass --oban-base-python")
+
+
+def oban_python(base: str | None) -> str:
+    """Oban's Python port needs Python 3.12 or later (see `_python_312`)."""
+    return _venv("cv-bench-oban", "oban", (OBAN_REQUIREMENT,), _python_312(base))
+
+
+def graphile_modules() -> str:
+    """The node_modules of a throwaway npm prefix in the temp dir with graphile-worker."""
+    prefix = Path(tempfile.gettempdir()) / "cv-bench-graphile"
+    modules = prefix / "node_modules"
+    if not (modules / "graphile-worker").exists():
+        print(f"installing {GRAPHILE_REQUIREMENT} under {prefix} (benchmark only)", flush=True)
+        subprocess.run(
+            ["npm", "install", "--silent", "--prefix", str(prefix), GRAPHILE_REQUIREMENT],
+            check=True,
+            timeout=600,
+        )
+    return str(modules)
+
+
+def peer_command(peer: str, oban_base: str | None) -> tuple[list[str], dict[str, str]]:
+    """How to run a new peer's side module: (argv prefix, environment)."""
+    if peer == "pgqueuer":
+        return [pgqueuer_python(), "-m", "bench._pgqueuer_peer"], dict(os.environ)
+    if peer == "oban":
+        return [oban_python(oban_base), "-m", "bench._oban_peer"], dict(os.environ)
+    if peer == "graphile-worker":
+        env = {**os.environ, "NODE_PATH": graphile_modules()}
+        return ["node", str(REPO / "bench" / "_graphile_peer.js")], env
+    raise ValueError(peer)
+
+
+def run_peer_side(command: tuple[list[str], dict[str, str]], mode: str, dsn: str,
+                  args: list[str]) -> dict[str, Any]:  # fmt: skip
+    """Run a peer's side module in `mode` on a fresh schema; its JSON report."""
+    argv, env = command
+    with fresh_schema(dsn) as schema, tempfile.TemporaryDirectory() as logdir:
+        done = subprocess.run(
+            [*argv, mode, dsn, schema, *args, logdir],
+            capture_output=True,
+            text=True,
+            timeout=PEER_TIMEOUT_S,
+            cwd=REPO,
+            env=env,
+            check=False,
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"{argv[-1]} {mode} failed: {done.stderr[-2000:]}")
+    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return report
+
+
+def run_new_peer(
+    command: tuple[list[str], dict[str, str]], dsn: str, jobs: int, workers: int, concurrency: int
+) -> tuple[float, float, dict[str, Any]]:
+    """(enqueue seconds, drain seconds, report) for pgqueuer, Oban or graphile-worker."""
+    report = run_peer_side(command, "drain", dsn, [str(jobs), str(workers), str(concurrency)])
+    if report["succeeded"] != jobs:
+        raise RuntimeError(f"{report['system']} finished {report['succeeded']} of {jobs} jobs")
+    return float(report["enqueue_s"]), float(report["drain_s"]), report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.pg_queue", description=__doc__)
     parser.add_argument("--database-url", required=True)
+    parser.add_argument(
+        "--quick", action="store_true", help="2,000 jobs, 1 worker, batches and concurrency 1,64"
+    )
     parser.add_argument("--jobs", type=int, default=4000)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--batches", default="1,16,64")
-    parser.add_argument("--peer-concurrency", default="1,16")
+    parser.add_argument("--peer-concurrency", default="1,64")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated; '' for none")
     parser.add_argument("--procrastinate-python", default=None)
     parser.add_argument("--dbos-python", default=None)
     parser.add_argument("--dbos-poll", type=float, default=DEFAULT_DBOS_POLL_S)
-    parser.add_argument("--no-dbos", action="store_true")
+    parser.add_argument(
+        "--no-dbos", action="store_true", help="same as leaving dbos out of --peers"
+    )
+    parser.add_argument("--oban-base-python", default=None, help="a Python >= 3.12 for Oban's venv")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.jobs, args.workers, args.batches, args.peer_concurrency = 2000, 1, "1,64", "1,64"
     dsn, jobs, workers = args.database_url, args.jobs, args.workers
-    python = peer_python(args.procrastinate_python)
-    dbos = None if args.no_dbos else dbos_python(args.dbos_python)
+    peers = [p for p in args.peers.split(",") if p and not (p == "dbos" and args.no_dbos)]
+    unknown = set(peers) - set(PEERS)
+    if unknown:
+        parser.error(f"unknown peers {sorted(unknown)}; known: {', '.join(PEERS)}")
+    python = peer_python(args.procrastinate_python) if "procrastinate" in peers else None
+    dbos = dbos_python(args.dbos_python) if "dbos" in peers else None
+    commands = {
+        p: peer_command(p, args.oban_base_python)
+        for p in peers
+        if p in ("pgqueuer", "oban", "graphile-worker")
+    }
+    concurrencies = [int(c) for c in args.peer_concurrency.split(",")]
     print(
         f"PostgreSQL synchronous_commit={pg_setting(dsn, 'synchronous_commit')}; {jobs} no-op"
         f" jobs, {workers} workers; load {os.getloadavg()[0]:.1f}",
         flush=True,
     )
     for _ in range(args.rounds):
-        peers: dict[int, float] = {}
-        for concurrency in (int(c) for c in args.peer_concurrency.split(",")):
-            peer_enqueue, peer_drain = run_procrastinate(python, dsn, jobs, workers, concurrency)
-            peers[concurrency] = peer_drain
-            print(
-                f"  procrastinate, concurrency {concurrency:<4}"
-                f"  enqueue {jobs / peer_enqueue:7,.0f} jobs/s"
-                f"   drain {jobs / peer_drain:7,.0f} jobs/s",
-                flush=True,
-            )
-        best_peer = min(peers.values())
-        dbos_drains: dict[int, float] = {}
-        for concurrency in (int(c) for c in args.peer_concurrency.split(",")) if dbos else ():
-            assert dbos is not None
-            d_enqueue, d_drain, rows = run_dbos(
-                dbos, dsn, jobs, workers, concurrency, args.dbos_poll
-            )
-            dbos_drains[concurrency] = d_drain
-            print(
-                f"  DBOS, concurrency {concurrency:<4}         "
-                f"  enqueue {jobs / d_enqueue:7,.0f} jobs/s"
-                f"   drain {jobs / d_drain:7,.0f} jobs/s"
-                f"   (poll {args.dbos_poll} s; rows/job {rows})",
-                flush=True,
-            )
+        drains: dict[tuple[str, int], float] = {}
+        persisted: dict[str, Any] = {}
+        for concurrency in concurrencies:
+            for peer in peers:
+                if peer == "procrastinate":
+                    assert python is not None
+                    enq, drain = run_procrastinate(python, dsn, jobs, workers, concurrency)
+                    note = ""
+                elif peer == "dbos":
+                    assert dbos is not None
+                    enq, drain, rows = run_dbos(
+                        dbos, dsn, jobs, workers, concurrency, args.dbos_poll
+                    )
+                    note = f"   (poll {args.dbos_poll} s)"
+                    persisted[peer] = rows
+                else:
+                    enq, drain, report = run_new_peer(
+                        commands[peer], dsn, jobs, workers, concurrency
+                    )
+                    note = f"   ({report['system']} {report['version']})"
+                    persisted[peer] = report["rows_per_job"]
+                drains[peer, concurrency] = drain
+                print(
+                    f"  {peer + ',':<16} concurrency {concurrency:<4}"
+                    f"  enqueue {jobs / enq:7,.0f} jobs/s   drain {jobs / drain:7,.0f} jobs/s"
+                    + note,
+                    flush=True,
+                )
+        for peer, rows in persisted.items():
+            print(f"  rows per job left after the drain, {peer}: {rows}", flush=True)
         for batch in (int(b) for b in args.batches.split(",")):
             enqueue_s, drain_s = run_ours(dsn, jobs, workers, batch)
-            print(
+            line = (
                 f"  cv-workspace, batch {batch:<4}        enqueue {jobs / enqueue_s:7,.0f} jobs/s"
                 f"   drain {jobs / drain_s:7,.0f} jobs/s"
-                f"   {best_peer / drain_s:5.1f}x procrastinate's best drain"
-                + (f", {min(dbos_drains.values()) / drain_s:5.1f}x DBOS's" if dbos_drains else ""),
-                flush=True,
             )
+            same = {p: d for (p, c), d in drains.items() if c == batch}
+            if same:
+                best = min(same, key=lambda p: same[p])
+                line += (
+                    f"   {same[best] / drain_s:5.2f}x the best peer at concurrency {batch}"
+                    f" ({best});" + ", ".join(f" {p} {same[p] / drain_s:.2f}x" for p in same)
+                )
+            elif drains:
+                line += f"   {min(drains.values()) / drain_s:5.2f}x the best peer drain"
+            print(line, flush=True)
     return 0
 
 
