@@ -11,20 +11,38 @@ from __future__ import annotations
 from aiohttp import web
 
 from cv_server.keys import HUB, METRICS, STORES
-from cv_server.oplog import IncomingOp, LogEntry, Outcome
+from cv_server.oplog import IncomingOp, LogEntry, Outcome, Rejected
+from cv_server.oplog.pipeline import VERSION_CONFLICT
 
-__all__ = ["commit_and_publish", "publish"]
+__all__ = ["commit_and_publish", "conflict_of", "publish"]
+
+
+def conflict_of(outcomes: list[Outcome]) -> Rejected | None:
+    """The `version_conflict` of a compare-and-set append, if it met one: the whole request is
+    then answered 409 (a socket: an `error` frame) carrying the head clock (docs/ops.md#conflicts).
+    """
+    for outcome in outcomes:
+        if type(outcome) is Rejected and outcome.code == VERSION_CONFLICT:
+            return outcome
+    return None
 
 
 async def commit_and_publish(
-    app: web.Application, workspace_id: str, sub_doc: str, ops: list[IncomingOp], atomic: bool
+    app: web.Application,
+    workspace_id: str,
+    sub_doc: str,
+    ops: list[IncomingOp],
+    atomic: bool,
+    if_clock: int | None = None,
 ) -> list[Outcome]:
     """Commit, and only once the commit is durable, publish (docs/concepts.md).
 
     Shielded by callers: a client that hangs up mid-request must not cancel the publish of a
     commit that happened anyway.
     """
-    outcomes, entries = await app[STORES].oplog.append(workspace_id, sub_doc, ops, atomic=atomic)
+    outcomes, entries = await app[STORES].oplog.append(
+        workspace_id, sub_doc, ops, atomic=atomic, if_clock=if_clock
+    )
     publish(app, workspace_id, sub_doc, outcomes, entries)
     return outcomes
 

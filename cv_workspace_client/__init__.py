@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from cv_workspace_client._core.conflicts import ConflictRetryPolicy
 from cv_workspace_client._core.reconnect import ReconnectPolicy
 from cv_workspace_client._io.auth import TokenProvider
 from cv_workspace_client._queue.requester import QueueClient
@@ -47,6 +48,7 @@ from cv_workspace_client.errors import (
     RequestCancelledError,
     ServerError,
     StillPendingError,
+    VersionConflictError,
     WorkspaceError,
 )
 from cv_workspace_client.live import LiveDoc
@@ -77,6 +79,7 @@ __all__ = [
     "ClientConfig",
     "Commit",
     "Committed",
+    "ConflictRetryPolicy",
     "LiveDoc",
     "ReconnectPolicy",
     "Snapshot",
@@ -105,6 +108,7 @@ __all__ += [
     "RequestCancelledError",
     "ServerError",
     "StillPendingError",
+    "VersionConflictError",
     "WorkspaceError",
 ]
 # the work queue and the compute lock, from an app

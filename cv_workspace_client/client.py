@@ -27,6 +27,7 @@ from cv_mutations import (
     parse_op,
 )
 from cv_mutations import new_op_id as new_client_id
+from cv_workspace_client._core.conflicts import ConflictRetryPolicy
 from cv_workspace_client._core.machine import (
     BacklogRange,
     Discard,
@@ -35,6 +36,7 @@ from cv_workspace_client._core.machine import (
 )
 from cv_workspace_client._core.url import check_server_url
 from cv_workspace_client._io.auth import RefreshPolicy, TokenProvider, TokenRefresher
+from cv_workspace_client._io.conditional import Change, ConditionalWrites
 from cv_workspace_client._io.http import HttpApi
 from cv_workspace_client._io.pump import OpLike, OpPump
 from cv_workspace_client._io.reads import Reads, check_ids
@@ -152,6 +154,7 @@ class WorkspaceClient(QueueMethods):
             mint=new_op_id,
         )
         self._reads = Reads(self.config, self._api)
+        self._conditional = ConditionalWrites(self.config, self._api, self._reads, self._mint)
         #: Every refusal of the token goes through it (HTTP, queue calls, websockets): the app's
         #: provider, if any, is asked once for all of them (`_io/auth.py`).
         self.token_refresher: TokenRefresher = TokenRefresher(
@@ -279,8 +282,14 @@ class WorkspaceClient(QueueMethods):
 
     # -- ops ---------------------------------------------------------------------------------------
 
-    async def apply_op(self, workspace_id: str, sub_doc: str, op: OpLike) -> Commit:
+    async def apply_op(
+        self, workspace_id: str, sub_doc: str, op: OpLike, *, if_clock: int | None = None
+    ) -> Commit:
         """Apply one op; return its `Commit` once the server committed it (or had already).
+
+        With `if_clock` (compare-and-set, docs/ops.md#conflicts) it commits only if the sub-doc
+        is still at that clock, else raises `VersionConflictError` (`.clock`: where it is now);
+        such an op is sent at once, not kept in the outbox.
 
         Raises `OpRejectedError` (the server rejected it), `InvalidRequestError` / `AuthError` /
         `ForbiddenError` (final 4xx, not retried), or `StillPendingError` (no answer after the
@@ -289,6 +298,13 @@ class WorkspaceClient(QueueMethods):
         intent again after a cancel, give the op its own `op_id` (`cv_mutations.new_op_id()`)
         and pass the same op again: the server answers `duplicate: true`.
         """
+        if if_clock is not None:
+            (outcome,) = await self._conditional.apply(
+                workspace_id, sub_doc, [op], atomic=False, if_clock=if_clock
+            )
+            if isinstance(outcome, OpRejectedError):
+                raise outcome
+            return outcome
         (future,) = self._ops.submit(workspace_id, sub_doc, [op], atomic=False)
         return await future
 
@@ -299,12 +315,20 @@ class WorkspaceClient(QueueMethods):
         ops: Sequence[OpLike],
         *,
         atomic: bool = False,
+        if_clock: int | None = None,
     ) -> list[Commit | OpRejectedError]:
         """Apply ops in order; one outcome each: a `Commit` or the op's `OpRejectedError`.
 
         With `atomic=True` they travel as one request and all commit or none does (the others
         answer `atomic_aborted`). Whole-request failures (final 4xx, `StillPendingError`) raise.
+        With `if_clock` they travel as one request, sent at once (not kept in the outbox), and
+        commit only if the sub-doc is still at that clock: else `VersionConflictError` is
+        raised and nothing was applied (docs/ops.md#conflicts).
         """
+        if if_clock is not None:
+            return await self._conditional.apply(
+                workspace_id, sub_doc, ops, atomic=atomic, if_clock=if_clock
+            )
         futures = self._ops.submit(workspace_id, sub_doc, ops, atomic=atomic)
         outcomes = await asyncio.gather(*futures, return_exceptions=True)
         results: list[Commit | OpRejectedError] = []
@@ -314,6 +338,35 @@ class WorkspaceClient(QueueMethods):
             else:
                 raise outcome
         return results
+
+    async def read_modify_write(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        change: Change,
+        *,
+        atomic: bool = True,
+        policy: ConflictRetryPolicy | None = None,
+        uniform: Callable[[float, float], float] | None = None,
+    ) -> list[Commit | OpRejectedError]:
+        """Read the sub-doc, apply `change(state)`'s ops based on the clock read; on a
+        `version_conflict`, wait and start over (docs/ops.md#conflicts).
+
+        Call it for an update computed from the current value (a counter read and rewritten,
+        a list edited): no other writer's commit is overwritten unseen. `change` may run
+        several times: it must only compute ops (each run's ops get new op_ids). Retries follow
+        `policy` (default `config.conflict_retry`: waits of 25, 50, 100 ms x random(0.5, 1.5),
+        `uniform` drawing the factor), then the last `VersionConflictError` is raised. Other
+        errors are raised as `apply_ops` raises them, not retried here.
+        """
+        self._check_open()
+        if uniform is None:
+            return await self._conditional.read_modify_write(
+                workspace_id, sub_doc, change, atomic=atomic, policy=policy
+            )
+        return await self._conditional.read_modify_write(
+            workspace_id, sub_doc, change, atomic=atomic, policy=policy, uniform=uniform
+        )
 
     def pending_count(self, workspace_id: str | None = None, sub_doc: str | None = None) -> int:
         """Ops submitted (or replayed from the outbox) that the server has not answered yet: all

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from cv_workspace_client._core.conflicts import ConflictRetryPolicy
 from cv_workspace_client._core.reconnect import AFTER_DROP_SECONDS, ReconnectPolicy
 
 __all__ = ["ClientConfig"]
@@ -43,6 +44,10 @@ class ClientConfig:
     #: reconnect schedule of a dropped listener). Before any connection delivered data, the
     #: reconnects wait the retry backoff above.
     reconnect_after_drop_seconds: tuple[float, ...] = AFTER_DROP_SECONDS
+
+    #: How `read_modify_write` retries a `version_conflict`: 25, 50, 100 ms, each x random(0.5,
+    #: 1.5), so the change runs at most four times (docs/ops.md#conflicts).
+    conflict_retry: ConflictRetryPolicy = field(default_factory=ConflictRetryPolicy)
 
     # -- batching: stay under the server's request limits (ServerConfig defaults) --
     #: = the server's `max_ops_per_request`.

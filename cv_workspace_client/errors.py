@@ -33,6 +33,7 @@ __all__ = [
     "RequestCancelledError",
     "ServerError",
     "StillPendingError",
+    "VersionConflictError",
     "WorkspaceError",
     "error_from_problem",
 ]
@@ -181,6 +182,21 @@ class OpRejectedError(WorkspaceError):
     def __init__(self, code: str, message: str = "", *, op_id: str | None = None) -> None:
         super().__init__(code, message)
         self.op_id = op_id
+
+
+class VersionConflictError(OpRejectedError):
+    """An apply with `if_clock` met a sub-doc at another clock: nothing of it was applied.
+
+    `clock` is the sub-doc's clock when the batch was decided (None if the answer did not say).
+    Read the sub-doc again, recompute the ops and send them with new op_ids
+    (`WorkspaceClient.read_modify_write` does it, with bounded retries; docs/ops.md#conflicts).
+    """
+
+    def __init__(
+        self, message: str = "", *, clock: int | None = None, op_id: str | None = None
+    ) -> None:
+        super().__init__("version_conflict", message, op_id=op_id)
+        self.clock = clock
 
 
 # -- client side ----------------------------------------------------------------------------------
@@ -364,6 +380,8 @@ def error_from_problem(
         return LeaseLostError(message) if message else LeaseLostError()
     if code == "cancelled":
         return RequestCancelledError(message) if message else RequestCancelledError()
+    if code == "version_conflict":
+        return VersionConflictError(message, clock=_int_or_none(body.get("clock")))
     if code == "log_compacted":
         return LogCompactedError(
             message,

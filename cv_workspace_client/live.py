@@ -120,7 +120,10 @@ class LiveDoc:
 
     @property
     def clock(self) -> int:
-        """The server clock the confirmed part of the view is at."""
+        """The server clock the confirmed part of the view is at: the clock to base a
+        compare-and-set write on (`apply_ops(..., if_clock=doc.clock)`, computed from
+        `doc.snapshot()`'s state; docs/ops.md#conflicts). While `pending` is not empty, those ops
+        may commit first and turn such a write into a `version_conflict`."""
         return self._open().clock
 
     @property

@@ -21,7 +21,13 @@ from cv_mutations import REJECTION_CODES, parse_op
 from cv_server import ServerConfig, create_app
 from cv_server.http.openapi import build_document
 from cv_server.http.problems import CODES, Problem
-from cv_server.oplog.pipeline import ATOMIC_ABORTED, OP_EXPIRED, OP_ID_REUSE, SEQ_GAP
+from cv_server.oplog.pipeline import (
+    ATOMIC_ABORTED,
+    OP_EXPIRED,
+    OP_ID_REUSE,
+    SEQ_GAP,
+    VERSION_CONFLICT,
+)
 from cv_workspace_client import ClientConfig, WorkerConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,7 +113,14 @@ def test_the_routes_the_protocol_says_need_no_token_are_those_served_without_one
 def test_every_op_rejection_code_is_in_the_ops_reference() -> None:
     table = (DOCS / "ops.md").read_text(encoding="utf-8").split("## Rejection codes", 1)[1]
     listed = set(re.findall(r"^\| `([a-z_]+)` \|", table, re.MULTILINE))
-    assert listed == {*REJECTION_CODES, OP_ID_REUSE, ATOMIC_ABORTED, SEQ_GAP, OP_EXPIRED}
+    assert listed == {
+        *REJECTION_CODES,
+        OP_ID_REUSE,
+        ATOMIC_ABORTED,
+        SEQ_GAP,
+        OP_EXPIRED,
+        VERSION_CONFLICT,
+    }
 
 
 def test_the_json_examples_of_the_ops_reference_parse() -> None:

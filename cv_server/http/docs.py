@@ -13,14 +13,14 @@ from cv_server.http.inputs import (
     check_ids,
     decode_json,
     latest_minted_at,
-    parse_apply_body,
+    parse_apply,
 )
 from cv_server.http.models import ApplyBody, ApplyResults, DocState, OpsPage
 from cv_server.http.openapi import Doc, Param, documented
 from cv_server.http.problems import Problem
 from cv_server.http.security import authorize
 from cv_server.keys import CONFIG, STORES
-from cv_server.publish import commit_and_publish
+from cv_server.publish import commit_and_publish, conflict_of
 
 __all__ = ["routes"]
 
@@ -34,7 +34,10 @@ routes = web.RouteTableDef()
         "its record)",
         {200: ApplyResults},
         body=ApplyBody,
-        problems={422: ("too_many_ops", "unknown_op_type", "invalid_id")},
+        problems={
+            409: ("version_conflict",),
+            422: ("too_many_ops", "unknown_op_type", "invalid_id"),
+        },
         tag="op-log",
     )
 )
@@ -44,10 +47,23 @@ async def post_ops(request: web.Request) -> web.Response:
     authorize(request, workspace_id)
     config = request.app[CONFIG]
     body = decode_json(await read_body(request))
-    ops, atomic = parse_apply_body(body, config.max_ops_per_request, latest_minted_at(config))
+    apply = parse_apply(body, config.max_ops_per_request, latest_minted_at(config))
     outcomes = await asyncio.shield(
-        commit_and_publish(request.app, workspace_id, sub_doc, ops, atomic)
+        commit_and_publish(
+            request.app, workspace_id, sub_doc, apply.ops, apply.atomic, apply.if_clock
+        )
     )
+    conflict = conflict_of(outcomes)
+    if conflict is not None:
+        # Nothing of the batch was applied (docs/ops.md#conflicts): the client reads the
+        # sub-doc again from `clock` and retries with new op_ids.
+        raise Problem(
+            409,
+            "version_conflict",
+            conflict.message,
+            clock=conflict.clock,
+            results=[outcome.to_json() for outcome in outcomes],
+        )
     body = orjson.dumps({"results": [outcome.to_json() for outcome in outcomes]})
     return web.Response(body=body, content_type="application/json")
 

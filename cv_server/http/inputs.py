@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any, Final
 
 import orjson
@@ -18,10 +19,12 @@ from cv_server.oplog import IncomingOp
 
 __all__ = [
     "MAX_CLOCK",
+    "ApplyRequest",
     "check_ids",
     "check_since",
     "decode_json",
     "latest_minted_at",
+    "parse_apply",
     "parse_apply_body",
     "parse_ops",
 ]
@@ -141,6 +144,33 @@ def parse_ops(
             )
         incoming.append(IncomingOp(op=op, raw=raw, fingerprint=fingerprint(raw)))
     return incoming
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyRequest:
+    """An apply as the op-log routes take it (docs/protocol.md): the ops, `atomic`, and the
+    clock the write is based on (`if_clock`, None: unconditional)."""
+
+    ops: list[IncomingOp]
+    atomic: bool = False
+    if_clock: int | None = None
+
+
+def parse_apply(body: object, max_ops: int, latest_minted_at: int | None = None) -> ApplyRequest:
+    """`{"ops": [...], "atomic"?: bool, "if_clock"?: int}` → `ApplyRequest`; `latest_minted_at`
+    as `parse_ops`. Raises `Problem` (nothing applied) on any bad member."""
+    if_clock = body.get("if_clock") if isinstance(body, dict) else None
+    rest = {k: v for k, v in body.items() if k != "if_clock"} if isinstance(body, dict) else body
+    ops, atomic = parse_apply_body(rest, max_ops, latest_minted_at)
+    if if_clock is not None and (
+        not isinstance(if_clock, int)
+        or isinstance(if_clock, bool)
+        or not 0 <= if_clock <= MAX_CLOCK
+    ):
+        raise Problem(
+            422, "invalid_field", f'"if_clock" must be an integer between 0 and {MAX_CLOCK}'
+        )
+    return ApplyRequest(ops, atomic, if_clock)
 
 
 def parse_apply_body(

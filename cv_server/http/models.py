@@ -111,7 +111,8 @@ def parse_body(model: type[M], body: Any) -> M:
 
 class ProblemDetails(BaseModel):
     """RFC 9457 problem details, with the stable `code` clients branch on. Some problems add
-    members of their own (`op_index`: which op of a batch)."""
+    members of their own (`op_index`: which op of a batch; `version_conflict`: the sub-doc's
+    `clock` and the batch's `results`)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -150,6 +151,14 @@ class ApplyBody(_Closed):
         ),
     ]
     atomic: bool = False
+    if_clock: int | None = Field(
+        default=None,
+        ge=0,
+        le=2**62,
+        description="Compare-and-set: apply only if the sub-doc's clock is still exactly this;"
+        " else nothing is applied and the answer is 409 `version_conflict` carrying the"
+        " current `clock` (docs/ops.md#conflicts)",
+    )
 
 
 class AppliedOp(_Answer):
@@ -167,7 +176,10 @@ class ErrorInfo(_Answer):
     expected_seq: int | None = Field(
         default=None, description="`seq_gap`: the seq the lane expects next"
     )
-    clock: int | None = Field(default=None, description="`op_expired`: the sub-doc's head clock")
+    clock: int | None = Field(
+        default=None,
+        description="`op_expired`, `version_conflict`: the sub-doc's head clock",
+    )
 
 
 class RejectedOp(_Answer):

@@ -60,6 +60,7 @@ CODES: Final[Mapping[str, str]] = {
     "not_cancellable": "The request already finished: there is nothing to cancel",
     "not_discardable": "Only a poison request may be discarded",
     "result_too_large": "The result is larger than the server's max_result_bytes",
+    "version_conflict": "The sub-doc moved past the clock the write was based on: read and retry",
     "log_compacted": "The ops asked for were compacted: read the state, then the ops after it",
     "internal": "Internal server error",
     "unavailable": "The server is not ready or is shutting down",

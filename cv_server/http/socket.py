@@ -23,7 +23,7 @@ from aiohttp import WSMsgType, web
 
 from cv_mutations import is_valid_sub_doc, is_valid_workspace_id
 from cv_server.auth import TokenClaims
-from cv_server.http.inputs import check_since, decode_json, latest_minted_at, parse_apply_body
+from cv_server.http.inputs import check_since, decode_json, latest_minted_at, parse_apply
 from cv_server.http.openapi import Doc, Param, documented
 from cv_server.http.problems import Problem
 from cv_server.http.ratelimit import refusal
@@ -52,7 +52,7 @@ from cv_server.keys import (
     TOKEN_SECRET,
 )
 from cv_server.oplog import LogEntry, Outcome
-from cv_server.publish import commit_and_publish, publish
+from cv_server.publish import commit_and_publish, conflict_of, publish
 
 __all__ = ["CLOSE_FORBIDDEN", "CLOSE_UNAUTHORIZED", "FRAME_SCOPES", "FRAME_TYPES", "routes"]
 
@@ -200,8 +200,8 @@ class _Session:
                 if old is not None:
                     old.stop()
             elif kind == "apply":
-                body = {k: v for k, v in frame.items() if k in ("ops", "atomic")}
-                ops, atomic = parse_apply_body(
+                body = {k: v for k, v in frame.items() if k in ("ops", "atomic", "if_clock")}
+                apply = parse_apply(
                     body, self.config.max_ops_per_request, latest_minted_at(self.config)
                 )
                 # An apply frame is an ops request sent another way: the same bucket pays for
@@ -212,7 +212,7 @@ class _Session:
                 if wait > 0:
                     self.app[METRICS].count_rate_limited("ops")
                     raise refusal("ops", wait)
-                self.apply(sub_doc, req, ops, atomic)
+                self.apply(sub_doc, req, apply.ops, apply.atomic, apply.if_clock)
             else:
                 raise Problem(400, "unknown_message_type", _unknown_type(frame))
         except Problem as problem:
@@ -248,7 +248,9 @@ class _Session:
         self.conn.subscriptions[sub_doc] = sub
         sub.start()
 
-    def apply(self, sub_doc: str, req: Any, ops: Any, atomic: bool) -> None:
+    def apply(
+        self, sub_doc: str, req: Any, ops: Any, atomic: bool, if_clock: int | None = None
+    ) -> None:
         self._in_flight += 1
         if self._in_flight >= self.conn.catch_up_page:
             self._room.clear()
@@ -256,7 +258,9 @@ class _Session:
         if store.appends_in_order:
             # The store commits appends in the order they were queued (SQLite's one writer): no
             # task and no chaining; the publish and the answer run from the commit's callback.
-            future = store.append_nowait(self.workspace_id, sub_doc, ops, atomic=atomic)
+            future = store.append_nowait(
+                self.workspace_id, sub_doc, ops, atomic=atomic, if_clock=if_clock
+            )
             self._tails[sub_doc] = future
             future.add_done_callback(lambda f: self._committed(sub_doc, req, f))
             return
@@ -265,22 +269,27 @@ class _Session:
             # Nothing of this sub-doc in flight from this socket: commit right away (the common
             # case, so no extra task or shield on the hot path).
             task = asyncio.create_task(
-                commit_and_publish(self.app, self.workspace_id, sub_doc, ops, atomic)
+                commit_and_publish(self.app, self.workspace_id, sub_doc, ops, atomic, if_clock)
             )
         else:
-            task = asyncio.create_task(self._after(previous, sub_doc, ops, atomic))
+            task = asyncio.create_task(self._after(previous, sub_doc, ops, atomic, if_clock))
         self._tails[sub_doc] = task
         # Nothing cancels these tasks: a commit that started finishes and is published even if
         # the socket closes meanwhile (the client resends and is answered from the dedupe record).
         task.add_done_callback(lambda t: self._answer(sub_doc, req, t))
 
     async def _after(
-        self, previous: asyncio.Future[Any], sub_doc: str, ops: Any, atomic: bool
+        self,
+        previous: asyncio.Future[Any],
+        sub_doc: str,
+        ops: Any,
+        atomic: bool,
+        if_clock: int | None,
     ) -> list[Outcome]:
         """Applies to one sub-doc from one socket commit in the order they arrived."""
         with contextlib.suppress(BaseException):
             await asyncio.shield(previous)
-        return await commit_and_publish(self.app, self.workspace_id, sub_doc, ops, atomic)
+        return await commit_and_publish(self.app, self.workspace_id, sub_doc, ops, atomic, if_clock)
 
     def _committed(
         self,
@@ -319,6 +328,12 @@ class _Session:
         return True
 
     def _ack(self, req: Any, outcomes: list[Outcome]) -> None:
+        conflict = conflict_of(outcomes)
+        if conflict is not None:
+            # As HTTP's 409: nothing of the batch applied (docs/ops.md#conflicts).
+            results = [o.to_json() for o in outcomes]
+            self.error(conflict.code, conflict.message, req, clock=conflict.clock, results=results)
+            return
         self.conn.send_json({"type": "ack", "req": req, "results": [o.to_json() for o in outcomes]})
 
     async def room(self) -> None:

@@ -47,6 +47,15 @@ An op without a lane but with `minted_at` older than `expired_before` (milliseco
 record is refused `op_expired`, not recorded: its record may have been compacted, so it may have
 been applied already (`test_an_op_minted_before_the_window_without_record_is_expired`).
 
+Compare-and-set (docs/ops.md#conflicts): an append with `if_clock` decides its ops only if the
+sub-doc's head is exactly `if_clock` when the batch is decided. Otherwise every op that would
+reach the reducer is refused `version_conflict` (carrying the head clock), recorded like a
+reducer rejection (so a retry gets it again and its lane moves on), and nothing is applied. Ops
+decided before (on record, or below their lane's mark) keep their stored answers: dedupe is
+decided before the clock check, so a retry of a batch that did commit is answered
+`duplicate: true`, never a conflict
+(`test_a_retry_of_a_conditional_batch_that_committed_is_a_duplicate_not_a_conflict`).
+
 Why a recorded rejection fails an atomic batch too: a retry of an atomic batch whose op 2 was
 rejected must not now commit ops 1 and 3 on their own.
 """
@@ -55,7 +64,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final
 
 from cv_mutations import Node, OpRejected, SubDocState, Undo, apply_op
@@ -76,6 +85,7 @@ __all__ = [
     "OP_EXPIRED",
     "OP_ID_REUSE",
     "SEQ_GAP",
+    "VERSION_CONFLICT",
     "CommitPlan",
     "NewRejection",
     "Recorded",
@@ -93,6 +103,8 @@ OP_ID_REUSE: Final = "op_id_reuse"
 ATOMIC_ABORTED: Final = "atomic_aborted"
 SEQ_GAP: Final = "seq_gap"
 OP_EXPIRED: Final = "op_expired"
+#: An `if_clock` append whose sub-doc moved on (recorded, as a reducer rejection is).
+VERSION_CONFLICT: Final = "version_conflict"
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +229,26 @@ def _at_or_below_mark(
     return Forgotten(op_id)
 
 
+def _conflict(op_id: str | None, clock: int) -> Rejected:
+    return Rejected(
+        op_id,
+        VERSION_CONFLICT,
+        f"the sub-doc is at clock {clock}, not the expected one: read it again and retry",
+        clock=clock,
+    )
+
+
+def with_head(outcomes: list[Outcome], clock: int) -> list[Outcome]:
+    """`outcomes` with every `version_conflict` carrying `clock` (a recorded conflict answered
+    again is stored without the clock it met: it gets the head it meets now)."""
+    return [
+        replace(o, clock=clock)
+        if type(o) is Rejected and o.code == VERSION_CONFLICT and o.clock is None
+        else o
+        for o in outcomes
+    ]
+
+
 def _reuse(op_id: str) -> Rejected:
     return Rejected(op_id, OP_ID_REUSE, f"op_id {op_id!r} was already used for a different op")
 
@@ -234,6 +266,7 @@ def plan_commit(
     marks: Mapping[str, int] | None = None,
     expired_before: int | None = None,
     latest_minted_at: int | None = None,
+    if_clock: int | None = None,
 ) -> CommitPlan:
     """Decide every op of one `append` against `state` (at head `clock`), mutating `state`.
 
@@ -241,9 +274,11 @@ def plan_commit(
     `marks` maps client_id → its lane's mark (absent: 0); `expired_before` is the oldest
     `minted_at` (ms) still inside the dedupe window (None: no window, records are kept forever);
     `latest_minted_at` the latest an op can honestly carry (now plus the skew; None: any).
+    `if_clock`: decide nothing new unless the head is exactly this clock (compare-and-set).
     Returns the plan; the state now reflects exactly the plan's `entries`, and `plan.marks` holds
     the lanes' new marks.
     """
+    conflict = if_clock is not None and if_clock != clock
     # op_id → (fingerprint, outcome, decided by this batch's reducer run). Seeded from the log;
     # every op_id decided below joins it, so a repeat inside the batch is a duplicate too.
     known: dict[str, tuple[str, Outcome, bool]] = {}
@@ -314,6 +349,13 @@ def plan_commit(
                 " already, so it is not applied now",
                 clock=clock,
             )
+        elif conflict:
+            outcome = _conflict(op_id, clock)
+            if op_id is not None:
+                rejections.append(NewRejection(op_id, fingerprint, outcome.code, outcome.message))
+                known[op_id] = (fingerprint, outcome, True)
+            if client_id is not None and seq is not None:
+                lanes[client_id] = moved[client_id] = seq
         elif failed:
             # All-or-nothing: after the failure of an atomic batch nothing more is applied.
             outcome = Rejected(op_id, ATOMIC_ABORTED, _ABORTED_MESSAGE)
@@ -376,6 +418,8 @@ def plan_commit(
                 )
                 known_mark = moved.get(op.client_id, original_marks.get(op.client_id, 0))
                 moved[op.client_id] = max(known_mark, op.seq)
+    if if_clock is not None or recorded:
+        outcomes = with_head(outcomes, clock)
     plan = CommitPlan(outcomes, entries, fingerprints, rejections, undos, clock, base_clock)
     plan.marks = moved
     return plan

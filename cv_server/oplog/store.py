@@ -54,6 +54,10 @@ class OpLogStore(abc.ABC):
     - ops of one `append` commit in their order; a rejected op does not stop the others unless
       `atomic=True`, in which case nothing of the batch is applied: the failing op gets its
       rejection (recorded), the others `atomic_aborted` (not recorded);
+    - `if_clock` (compare-and-set): decided in the batch's transaction against the head it holds
+      (the writer on SQLite, the head row lock on PostgreSQL), after dedupe: a head other than
+      `if_clock` applies nothing and answers each op not decided before `version_conflict`
+      carrying the head (docs/ops.md#conflicts);
     - `append` returns only after the batch is durable; only then may anyone publish it.
     """
 
@@ -108,12 +112,16 @@ class OpLogStore(abc.ABC):
         ops: Sequence[IncomingOp],
         *,
         atomic: bool = False,
+        if_clock: int | None = None,
     ) -> tuple[list[Outcome], list[LogEntry]]:
         """Dedupe, apply and commit `ops`; return one outcome per op (in order) and the log
-        entries this call newly committed (what must be broadcast)."""
+        entries this call newly committed (what must be broadcast). With `if_clock`, only if
+        the sub-doc's head is still that clock (else `version_conflict`, nothing applied)."""
         # A caller cancelled here does not cancel the commit: its op may still be applied, and a
         # retry under the same op_id then gets `duplicate: true` (docs/concepts.md).
-        return await self.append_nowait(workspace_id, sub_doc, ops, atomic=atomic)
+        return await self.append_nowait(
+            workspace_id, sub_doc, ops, atomic=atomic, if_clock=if_clock
+        )
 
     #: True when appends to one sub-doc commit in the order `append_nowait` was called (SQLite's
     #: one writer; PostgreSQL's lane per sub-doc): a caller may then submit the next append of a
@@ -128,6 +136,7 @@ class OpLogStore(abc.ABC):
         ops: Sequence[IncomingOp],
         *,
         atomic: bool = False,
+        if_clock: int | None = None,
     ) -> asyncio.Future[tuple[list[Outcome], list[LogEntry]]]:
         """`append` as the store's own future, queued now (an empty batch is answered at once).
         Commit order across calls is only promised when `appends_in_order`."""

@@ -103,6 +103,7 @@ class _Pending:
     ops: list[IncomingOp]
     atomic: bool
     future: asyncio.Future[AppendResult]
+    if_clock: int | None = None
 
 
 @dataclass(slots=True)
@@ -229,6 +230,7 @@ class PostgresOpLogStore(OpLogStore):
         ops: Sequence[IncomingOp],
         *,
         atomic: bool = False,
+        if_clock: int | None = None,
     ) -> asyncio.Future[AppendResult]:
         """`append` as the lane's own future: queued now, so appends to one sub-doc queued in
         order commit in order."""
@@ -239,7 +241,7 @@ class PostgresOpLogStore(OpLogStore):
             return future
         key = (workspace_id, sub_doc)
         lane = self._lane(key)
-        lane.pending.append(_Pending(list(ops), atomic, future))
+        lane.pending.append(_Pending(list(ops), atomic, future, if_clock))
         if lane.drainer is None:
             lane.drainer = asyncio.create_task(self._drain(key, lane), name=f"oplog-{key}")
         return future
@@ -640,6 +642,9 @@ class PostgresOpLogStore(OpLogStore):
                 marks=marks,
                 expired_before=dating[0],
                 latest_minted_at=dating[1],
+                # Against the clock the plans before it reached, under the head row lock
+                # (`lock_heads`): no other instance can move the head before this commits.
+                if_clock=pending.if_clock,
             )
             plans.append(plan)
             clock = plan.clock

@@ -304,6 +304,7 @@ class SQLiteOpLogStore(OpLogStore):
         ops: Sequence[IncomingOp],
         *,
         atomic: bool = False,
+        if_clock: int | None = None,
     ) -> asyncio.Future[tuple[list[Outcome], list[LogEntry]]]:
         """`append` as the writer's own future: no task, and appends queued in order commit in
         order."""
@@ -315,7 +316,9 @@ class SQLiteOpLogStore(OpLogStore):
             )
             done.set_result(([], []))
             return done
-        return self.db.submit(lambda tx: self._append_job(tx, workspace_id, sub_doc, batch, atomic))
+        return self.db.submit(
+            lambda tx: self._append_job(tx, workspace_id, sub_doc, batch, atomic, if_clock)
+        )
 
     async def read_since(
         self, workspace_id: str, sub_doc: str, since: int, limit: int
@@ -500,6 +503,7 @@ class SQLiteOpLogStore(OpLogStore):
         sub_doc: str,
         ops: list[IncomingOp],
         atomic: bool,
+        if_clock: int | None = None,
     ) -> tuple[list[Outcome], list[LogEntry]]:
         key = (workspace_id, sub_doc)
         doc = self._docs.get(key)
@@ -528,6 +532,7 @@ class SQLiteOpLogStore(OpLogStore):
             marks=marks,
             expired_before=self.expired_before(now),
             latest_minted_at=self.latest_minted_at(now),
+            if_clock=if_clock,
         )
 
         def undo() -> None:

@@ -12,7 +12,12 @@ from typing import Any
 import orjson
 
 from cv_workspace_client._core.effects import OutboxRow
-from cv_workspace_client.errors import OpRejectedError, ProtocolError, WorkspaceError
+from cv_workspace_client.errors import (
+    OpRejectedError,
+    ProtocolError,
+    VersionConflictError,
+    WorkspaceError,
+)
 from cv_workspace_client.models import Commit
 
 __all__ = ["commit_time", "dumps_body", "parse_results", "row_size"]
@@ -57,6 +62,16 @@ def parse_results(
         if not isinstance(result, Mapping) or result.get("op_id") != op_id:
             return ProtocolError("bad_results", f"result does not answer op {op_id}")
         error = result.get("error")
+        if isinstance(error, Mapping) and error.get("code") == "version_conflict":
+            clock = error.get("clock")
+            outcomes.append(
+                VersionConflictError(
+                    str(error.get("message") or ""),
+                    clock=clock if type(clock) is int else None,
+                    op_id=op_id,
+                )
+            )
+            continue
         if isinstance(error, Mapping):
             outcomes.append(
                 OpRejectedError(

@@ -17,7 +17,7 @@ from mcp_types import CallToolResult, TextContent
 from pydantic import BaseModel, Field, JsonValue, ValidationError
 
 from cv_mutations import InvalidOp, parse_op
-from cv_workspace_client.errors import StillPendingError, WorkspaceError
+from cv_workspace_client.errors import StillPendingError, VersionConflictError, WorkspaceError
 
 __all__ = [
     "ApplyAnswer",
@@ -154,6 +154,8 @@ def workspace_error(exc: WorkspaceError, **extra: JsonValue) -> CallToolResult:
         cause = exc.last_error
         code = cause.code if isinstance(cause, WorkspaceError) else exc.code
         return tool_error(code, exc.message, pending=True, **extra)
+    if isinstance(exc, VersionConflictError) and exc.clock is not None:
+        extra = {**extra, "clock": exc.clock}  # where to read again from
     return tool_error(exc.code, exc.message, **extra)
 
 

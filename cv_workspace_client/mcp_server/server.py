@@ -214,17 +214,31 @@ class _Tools:
         atomic: Annotated[
             bool, Field(description="all commit or none does (the others: `atomic_aborted`)")
         ] = False,
+        if_clock: Annotated[
+            int | None,
+            Field(
+                ge=0,
+                description="compare-and-set: apply only if the sub-doc is still at this clock "
+                "(the `clock` get_state answered); else nothing is applied and the error is "
+                "`version_conflict` with the current `clock`: read again, recompute, call again "
+                "with new op_ids",
+            ),
+        ] = None,
     ) -> ApplyAnswer:
         """Apply ops to the sub-doc, in order. Each op is applied once: a call repeated with the
         `op_ids` of the first answer gets `duplicate: true`, not a second apply. A rejected op
-        (`node_exists`, `node_not_found`, ...) is answered in its result with its code."""
+        (`node_exists`, `node_not_found`, ...) is answered in its result with its code. With
+        `if_clock`, a write computed from what you read never overwrites a change you did not
+        see (docs/ops.md#conflicts)."""
         # Minted here, before anything is sent, so the answer names them whatever happens next
         # (an error answer included): the op_id is the op's identity for every retry.
         mint = self.client.mint_op_id
         minted = [op if op.op_id else op.model_copy(update={"op_id": mint()}) for op in ops]
         op_ids = [str(op.op_id) for op in minted]
         try:
-            outcomes = await self.client.apply_ops(workspace_id, sub_doc, minted, atomic=atomic)
+            outcomes = await self.client.apply_ops(
+                workspace_id, sub_doc, minted, atomic=atomic, if_clock=if_clock
+            )
         except WorkspaceError as exc:
             raise _WithOpIds(exc, op_ids) from exc
         results: list[OpOutcome] = []

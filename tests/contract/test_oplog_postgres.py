@@ -14,6 +14,7 @@ from cv_mutations import new_op_id
 from cv_server.oplog import Committed, OpLogStore
 from cv_server.pg.oplog import PostgresOpLogStore
 from cv_server.pg.oplog_sql import OPS_TABLE, SNAPSHOTS_TABLE
+from tests.contract.compare_and_set_contract import CompareAndSetContract
 from tests.contract.oplog_contract import (
     DOC,
     WS,
@@ -30,7 +31,7 @@ from tests.pg.helpers import settings_for
 pytestmark = pytest.mark.postgres
 
 
-class TestPostgresOpLogStore(OpLogContract):
+class TestPostgresOpLogStore(OpLogContract, CompareAndSetContract):
     async def opened(self, postgres_url: str, schema: str, **kwargs: Any) -> PostgresOpLogStore:
         kwargs.setdefault("snapshot_every", self.SNAPSHOT_EVERY)
         kwargs.setdefault("channel", f"cv_oplog_{schema}")
@@ -181,3 +182,33 @@ class TestPostgresCompaction:
         finally:
             await idle.close()
             await busy.close()
+
+
+class TestPostgresCompareAndSet:
+    """What only several instances on one database can show about `if_clock`: the check is
+    decided under the head row lock, so two instances never both commit on one base."""
+
+    async def test_instances_racing_on_one_base_clock_commit_exactly_one_batch(
+        self, postgres_url: str, schema: str
+    ) -> None:
+        stores = [
+            await PostgresOpLogStore.open(
+                postgres_url, settings_for(schema), snapshot_every=4, channel=f"c_{schema}"
+            )
+            for _ in range(2)
+        ]
+        try:
+            for base in range(10):  # bounded: 10 rounds of 2 x 4 appends on one base
+                appends = [
+                    store.append(WS, DOC, [increment(new_op_id())], if_clock=base)
+                    for store in stores
+                    for _ in range(4)
+                ]
+                answers = await asyncio.wait_for(asyncio.gather(*appends), timeout=30)
+                outcomes = [outcome for found, _ in answers for outcome in found]
+                assert sum(type(o) is Committed for o in outcomes) == 1, (base, outcomes)
+            assert await field_value(stores[1]) == 10
+            assert await stores[0].head(WS, DOC) == 10
+        finally:
+            for store in stores:
+                await store.close()

@@ -25,6 +25,7 @@ from cv_server.sqlite.oplog import (
     SQLiteOpLogStore,
     create_schema,
 )
+from tests.contract.compare_and_set_contract import CompareAndSetContract
 from tests.contract.oplog_contract import (
     DOC,
     WS,
@@ -44,7 +45,7 @@ T = TypeVar("T")
 WAIT_SECONDS = 30.0
 
 
-class TestSQLiteOpLogStore(OpLogContract):
+class TestSQLiteOpLogStore(OpLogContract, CompareAndSetContract):
     @pytest.fixture
     def db_path(self, tmp_path: Path) -> Path:
         return tmp_path / "oplog.db"

@@ -211,3 +211,25 @@ async def test_a_result_past_the_row_comes_back_whole_from_the_blob_store(
     assert waited["result"] == "x" * size
     assert shown["result"] == "x" * size
     assert shown["request"]["blob_ref"]  # it did go through the blob store
+
+
+async def test_apply_ops_based_on_a_stale_clock_is_a_version_conflict_naming_the_head(
+    server_url: str, token: str
+) -> None:
+    async with in_process(server_url, token) as (client, _):
+        ops = [{"type": "node.insert", "node_id": "a", "parent_id": "root"}]
+        first = await call(
+            client, "apply_ops", workspace_id=WS, sub_doc="tree", ops=ops, if_clock=0
+        )
+        assert first["results"][0]["clock"] == 1
+        ops = [{"type": "node.insert", "node_id": "b", "parent_id": "root"}]
+        result = await client.call_tool(
+            "apply_ops", {"workspace_id": WS, "sub_doc": "tree", "ops": ops, "if_clock": 0}
+        )
+        assert result.is_error
+        (block,) = result.content
+        error = json.loads(block.text)["error"]  # type: ignore[union-attr]
+        assert (error["code"], error["clock"]) == ("version_conflict", 1)
+        assert len(error["op_ids"]) == 1
+        state = await call(client, "get_state", workspace_id=WS, sub_doc="tree")
+    assert set(state["state"]["nodes"]) == {"root", "a"}

@@ -48,7 +48,13 @@ class Log(OpLogStore):
         return len(self.entries), self.entries[since : since + limit]
 
     def append_nowait(
-        self, workspace_id: str, sub_doc: str, ops: Sequence[IncomingOp], *, atomic: bool = False
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        ops: Sequence[IncomingOp],
+        *,
+        atomic: bool = False,
+        if_clock: int | None = None,
     ) -> asyncio.Future[tuple[list[Outcome], list[LogEntry]]]:
         raise NotImplementedError
 

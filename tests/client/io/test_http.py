@@ -49,6 +49,7 @@ from cv_workspace_client import (
     RequestCancelledError,
     ServerError,
     StillPendingError,
+    VersionConflictError,
     WorkspaceClient,
     WorkspaceError,
 )
@@ -445,6 +446,7 @@ EXPECTED: dict[str, type[WorkspaceError]] = {
     "not_discardable": InvalidRequestError,
     "result_too_large": InvalidRequestError,
     "log_compacted": LogCompactedError,
+    "version_conflict": VersionConflictError,
     "internal": ServerError,
     "unavailable": ServerError,
     "storage_unavailable": ServerError,

@@ -175,6 +175,10 @@ class Context:
     closes: dict[int, int] = field(default_factory=dict)
 
 
+#: Compare-and-set clocks: some that may match a head, some stale, some not clocks at all.
+_IF_CLOCKS: list[Any] = [0, 1, 2, 5, 10**6, -1, 2**62 + 1, 2**64, "1", 1.0, True, None, [], {}]
+
+
 def _routes(ctx: Context) -> list[tuple[str, Callable[[random.Random], Any]]]:
     rid = ctx.request_id
 
@@ -183,6 +187,8 @@ def _routes(ctx: Context) -> list[tuple[str, Callable[[random.Random], Any]]]:
         body: dict[str, Any] = {"ops": [_op(rng, "h") for _ in range(count)]}
         if rng.random() < 0.3:
             body["atomic"] = rng.random() < 0.5
+        if rng.random() < 0.3:
+            body["if_clock"] = rng.choice(_IF_CLOCKS)
         return body
 
     def holder(rng: random.Random) -> Any:
@@ -272,6 +278,8 @@ def _ws_message(rng: random.Random) -> tuple[bytes, int]:
         }
         if kind == "apply":
             base["ops"] = [_op(rng, "w") for _ in range(rng.choice([1, 2, 3]))]
+            if rng.random() < 0.3:
+                base["if_clock"] = rng.choice(_IF_CLOCKS)
         if kind == "subscribe":
             base["since"] = rng.choice([0, 0, 1, 10**6])
         return _mutate(rng, base) if rng.random() < 0.7 else base
