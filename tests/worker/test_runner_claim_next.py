@@ -6,9 +6,9 @@ worker stopped is run within the drain, never held until its lease lapses."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
