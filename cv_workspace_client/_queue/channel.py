@@ -24,7 +24,7 @@ from typing import Any, Final
 import aiohttp
 import orjson
 
-from cv_workspace_client._io.auth import TokenRefresher
+from cv_workspace_client._io.auth import TokenRefresher, with_token
 from cv_workspace_client._queue.transport import QueueHost, config_of
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
@@ -116,19 +116,24 @@ class WorkerChannel:
         `ChannelUnsupportedError` on a 404, the typed error of another refused handshake, or
         `ConnectionFailedError`."""
         config = config_of(host)
-        try:
-            ws = await host.session.ws_connect(
-                host.url + CHANNEL_PATH,
-                headers=host.auth_headers(),
-                protocols=(CHANNEL_SUBPROTOCOL,),
-                autoping=True,
-            )
-        except aiohttp.WSServerHandshakeError as exc:
-            if exc.status == 404:
-                raise ChannelUnsupportedError() from None
-            raise error_from_problem(exc.status, None) from None
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise ConnectionFailedError("connection_failed", repr(exc)) from None
+
+        async def handshake(headers: dict[str, str]) -> aiohttp.ClientWebSocketResponse:
+            try:
+                return await host.session.ws_connect(
+                    host.url + CHANNEL_PATH,
+                    headers=headers,
+                    protocols=(CHANNEL_SUBPROTOCOL,),
+                    autoping=True,
+                )
+            except aiohttp.WSServerHandshakeError as exc:
+                if exc.status == 404:
+                    raise ChannelUnsupportedError() from None
+                raise error_from_problem(exc.status, None) from None
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                raise ConnectionFailedError("connection_failed", repr(exc)) from None
+
+        # Refused for its token, once more with a fresh one if the host's provider has one.
+        ws = await with_token(host, handshake)
         hello = {"type": "hello", "worker_classes": list(worker_classes), "worker_id": worker_id}
         try:
             await ws.send_str(orjson.dumps(hello).decode())

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, Final, Literal
+from collections.abc import Awaitable, Coroutine
+from typing import Any, Final, Literal, Protocol
 
 from cv_workspace_client._core.reconnect import ReconnectPolicy, Streak
 from cv_workspace_client._queue.channel import (
@@ -23,11 +23,9 @@ from cv_workspace_client._queue.channel import (
 )
 from cv_workspace_client.errors import AuthError, ForbiddenError, WorkspaceError
 from cv_workspace_client.queue_models import Claim
+from cv_workspace_client.worker.io import Completer
 
-if TYPE_CHECKING:
-    from cv_workspace_client.worker.runner import Worker
-
-__all__ = ["FALL_BACK", "ChannelFeed"]
+__all__ = ["FALL_BACK", "ChannelFeed", "FedWorker"]
 
 logger = logging.getLogger("cv_workspace_client.worker")
 
@@ -35,13 +33,37 @@ logger = logging.getLogger("cv_workspace_client.worker")
 FALL_BACK: Final = "http"
 
 
-class ChannelFeed:
-    """Feeds `worker` from its channel on `host` until it stops."""
+class FedWorker(Protocol):
+    """What the feed needs of the worker (`Worker`): its slots, its starts, its stop."""
 
-    def __init__(self, worker: Worker, host: ChannelHost, policy: ReconnectPolicy) -> None:
+    worker_classes: tuple[str, ...]
+    worker_id: str
+    _completer: Completer
+    _slot_freed: asyncio.Event
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def _free_slots(self) -> int: ...
+
+    def _start(self, claims: list[Claim]) -> None: ...
+
+    def _drain_left(self) -> float: ...
+
+    async def _until(self, waiting: Awaitable[Any]) -> None: ...
+
+
+class ChannelFeed:
+    """Feeds `worker` from its channel on `host` until it stops; after `attempts` failed
+    connects in a row it gives up (`FALL_BACK`)."""
+
+    def __init__(
+        self, worker: FedWorker, host: ChannelHost, policy: ReconnectPolicy, attempts: int
+    ) -> None:
         self._worker = worker
         self._host = host
         self._policy = policy
+        self._attempts = attempts
         #: Seconds to wait before the next offer (an offer refused as rate limited).
         self._pause = 0.0
 
@@ -71,7 +93,7 @@ class ChannelFeed:
                     logger.error("worker %s: the channel refused: %s", worker.worker_id, exc)
                     return exc
                 failed += 1
-                if failed >= worker.config.channel_attempts:
+                if failed >= self._attempts:
                     logger.warning(
                         "worker %s: the channel failed %d times (%s); claiming over HTTP",
                         worker.worker_id,

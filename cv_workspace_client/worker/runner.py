@@ -254,7 +254,8 @@ class Worker:
             policy = getattr(self.client, "reconnect", None)
             if not isinstance(policy, ReconnectPolicy):
                 policy = reconnect_policy_for(config_of(self.client))
-            fed = await ChannelFeed(self, self._channel_host, policy).run()
+            feed = ChannelFeed(self, self._channel_host, policy, self.config.channel_attempts)
+            fed = await feed.run()
             if fed != FALL_BACK:
                 return fed if isinstance(fed, WorkspaceError) else None
             await self._close_channel()
