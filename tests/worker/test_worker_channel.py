@@ -86,8 +86,8 @@ async def test_a_channel_dropped_mid_report_loses_nothing_and_runs_nothing_twice
     finished rows), keeps its leases, and every request runs once and is acknowledged."""
     server = await make_server(lease_seconds=2.0)
     assert server.app is not None
-    app = server.app
-    queue = app[STORES].queue
+    connections = server.app[CONNECTIONS]
+    queue = server.app[STORES].queue
     runs: Counter[str] = Counter()
     release = asyncio.Event()
     holding = asyncio.Event()
@@ -97,7 +97,7 @@ async def test_a_channel_dropped_mid_report_loses_nothing_and_runs_nothing_twice
         async def report(*args: Any, **kwargs: Any) -> Any:
             if not dropped:  # the first report over a channel: drop every channel, then commit
                 dropped.append(True)
-                for conn in list(app[CONNECTIONS]):
+                for conn in list(connections):
                     conn.close(1011, b"dropped by the test")
             return await verb(*args, **kwargs)
 
