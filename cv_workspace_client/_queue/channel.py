@@ -90,7 +90,9 @@ class WorkerChannel:
         config: ClientConfig,
         on_claimed: Callable[[list[Claim]], None],
         on_refused_offer: Callable[[float], None],
+        on_closed: Callable[[], None] | None = None,
     ) -> None:
+        self._on_closed = on_closed
         self._ws = ws
         self._config = config
         self._on_claimed = on_claimed
@@ -111,6 +113,7 @@ class WorkerChannel:
         *,
         on_claimed: Callable[[list[Claim]], None],
         on_refused_offer: Callable[[float], None],
+        on_closed: Callable[[], None] | None = None,
     ) -> WorkerChannel:
         """Open the channel and say hello (no slot offered yet). Raises
         `ChannelUnsupportedError` on a 404, the typed error of another refused handshake, or
@@ -148,7 +151,7 @@ class WorkerChannel:
             if isinstance(frame, dict) and frame.get("type") == "error":
                 raise error_from_problem(None, frame)
             raise ConnectionFailedError("connection_failed", "the channel was not welcomed")
-        return cls(ws, config, on_claimed, on_refused_offer)
+        return cls(ws, config, on_claimed, on_refused_offer, on_closed)
 
     @property
     def open(self) -> bool:
@@ -191,6 +194,8 @@ class WorkerChannel:
             logger.warning("worker channel: unexpected frame %.200r", frame)
 
     def _closed(self) -> None:
+        if not self.closed.is_set() and self._on_closed is not None:
+            self._on_closed()
         self.closed.set()
         self.credit = 0
         for future in self._answers.values():

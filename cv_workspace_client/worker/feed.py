@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable
 from typing import Any, Final, Literal, Protocol
 
 from cv_workspace_client._core.reconnect import ReconnectPolicy, Streak
@@ -81,6 +81,7 @@ class ChannelFeed:
                     worker.worker_id,
                     on_claimed=self._claimed,
                     on_refused_offer=self._refused_offer,
+                    on_closed=self._worker._slot_freed.set,
                 )
             except ChannelUnsupportedError:
                 logger.info("worker %s: the server has no worker channel; HTTP", worker.worker_id)
@@ -128,8 +129,10 @@ class ChannelFeed:
             if free > 0 and not worker._completer.holds_unsent:
                 channel.offer(free)
                 continue
+            # Set when a stage ends, rows arrive, the channel closes, or on `stop()`: one event,
+            # no task per wait (this loop wakes once per request).
             worker._slot_freed.clear()
-            await worker._until(_first(worker._slot_freed.wait(), channel.closed.wait()))
+            await worker._slot_freed.wait()
             await asyncio.sleep(0)  # let every stage finishing in this tick free its slot
 
     async def _drain(self, channel: WorkerChannel) -> None:
@@ -148,14 +151,3 @@ class ChannelFeed:
     def _refused_offer(self, retry_after: float) -> None:
         self._pause = max(self._pause, retry_after)
         self._worker._slot_freed.set()
-
-
-async def _first(*waits: Coroutine[Any, Any, object]) -> None:
-    """Until the first of `waits` finishes; the others are cancelled."""
-    tasks = [asyncio.ensure_future(wait) for wait in waits]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
