@@ -15,7 +15,10 @@ The loop, in order of the rules it keeps:
   out is claimed by that report (`claim_next`: the report and the claim in one call, one
   commit), so a busy worker makes one round trip per request. Claimed rows start at once:
   nothing is claimed ahead of a free slot. When there is nothing, wait 100 ms doubling to 2 s,
-  woken early by the server's `/v1/queue/pending` push.
+  woken early by the server's `/v1/queue/pending` push. By default all of this goes over the
+  worker channel (`worker.feed`, docs/queue.md "The worker channel"): the worker offers its free
+  slots on one websocket and the server hands rows over as they become claimable; HTTP is the
+  fallback.
 - **Run** each under a heartbeat (every 60 s). A heartbeat answered `lease_lost` marks the
   context (`ensure_lease()` / `apply_op` raise `LeaseLostError`), cancels the handler and
   completes nothing: another worker re-drove the request (River #1302). A heartbeat answered
