@@ -162,6 +162,14 @@ class Metrics:
             "cv_queue_coalesced_total", "Enqueues absorbed by an existing request of the same id."
         )
         self.queue_claimed = counter("cv_queue_claimed_total", "Requests handed to a worker.")
+        self.channel_frames = counter(
+            "cv_channel_frames_total",
+            "Frames on worker channels, by direction (in, out) and type.",
+            labelnames=("direction", "type"),
+        )
+        self.channel_claimed = counter(
+            "cv_channel_claimed_total", "Requests handed to a worker over its channel."
+        )
         self.queue_done = counter("cv_queue_done_total", "Requests completed (done).")
         self.queue_failed = counter(
             "cv_queue_failed_total", "Failures reported by workers (retried or poisoned)."
