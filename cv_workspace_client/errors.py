@@ -330,6 +330,7 @@ _FINAL_BY_CODE: dict[str, type[WorkspaceError]] = {
     "forbidden_sub_doc": ForbiddenError,
     "token_revoked": AuthError,
     "not_found": NotFoundError,
+    "schedule_not_found": NotFoundError,
 }
 
 

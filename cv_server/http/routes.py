@@ -18,6 +18,7 @@ from cv_server.http import (
     queue_operators,
     results,
     revocations,
+    schedules,
     socket,
     stage_writes,
 )
@@ -42,6 +43,7 @@ ROUTE_TABLES: Final[tuple[web.RouteTableDef, ...]] = (
     listings.routes,
     dashboard.routes,
     revocations.routes,
+    schedules.routes,
 )
 
 #: A route anyone may call, without a token.
@@ -69,6 +71,15 @@ ROUTE_SCOPES: Final[Mapping[tuple[str, str], frozenset[str]]] = {
     ("GET", f"{_WS}/requests/{{id}}/stream"): frozenset({"enqueue", "operate"}),
     ("POST", f"{_WS}/requests/{{id}}/cancel"): frozenset({"enqueue", "operate"}),
     ("GET", f"{_WS}/blobs/{{ref}}"): frozenset({"enqueue", "operate"}),
+    # Schedules: enqueuers add and fire them (under their own grant); operators may also
+    # read, pause, resume and delete them.
+    ("POST", f"{_WS}/schedules"): frozenset({"enqueue"}),
+    ("GET", f"{_WS}/schedules"): frozenset({"enqueue", "operate"}),
+    ("GET", f"{_WS}/schedules/{{name}}"): frozenset({"enqueue", "operate"}),
+    ("DELETE", f"{_WS}/schedules/{{name}}"): frozenset({"enqueue", "operate"}),
+    ("POST", f"{_WS}/schedules/{{name}}/pause"): frozenset({"enqueue", "operate"}),
+    ("POST", f"{_WS}/schedules/{{name}}/resume"): frozenset({"enqueue", "operate"}),
+    ("POST", f"{_WS}/schedules/{{name}}/run"): frozenset({"enqueue"}),
     # Workers.
     ("POST", "/v1/queue/claim"): frozenset({"work"}),
     ("GET", "/v1/queue/pending"): frozenset({"work"}),
