@@ -15,6 +15,7 @@ import re
 import secrets
 from typing import Any, Final
 
+import orjson
 from aiohttp import web
 
 from cv_server.http.bodies import read_body
@@ -125,6 +126,14 @@ async def add_schedule(request: web.Request) -> web.Response:
         )
     enqueue = asked.enqueue.model_dump(exclude_none=True, exclude={"rerun"})
     enqueue["input"] = asked.enqueue.input
+    try:  # what a firing stores in its request row must be storable (as an enqueue's input)
+        orjson.dumps(enqueue["input"])
+    except orjson.JSONEncodeError:
+        raise Problem(
+            422,
+            "invalid_field",
+            "enqueue.input is nested too deeply or holds an integer past 64 bits",
+        ) from None
     spec = ScheduleSpec(
         workspace_id=workspace_id,
         name=asked.name,

@@ -140,6 +140,8 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._holding = False
+        #: Schedules whose last firing failed (logged once until one succeeds).
+        self._failing: set[str] = set()
 
     @property
     def holding(self) -> bool:
@@ -201,39 +203,64 @@ class Scheduler:
         renew_at = time.monotonic() + self._heartbeat
         while True:
             now = await self._schedules.clock()
-            await self._fire_due(now, lease.held_since)
+            stuck = await self._fire_due(now, lease.held_since)
             next_due = await self._schedules.next_due_at()
             left = renew_at - time.monotonic()
             if left <= 0:
                 return 0.0
             wait = min(left, self._recheck)
-            if next_due is not None:
+            # A schedule that could not fire stays due: it is tried again at the next re-read,
+            # not at once (no busy loop), and the others still fire on time meanwhile.
+            if next_due is not None and not stuck:
                 wait = min(wait, max(0.0, next_due - now))
             if wait > 0:
                 woken = await self._sleep(wait)
                 if not woken and wait == left:
                     return 0.0
 
-    async def _fire_due(self, now: float, firing_since: float) -> None:
+    async def _fire_due(self, now: float, firing_since: float) -> bool:
+        """Fire every schedule due at `now`; True if one of them could not be fired (it is
+        logged once until it fires again, and never stops the others)."""
+        stuck = False
+        after_failure: set[str] = set()
         while True:
-            due = await self._schedules.due(now, limit=_DUE_PAGE)
+            due = [
+                s
+                for s in await self._schedules.due(now, limit=_DUE_PAGE)
+                if s.schedule_id not in after_failure
+            ]
             for schedule in due:
-                fired = await fire_schedule(
-                    self._schedules,
-                    self._queue,
-                    schedule,
-                    now,
-                    firing_since=firing_since,
-                    catch_up_limit=self._catch_up_limit,
-                    max_dequeues=self._max_dequeues,
-                )
+                try:
+                    fired = await fire_schedule(
+                        self._schedules,
+                        self._queue,
+                        schedule,
+                        now,
+                        firing_since=firing_since,
+                        catch_up_limit=self._catch_up_limit,
+                        max_dequeues=self._max_dequeues,
+                    )
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    stuck = True
+                    after_failure.add(schedule.schedule_id)
+                    if schedule.schedule_id not in self._failing:
+                        self._failing.add(schedule.schedule_id)
+                        log.exception(
+                            "scheduler: schedule %s/%s could not fire; retrying",
+                            schedule.workspace_id,
+                            schedule.name,
+                        )
+                    continue
+                self._failing.discard(schedule.schedule_id)
                 if fired is not None:
                     try:
                         self._on_fired(fired, now)
                     except Exception:
                         log.exception("scheduler: on_fired failed")
             if len(due) < _DUE_PAGE:
-                return
+                return stuck
 
     async def _sleep(self, seconds: float) -> bool:
         """Sleep `seconds` or until `wake()`; True if woken."""

@@ -98,6 +98,7 @@ async def test_a_schedule_that_cannot_fire_is_refused_whole(server: TestClient[A
         body(enqueue={"stage": "refresh", "rerun": True}),
         body(enqueue={"stage": "refresh", "deterministic": True}),
         body(enqueue={"input": 1}),
+        body(enqueue={"stage": "refresh", "input": 2**64}),
     ]
     for item in bad:
         problem = await call(server, "POST", BASE, 422, json=item)
