@@ -22,7 +22,7 @@ from typing import Any, Final
 import asyncpg  # type: ignore[import-untyped]  # asyncpg ships no type hints
 
 from cv_server.pg.retry import SerializationRetryPolicy, in_transaction, run_with_retry
-from cv_server.schedules.model import Schedule, ScheduleSpec, first_slot
+from cv_server.schedules.model import Schedule, ScheduleSpec, anchor_for, first_slot
 from cv_server.schedules.store import (
     Lease,
     ScheduleExists,
@@ -117,7 +117,7 @@ class PostgresScheduleStore(ScheduleStore):
         return now
 
     async def add(self, spec: ScheduleSpec, schedule_id: str, now: float) -> Schedule:
-        anchor = float(int(now) + 1)
+        anchor = anchor_for(now)
         next_fire_at = None if spec.paused else first_slot(spec, anchor, now)
         grant = None if spec.enqueue_grant is None else json.dumps(spec.enqueue_grant)
         async with self._pool.acquire() as conn:

@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final, Literal, get_args
 
@@ -28,6 +28,7 @@ __all__ = [
     "OverlapPolicy",
     "Schedule",
     "ScheduleSpec",
+    "anchor_for",
     "check_spec",
     "firing_request",
     "firing_request_id",
@@ -105,9 +106,6 @@ class Schedule:
     def name(self) -> str:
         return self.spec.name
 
-    def paused_now(self) -> Schedule:
-        return replace(self, spec=replace(self.spec, paused=True), next_fire_at=None)
-
     def to_json(self) -> dict[str, Any]:
         """The wire shape (the `Schedule` model of `cv_server.http.models`)."""
         spec = self.spec
@@ -169,6 +167,12 @@ def next_slot_after(spec: ScheduleSpec, anchor: float, after: float) -> float:
     while slot - step > after:
         slot -= step
     return slot
+
+
+def anchor_for(now: float) -> float:
+    """Where a schedule added at `now` counts its interval from: the next whole second, so an
+    interval schedule's due times are whole seconds (and its firing ids stable to the ms)."""
+    return float(math.floor(now) + 1)
 
 
 def first_slot(spec: ScheduleSpec, anchor: float, now: float) -> float:

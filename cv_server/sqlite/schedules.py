@@ -14,7 +14,7 @@ from typing import Any, Final
 
 import sqlite_utils
 
-from cv_server.schedules.model import Schedule, ScheduleSpec, first_slot
+from cv_server.schedules.model import Schedule, ScheduleSpec, anchor_for, first_slot
 from cv_server.schedules.store import (
     Lease,
     ScheduleExists,
@@ -132,7 +132,7 @@ class SQLiteScheduleStore(ScheduleStore):
         return time.time()
 
     async def add(self, spec: ScheduleSpec, schedule_id: str, now: float) -> Schedule:
-        anchor = float(int(now) + 1)
+        anchor = anchor_for(now)
         next_fire_at = None if spec.paused else first_slot(spec, anchor, now)
         schedule = Schedule(schedule_id, spec, now, anchor, next_fire_at)
 
