@@ -8,10 +8,11 @@ heartbeated lease in the database so that, of N server instances, one fires.
 - **The lease.** The holder renews it every `heartbeat` seconds, the lease lasting `lease`
   seconds (at least 3x the heartbeat, `ServerConfig`); the others try again when it would lapse,
   so a dead holder is replaced within one lease of its last renewal.
-- **Wake-ups.** The holder sleeps until the next due time, its next renewal, or a re-read of the
-  schedules every `recheck` seconds (a schedule added through another instance), whichever
-  comes first; `wake()` cuts a sleep short (a schedule added or resumed here). An idle scheduler
-  logs nothing.
+- **Wake-ups.** The holder sleeps until the next due time, its next renewal, or (with several
+  instances) a re-read of the schedules every `recheck` seconds, for a schedule added through
+  another instance, whichever comes first; `wake()` cuts a sleep short (a schedule added or
+  resumed here). An embedded server, the only process serving its file, needs no re-read: an
+  idle one wakes once a heartbeat. An idle scheduler logs nothing.
 
 `fire_schedule` is the unit of work (backend-neutral, `now` a parameter); `Scheduler` is the loop.
 """
@@ -208,9 +209,12 @@ class Scheduler:
             left = renew_at - time.monotonic()
             if left <= 0:
                 return 0.0
-            wait = min(left, self._recheck)
-            # A schedule that could not fire stays due: it is tried again at the next re-read,
-            # not at once (no busy loop), and the others still fire on time meanwhile.
+            # A sole instance hears of every change to its schedules (`wake`): it re-reads
+            # only when one falls due. Several instances re-read every `recheck` seconds, for a
+            # schedule added through another. A schedule that could not fire stays due: it is
+            # tried again at the next re-read, not at once (no busy loop), and the others still
+            # fire on time meanwhile.
+            wait = min(left, self._recheck) if stuck or not self._sole else left
             if next_due is not None and not stuck:
                 wait = min(wait, max(0.0, next_due - now))
             if wait > 0:

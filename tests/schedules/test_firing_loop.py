@@ -17,7 +17,7 @@ import pytest
 import sqlite_utils
 
 from cv_server.schedules.firing import LEASE_NAME, Scheduler
-from cv_server.schedules.model import ScheduleSpec
+from cv_server.schedules.model import Schedule, ScheduleSpec
 from cv_server.sqlite import queue as queue_sqlite
 from cv_server.sqlite import schedules as schedules_sqlite
 from cv_server.sqlite.engine import SQLiteDatabase
@@ -137,3 +137,36 @@ async def test_a_schedule_that_cannot_fire_is_logged_once_and_stops_no_other(
     assert after.next_fire_at > good.next_fire_at
     failures = [r for r in caplog.records if "could not fire" in r.getMessage()]
     assert len(failures) == 1
+
+
+class CountingStore(SQLiteScheduleStore):
+    """Counts the reads of due schedules: how often the loop wakes to look."""
+
+    reads = 0
+
+    async def due(self, now: float, *, limit: int) -> list[Schedule]:
+        self.reads += 1
+        return await super().due(now, limit=limit)
+
+
+async def test_an_idle_embedded_scheduler_looks_once_a_heartbeat_not_every_recheck(
+    database: SQLiteDatabase,
+) -> None:
+    store = CountingStore(database)
+    loop = Scheduler(
+        store,
+        SQLiteQueueStore(database),
+        owner="embedded",
+        lease_seconds=3 * HEARTBEAT,
+        heartbeat_seconds=HEARTBEAT,
+        recheck_seconds=0.01,  # what several instances would re-read at
+        catch_up_limit=10,
+        max_dequeues=5,
+        sole_instance=True,
+    )
+    loop.start()
+    try:
+        await asyncio.sleep(10 * HEARTBEAT)
+    finally:
+        await loop.close()
+    assert store.reads <= 12  # ten heartbeats (and the first look); a re-read loop made ~200
