@@ -17,6 +17,9 @@ nothing, so every module can use the root without an import cycle. The tree:
     │   ├── RequestCancelled
     │   ├── NotCancellable
     │   └── NotDiscardable
+    ├── ScheduleError                cv_server.schedules.store: a schedule verb's refusal
+    │   ├── ScheduleExists
+    │   └── ScheduleNotFound
     ├── DatabaseUnusable             cv_server.stores: this process cannot serve the database
     │   ├── MigrationError           (also a PostgresBackendError)
     │   ├── PostgresRefused          (also a PostgresBackendError)
