@@ -26,6 +26,7 @@ nothing, so every module can use the root without an import cycle. The tree:
     │   ├── SchemaMissing            (also a PostgresBackendError)
     │   └── NotSetUp                 (also a PostgresBackendError)
     ├── StorageUnavailable           cv_server.storage_faults: a write the storage refused
+    ├── ChannelRefusal               cv_server.channel: a worker-channel frame refused whole
     └── PostgresBackendError         cv_server.pg.errors: the PostgreSQL backend's own
         └── NotifyPayloadTooLarge
 
