@@ -25,6 +25,7 @@ from cv_server.sqlite.queue import (
     claimable_sql,
 )
 from tests.contract.claimable_contract import ClaimableContract
+from tests.contract.concurrency_keys_contract import ConcurrencyKeysContract
 from tests.contract.enqueue_many_contract import EnqueueManyContract
 from tests.contract.queue_contract import LEASE, STAGE, WS, QueueContract, request
 from tests.contract.queue_lifecycle_contract import QueueLifecycleContract
@@ -45,6 +46,7 @@ class TestSQLiteQueueStore(
     EnqueueManyContract,
     ClaimableContract,
     QueueLifecycleContract,
+    ConcurrencyKeysContract,
 ):
     @pytest.fixture
     def db_path(self, tmp_path: Path) -> Path:
@@ -154,8 +156,15 @@ async def test_every_claim_probe_is_an_index_seek(tmp_path: Path) -> None:
             }
 
         for name, steps in (await db.read(plans)).items():
-            assert len(steps) == 1, (name, steps)  # no temp b-tree for ORDER BY, no second scan
-            assert steps[0].startswith(f"SEARCH {TABLE} USING INDEX"), (name, steps)
+            # No temp b-tree for ORDER BY, no second scan: one seek of the probe's index, and
+            # the concurrency key's count (rows with a limit only) a seek of the running keys.
+            main, *key_count = steps
+            assert main.startswith(f"SEARCH {TABLE} USING INDEX"), (name, steps)
+            assert key_count[0].startswith("CORRELATED SCALAR SUBQUERY"), (name, steps)
+            assert key_count[1:] == [
+                f"SEARCH k USING INDEX {TABLE}_running_key"
+                " (workspace_id=? AND concurrency_key=? AND lease_expires_at>?)"
+            ], (name, steps)
     finally:
         await db.close()
 
@@ -180,9 +189,12 @@ async def test_the_claimable_check_is_an_index_seek(tmp_path: Path) -> None:
             searches = [step for step in steps if step.startswith("SEARCH")]
             indexes = [step.split(" USING ")[1].split(" (")[0] for step in searches]
             pending = "pending" if scope[1] is None else "pending_workspace"
+            # Each probe's concurrency-key count (rows with a limit only) seeks the running keys.
             assert indexes == [
                 f"INDEX {TABLE}_{pending}",
+                f"INDEX {TABLE}_running_key",
                 f"INDEX {TABLE}_leased",
+                f"INDEX {TABLE}_running_key",
             ], (scope, steps)
             assert not [step for step in steps if step.startswith(f"SCAN {TABLE}")], steps
     finally:
