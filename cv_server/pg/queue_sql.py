@@ -262,14 +262,29 @@ def request_from_row(row: Mapping[str, Any]) -> ProcessRequest:
 _KEY_COLUMNS: Final = "{t}workspace_id, {t}concurrency_key, {t}max_running_per_key"
 
 
+#: The keys running at the statement's start, and how many of each (`running_keys` CTE): the
+#: running keyed rows only, on their partial index. Parameter: now.
+_RUNNING_KEYS: Final = (
+    "running_keys AS (SELECT workspace_id, concurrency_key, count(*) AS n"
+    f" FROM {TABLE} WHERE status = 'in_progress' AND concurrency_key IS NOT NULL"
+    " AND lease_expires_at >= {now} GROUP BY workspace_id, concurrency_key)"
+)
+
+
 def _key_free(t: str, now: str) -> str:
     """Whether the row (alias `t`) may take a slot of its key (docs/queue.md, "Concurrency
     keys"): no limit, or fewer of its key running than its limit (`cv_key_running`,
     `migrations/013_request_concurrency_keys.sql`, which also takes the key's lock, or answers
     NULL — skip — when another claimer holds it). A CASE, so a row without a limit never calls
-    the function: unkeyed work pays one NULL test."""
+    the function: unkeyed work pays one NULL test. A row whose key was already full when the
+    statement began (`running_keys`) is passed over without the function's lock and count:
+    skipping on an old count only ever skips, and a claim only admits on the locked count, so
+    the rows a full key holds back cost a lookup each, not a lock and a count."""
     return (
-        f"CASE WHEN {t}max_running_per_key IS NULL THEN true ELSE"
+        f"CASE WHEN {t}max_running_per_key IS NULL THEN true"
+        " WHEN coalesce((SELECT rk.n FROM running_keys rk"
+        f" WHERE rk.workspace_id = {t}workspace_id AND rk.concurrency_key = {t}concurrency_key),"
+        f" 0) >= {t}max_running_per_key THEN false ELSE"
         f" cv_key_running({t}workspace_id, {t}concurrency_key, {now}) < {t}max_running_per_key END"
     )
 
@@ -327,7 +342,7 @@ def claim_sql(restricted: bool) -> str:
         "status = 'in_progress' AND worker_class = ANY($6::text[])"
         f" AND lease_expires_at < {now}{ws_filter}"
     )
-    ctes = [f"pending AS ({pending})"]
+    ctes = [_RUNNING_KEYS.format(now=now), f"pending AS ({pending})"]
     ctes.append(
         "lapsed AS (SELECT request_id, lease_expires_at AS since, created_at, seq, true AS lapsed,"
         f" {_KEY_COLUMNS.format(t='')} FROM {TABLE}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -213,6 +214,30 @@ async def test_a_file_made_before_cancelling_existed_gains_the_column(tmp_path: 
         store = SQLiteQueueStore(db)
         assert await store.get(WS, row.request_id) == row
         assert (await store.cancel(row.request_id, 2.0)).status == "cancelled"
+    finally:
+        await db.close()
+
+
+async def test_a_file_made_before_concurrency_keys_gains_the_columns(tmp_path: Path) -> None:
+    path = tmp_path / "queue.db"
+    db = await SQLiteDatabase.open(path, schema=schema)
+    row, _ = await SQLiteQueueStore(db).enqueue(request(), 1.0)
+    await db.close()
+    with sqlite3.connect(path) as conn:  # the table as an older release made it
+        conn.execute(f"DROP INDEX {TABLE}_running_key")
+        conn.execute(f"ALTER TABLE {TABLE} DROP COLUMN concurrency_key")
+        conn.execute(f"ALTER TABLE {TABLE} DROP COLUMN max_running_per_key")
+    db = await SQLiteDatabase.open(path, schema=schema)
+    try:
+        store = SQLiteQueueStore(db)
+        assert await store.get(WS, row.request_id) == row
+        limited = dataclasses.replace(request("keyed"), concurrency_key="k", max_running_per_key=1)
+        await store.enqueue(limited, 2.0)
+        await store.enqueue(
+            dataclasses.replace(request("keyed-2"), concurrency_key="k", max_running_per_key=1), 3.0
+        )
+        claimed = await store.claim_many(STAGE, "w", 60.0, 10.0, limit=5)
+        assert [r.job_id for r in claimed] == ["job-1", "keyed"]
     finally:
         await db.close()
 
