@@ -1,5 +1,6 @@
 """Acceptance (issue 36): four real `cv-worker` processes and 200 requests over 10 concurrency
-keys, `max_running_per_key = 2`, against the real server process.
+keys, `max_running_per_key = 2`, against the real server process, with the workers on the
+worker channel and on the HTTP verbs (`cv-worker --transport`).
 
 Sampled from the stages themselves (each logs its start and end, `keyed_stages`): no key ever
 runs more than 2 at once; every request runs and completes exactly once; and a key whose stage
@@ -37,13 +38,15 @@ FAST_S = 0.02
 SCENARIO_S = 90.0
 
 
-async def _start_worker(name: str, url: str, token: str, tmp: Path) -> asyncio.subprocess.Process:
+async def _start_worker(
+    name: str, url: str, token: str, tmp: Path, transport: str
+) -> asyncio.subprocess.Process:
     log = (tmp / f"{name}.log").open("w")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "cv_workspace_client.cli", "worker",
         "--url", url, "--token", token,
         "--stages", "tests.acceptance.keyed_stages:STAGES",
-        "--worker-id", name, "--concurrency", str(CONCURRENCY),
+        "--worker-id", name, "--concurrency", str(CONCURRENCY), "--transport", transport,
         "--log-level", "WARNING",
         stdout=asyncio.subprocess.PIPE, stderr=log, cwd=REPO,
         env=_env(CV_ACC_TRAIL=str(tmp / f"{name}.trail")),
@@ -64,8 +67,9 @@ def _most_at_once(events: list[tuple[float, int]]) -> int:
     return most
 
 
+@pytest.mark.parametrize("transport", ["channel", "http"])
 async def test_no_key_runs_more_than_its_limit_and_a_slow_key_delays_no_other(
-    tmp_path: Path,
+    tmp_path: Path, transport: str
 ) -> None:
     db = tmp_path / "cv.db"
     token = await asyncio.to_thread(mint_cli_token, db, WS)
@@ -92,7 +96,7 @@ async def test_no_key_runs_more_than_its_limit_and_a_slow_key_delays_no_other(
                 workers = list(
                     await asyncio.gather(
                         *(
-                            _start_worker(f"w{n}", server.url, token, tmp_path)
+                            _start_worker(f"w{n}", server.url, token, tmp_path, transport)
                             for n in range(WORKERS)
                         )
                     )
