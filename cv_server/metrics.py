@@ -160,6 +160,12 @@ class Metrics:
             labelnames=("status",),
             registry=self.registry,
         )
+        self.queue_held_by_key = Gauge(
+            "cv_queue_held_by_key",
+            "Pending requests, available now, that their concurrency key holds back (as many of"
+            " the key run as their max_running_per_key allows), read at scrape time.",
+            registry=self.registry,
+        )
         self.queue_enqueued = counter(
             "cv_queue_enqueued_total", "Enqueues that created (or re-opened) a request."
         )

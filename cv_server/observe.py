@@ -141,6 +141,7 @@ def watch_stores(app: web.Application, stores: Stores) -> None:
 
     async def read_queue_counts() -> None:
         metrics.set_queue_counts(await stores.queue.status_counts(), statuses)
+        metrics.queue_held_by_key.set(await stores.queue.held_by_key(None))
 
     metrics.on_scrape(read_queue_counts)
     refused = metrics.storage_writes_refused

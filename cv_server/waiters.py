@@ -111,14 +111,34 @@ class Waiters:
                     return row
 
 
+class _Sleeper:
+    """One idle worker's long poll: its scope, and what woke it."""
+
+    __slots__ = ("classes", "pushed", "recheck", "wake", "workspaces")
+
+    def __init__(self, classes: frozenset[str], workspaces: frozenset[str] | None) -> None:
+        self.classes = classes
+        self.workspaces = workspaces
+        self.wake = asyncio.Event()
+        #: Work of its classes became pending (or the server is stopping).
+        self.pushed = False
+        #: A slot of a concurrency key freed: held-back work may be claimable now — or not.
+        self.recheck = False
+
+
 class WorkSignals:
     """Wakes idle workers early when claimable work appears (docs/queue.md: the worker's idle poll
     backs off 100 ms → 2 s; a push cuts that wait short). A missed push costs at most one poll.
     Work already claimable when a poll begins is the caller's to find (`wait`'s `pending_now`):
-    a push only announces a change."""
+    a push only announces a change.
+
+    A request with a concurrency key that this process saw finish frees a slot of its key, which
+    may make requests its key held back claimable (docs/queue.md, "Concurrency keys"): each
+    sleeper of that workspace looks again (`pending_now`) rather than being told of work, since
+    the held-back requests may be of other classes, or none."""
 
     def __init__(self, store: QueueStore) -> None:
-        self._sleepers: set[tuple[frozenset[str], frozenset[str] | None, asyncio.Event]] = set()
+        self._sleepers: set[_Sleeper] = set()
         self._unlisten = store.add_listener(self._on_event)
         self._released = False
 
@@ -126,22 +146,31 @@ class WorkSignals:
         """The server is shutting down: every idle worker's long poll ends now with "no work",
         and so does any that arrives meanwhile. Left to its 2 s ceiling, each held the drain."""
         self._released = True
-        for _, _, event in self._sleepers:
-            event.set()
+        for sleeper in self._sleepers:
+            sleeper.pushed = True
+            sleeper.wake.set()
 
     def close(self) -> None:
         self._unlisten()
-        for _, _, event in self._sleepers:
-            event.set()
+        for sleeper in self._sleepers:
+            sleeper.pushed = True
+            sleeper.wake.set()
 
     def _on_event(self, event: RequestEvent) -> None:
-        if event.status != "pending":
-            return
-        for classes, workspaces, sleeper in self._sleepers:
-            if event.worker_class in classes and (
-                workspaces is None or event.workspace_id in workspaces
-            ):
-                sleeper.set()
+        frees_a_slot = (
+            event.row is not None
+            and event.row.concurrency_key is not None
+            and event.kind in ("done", "failed", "poisoned", "cancelled")
+        )
+        for sleeper in self._sleepers:
+            if sleeper.workspaces is not None and event.workspace_id not in sleeper.workspaces:
+                continue
+            if event.status == "pending" and event.worker_class in sleeper.classes:
+                sleeper.pushed = True
+                sleeper.wake.set()
+            elif frees_a_slot:
+                sleeper.recheck = True
+                sleeper.wake.set()
 
     async def wait(
         self,
@@ -152,7 +181,8 @@ class WorkSignals:
         pending_now: Callable[[], Awaitable[bool]] | None = None,
     ) -> bool:
         """True if work for `classes` is pending: `pending_now()` says so (work already
-        waiting), or work became pending within `patience` seconds.
+        waiting, or after a concurrency key's slot freed), or work became pending within
+        `patience` seconds.
 
         `pending_now` is asked once this wait listens, never before: work that becomes pending
         between the two is heard as a push, so none is missed (pinned by
@@ -160,14 +190,22 @@ class WorkSignals:
         """
         if self._released:
             return False
-        entry = (classes, workspaces, asyncio.Event())
-        self._sleepers.add(entry)
+        sleeper = _Sleeper(classes, workspaces)
+        self._sleepers.add(sleeper)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + patience
         try:
             if pending_now is not None and await pending_now():
                 return not self._released
-            await asyncio.wait_for(entry[2].wait(), patience)
-            return not self._released
+            while True:
+                await asyncio.wait_for(sleeper.wake.wait(), max(0.0, deadline - loop.time()))
+                if sleeper.pushed:
+                    return not self._released
+                sleeper.wake.clear()
+                sleeper.recheck = False
+                if pending_now is not None and await pending_now():
+                    return not self._released
         except TimeoutError:
             return False
         finally:
-            self._sleepers.discard(entry)
+            self._sleepers.discard(sleeper)

@@ -68,6 +68,8 @@ class QueuedRequest:
     telemetry: Any = None
     cancel_requested: bool = False
     unclaimed_seconds: float | None = None
+    concurrency_key: str | None = None
+    max_running_per_key: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -104,6 +106,8 @@ class QueuedRequest:
                 telemetry=data.get("telemetry"),
                 cancel_requested=bool(data.get("cancel_requested", False)),
                 unclaimed_seconds=_seconds(data.get("unclaimed_seconds")),
+                concurrency_key=data.get("concurrency_key"),
+                max_running_per_key=data.get("max_running_per_key"),
                 raw=data,
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -131,6 +135,8 @@ class EnqueueItem:
     rerun: bool = False
     worker_class: str | None = None
     max_dequeues: int | None = None
+    concurrency_key: str | None = None
+    max_running_per_key: int | None = None
 
     def to_body(self) -> dict[str, Any]:
         """The item as the single enqueue's body: only the members that are set."""
@@ -142,6 +148,8 @@ class EnqueueItem:
             ("deterministic", self.deterministic),
             ("worker_class", self.worker_class),
             ("max_dequeues", self.max_dequeues),
+            ("concurrency_key", self.concurrency_key),
+            ("max_running_per_key", self.max_running_per_key),
         ):
             if value is not None:
                 body[name] = value

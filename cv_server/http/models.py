@@ -243,6 +243,16 @@ class EnqueueBody(_Closed):
     deterministic: bool | None = None
     max_dequeues: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
     rerun: bool = False
+    concurrency_key: Name256 | None = Field(
+        default=None,
+        description="Requests of the workspace sharing this key share its running slots"
+        " (docs/queue.md, Concurrency keys)",
+    )
+    max_running_per_key: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = Field(
+        default=None,
+        description="Start this request only while fewer of its key run (needs concurrency_key;"
+        " absent: unlimited)",
+    )
 
 
 class RequestGrant(_Answer):
@@ -283,6 +293,12 @@ class QueueRequest(_Answer):
     )
     unclaimed_seconds: float | None = Field(
         default=None, description="How long it has waited unclaimed (on some routes)"
+    )
+    concurrency_key: str | None = Field(
+        default=None, description="Its concurrency key (null: none)"
+    )
+    max_running_per_key: int | None = Field(
+        default=None, description="It starts only while fewer of its key run (null: no limit)"
     )
 
 

@@ -223,6 +223,8 @@ def _new_request(
             worker_class=asked.worker_class,
             max_dequeues=max_dequeues,
             enqueue_grant=grant,
+            concurrency_key=asked.concurrency_key,
+            max_running_per_key=asked.max_running_per_key,
         )
     except ValueError as exc:
         raise Problem(422, "invalid_field", str(exc)) from None

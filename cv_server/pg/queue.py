@@ -385,6 +385,10 @@ class PostgresQueueStore(QueueStore):
             )
         return {row["status"]: int(row["n"]) for row in found}
 
+    async def held_by_key(self, now: float | None) -> int:
+        async with self._pool.acquire() as conn:
+            return int(await conn.fetchval(sql.HELD_BY_KEY, now))
+
     # -- workers ----------------------------------------------------------------------------------
 
     async def _has_claimable(

@@ -24,6 +24,7 @@ __all__ = [
     "COLUMNS",
     "DB_NOW",
     "DISCARD",
+    "HELD_BY_KEY",
     "INSERT_IF_ABSENT",
     "INSERT_MANY",
     "INSERT_NEW_AND_NOTIFY",
@@ -56,6 +57,7 @@ _JSON_COLUMNS: Final = frozenset({"input", "result", "error", "telemetry", "enqu
 _REQUEST_COLUMNS: Final = frozenset(
     {"request_id", "workspace_id", "stage", "job_id", "branch_path", "input", "worker_class"}
     | {"run", "max_dequeues", "created_at", "enqueue_grant"}
+    | {"concurrency_key", "max_running_per_key"}
 )
 #: What every other verb may change.
 LIFECYCLE: Final = tuple(c for c in COLUMNS if c not in _REQUEST_COLUMNS)
@@ -125,6 +127,18 @@ DELETE FROM {_BLOBS} b USING gone
 WHERE b.workspace_id = gone.workspace_id AND b.blob_ref = gone.blob_ref
 """
 
+#: `held_by_key`: pending rows available by $1 (NULL: the database's clock) whose key runs as
+#: many as their limit allows. Without the keys' locks: a gauge, not a decision.
+HELD_BY_KEY: Final = f"""
+SELECT count(*) FROM {TABLE} p
+WHERE p.status = 'pending' AND p.max_running_per_key IS NOT NULL
+  AND p.available_at <= coalesce($1::float8, {DB_NOW})
+  AND (SELECT count(*) FROM {TABLE} k WHERE k.status = 'in_progress'
+       AND k.concurrency_key IS NOT NULL AND k.workspace_id = p.workspace_id
+       AND k.concurrency_key = p.concurrency_key
+       AND k.lease_expires_at >= coalesce($1::float8, {DB_NOW})) >= p.max_running_per_key
+"""
+
 #: The columns a new row takes from `now` (`model.new_row`): the database's when now is None.
 _STAMPED: Final = frozenset({"created_at", "available_at"})
 _VALUES: Final = ", ".join(
@@ -160,6 +174,8 @@ _ROW_TYPES: Final = {
     "enqueue_grant": "text",
     "run": "int4",
     "max_dequeues": "int4",
+    "concurrency_key": "text",
+    "max_running_per_key": "int4",
 }
 _UNSTAMPED: Final = tuple(c for c in COLUMNS if c not in _STAMPED)
 #: Many new rows in one statement, in the order given (their `seq` is their enqueue order), each
@@ -242,6 +258,37 @@ def request_from_row(row: Mapping[str, Any]) -> ProcessRequest:
     return ProcessRequest(**{column: row[column] for column in COLUMNS})
 
 
+#: What a claim probe reads of a row's concurrency key (`t`: the table's alias and dot).
+_KEY_COLUMNS: Final = "{t}workspace_id, {t}concurrency_key, {t}max_running_per_key"
+
+
+#: The keys running at the statement's start, and how many of each (`running_keys` CTE): the
+#: running keyed rows only, on their partial index. Parameter: now.
+_RUNNING_KEYS: Final = (
+    "running_keys AS (SELECT workspace_id, concurrency_key, count(*) AS n"
+    f" FROM {TABLE} WHERE status = 'in_progress' AND concurrency_key IS NOT NULL"
+    " AND lease_expires_at >= {now} GROUP BY workspace_id, concurrency_key)"
+)
+
+
+def _key_free(t: str, now: str) -> str:
+    """Whether the row (alias `t`) may take a slot of its key (docs/queue.md, "Concurrency
+    keys"): no limit, or fewer of its key running than its limit (`cv_key_running`,
+    `migrations/014_request_concurrency_keys.sql`, which also takes the key's lock, or answers
+    NULL — skip — when another claimer holds it). A CASE, so a row without a limit never calls
+    the function: unkeyed work pays one NULL test. A row whose key was already full when the
+    statement began (`running_keys`) is passed over without the function's lock and count:
+    skipping on an old count only ever skips, and a claim only admits on the locked count, so
+    the rows a full key holds back cost a lookup each, not a lock and a count."""
+    return (
+        f"CASE WHEN {t}max_running_per_key IS NULL THEN true"
+        " WHEN coalesce((SELECT rk.n FROM running_keys rk"
+        f" WHERE rk.workspace_id = {t}workspace_id AND rk.concurrency_key = {t}concurrency_key),"
+        f" 0) >= {t}max_running_per_key THEN false ELSE"
+        f" cv_key_running({t}workspace_id, {t}concurrency_key, {now}) < {t}max_running_per_key END"
+    )
+
+
 @functools.lru_cache(maxsize=2)
 def claim_sql(restricted: bool) -> str:
     """The claim statement, for a worker whose token covers only some workspaces (`restricted`)
@@ -263,7 +310,10 @@ def claim_sql(restricted: bool) -> str:
     - the oldest `limit` candidates by when they became claimable are claimed, each under its own
       token; `FOR UPDATE SKIP LOCKED` in every probe, so concurrent claimers on any instance
       never wait on each other nor get the same row;
-    - a parked row is announced (NOTIFY, fired at commit) to waiters on every instance.
+    - a parked row is announced (NOTIFY, fired at commit) to waiters on every instance;
+    - a row with a `max_running_per_key` is passed over where it stands while its key runs that
+      many (`_key_free`, which takes the key's lock before it counts), and a batch takes no more
+      of a key than the slots left (`candidates.ahead`): docs/queue.md, "Concurrency keys".
 
     The claim itself is `model.claim` and the parking `model.park_lapsed`, spelled in SQL
     (tests compare the rows with the model's). Classes and workspaces must be distinct
@@ -281,21 +331,23 @@ def claim_sql(restricted: bool) -> str:
         ws_clause = " AND p.workspace_id = w.workspace_id"
     pending = (
         f"SELECT probe.* FROM {scope} CROSS JOIN LATERAL ("
-        f"SELECT p.request_id, p.available_at AS since, p.created_at, p.seq, false AS lapsed"
+        f"SELECT p.request_id, p.available_at AS since, p.created_at, p.seq, false AS lapsed,"
+        f" {_KEY_COLUMNS.format(t='p.')}"
         f" FROM {TABLE} p"
         f" WHERE p.status = 'pending' AND p.worker_class = c.worker_class{ws_clause}"
-        f" AND p.available_at <= {now}"
+        f" AND p.available_at <= {now} AND {_key_free('p.', now)}"
         " ORDER BY p.available_at, p.created_at, p.seq LIMIT $2 FOR UPDATE SKIP LOCKED) probe"
     )
     lapsed_where = (
         "status = 'in_progress' AND worker_class = ANY($6::text[])"
         f" AND lease_expires_at < {now}{ws_filter}"
     )
-    ctes = [f"pending AS ({pending})"]
+    ctes = [_RUNNING_KEYS.format(now=now), f"pending AS ({pending})"]
     ctes.append(
-        "lapsed AS (SELECT request_id, lease_expires_at AS since, created_at, seq, true AS lapsed"
-        f" FROM {TABLE}"
+        "lapsed AS (SELECT request_id, lease_expires_at AS since, created_at, seq, true AS lapsed,"
+        f" {_KEY_COLUMNS.format(t='')} FROM {TABLE}"
         f" WHERE {lapsed_where} AND dequeue_count < max_dequeues AND NOT cancel_requested"
+        f" AND {_key_free('', now)}"
         " ORDER BY lease_expires_at, created_at, seq LIMIT $2 FOR UPDATE SKIP LOCKED)"
     )
     ctes.append(
@@ -303,11 +355,21 @@ def claim_sql(restricted: bool) -> str:
         f" WHERE {lapsed_where} AND (dequeue_count >= max_dequeues OR cancel_requested)"
         " LIMIT $2 FOR UPDATE SKIP LOCKED)"
     )
+    # Each candidate in claim order, with how many of its key's candidates come before it: a
+    # keyed row is taken only if those and the key's running rows leave it a slot
+    # (`model.held_back_by_key`; the key's lock is already ours, taken by its probe).
+    ctes.append(
+        "candidates AS (SELECT c.*, count(*) OVER (PARTITION BY c.workspace_id,"
+        " c.concurrency_key ORDER BY c.since, c.created_at, c.seq"
+        " ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS ahead"
+        " FROM (SELECT * FROM pending UNION ALL SELECT * FROM lapsed) c)"
+    )
     ctes.append(
         "chosen AS (SELECT request_id, lapsed,"
         " row_number() OVER (ORDER BY since, created_at, seq) AS n"
-        " FROM (SELECT * FROM pending UNION ALL SELECT * FROM lapsed) c"
-        " ORDER BY since, created_at, seq LIMIT $2)"
+        " FROM (SELECT * FROM candidates WHERE CASE WHEN max_running_per_key IS NULL THEN true"
+        f" ELSE cv_key_running(workspace_id, concurrency_key, {now}) + ahead"
+        " < max_running_per_key END ORDER BY since, created_at, seq LIMIT $2) c)"
     )
     returning = ", ".join(f"t.{c}" for c in COLUMNS)
     ctes.append(
@@ -364,13 +426,29 @@ def claimable_sql(restricted: bool) -> str:
     pending_scope = scope + (
         " CROSS JOIN unnest($3::text[]) AS w(workspace_id)" if restricted else ""
     )
+    # A row its key holds back is not claimable (else an idle worker would be told of work it
+    # cannot claim, and poll again at once, in a loop). Counted without the key's lock: a hint.
+    running = (
+        f"(SELECT count(*) FROM {TABLE} k WHERE k.status = 'in_progress'"
+        " AND k.concurrency_key IS NOT NULL AND k.workspace_id = p.workspace_id"
+        f" AND k.concurrency_key = p.concurrency_key AND k.lease_expires_at >= {now})"
+    )
+    key_free = (
+        "CASE WHEN p.max_running_per_key IS NULL THEN true"
+        f" ELSE {running} < p.max_running_per_key END"
+    )
+    lapsed_free = (
+        "CASE WHEN p.max_running_per_key IS NULL OR p.dequeue_count >= p.max_dequeues"
+        f" OR p.cancel_requested THEN true ELSE {running} < p.max_running_per_key END"
+    )
     return (
         f"SELECT EXISTS (SELECT 1 FROM {pending_scope} CROSS JOIN LATERAL (SELECT 1 FROM {TABLE} p"
         f" WHERE p.status = 'pending' AND p.worker_class = c.worker_class{ws_clause}"
-        f" AND p.available_at <= {now} ORDER BY p.available_at LIMIT 1) probe)"
+        f" AND p.available_at <= {now} AND {key_free} ORDER BY p.available_at LIMIT 1) probe)"
         f" OR EXISTS (SELECT 1 FROM {scope} CROSS JOIN LATERAL (SELECT 1 FROM {TABLE} p"
         f" WHERE p.status = 'in_progress' AND p.worker_class = c.worker_class"
-        f" AND p.lease_expires_at < {now}{lapsed_ws} ORDER BY p.lease_expires_at LIMIT 1) probe)"
+        f" AND p.lease_expires_at < {now}{lapsed_ws} AND {lapsed_free}"
+        " ORDER BY p.lease_expires_at LIMIT 1) probe)"
     )
 
 

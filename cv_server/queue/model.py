@@ -40,8 +40,10 @@ from cv_server.queue.errors import (
 )
 
 __all__ = [
+    "CONCURRENCY_KEY_MAX",
     "FINISHED_STATUSES",
     "LIVE_STATUSES",
+    "MAX_RUNNING_PER_KEY_MAX",
     "PURGED_STATUSES",
     "STATUSES",
     "BatchCompletion",
@@ -62,6 +64,7 @@ __all__ = [
     "TransitionKind",
     "cancel",
     "check_cache",
+    "check_concurrency",
     "check_lease",
     "claim",
     "complete",
@@ -74,6 +77,7 @@ __all__ = [
     "fail_report",
     "fence",
     "heartbeat",
+    "held_back_by_key",
     "input_differs",
     "is_claimable",
     "is_exhausted",
@@ -178,11 +182,36 @@ class NewRequest:
     #: The enqueuer's grant (`cv_server.scopes.enqueue_grant`), from its verified token: what a
     #: stage run for it may touch. None: every scope and sub-doc.
     enqueue_grant: Any = None
+    #: Requests of one workspace sharing a key share its running slots (docs/queue.md,
+    #: "Concurrency keys"); None: no key.
+    concurrency_key: str | None = None
+    #: This request starts only while fewer than this many requests of its key run (None:
+    #: unlimited). Each row carries its own limit: it is the one that row is held to.
+    max_running_per_key: int | None = None
 
     def __post_init__(self) -> None:
         # A row that may be claimed zero times would be pending forever and never poisoned.
         if self.max_dequeues < 1:
             raise ValueError(f"max_dequeues must be >= 1: {self.max_dequeues!r}")
+        check_concurrency(self.concurrency_key, self.max_running_per_key)
+
+
+#: The longest concurrency key (characters), as the enqueue body bounds it.
+CONCURRENCY_KEY_MAX: Final = 256
+#: The largest `max_running_per_key` (the store's integer column).
+MAX_RUNNING_PER_KEY_MAX: Final = 2**31 - 1
+
+
+def check_concurrency(key: str | None, limit: int | None) -> None:
+    """Refuse a concurrency key that is empty or longer than `CONCURRENCY_KEY_MAX`, and a limit
+    below 1 or above the store's integer, or one without a key (it would limit nothing)."""
+    if key is not None and not 1 <= len(key) <= CONCURRENCY_KEY_MAX:
+        raise ValueError(f"concurrency_key must be 1..{CONCURRENCY_KEY_MAX} characters")
+    if limit is not None:
+        if key is None:
+            raise ValueError("max_running_per_key needs a concurrency_key")
+        if isinstance(limit, bool) or not 1 <= limit <= MAX_RUNNING_PER_KEY_MAX:
+            raise ValueError(f"max_running_per_key must be 1..{MAX_RUNNING_PER_KEY_MAX}: {limit!r}")
 
 
 def _copy_json(value: Any) -> Any:
@@ -236,6 +265,9 @@ class ProcessRequest:
     #: The enqueuer's grant (`NewRequest.enqueue_grant`); a stage's writes for this request are
     #: held to it as well as to the worker's token (docs/queue.md).
     enqueue_grant: Any = None
+    #: `NewRequest.concurrency_key` and `NewRequest.max_running_per_key`.
+    concurrency_key: str | None = None
+    max_running_per_key: int | None = None
 
     @property
     def is_live(self) -> bool:
@@ -285,6 +317,8 @@ class ProcessRequest:
             telemetry=_copy_json(self.telemetry),
             cancel_requested=self.cancel_requested,
             enqueue_grant=_copy_json(self.enqueue_grant),
+            concurrency_key=self.concurrency_key,
+            max_running_per_key=self.max_running_per_key,
         )
         if now is not None:
             data["unclaimed_seconds"] = unclaimed_seconds(self, now)
@@ -395,6 +429,8 @@ def new_row(req: NewRequest, now: float) -> ProcessRequest:
         finished_at=None,
         telemetry=None,
         enqueue_grant=_copy_json(req.enqueue_grant),
+        concurrency_key=req.concurrency_key,
+        max_running_per_key=req.max_running_per_key,
     )
 
 
@@ -538,6 +574,13 @@ def claim(
         lease_expires_at=now + lease,
         dequeue_count=row.dequeue_count + 1,
     )
+
+
+def held_back_by_key(row: ProcessRequest, running: int) -> bool:
+    """Whether a claim must leave `row` where it is because `running` requests of its key
+    (in progress under a live lease, plus those the same claim took before it) already fill its
+    `max_running_per_key` (docs/queue.md, "Concurrency keys"). A row without a limit never is."""
+    return row.max_running_per_key is not None and running >= row.max_running_per_key
 
 
 def is_parked_on_lapse(row: ProcessRequest) -> bool:

@@ -226,6 +226,14 @@ class QueueStore(abc.ABC):
         """How many requests are in each status (of every workspace; a status without any is
         absent). For the `cv_queue_requests` gauges, read at each scrape: one grouped count."""
 
+    @abc.abstractmethod
+    async def held_by_key(self, now: float | None) -> int:
+        """How many pending requests, available by `now` (None: the store's clock), their
+        concurrency key holds back (docs/queue.md, "Concurrency keys"): as many of the key run
+        as the request's `max_running_per_key` allows. For the `cv_queue_held_by_key` gauge,
+        read at each scrape; a figure that stays high says a key's limit, not the workers,
+        paces its work."""
+
     # -- workers ----------------------------------------------------------------------------------
 
     async def claim(
@@ -243,7 +251,9 @@ class QueueStore(abc.ABC):
         now`; "oldest" is by when it became claimable. The row comes back in progress under a
         fresh `claim_token`, leased until `now + lease`, `dequeue_count` + 1. A lapsed row already
         dequeued `max_dequeues` times turns to poison instead. `workspace_ids` restricts the claim
-        to the workspaces the worker's token may touch (None: all).
+        to the workspaces the worker's token may touch (None: all). A row whose concurrency key
+        already runs its `max_running_per_key` is passed over, never waited for
+        (docs/queue.md, "Concurrency keys").
         """
         rows = await self.claim_many(
             worker_classes, worker_id, lease, now, limit=1, workspace_ids=workspace_ids

@@ -58,6 +58,7 @@ _JSON_COLUMNS: Final = frozenset({"input", "result", "error", "telemetry", "enqu
 _REQUEST_COLUMNS: Final = frozenset(
     {"request_id", "workspace_id", "stage", "job_id", "branch_path", "input", "worker_class"}
     | {"run", "max_dequeues", "created_at", "enqueue_grant"}
+    | {"concurrency_key", "max_running_per_key"}
 )
 #: What every other verb may change: all `_update` compares and writes, so a claim never
 #: re-serializes the input.
@@ -74,6 +75,9 @@ _CANCEL_REQUESTED: Final = _COLUMNS.index("cancel_requested")
 _BOOL_COLUMNS: Final = frozenset({"cancel_requested"})
 #: A probe also selects the rowid, after the columns: the enqueue order that breaks ties.
 _ROWID: Final = len(_COLUMNS)
+_WORKSPACE: Final = _COLUMNS.index("workspace_id")
+_KEY: Final = _COLUMNS.index("concurrency_key")
+_MAX_RUNNING: Final = _COLUMNS.index("max_running_per_key")
 #: The rows `purge_finished` may delete, spelled once: the partial index's WHERE and the
 #: purge's must read the same for the planner to use the index.
 _PURGED: Final = "status IN ({})".format(", ".join(f"'{s}'" for s in model.PURGED_STATUSES))
@@ -89,17 +93,48 @@ _GET_MANY_CHUNK: Final = 500
 # probe to its partial index; each stops after `limit` rows in index order. They select the rowid
 # too (free: every index holds it) so that merging the probes keeps their tie-break.
 _PROBE_SELECT: Final = f"SELECT {', '.join(_COLUMNS)}, rowid FROM {TABLE}"
+#: The key's running requests: in progress under a live lease (a lapsed one has freed its slot),
+#: counted on their own partial index. Parameter: now.
+_RUNNING_OF_KEY: Final = (
+    f"SELECT count(*) FROM {TABLE} k INDEXED BY {TABLE}_running_key"
+    " WHERE k.status = 'in_progress' AND k.concurrency_key IS NOT NULL"
+    f" AND k.workspace_id = {TABLE}.workspace_id AND k.concurrency_key = {TABLE}.concurrency_key"
+    " AND k.lease_expires_at >= ?"
+)
+# A row whose key's slots are full is skipped where it stands, so the probe walks on to other
+# keys (no head-of-line blocking, docs/queue.md). A row without a limit costs one NULL test.
+# Parameter: now.
+_KEY_FREE: Final = f"AND (max_running_per_key IS NULL OR ({_RUNNING_OF_KEY}) < max_running_per_key)"
+#: `_RUNNING_OF_KEY` for one key. Parameters: workspace, key, now.
+_RUNNING_COUNT: Final = (
+    f"SELECT count(*) FROM {TABLE} INDEXED BY {TABLE}_running_key"
+    " WHERE status = 'in_progress' AND concurrency_key IS NOT NULL"
+    " AND workspace_id = ? AND concurrency_key = ? AND lease_expires_at >= ?"
+)
+#: `held_by_key`: the pending rows a claim would skip for their key. Parameters: now, now.
+_HELD_BY_KEY: Final = (
+    f"SELECT count(*) FROM {TABLE} WHERE status = 'pending' AND max_running_per_key IS NOT NULL"
+    f" AND available_at <= ? AND ({_RUNNING_OF_KEY}) >= max_running_per_key"
+)
 _PENDING_PROBE: Final = (
     f"{_PROBE_SELECT} WHERE status = 'pending' AND worker_class = ? AND available_at <= ? "
-    "ORDER BY available_at, created_at, rowid LIMIT ?"
+    f"{_KEY_FREE} ORDER BY available_at, created_at, rowid LIMIT ?"
 )
 _PENDING_IN_WORKSPACE_PROBE: Final = (
     f"{_PROBE_SELECT} WHERE status = 'pending' AND worker_class = ? AND workspace_id = ? "
-    "AND available_at <= ? ORDER BY available_at, created_at, rowid LIMIT ?"
+    f"AND available_at <= ? {_KEY_FREE} ORDER BY available_at, created_at, rowid LIMIT ?"
+)
+# A lapsed row that must be parked (exhausted, cancelled) is found whatever its key: parking
+# takes no slot. Parameter: now.
+_LAPSED_KEY_FREE: Final = (
+    "AND (dequeue_count >= max_dequeues OR cancel_requested = 1"
+    f" OR max_running_per_key IS NULL OR ({_RUNNING_OF_KEY}) < max_running_per_key)"
 )
 _LAPSED_PROBE: Final = (
     f"{_PROBE_SELECT} WHERE status = 'in_progress' AND worker_class = ? AND lease_expires_at < ? "
-    "{workspaces} ORDER BY lease_expires_at, created_at, rowid LIMIT ?"
+    "{workspaces} "
+    + _LAPSED_KEY_FREE.replace("{", "{{").replace("}", "}}")
+    + " ORDER BY lease_expires_at, created_at, rowid LIMIT ?"
 )
 #: The probes a claim runs, for EXPLAIN QUERY PLAN (the benchmark prints them).
 CLAIM_PROBES: Final = {
@@ -121,12 +156,14 @@ def claimable_sql(classes: int, workspaces: int | None) -> str:
     names = ", ".join("?" * classes)
     scope = "" if workspaces is None else f" AND workspace_id IN ({', '.join('?' * workspaces)})"
     pending = f"{TABLE}_pending" if workspaces is None else f"{TABLE}_pending_workspace"
+    # A row its key holds back is not claimable (else an idle worker would be told of work it
+    # cannot claim, and poll again at once, in a loop). Parameter: now, after each scope.
     return (
         f"SELECT EXISTS (SELECT 1 FROM {TABLE} INDEXED BY {pending} WHERE status = 'pending'"
-        f" AND worker_class IN ({names}){scope} AND available_at <= ?)"
+        f" AND worker_class IN ({names}){scope} AND available_at <= ? {_KEY_FREE})"
         f" OR EXISTS (SELECT 1 FROM {TABLE} INDEXED BY {TABLE}_leased"
         f" WHERE status = 'in_progress' AND worker_class IN ({names})"
-        f" AND lease_expires_at < ?{scope})"
+        f" AND lease_expires_at < ?{scope} {_LAPSED_KEY_FREE})"
     )
 
 
@@ -159,6 +196,8 @@ def create_schema(db: sqlite_utils.Database) -> None:
             "telemetry": str,
             "cancel_requested": int,
             "enqueue_grant": str,
+            "concurrency_key": str,
+            "max_running_per_key": int,
         },
         pk="request_id",
         not_null={
@@ -183,6 +222,10 @@ def create_schema(db: sqlite_utils.Database) -> None:
     # One made before enqueue grants: its rows were enqueued under the full grant (NULL).
     if "enqueue_grant" not in db.table(TABLE).columns_dict:
         db.table(TABLE).add_column("enqueue_grant", str)
+    # One made before concurrency keys: none of its rows has a key.
+    if "concurrency_key" not in db.table(TABLE).columns_dict:
+        db.table(TABLE).add_column("concurrency_key", str)
+        db.table(TABLE).add_column("max_running_per_key", int)
     # Partial indexes need a WHERE clause, which sqlite-utils' create_index cannot express.
     # Each holds only the rows of one status, so it stays the size of the live backlog, not of
     # the whole history of done rows.
@@ -199,6 +242,13 @@ def create_schema(db: sqlite_utils.Database) -> None:
     db.execute(
         f"CREATE INDEX IF NOT EXISTS {TABLE}_leased ON {TABLE} "
         "(worker_class, lease_expires_at, created_at) WHERE status = 'in_progress'"
+    )
+    # The running requests of each concurrency key (`_RUNNING_OF_KEY`): only keyed rows in
+    # progress, so it stays the size of the work running, and unkeyed work never touches it.
+    db.execute(
+        f"CREATE INDEX IF NOT EXISTS {TABLE}_running_key ON {TABLE} "
+        "(workspace_id, concurrency_key, lease_expires_at)"
+        " WHERE status = 'in_progress' AND concurrency_key IS NOT NULL"
     )
     # The background pass purges finished rows by when they finished (`purge_finished`); the
     # index holds only the rows it may delete, so a purge is a seek, not a walk of the queue
@@ -259,16 +309,38 @@ def _claimable_candidates(
         lapsed_sql = _LAPSED_PROBE.format(workspaces=f"AND workspace_id IN ({marks})")
     for worker_class in classes:
         if workspaces is None:
-            found.extend(tx.execute(_PENDING_PROBE, (worker_class, now, limit)))
+            found.extend(tx.execute(_PENDING_PROBE, (worker_class, now, now, limit)))
         else:
             for ws in workspaces:
                 found.extend(
-                    tx.execute(_PENDING_IN_WORKSPACE_PROBE, (worker_class, ws, now, limit))
+                    tx.execute(_PENDING_IN_WORKSPACE_PROBE, (worker_class, ws, now, now, limit))
                 )
         # Lapsed leases are few (only dead workers leave them): filtering them by workspace
         # after the index seek costs nothing worth another index.
-        found.extend(tx.execute(lapsed_sql, (worker_class, now, *(workspaces or ()), limit)))
+        found.extend(tx.execute(lapsed_sql, (worker_class, now, *(workspaces or ()), now, limit)))
     return found
+
+
+def _within_key_limits(
+    tx: Transaction, candidates: Sequence[Sequence[Any]], now: float, limit: int
+) -> builtins.list[Sequence[Any]]:
+    """The first `limit` of `candidates` (oldest first) that their keys' slots admit: a probe
+    checked each row against the rows running, and this counts the rows the same claim takes
+    before it too (`model.held_back_by_key`)."""
+    running: dict[tuple[str, str], int] = {}
+    taken: builtins.list[Sequence[Any]] = []
+    for raw in candidates:
+        if len(taken) == limit:
+            break
+        if raw[_KEY] is not None:  # it takes a slot of its key, limited or not
+            key = (raw[_WORKSPACE], raw[_KEY])
+            if key not in running:
+                (running[key],) = tx.execute(_RUNNING_COUNT, (*key, now)).fetchone()
+            if raw[_MAX_RUNNING] is not None and running[key] >= raw[_MAX_RUNNING]:
+                continue
+            running[key] += 1
+        taken.append(raw)
+    return taken
 
 
 def _probed(raw: Sequence[Any]) -> ProcessRequest:
@@ -356,7 +428,7 @@ def _claim_rows(
                 events.append(RequestEvent.of(parked, kind, lapsed=True))
             continue
         claimed = []
-        oldest = sorted(found, key=_claimable_since)[:limit]
+        oldest = _within_key_limits(tx, sorted(found, key=_claimable_since), now, limit)
         for raw, token in zip(oldest, plan.tokens[: len(oldest)], strict=True):
             row = _probed(raw)
             held = model.claim(
@@ -558,6 +630,15 @@ class SQLiteQueueStore(QueueStore):
 
         return await self._db.read(read)
 
+    async def held_by_key(self, now: float | None) -> int:
+        at = _now(now)
+
+        def read(conn: sqlite3.Connection) -> int:
+            (held,) = conn.execute(_HELD_BY_KEY, (at, at)).fetchone()
+            return int(held)
+
+        return await self._db.read(read)
+
     # -- workers ----------------------------------------------------------------------------------
 
     async def _has_claimable(
@@ -566,7 +647,7 @@ class SQLiteQueueStore(QueueStore):
         at = _now(now)
         query = claimable_sql(len(classes), None if workspaces is None else len(workspaces))
         scope = workspaces or ()
-        params = (*classes, *scope, at, *classes, at, *scope)
+        params = (*classes, *scope, at, at, *classes, at, *scope, at)
 
         def read(conn: sqlite3.Connection) -> bool:
             (found,) = conn.execute(query, params).fetchone()

@@ -493,6 +493,8 @@ class QueueMethods(ScheduleMethods, abc.ABC):
         idempotency_key: str | None = None,
         worker_class: str | None = None,
         max_dequeues: int | None = None,
+        concurrency_key: str | None = None,
+        max_running_per_key: int | None = None,
     ) -> EnqueuedRequest:
         """Queue `stage` for `workspace_id`; answer at once (202) with the request's id.
 
@@ -503,6 +505,10 @@ class QueueMethods(ScheduleMethods, abc.ABC):
         not used. Without a `job_id`, each enqueue is
         a new request. Each call carries an `Idempotency-Key` (minted, or yours), so a retry
         after a lost answer can neither fork the work nor be mistaken for another's enqueue.
+
+        `concurrency_key` and `max_running_per_key`: the request starts only while fewer than
+        `max_running_per_key` requests of the workspace with the same key run (docs/queue.md,
+        "Concurrency keys"); a limit needs a key (else `InvalidRequestError`).
         """
         body: dict[str, Any] = {"stage": stage}
         for name, value in (
@@ -512,6 +518,8 @@ class QueueMethods(ScheduleMethods, abc.ABC):
             ("deterministic", deterministic),
             ("worker_class", worker_class),
             ("max_dequeues", max_dequeues),
+            ("concurrency_key", concurrency_key),
+            ("max_running_per_key", max_running_per_key),
         ):
             if value is not None:
                 body[name] = value

@@ -144,6 +144,17 @@ def _add_enqueue_args(parser: argparse.ArgumentParser, *, rerun_flag: bool) -> N
         default=None,
         help="claims before the request is parked as poison (default: the server's)",
     )
+    parser.add_argument(
+        "--concurrency-key",
+        default=None,
+        help="requests of the workspace sharing this key share its running slots",
+    )
+    parser.add_argument(
+        "--max-running-per-key",
+        type=int,
+        default=None,
+        help="with --concurrency-key: start only while fewer of its key run (default: no limit)",
+    )
     if rerun_flag:
         parser.add_argument("--rerun", action="store_true", help="re-run a finished request")
     parser.add_argument("--wait", action="store_true", help="wait for the result")
@@ -294,6 +305,7 @@ async def _enqueue(client: QueueClient, args: argparse.Namespace, *, rerun: bool
     if args.wait:
         need_seconds("--timeout", args.timeout)
     need_count("--max-dequeues", args.max_dequeues)
+    need_count("--max-running-per-key", args.max_running_per_key)
     payload = None if args.input is None else parse_json_arg(args.input)
     answer = await client.enqueue(
         args.workspace,
@@ -305,6 +317,8 @@ async def _enqueue(client: QueueClient, args: argparse.Namespace, *, rerun: bool
         idempotency_key=args.idempotency_key,
         worker_class=args.worker_class,
         max_dequeues=args.max_dequeues,
+        concurrency_key=args.concurrency_key,
+        max_running_per_key=args.max_running_per_key,
     )
     if answer.input_differs:
         _warn_input_differs(answer, rerun=rerun)

@@ -288,6 +288,14 @@ class _Tools(ScheduleTools):
             Field(description="makes a retried enqueue answer the first one's request"),
         ] = None,
         rerun: Annotated[bool, Field(description="run a finished request again")] = False,
+        concurrency_key: Annotated[
+            str | None,
+            Field(description="requests sharing this key share its running slots"),
+        ] = None,
+        max_running_per_key: Annotated[
+            int | None,
+            Field(ge=1, description="start only while fewer of its key run (needs the key)"),
+        ] = None,
     ) -> EnqueueAnswer:
         """Queue stage work; answers at once with the request's id (then `wait_request`)."""
         answer = await self.client.enqueue(
@@ -298,6 +306,8 @@ class _Tools(ScheduleTools):
             input=input,
             idempotency_key=idempotency_key,
             rerun=rerun,
+            concurrency_key=concurrency_key,
+            max_running_per_key=max_running_per_key,
         )
         return EnqueueAnswer(
             request_id=answer.request_id,

@@ -18,6 +18,7 @@ from cv_server.pg.idempotency import PostgresIdempotencyStore
 from cv_server.pg.queue import PostgresQueueStore
 from cv_server.queue import BlobStore, EnqueueAsk, IdempotencyStore, QueueStore, RequestEvent
 from tests.contract.claimable_contract import ClaimableContract
+from tests.contract.concurrency_keys_contract import ConcurrencyKeysContract
 from tests.contract.enqueue_many_contract import EnqueueManyContract
 from tests.contract.queue_contract import QueueContract, request
 from tests.contract.queue_lifecycle_contract import QueueLifecycleContract
@@ -43,6 +44,7 @@ class TestPostgresQueueStore(
     EnqueueManyContract,
     ClaimableContract,
     QueueLifecycleContract,
+    ConcurrencyKeysContract,
 ):
     @pytest.fixture
     async def store(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from cv_server.sqlite.queue import (
     claimable_sql,
 )
 from tests.contract.claimable_contract import ClaimableContract
+from tests.contract.concurrency_keys_contract import ConcurrencyKeysContract
 from tests.contract.enqueue_many_contract import EnqueueManyContract
 from tests.contract.queue_contract import LEASE, STAGE, WS, QueueContract, request
 from tests.contract.queue_lifecycle_contract import QueueLifecycleContract
@@ -45,6 +47,7 @@ class TestSQLiteQueueStore(
     EnqueueManyContract,
     ClaimableContract,
     QueueLifecycleContract,
+    ConcurrencyKeysContract,
 ):
     @pytest.fixture
     def db_path(self, tmp_path: Path) -> Path:
@@ -154,8 +157,15 @@ async def test_every_claim_probe_is_an_index_seek(tmp_path: Path) -> None:
             }
 
         for name, steps in (await db.read(plans)).items():
-            assert len(steps) == 1, (name, steps)  # no temp b-tree for ORDER BY, no second scan
-            assert steps[0].startswith(f"SEARCH {TABLE} USING INDEX"), (name, steps)
+            # No temp b-tree for ORDER BY, no second scan: one seek of the probe's index, and
+            # the concurrency key's count (rows with a limit only) a seek of the running keys.
+            main, *key_count = steps
+            assert main.startswith(f"SEARCH {TABLE} USING INDEX"), (name, steps)
+            assert key_count[0].startswith("CORRELATED SCALAR SUBQUERY"), (name, steps)
+            assert key_count[1:] == [
+                f"SEARCH k USING INDEX {TABLE}_running_key"
+                " (workspace_id=? AND concurrency_key=? AND lease_expires_at>?)"
+            ], (name, steps)
     finally:
         await db.close()
 
@@ -180,9 +190,12 @@ async def test_the_claimable_check_is_an_index_seek(tmp_path: Path) -> None:
             searches = [step for step in steps if step.startswith("SEARCH")]
             indexes = [step.split(" USING ")[1].split(" (")[0] for step in searches]
             pending = "pending" if scope[1] is None else "pending_workspace"
+            # Each probe's concurrency-key count (rows with a limit only) seeks the running keys.
             assert indexes == [
                 f"INDEX {TABLE}_{pending}",
+                f"INDEX {TABLE}_running_key",
                 f"INDEX {TABLE}_leased",
+                f"INDEX {TABLE}_running_key",
             ], (scope, steps)
             assert not [step for step in steps if step.startswith(f"SCAN {TABLE}")], steps
     finally:
@@ -201,6 +214,30 @@ async def test_a_file_made_before_cancelling_existed_gains_the_column(tmp_path: 
         store = SQLiteQueueStore(db)
         assert await store.get(WS, row.request_id) == row
         assert (await store.cancel(row.request_id, 2.0)).status == "cancelled"
+    finally:
+        await db.close()
+
+
+async def test_a_file_made_before_concurrency_keys_gains_the_columns(tmp_path: Path) -> None:
+    path = tmp_path / "queue.db"
+    db = await SQLiteDatabase.open(path, schema=schema)
+    row, _ = await SQLiteQueueStore(db).enqueue(request(), 1.0)
+    await db.close()
+    with sqlite3.connect(path) as conn:  # the table as an older release made it
+        conn.execute(f"DROP INDEX {TABLE}_running_key")
+        conn.execute(f"ALTER TABLE {TABLE} DROP COLUMN concurrency_key")
+        conn.execute(f"ALTER TABLE {TABLE} DROP COLUMN max_running_per_key")
+    db = await SQLiteDatabase.open(path, schema=schema)
+    try:
+        store = SQLiteQueueStore(db)
+        assert await store.get(WS, row.request_id) == row
+        limited = dataclasses.replace(request("keyed"), concurrency_key="k", max_running_per_key=1)
+        await store.enqueue(limited, 2.0)
+        await store.enqueue(
+            dataclasses.replace(request("keyed-2"), concurrency_key="k", max_running_per_key=1), 3.0
+        )
+        claimed = await store.claim_many(STAGE, "w", 60.0, 10.0, limit=5)
+        assert [r.job_id for r in claimed] == ["job-1", "keyed"]
     finally:
         await db.close()
 

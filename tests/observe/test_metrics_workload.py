@@ -283,6 +283,7 @@ async def test_every_family_has_help_and_type(client: TestClient[Any, Any]) -> N
         "cv_http_requests": "counter",
         "cv_http_request_seconds": "histogram",
         "cv_queue_requests": "gauge",
+        "cv_queue_held_by_key": "gauge",
         "cv_queue_enqueued": "counter",
         "cv_queue_coalesced": "counter",
         "cv_queue_lease_lapses": "counter",
@@ -322,3 +323,15 @@ async def test_with_two_instances_counters_are_each_ones_own_and_queue_gauges_ar
         for samples in (one, other):
             assert samples["cv_queue_requests", {"status": "pending"}] == 1
             assert samples["cv_queue_requests", {"status": "in_progress"}] == 1
+
+
+async def test_held_by_key_counts_the_requests_a_full_key_holds_back(
+    client: TestClient[Any, Any],
+) -> None:
+    keyed = {"stage": "keyed", "concurrency_key": "customer-1", "max_running_per_key": 1}
+    for job in ("a", "b", "c"):
+        await _enqueue(client, **keyed, job_id=job)
+    await _enqueue(client, stage="keyed", job_id="plain")
+    assert (await scrape(client))["cv_queue_held_by_key"] == 0.0
+    assert await _claim(client, "keyed") is not None
+    assert (await scrape(client))["cv_queue_held_by_key"] == 2.0  # b and c wait; plain does not

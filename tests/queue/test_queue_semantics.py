@@ -10,6 +10,7 @@ sweep is set far beyond each test's patience: what arrives in time was pushed or
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,42 @@ async def test_idle_workers_are_woken_only_by_work_they_may_claim(
         await asyncio.sleep(0)
         await store.fail(held.request_id, held.claim_token or "", None, 0.0, 3.0)
         assert await sleeper
+    finally:
+        signals.close()
+
+
+async def test_an_idle_worker_looks_again_when_a_concurrency_key_frees_a_slot(
+    stores: tuple[QueueStore, QueueStore],
+) -> None:
+    """Requests a full key holds back are not claimable, so an idle worker waits; when the
+    key's running request finishes, the wait looks again and finds them, long before its
+    patience runs out. A sleeper of another workspace is not woken."""
+    store, _ = stores
+    signals = WorkSignals(store)
+    try:
+        for job, at in (("a0", 1.0), ("a1", 2.0)):
+            keyed = dataclasses.replace(
+                request(job, ws=WS), concurrency_key="k", max_running_per_key=1
+            )
+            await store.enqueue(keyed, at)
+        running = await _held(store, 3.0)
+        looked = asyncio.Event()
+
+        async def pending_now() -> bool:
+            found = await store.has_claimable(STAGE, 4.0, workspace_ids=[WS])
+            looked.set()
+            return found
+
+        mine = frozenset({STAGE})
+        sleeper = asyncio.create_task(
+            signals.wait(mine, frozenset({WS}), PATIENCE, pending_now=pending_now)
+        )
+        elsewhere = asyncio.create_task(signals.wait(mine, frozenset({OTHER_WS}), 0.5))
+        await asyncio.wait_for(looked.wait(), PATIENCE)  # it looked, found nothing, and waits
+        assert not sleeper.done()
+        await store.complete(running.request_id, running.claim_token or "", None, 4.0)
+        assert await asyncio.wait_for(sleeper, PATIENCE)
+        assert not await elsewhere
     finally:
         signals.close()
 

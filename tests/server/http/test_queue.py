@@ -192,9 +192,9 @@ async def test_an_idle_workers_long_poll_is_woken_by_new_work(
     assert await asyncio.wait_for(evaluate, BOUND) == 200
     # The push wakes, in one step, every poll the work concerns: the other class's poll is
     # still parked, unwoken.
-    ((classes, _, woken),) = signals._sleepers
-    assert classes == {"enrich"}
-    assert not woken.is_set()
+    (sleeper,) = signals._sleepers
+    assert sleeper.classes == {"enrich"}
+    assert not sleeper.wake.is_set()
     other.cancel()
 
 
