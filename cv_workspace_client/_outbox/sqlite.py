@@ -259,7 +259,10 @@ class SQLiteOutbox(Outbox):
         # Nothing past the last committed insert can become durable: don't wait for it.
         target = self._written_seq if seq is None else min(seq, self._written_seq)
         if self._lost:
-            assert self._error is not None
+            # The syncer thread sets `_lost` before its settle call reaches this loop: the
+            # error may not be recorded yet, and a sync must fail either way
+            # (tests/client/outbox/test_file_hazards.py, `..._removed_while_open_...`).
+            self._error = self._error or lost_error(self.path)
             raise self._error
         if self._durable >= target:
             return
