@@ -61,6 +61,7 @@ __all__ = [
     "Transition",
     "TransitionKind",
     "cancel",
+    "caused_by",
     "check_cache",
     "check_lease",
     "claim",
@@ -178,6 +179,10 @@ class NewRequest:
     #: The enqueuer's grant (`cv_server.scopes.enqueue_grant`), from its verified token: what a
     #: stage run for it may touch. None: every scope and sub-doc.
     enqueue_grant: Any = None
+    #: The clock of the op-log commit that enqueued it (an apply's `enqueue`, docs/queue.md,
+    #: "Start work with the change that needs it"): the sub-doc is at least at this clock when
+    #: the stage runs. None: enqueued on its own. The store stamps it inside the commit.
+    caused_by_clock: int | None = None
 
     def __post_init__(self) -> None:
         # A row that may be claimed zero times would be pending forever and never poisoned.
@@ -236,6 +241,8 @@ class ProcessRequest:
     #: The enqueuer's grant (`NewRequest.enqueue_grant`); a stage's writes for this request are
     #: held to it as well as to the worker's token (docs/queue.md).
     enqueue_grant: Any = None
+    #: `NewRequest.caused_by_clock`: the clock of the commit that enqueued it (None: on its own).
+    caused_by_clock: int | None = None
 
     @property
     def is_live(self) -> bool:
@@ -285,6 +292,7 @@ class ProcessRequest:
             telemetry=_copy_json(self.telemetry),
             cancel_requested=self.cancel_requested,
             enqueue_grant=_copy_json(self.enqueue_grant),
+            caused_by_clock=self.caused_by_clock,
         )
         if now is not None:
             data["unclaimed_seconds"] = unclaimed_seconds(self, now)
@@ -395,6 +403,7 @@ def new_row(req: NewRequest, now: float) -> ProcessRequest:
         finished_at=None,
         telemetry=None,
         enqueue_grant=_copy_json(req.enqueue_grant),
+        caused_by_clock=req.caused_by_clock,
     )
 
 
@@ -440,6 +449,15 @@ class EnqueueAsk:
 
     request: NewRequest
     rerun: bool = False
+
+
+def caused_by(batch: Iterable[EnqueueAsk], clock: int) -> list[EnqueueAsk]:
+    """`batch` with each request's `caused_by_clock` set to `clock`: the enqueues of an op-log
+    commit whose last applied op has that clock (`OpLogStore.append_enqueuing`)."""
+    return [
+        dataclasses.replace(ask, request=dataclasses.replace(ask.request, caused_by_clock=clock))
+        for ask in batch
+    ]
 
 
 class BatchEnqueue(NamedTuple):
