@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
             time.sleep(_FROZEN_SECONDS)  # blocks the loop: nothing is published nor answered
         publish(app, workspace_id, sub_doc, outcomes, entries)
 
-    cv_server.publish.publish = publish_then_freeze  # type: ignore[assignment]
+    cv_server.publish.publish = publish_then_freeze
     return cv_server_main(argv[1:])
 
 
