@@ -181,3 +181,28 @@ class EnqueueWithCommitContract:
         # A batch that applies nothing announces nothing.
         await linked.oplog.append_enqueuing(WS, DOC, [bad_op(new_op_id())], [ask(2)])
         assert len(seen) == 1
+
+    async def test_a_refused_item_fails_only_its_own_apply_not_those_committed_with_it(
+        self, linked: Linked
+    ) -> None:
+        theirs = EnqueueAsk(
+            NewRequest(workspace_id="ws-2", stage=STAGE, request_id=ask(9).request.request_id)
+        )
+        await linked.queue.enqueue_many([theirs], now=None)
+        # Queued at once on one sub-doc (and another): the backends may group them into one
+        # transaction, which the refused item must not take down with it.
+        before, after, elsewhere = new_op_id(), new_op_id(), new_op_id()
+        results = await asyncio.gather(
+            linked.oplog.append(WS, DOC, [increment(before)]),
+            linked.oplog.append_enqueuing(WS, DOC, [increment(new_op_id())], [ask(9)]),
+            linked.oplog.append_enqueuing(WS, DOC, [increment(after)], [ask(1)]),
+            linked.oplog.append(WS, "other", [increment(elsewhere)]),
+            return_exceptions=True,
+        )
+        assert isinstance(results[1], RequestIdConflict)
+        assert [e.op_id for e in await all_entries(linked.oplog)] == [before, after]
+        assert [e.op_id for e in await all_entries(linked.oplog, WS, "other")] == [elsewhere]
+        assert await requests_of(linked.queue) == [ask(1).request.request_id]
+        row = await linked.queue.get(WS, ask(1).request.request_id)
+        assert row is not None
+        assert row.caused_by_clock == 2
