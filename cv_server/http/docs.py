@@ -19,8 +19,9 @@ from cv_server.http.models import ApplyBody, ApplyResults, DocState, OpsPage
 from cv_server.http.openapi import Doc, Param, documented
 from cv_server.http.problems import Problem
 from cv_server.http.queue import apply_enqueue, apply_enqueue_answers, queue_problem
-from cv_server.http.security import authorize
-from cv_server.keys import CONFIG, STORES
+from cv_server.http.ratelimit import refusal
+from cv_server.http.security import authorize, bearer_token
+from cv_server.keys import CONFIG, METRICS, RATE_LIMITS, STORES
 from cv_server.oplog.pipeline import op_ids_to_look_up
 from cv_server.publish import commit_and_publish, commit_enqueue_and_publish, conflict_of
 from cv_server.queue import QueueError
@@ -70,6 +71,13 @@ async def post_ops(request: web.Request) -> web.Response:
             config.max_dequeues,
             claims,
         )
+        # The work an apply enqueues pays as a batch enqueue does: one token of the `enqueue`
+        # bucket besides the `ops` one the middleware took (docs/queue.md).
+        token = bearer_token(request)
+        wait = request.app[RATE_LIMITS].take("enqueue", token) if token is not None else 0.0
+        if wait > 0:
+            request.app[METRICS].count_rate_limited("enqueue")
+            raise refusal("enqueue", wait)
         try:
             done = await asyncio.shield(
                 commit_enqueue_and_publish(
