@@ -148,6 +148,11 @@ class Metrics:
             "Time to answer an HTTP request, by route template (a websocket: its whole session).",
             labelnames=("route",),
         )
+        # Children by label values, looked up once: `labels(...)` takes a lock and builds a
+        # key on every call, which each request and each op paid. Bounded: route templates,
+        # statuses and problem codes are finite sets.
+        self._answered: dict[tuple[str, int], tuple[Any, Any]] = {}
+        self._rejected: dict[str, Any] = {}
         # -- work queue
         self.queue_requests = Gauge(
             "cv_queue_requests",
@@ -162,6 +167,14 @@ class Metrics:
             "cv_queue_coalesced_total", "Enqueues absorbed by an existing request of the same id."
         )
         self.queue_claimed = counter("cv_queue_claimed_total", "Requests handed to a worker.")
+        self.channel_frames = counter(
+            "cv_channel_frames_total",
+            "Frames on worker channels, by direction (in, out) and type.",
+            labelnames=("direction", "type"),
+        )
+        self.channel_claimed = counter(
+            "cv_channel_claimed_total", "Requests handed to a worker over its channel."
+        )
         self.queue_done = counter("cv_queue_done_total", "Requests completed (done).")
         self.queue_failed = counter(
             "cv_queue_failed_total", "Failures reported by workers (retried or poisoned)."
@@ -275,9 +288,23 @@ class Metrics:
             if outcome.duplicate:
                 self.ops_duplicate.inc()
             elif isinstance(outcome, Rejected):
-                self.ops_rejected.labels(outcome.code).inc()
+                child = self._rejected.get(outcome.code)
+                if child is None:
+                    child = self._rejected[outcome.code] = self.ops_rejected.labels(outcome.code)
+                child.inc()
             else:
                 self.ops_committed.inc()
+
+    def record_request(self, route: str, status: int, seconds: float) -> None:
+        """One HTTP request answered (a websocket session: 101), by its route template."""
+        children = self._answered.get((route, status))
+        if children is None:
+            children = self._answered[route, status] = (
+                self.http_requests.labels(route, str(status)),
+                self.http_seconds.labels(route),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
 
     def record_group_commit(self, seconds: float, ops: int) -> None:
         self.commit_seconds.observe(seconds)

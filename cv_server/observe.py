@@ -106,9 +106,7 @@ async def observe_middleware(request: web.Request, handler: Handler) -> web.Stre
     finally:
         seconds = time.perf_counter() - started
         route = route_template(request)
-        metrics = request.app[METRICS]
-        metrics.http_requests.labels(route, str(status)).inc()
-        metrics.http_seconds.labels(route).observe(seconds)
+        request.app[METRICS].record_request(route, status, seconds)
         level = access_level(request.method, route, status)
         if access_log.isEnabledFor(level):  # an idle poll's line costs nothing when not shown
             websocket = status == 101

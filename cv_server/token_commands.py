@@ -103,7 +103,9 @@ def _add_backend_overrides(
                 *action.option_strings,
                 dest=action.dest,
                 default=argparse.SUPPRESS,
-                help=f"as {action.option_strings[0]} before `revoke`",
+                # The parent's "(env: CV_DB)" tail: the variable still applies, through it.
+                help=f"as {action.option_strings[0]} before `revoke`"
+                + (action.help or "")[(action.help or "").rfind(" (env: ") :],
                 **typed,
             )
 

@@ -20,7 +20,7 @@ from cv_server.http.openapi import Doc, Param, documented
 from cv_server.http.problems import Problem
 from cv_server.http.queue import apply_enqueue, apply_enqueue_answers, queue_problem
 from cv_server.http.ratelimit import refusal
-from cv_server.http.security import authorize, bearer_token
+from cv_server.http.security import authenticated_token, authorize
 from cv_server.keys import CONFIG, METRICS, RATE_LIMITS, STORES
 from cv_server.oplog.pipeline import op_ids_to_look_up
 from cv_server.publish import commit_and_publish, commit_enqueue_and_publish, conflict_of
@@ -73,8 +73,8 @@ async def post_ops(request: web.Request) -> web.Response:
         )
         # The work an apply enqueues pays as a batch enqueue does: one token of the `enqueue`
         # bucket besides the `ops` one the middleware took (docs/queue.md).
-        token = bearer_token(request)
-        wait = request.app[RATE_LIMITS].take("enqueue", token) if token is not None else 0.0
+        token, _ = authenticated_token(request)
+        wait = request.app[RATE_LIMITS].take("enqueue", token)
         if wait > 0:
             request.app[METRICS].count_rate_limited("enqueue")
             raise refusal("enqueue", wait)

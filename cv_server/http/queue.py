@@ -28,6 +28,7 @@ import orjson
 from aiohttp import web
 
 from cv_server.auth import TokenClaims
+from cv_server.http.answers import json_answer
 from cv_server.http.bodies import read_body
 from cv_server.http.inputs import check_ids, decode_json
 from cv_server.http.models import (
@@ -277,7 +278,7 @@ async def enqueue(request: web.Request) -> web.Response:
     if isinstance(enqueued, web.Response):  # the key's stored answer
         return enqueued
     _count_coalesced(request, enqueued)
-    return web.json_response(_enqueue_answer(enqueued, req), status=202)
+    return json_answer(_enqueue_answer(enqueued, req), status=202)
 
 
 async def _once_per_key(
@@ -314,7 +315,7 @@ async def _once_per_key(
     # decided by a lock, not by time (pg/idempotency.py). Not worth a round trip per enqueue.
     begun = await stores.idempotency.begin(workspace_id, key, fingerprint, time.time())
     if isinstance(begun, StoredAnswer):
-        return web.json_response(
+        return json_answer(
             begun.body, status=begun.status_code, headers={"Idempotency-Replayed": "true"}
         )
     if isinstance(begun, InProgress):
@@ -382,7 +383,7 @@ async def row_json(request: web.Request, row: ProcessRequest) -> dict[str, Any]:
 @routes.get("/v1/workspaces/{ws}/requests/{id}")
 @documented(Doc("One queue request", {200: QueueRequest}, problems=NOT_FOUND_PROBLEMS, tag="queue"))
 async def get_request(request: web.Request) -> web.Response:
-    return web.json_response(await row_json(request, await row_of(request)))
+    return json_answer(await row_json(request, await row_of(request)))
 
 
 def _sse(event: str, data: Any) -> bytes:
@@ -469,7 +470,7 @@ async def claim(request: web.Request) -> web.Response:
         )
         if not rows:
             return web.Response(status=204)
-        return web.json_response({"requests": _claimed_json(rows)})
+        return json_answer({"requests": _claimed_json(rows)})
     row = await queue.claim(
         asked.worker_classes,
         asked.worker_id,
@@ -479,7 +480,7 @@ async def claim(request: web.Request) -> web.Response:
     )
     if row is None:
         return web.Response(status=204)
-    return web.json_response({"request": row.to_json(include_claim_token=True)})
+    return json_answer({"request": row.to_json(include_claim_token=True)})
 
 
 def _claim_ask(request: web.Request, claims: TokenClaims, asked: ClaimBody) -> ClaimAsk:
@@ -578,8 +579,8 @@ async def complete_batch(request: web.Request) -> web.Response:
         else:
             answers.append({"request_id": completion.request_id, "status": outcome.status})
     if claimed is None:
-        return web.json_response({"results": answers})
-    return web.json_response({"results": answers, "claimed": _claimed_json(claimed)})
+        return json_answer({"results": answers})
+    return json_answer({"results": answers, "claimed": _claimed_json(claimed)})
 
 
 def _next_ask(
@@ -634,7 +635,7 @@ async def wait_for_work(request: web.Request) -> web.Response:
     woken = await request.app[WORK_SIGNALS].wait(
         classes, workspaces, patience, pending_now=pending_now
     )
-    return web.json_response({"pending": True}) if woken else web.Response(status=204)
+    return json_answer({"pending": True}) if woken else web.Response(status=204)
 
 
 @routes.post("/v1/workspaces/{ws}/requests/{id}/heartbeat")
@@ -658,7 +659,7 @@ async def heartbeat(request: web.Request) -> web.Response:
         )
     except QueueError as exc:
         raise queue_problem(exc) from None
-    return web.json_response({"lease_expires_at": row.lease_expires_at})
+    return json_answer({"lease_expires_at": row.lease_expires_at})
 
 
 async def _uploaded(request: web.Request, workspace_id: str, item: dict[str, Any]) -> str | None:
@@ -712,7 +713,7 @@ async def complete(request: web.Request) -> web.Response:
         # With `claim_next` the store still answers it (its claim goes ahead): no put either.
         retried = row.status == "done" and row.claim_token == token
         if retried and claim_next is None:
-            return web.json_response({"status": row.status})
+            return json_answer({"status": row.status})
         try:
             if not retried:
                 fence(row, token)
@@ -751,7 +752,7 @@ async def complete(request: web.Request) -> web.Response:
         )
     except QueueError as exc:
         raise queue_problem(exc) from None
-    return web.json_response({"status": done.status})
+    return json_answer({"status": done.status})
 
 
 def _then_claimed(
@@ -767,7 +768,7 @@ def _then_claimed(
         if "available_at" in members:
             answer["available_at"] = outcome.available_at
     answer["claimed"] = _claimed_json(claimed)
-    return web.json_response(answer)
+    return json_answer(answer)
 
 
 @routes.post("/v1/workspaces/{ws}/requests/{id}/fail")
@@ -809,7 +810,7 @@ async def fail(request: web.Request) -> web.Response:
         )
     except QueueError as exc:
         raise queue_problem(exc) from None
-    return web.json_response({"status": after.status, "available_at": after.available_at})
+    return json_answer({"status": after.status, "available_at": after.available_at})
 
 
 # -- batched enqueue -------------------------------------------------------------------------------
@@ -899,7 +900,7 @@ async def enqueue_batch(request: web.Request) -> web.Response:
         return answers
     for enqueued in answers:
         _count_coalesced(request, enqueued)
-    return web.json_response(_batch_answer(answers, batch), status=202)
+    return json_answer(_batch_answer(answers, batch), status=202)
 
 
 # -- enqueue with the commit (an apply's `enqueue`) --------------------------------------------

@@ -15,7 +15,7 @@ from typing import Final
 from aiohttp import web
 
 from cv_server.http.problems import Problem, problem_response
-from cv_server.http.security import authenticate, bearer_token
+from cv_server.http.security import authenticated_token
 from cv_server.keys import METRICS, RATE_LIMITS
 from cv_server.ratelimit import (
     RouteClass,
@@ -55,6 +55,9 @@ ROUTE_CLASS_OF: Final[dict[tuple[str, str], RouteClass]] = {
     ("POST", f"{_WS}/locks/acquire"): "locks",
     ("POST", f"{_WS}/locks/release"): "locks",
     ("GET", f"{_WS}/socket"): "socket",
+    # The worker channel's handshake; its frames pay the classes of the verbs they stand for
+    # (`cv_server.http.worker_channel`).
+    ("GET", "/v1/queue/channel"): "socket",
 }
 
 
@@ -81,11 +84,11 @@ async def rate_limit_middleware(request: web.Request, handler: Handler) -> web.S
         return await handler(request)
     allow_query = cls == "socket"
     try:
-        authenticate(request, allow_query=allow_query)
+        token, _ = authenticated_token(
+            request, allow_query=allow_query, allow_subprotocol=allow_query
+        )
     except Problem:
         return await handler(request)  # its route answers 401; nothing to count it against
-    token = bearer_token(request, allow_query=allow_query)
-    assert token is not None  # `authenticate` took it
     wait = limits.take(cls, token)
     if wait > 0:
         request.app[METRICS].count_rate_limited(cls)

@@ -20,9 +20,11 @@ from cv_server.http import (
     revocations,
     socket,
     stage_writes,
+    worker_channel,
 )
 
 __all__ = [
+    "CHANNEL_ROUTE",
     "PUBLIC",
     "ROUTE_SCOPES",
     "ROUTE_TABLES",
@@ -42,6 +44,7 @@ ROUTE_TABLES: Final[tuple[web.RouteTableDef, ...]] = (
     listings.routes,
     dashboard.routes,
     revocations.routes,
+    worker_channel.routes,
 )
 
 #: A route anyone may call, without a token.
@@ -51,6 +54,8 @@ _WS: Final = "/v1/workspaces/{ws}"
 #: The websocket: its handshake needs a scope of some frame kind, and each frame its own
 #: (`cv_server.http.socket.FRAME_SCOPES`), refused by an error frame, never the socket.
 SOCKET_ROUTE: Final = ("GET", f"{_WS}/socket")
+#: The worker channel: its token may come as a subprotocol too (`cv_server.http.worker_channel`).
+CHANNEL_ROUTE: Final = ("GET", "/v1/queue/channel")
 
 #: (method, route path) -> the scopes that may call it (any one of them). Every route is here:
 #: `unscoped_routes` names one that is not, and the scope middleware (`cv_server.http.scoping`)
@@ -72,6 +77,7 @@ ROUTE_SCOPES: Final[Mapping[tuple[str, str], frozenset[str]]] = {
     # Workers.
     ("POST", "/v1/queue/claim"): frozenset({"work"}),
     ("GET", "/v1/queue/pending"): frozenset({"work"}),
+    CHANNEL_ROUTE: frozenset({"work"}),
     ("POST", "/v1/queue/complete"): frozenset({"work"}),
     ("POST", f"{_WS}/requests/{{id}}/heartbeat"): frozenset({"work"}),
     ("POST", f"{_WS}/requests/{{id}}/complete"): frozenset({"work"}),

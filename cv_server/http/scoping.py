@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from cv_server.http.routes import ROUTE_SCOPES, SOCKET_ROUTE
+from cv_server.http.routes import CHANNEL_ROUTE, ROUTE_SCOPES, SOCKET_ROUTE
 from cv_server.http.security import authenticate, check_sub_doc, missing_scope
 
 __all__ = ["scope_middleware"]
@@ -35,7 +35,8 @@ async def scope_middleware(request: web.Request, handler: Handler) -> web.Stream
     accepted = ROUTE_SCOPES.get(key)
     if (accepted is not None and not accepted) or key == SOCKET_ROUTE:
         return await handler(request)
-    claims = authenticate(request)
+    # The worker channel, a websocket, may carry its token as a subprotocol.
+    claims = authenticate(request, allow_subprotocol=key == CHANNEL_ROUTE)
     if accepted is None or not claims.has_any_scope(accepted):
         raise missing_scope(accepted or frozenset())
     sub_doc = match.get("sub_doc")

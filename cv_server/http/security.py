@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import Final
 
 from aiohttp import web
 
@@ -17,6 +18,7 @@ __all__ = [
     "BEARER_SUBPROTOCOL_PREFIX",
     "SOCKET_SUBPROTOCOL",
     "authenticate",
+    "authenticated_token",
     "authorize",
     "bearer_token",
     "check_sub_doc",
@@ -68,21 +70,47 @@ def _verified(secret: bytes, token: str) -> TokenClaims:
     return verify_token(secret, token, now=float("-inf"))
 
 
+#: The token each way of looking found on this request, and its verified claims: the scope and
+#: rate-limit middlewares and the handler each authenticate, and the header's parse and the
+#: signature cache's lookup are paid once per request. Expiry and revocation are checked on
+#: every call all the same; a refusal is never kept.
+_FOUND: Final = web.RequestKey("authenticated_tokens", dict)
+
+
 def authenticate(
     request: web.Request, *, allow_query: bool = False, allow_subprotocol: bool = False
 ) -> TokenClaims:
-    token = bearer_token(request, allow_query=allow_query, allow_subprotocol=allow_subprotocol)
-    if token is None:
-        raise Problem(401, "unauthorized", "a bearer token is required")
-    try:
-        claims = _verified(request.app[TOKEN_SECRET].value, token)
-    except TokenError as exc:
-        raise Problem(401, "unauthorized", str(exc)) from None
+    """The claims of the request's bearer token; 401 problem if it has none that holds."""
+    return authenticated_token(
+        request, allow_query=allow_query, allow_subprotocol=allow_subprotocol
+    )[1]
+
+
+def authenticated_token(
+    request: web.Request, *, allow_query: bool = False, allow_subprotocol: bool = False
+) -> tuple[str, TokenClaims]:
+    """`authenticate`, with the token it took."""
+    found: dict[tuple[bool, bool], tuple[str, TokenClaims]] | None = request.get(_FOUND)
+    known = None if found is None else found.get((allow_query, allow_subprotocol))
+    if known is None:
+        token = bearer_token(request, allow_query=allow_query, allow_subprotocol=allow_subprotocol)
+        if token is None:
+            raise Problem(401, "unauthorized", "a bearer token is required")
+        try:
+            claims = _verified(request.app[TOKEN_SECRET].value, token)
+        except TokenError as exc:
+            raise Problem(401, "unauthorized", str(exc)) from None
+    else:
+        token, claims = known
     if claims.expires_at is not None and now() >= claims.expires_at:
         raise Problem(401, "unauthorized", "token expired")
     if claims.token_id is not None and claims.token_id in request.app[REVOKED_TOKENS]:
         raise Problem(401, "token_revoked", f"token {claims.token_id} was revoked")
-    return claims
+    if known is None:
+        if found is None:
+            found = request[_FOUND] = {}
+        found[allow_query, allow_subprotocol] = (token, claims)
+    return token, claims
 
 
 def signed_with(secret: bytes, token: str) -> bool:

@@ -19,11 +19,13 @@ never retried either (docs/queue.md).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any, overload
 
 from cv_mutations import Op
 from cv_workspace_client._core.wire import parse_results
+from cv_workspace_client._queue.channel import ChannelClosedError, ChannelHost, WorkerChannel
 from cv_workspace_client._queue.transport import QueueHost, call, retried, ws_path
 from cv_workspace_client.errors import (
     LeaseLostError,
@@ -56,6 +58,13 @@ __all__ = [
     "upload_result",
     "wait_for_work",
 ]
+
+
+def _channel(host: QueueHost) -> WorkerChannel | None:
+    """The worker channel open on `host`, if any: the verbs below go over it first, and over
+    HTTP when it is not open or drops before the answer (`_queue.channel`)."""
+    return host.open_channel() if isinstance(host, ChannelHost) else None
+
 
 #: The header a result upload carries its claim token in (its body is the result itself).
 CLAIM_TOKEN_HEADER = "Claim-Token"
@@ -132,6 +141,10 @@ async def wait_for_work(
 async def heartbeat(host: QueueHost, workspace_id: str, request_id: str, claim_token: str) -> float:
     """Extend the lease; return its new expiry. Raises `LeaseLostError` when the token is gone,
     `RequestCancelledError` when someone cancelled the request (stop, then `fail`)."""
+    channel = _channel(host)
+    if channel is not None:
+        with contextlib.suppress(ChannelClosedError):
+            return await channel.heartbeat(request_id, claim_token)
     path = ws_path(workspace_id, "requests", request_id, "heartbeat")
     answer = await retried(host, "POST", path, body={"claim_token": claim_token})
     return float(answer["lease_expires_at"])
@@ -282,6 +295,12 @@ async def complete_many(
     completed by their `blob_ref`). With `claim_next`, the claim commits with them and the
     answer is a `ThenClaimed`."""
     body = {"completions": [dict(c) for c in completions]}
+    channel = _channel(host)
+    if channel is not None:
+        free = 0 if claim_next is None else claim_next.limit
+        with contextlib.suppress(ChannelClosedError):
+            results, claimed = await channel.complete_many(body["completions"], free=free)
+            return results if claim_next is None else ThenClaimed(results, claimed)
     if claim_next is None:
         answer = await retried(host, "POST", "/v1/queue/complete", body=body)
     else:
@@ -347,6 +366,18 @@ async def fail(
 
     With `claim_next`: the claim commits with the failure and the answer is a `ThenClaimed`
     (its `available_at` the failure's), whose one outcome holds a refusal's `LeaseLostError`."""
+    channel = _channel(host)
+    if channel is not None:
+        free = 0 if claim_next is None else claim_next.limit
+        with contextlib.suppress(ChannelClosedError):
+            outcome, available_at, claimed = await channel.fail(
+                request_id, claim_token, error, free=free
+            )
+            if claim_next is not None:
+                return ThenClaimed([outcome], claimed, available_at)
+            if outcome.error is not None:
+                raise outcome.error
+            return str(outcome.status), available_at
     path = ws_path(workspace_id, "requests", request_id, "fail")
     body = {"claim_token": claim_token, "error": error}
     if claim_next is None:

@@ -114,6 +114,15 @@ def _worker_parser() -> argparse.ArgumentParser:
         help="SQLite file for the durable op outbox: stage writes survive a worker's restart"
         " (default: in memory)",
     )
+    add_argument(
+        parser,
+        "--transport",
+        envvar="CV_WORKER_TRANSPORT",
+        choices=["channel", "http"],
+        default="channel",
+        help="claim and report over the worker channel (falling back to HTTP when the server"
+        " has none), or over HTTP only (default channel)",
+    )
     defaults = WorkerConfig()
     parser.add_argument(
         "--heartbeat-seconds",
@@ -226,6 +235,7 @@ async def _run_worker(args: argparse.Namespace, stages: dict[str, Handler | Stag
         concurrency=args.concurrency,
         heartbeat_seconds=args.heartbeat_seconds,
         drain_seconds=args.drain_seconds,
+        transport=args.transport,
     )
     provider = _provider(args)
     try:

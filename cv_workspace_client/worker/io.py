@@ -10,6 +10,7 @@ import logging
 from typing import Any, Protocol
 
 from cv_workspace_client._queue import holder as api
+from cv_workspace_client._queue.channel import ChannelHost
 from cv_workspace_client.errors import (
     InvalidRequestError,
     LeaseLostError,
@@ -72,6 +73,8 @@ class Heartbeat:
                         self._client, row.workspace_id, row.request_id, self._claimed.claim_token
                     )
             except TimeoutError:
+                if isinstance(self._client, ChannelHost):  # the channel went silent: give it up
+                    self._client.drop_channel()
                 logger.warning(
                     "heartbeat of %s unanswered after %.1f s; sending another",
                     row.request_id,

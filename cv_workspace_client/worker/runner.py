@@ -15,7 +15,10 @@ The loop, in order of the rules it keeps:
   out is claimed by that report (`claim_next`: the report and the claim in one call, one
   commit), so a busy worker makes one round trip per request. Claimed rows start at once:
   nothing is claimed ahead of a free slot. When there is nothing, wait 100 ms doubling to 2 s,
-  woken early by the server's `/v1/queue/pending` push.
+  woken early by the server's `/v1/queue/pending` push. By default all of this goes over the
+  worker channel (`worker.feed`, docs/queue.md "The worker channel"): the worker offers its free
+  slots on one websocket and the server hands rows over as they become claimable; HTTP is the
+  fallback.
 - **Run** each under a heartbeat (every 60 s). A heartbeat answered `lease_lost` marks the
   context (`ensure_lease()` / `apply_op` raise `LeaseLostError`), cancels the handler and
   completes nothing: another worker re-drove the request (River #1302). A heartbeat answered
@@ -49,7 +52,11 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from cv_workspace_client._core.reconnect import ReconnectPolicy
+from cv_workspace_client._io.retry import reconnect_policy_for
 from cv_workspace_client._queue import holder as api
+from cv_workspace_client._queue.channel import ChannelHost
+from cv_workspace_client._queue.transport import config_of
 from cv_workspace_client.errors import (
     AuthError,
     ForbiddenError,
@@ -68,6 +75,7 @@ from cv_workspace_client.stage import (
     StageContext,
     StageRequest,
 )
+from cv_workspace_client.worker.feed import FALL_BACK, ChannelFeed
 from cv_workspace_client.worker.io import ClaimAlong, Completer, Heartbeat
 from cv_workspace_client.worker.outcome import (
     answer_payload,
@@ -82,7 +90,10 @@ from cv_workspace_client.worker.stats import WorkerStats
 if TYPE_CHECKING:
     from cv_workspace_client.client import WorkspaceClient
 
-__all__ = ["Worker", "WorkerConfig"]
+__all__ = ["TRANSPORT_ENV", "Worker", "WorkerConfig"]
+
+#: The environment variable that picks `WorkerConfig.transport` (docs/configuration.md).
+TRANSPORT_ENV = "CV_WORKER_TRANSPORT"
 
 logger = logging.getLogger("cv_workspace_client.worker")
 
@@ -108,14 +119,30 @@ class WorkerConfig:
     batch_result_max_bytes: int = 64 * 1024
     #: Monotonic clock of the TTL cache (injectable).
     clock: Callable[[], float] = field(default=time.monotonic)
+    #: How the worker claims and reports: over its worker channel (falling back to HTTP when
+    #: the server has none), or over HTTP only; None: as `CV_WORKER_TRANSPORT` says when the
+    #: worker is made (`http` forces HTTP), else the channel.
+    transport: Literal["channel", "http"] | None = None
+    #: Failed channel connects in a row after which the worker claims over HTTP instead.
+    channel_attempts: int = 3
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         if not 0 < self.idle_initial_seconds <= self.idle_max_seconds:
             raise ValueError("need 0 < idle_initial_seconds <= idle_max_seconds")
+        if self.transport not in (None, "channel", "http"):
+            raise ValueError(f"transport must be 'channel' or 'http': {self.transport!r}")
+        if self.channel_attempts < 1:
+            raise ValueError("channel_attempts must be >= 1")
         if self.heartbeat_seconds <= 0 or self.drain_seconds < 0:
             raise ValueError("heartbeat_seconds must be > 0 and drain_seconds >= 0")
+
+
+def _transport_from_env() -> Literal["channel", "http"]:
+    """The transport of a worker whose config names none: `CV_WORKER_TRANSPORT` (`http`
+    forces HTTP), else the channel."""
+    return "http" if os.environ.get(TRANSPORT_ENV) == "http" else "channel"
 
 
 Outcome = tuple[Literal["result", "error"], Any, Literal["hit", "miss"] | None, bool]
@@ -161,9 +188,13 @@ class Worker:
         self._cache: TtlCache[str] = TtlCache(self.config.cache_entries, self.config.clock)
         self._flight: SingleFlight[str] = SingleFlight()
         along = _Along(self)
-        self._completer = Completer(client, along)
+        #: Where the holder verbs go: the channel while one is open (`worker.feed`), else HTTP.
+        transport = self.config.transport or _transport_from_env()
+        self._channel_host = ChannelHost(client) if transport == "channel" else None
+        self._host: api.QueueHost = self._channel_host or client
+        self._completer = Completer(self._host, along)
         self._report = Reporter(
-            client,
+            self._host,
             self._completer,
             self.stats,
             batch_result_max_bytes=self.config.batch_result_max_bytes,
@@ -210,12 +241,40 @@ class Worker:
         token that expires while the worker runs is refreshed by the provider, unnoticed."""
         fatal: WorkspaceError | None = None
         try:
-            fatal = await self._claim_loop()
+            fatal = await self._claims()
         finally:
-            await self._drain()
+            try:
+                await self._drain()
+            finally:
+                await self._close_channel()
         if fatal is not None:
             raise fatal
         return self.stats
+
+    async def _claims(self) -> WorkspaceError | None:
+        """Claim over the channel (`worker.feed`), or over HTTP (`_claim_loop`)."""
+        if self._channel_host is not None:
+            policy = getattr(self.client, "reconnect", None)
+            if not isinstance(policy, ReconnectPolicy):
+                policy = reconnect_policy_for(config_of(self.client))
+            feed = ChannelFeed(self, self._channel_host, policy, self.config.channel_attempts)
+            fed = await feed.run()
+            if fed != FALL_BACK:
+                return fed if isinstance(fed, WorkspaceError) else None
+            await self._close_channel()
+        return await self._claim_loop()
+
+    async def _close_channel(self) -> None:
+        host = self._channel_host
+        if host is not None and host.channel is not None:
+            channel, host.channel = host.channel, None
+            await channel.close()
+
+    def _credit(self) -> int:
+        """Slots the server holds for this worker on its channel (promised, like a claim)."""
+        host = self._channel_host
+        channel = None if host is None else host.open_channel()
+        return 0 if channel is None else channel.credit
 
     async def _claim_loop(self) -> WorkspaceError | None:
         delay = self.config.idle_initial_seconds
@@ -276,9 +335,10 @@ class Worker:
         """Slots no stage holds and no claim in flight has promised: stages run at most
         `concurrency` at once, and at most `concurrency` more await their report's answer."""
         concurrency = self.config.concurrency
+        promised = self._reserved + self._credit()
         return min(
-            concurrency - self._running - self._reserved,
-            2 * concurrency - len(self._tasks) - self._reserved,
+            concurrency - self._running - promised,
+            2 * concurrency - len(self._tasks) - promised,
         )
 
     def _start(self, claims: list[api.Claim]) -> None:
@@ -455,7 +515,7 @@ class Worker:
         meter = RunMeter(request).start()
         current = asyncio.current_task()
         assert current is not None
-        beat = Heartbeat(self.client, self._heartbeat_every(row), claimed, lease, current)
+        beat = Heartbeat(self._host, self._heartbeat_every(row), claimed, lease, current)
         failure: Exception | None = None
         try:
             kind, value, cache, shared = await self._produce(stage, ctx)

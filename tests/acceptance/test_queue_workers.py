@@ -1,5 +1,7 @@
 """Acceptance (issue 5): the real server process with a shortened lease, 200 requests, four real
-`cv-worker` processes — one SIGKILLed mid-stage, one sent SIGTERM mid-stage.
+`cv-worker` processes — one SIGKILLed mid-stage, one sent SIGTERM mid-stage; and the server itself
+SIGKILLed while workers hold requests and restarted. Each runs with the workers on their worker
+channel and on the HTTP verbs (`cv-worker --transport`).
 
 Every request ends `done` exactly once and the stage's increments total exactly 200 (nothing
 written twice); the killed worker's request is re-driven after its lease; the drained worker
@@ -46,7 +48,18 @@ def _env(**extra: str) -> dict[str, str]:
 class WorkerProcess:
     """One `cv-worker` process and the trail its stages leave (see `queue_stages`)."""
 
-    def __init__(self, name: str, url: str, token: str, tmp: Path, stage_sleep: float) -> None:
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        token: str,
+        tmp: Path,
+        stage_sleep: float,
+        transport: str = "channel",
+        concurrency: int = 1,
+    ) -> None:
+        self.transport = transport
+        self.concurrency = concurrency
         self.name = name
         self.url = url
         self.token = token
@@ -64,6 +77,8 @@ class WorkerProcess:
                 "--worker-id", self.name,
                 "--heartbeat-seconds", str(LEASE_S / 4),
                 "--drain-seconds", "20",
+                "--transport", self.transport,
+                "--concurrency", str(self.concurrency),
                 "--log-level", "WARNING",
                 stdout=asyncio.subprocess.PIPE,
                 stderr=log,
@@ -116,8 +131,9 @@ async def _cli(url: str, token: str, *args: str) -> tuple[int, Any]:
     return proc.returncode, json.loads(out or err)
 
 
+@pytest.mark.parametrize("transport", ["channel", "http"])
 async def test_four_workers_one_killed_one_drained_finish_every_request_exactly_once(
-    tmp_path: Path,
+    tmp_path: Path, transport: str
 ) -> None:
     db = tmp_path / "cv.db"
     token = await asyncio.to_thread(mint_cli_token, db, WS)
@@ -130,10 +146,10 @@ async def test_four_workers_one_killed_one_drained_finish_every_request_exactly_
     )
     await asyncio.to_thread(server.start)
     workers = [
-        WorkerProcess("victim", server.url, token, tmp_path, stage_sleep=0.5),
-        WorkerProcess("drained", server.url, token, tmp_path, stage_sleep=1.0),
-        WorkerProcess("steady-1", server.url, token, tmp_path, stage_sleep=0.01),
-        WorkerProcess("steady-2", server.url, token, tmp_path, stage_sleep=0.01),
+        WorkerProcess("victim", server.url, token, tmp_path, 0.5, transport),
+        WorkerProcess("drained", server.url, token, tmp_path, 1.0, transport),
+        WorkerProcess("steady-1", server.url, token, tmp_path, 0.01, transport),
+        WorkerProcess("steady-2", server.url, token, tmp_path, 0.01, transport),
     ]
     victim, drained, *steady = workers
     try:
@@ -243,3 +259,70 @@ async def test_four_workers_one_killed_one_drained_finish_every_request_exactly_
     assert code == 0
     assert later["status"] == "done"
     assert later["result"] == {"slept": 1.0}
+
+
+@pytest.mark.parametrize("transport", ["channel", "http"])
+async def test_workers_ride_out_a_server_sigkilled_mid_channel_and_run_every_request_once(
+    tmp_path: Path, transport: str
+) -> None:
+    """The server is SIGKILLed while two workers (4 slots each) hold requests and reports are on
+    their way, then restarted on the same file and port: the workers reconnect (or claim over
+    HTTP), every request ends done with its own result, and the counter shows each stage's
+    write landed once (a request re-driven after its lease writes under the same op_id)."""
+    db = tmp_path / "cv.db"
+    token = await asyncio.to_thread(mint_cli_token, db, WS)
+    port = free_port()
+    durations = {"lease_seconds": LEASE_S, "failure_backoff_seconds": BACKOFF_S}
+    server = ShortServer(db, port, tmp_path / "server.log", **durations)
+    await asyncio.to_thread(server.start)
+    requests = 120
+    workers = [
+        WorkerProcess(f"w{k}", server.url, token, tmp_path, 0.05, transport, concurrency=4)
+        for k in range(2)
+    ]
+    try:
+        async with QueueClient(server.url, token) as qc:
+            async with WorkspaceClient(server.url, token=token) as client:
+                await client.apply_op(
+                    WS, COUNTER_DOC, NodeInsert(node_id=COUNTER_NODE, parent_id="root")
+                )
+            work = await asyncio.gather(
+                *(
+                    qc.enqueue(WS, stage="acc_work", job_id=f"job-{i}", input=i)
+                    for i in range(requests)
+                )
+            )
+            async with asyncio.timeout(SCENARIO_S):
+                await asyncio.gather(*(w.start() for w in workers))
+                while sum(e[0] == "end" for w in workers for e in w.events()) < requests // 4:  # noqa: ASYNC110  (a file)
+                    await asyncio.sleep(0.01)
+                assert server.proc is not None
+                server.proc.kill()  # mid-channel: rows held, reports and claims on their way
+                await asyncio.to_thread(server.proc.wait)
+                await asyncio.to_thread(server.stop)
+                server = ShortServer(db, port, tmp_path / "server.log", **durations)
+                await asyncio.to_thread(server.start)
+                outcomes = await asyncio.gather(
+                    *(qc.wait_request(WS, w.request_id, timeout=SCENARIO_S) for w in work)
+                )
+        async with WorkspaceClient(server.url, token=token) as client:
+            _, state = await client.get_state(WS, COUNTER_DOC)
+        for worker in workers:
+            worker.signal(signal.SIGTERM)
+        assert [await w.wait() for w in workers] == [0, 0]
+    finally:
+        for worker in workers:
+            await worker.ensure_stopped()
+        await asyncio.to_thread(server.stop)
+    assert [o.status for o in outcomes] == ["done"] * requests
+    assert [o.result["n"] for o in outcomes] == list(range(requests))
+    assert state.nodes[COUNTER_NODE].fields["n"] == requests  # each write landed once
+    ends: dict[str, int] = {}
+    for worker in workers:
+        for event in worker.events():
+            if event[0] == "end":
+                ends[event[1]] = ends.get(event[1], 0) + 1
+    for outcome in outcomes:
+        assert outcome.request is not None
+        # Once, or once more per lease re-drive (the server's death lapsed the leases it held).
+        assert 1 <= ends.get(outcome.request_id, 0) <= outcome.request.dequeue_count

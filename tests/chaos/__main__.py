@@ -33,6 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--workdir", type=Path, default=None, help="where logs go (kept)")
     parser.add_argument("--writer-rate", type=float, default=12.0, help="ops/s per writer")
+    parser.add_argument(
+        "--worker-transport",
+        choices=["channel", "http"],
+        default="channel",
+        help="how the workers claim and report: their worker channel, or the HTTP verbs",
+    )
     args = parser.parse_args(argv)
     if args.seconds <= 0:
         parser.error("--seconds must be > 0")
@@ -45,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         workdir=workdir,
         writer_rate=args.writer_rate,
+        worker_transport=args.worker_transport,
     )
     result = asyncio.run(_run(spec, args.database_url))
     for line in result.history.fault_log:

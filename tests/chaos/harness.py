@@ -130,6 +130,8 @@ class ChaosSpec:
     #: Per server answer on the workers' and the enqueuer's links.
     worker_cut_p: float = 0.01
     provider_delay: float = 0.1
+    #: How the workers claim and report: over their worker channel, or the HTTP verbs.
+    worker_transport: str = "channel"
 
     @property
     def instances(self) -> int:
@@ -161,6 +163,7 @@ def figure_line(result: ChaosResult) -> str:
     clocks_bad = any("clocks are not" in v for v in violations)
     return (
         f"chaos {spec.backend} seed={spec.seed} seconds={spec.seconds:g}"
+        f" workers={spec.worker_transport}"
         f" instances={spec.instances}: faults {faults};"
         f" {f['kills']} kills, {f['cut_connections']} cut connections;"
         f" ops intended={f['intended']} acknowledged={f['acknowledged']}"
@@ -489,6 +492,8 @@ async def _drive(run: _Run) -> History:
                 *command[3:],
                 "--outbox",
                 str(outbox),
+                "--transport",
+                spec.worker_transport,
             ]  # without `-m cv_workspace_client.cli worker`
             run.workers.append(_Worker(w, args, work / f"worker{w}.log", outbox))
         for worker in run.workers:

@@ -38,13 +38,27 @@ def _judge(result: ChaosResult) -> None:
     assert figures["done"] > 0
 
 
-async def test_chaos_soak_on_sqlite(tmp_path: Path) -> None:
-    spec = ChaosSpec(backend="sqlite", seconds=SECONDS, seed=SEEDS["sqlite"], workdir=tmp_path)
+#: The workers' transports: their worker channel (the default), and the HTTP verbs.
+TRANSPORTS: Final = ["channel", "http"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_chaos_soak_on_sqlite(tmp_path: Path, transport: str) -> None:
+    spec = ChaosSpec(
+        backend="sqlite",
+        seconds=SECONDS,
+        seed=SEEDS["sqlite"],
+        workdir=tmp_path,
+        worker_transport=transport,
+    )
     _judge(await run_chaos(spec))
 
 
 @pytest.mark.postgres
-async def test_chaos_soak_on_three_postgres_instances(tmp_path: Path, postgres_url: str) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_chaos_soak_on_three_postgres_instances(
+    tmp_path: Path, postgres_url: str, transport: str
+) -> None:
     async with fresh_schema(postgres_url) as schema:
         spec = ChaosSpec(
             backend="postgres",
@@ -52,5 +66,6 @@ async def test_chaos_soak_on_three_postgres_instances(tmp_path: Path, postgres_u
             seed=SEEDS["postgres"],
             workdir=tmp_path,
             database_url=_with_schema(postgres_url, schema),
+            worker_transport=transport,
         )
         _judge(await run_chaos(spec))

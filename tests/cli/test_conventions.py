@@ -94,6 +94,7 @@ ENVIRONMENT = {
 ENVIRONMENT_OF = {
     ("cv-workspace mcp", "--host"): "CV_MCP_HOST",
     ("cv-workspace mcp", "--port"): "CV_MCP_PORT",
+    ("cv-worker", "--transport"): "CV_WORKER_TRANSPORT",  # the worker's, not the MCP server's
 }
 
 #: Flags of those names that mean something else where they are, and read no variable: the

@@ -12,6 +12,7 @@ from aiohttp.test_utils import TestClient
 
 from cv_server import ServerConfig, create_app
 from cv_server.hub import CLOSE_TOO_SLOW
+from cv_server.metrics import Metrics
 from tests.observe.scrape import Samples
 from tests.observe.scrape import scrape as scrape_metrics
 from tests.server.conftest import ClientFactory, auth
@@ -80,3 +81,18 @@ async def test_a_subscriber_cut_off_as_too_slow_is_counted(
     assert stalled.close_code == CLOSE_TOO_SLOW
     # Counted when the server cut it off, before the close frame left.
     assert (await scrape(client))["cv_ws_closed_too_slow_total"] == 1
+
+
+def test_requests_are_counted_by_route_and_status_each_time() -> None:
+    metrics = Metrics()
+    for route, status in [("/a", 200), ("/a", 200), ("/a", 404), ("/b", 200)]:
+        metrics.record_request(route, status, 0.001)
+
+    def value(name: str, labels: dict[str, str]) -> float | None:
+        return metrics.registry.get_sample_value(name, labels)
+
+    assert value("cv_http_requests_total", {"route": "/a", "status": "200"}) == 2
+    assert value("cv_http_requests_total", {"route": "/a", "status": "404"}) == 1
+    assert value("cv_http_requests_total", {"route": "/b", "status": "200"}) == 1
+    assert value("cv_http_request_seconds_count", {"route": "/a"}) == 3
+    assert value("cv_http_request_seconds_count", {"route": "/b"}) == 1

@@ -245,3 +245,58 @@ async def test_a_socket_handshake_over_budget_is_refused_429(
     assert refused.value.status == 429
     assert refused.value.headers is not None
     assert refused.value.headers["Retry-After"] == "1"
+
+
+async def _channel_frames(ws: aiohttp.ClientWebSocketResponse, count: int) -> list[Any]:
+    """The next `count` frames of a worker channel (which may batch them in a JSON array)."""
+    frames: list[Any] = []
+    while len(frames) < count:
+        body = (await ws.receive(timeout=10)).json()
+        frames.extend(body if isinstance(body, list) else [body])
+    return frames
+
+
+async def test_a_channel_report_over_budget_gets_a_rate_limited_error_and_changes_nothing(
+    aiohttp_client: ClientFactory, make_config: Any
+) -> None:
+    """A worker channel's frames pay the classes of the HTTP verbs they stand for: a heartbeat
+    `queue`, an offer of slots `claim` (a refused offer names its `slots`: none were offered)."""
+    client = await _limited(
+        aiohttp_client,
+        make_config,
+        rate_limit_queue_per_second=1.0,
+        rate_limit_claim_per_second=1.0,
+    )
+    r = await client.post(f"/v1/workspaces/{WS}/requests", json={"stage": "s"}, headers=auth(WS))
+    rid = (await r.json())["request_id"]
+    ws = await client.ws_connect("/v1/queue/channel", headers=auth(WS))
+    try:
+        await ws.send_json({"type": "hello", "worker_classes": ["s"], "slots": 1})
+        frames = await _channel_frames(ws, 2)
+        assert [f["type"] for f in frames] == ["welcome", "claimed"]
+        token = frames[1]["requests"][0]["claim_token"]
+        beat = {"type": "heartbeat", "request_id": rid, "claim_token": token}
+        await ws.send_json({**beat, "id": 1})
+        await ws.send_json({**beat, "id": 2})
+        await ws.send_json({"type": "free", "slots": 1})
+        await ws.send_json({"type": "free", "slots": 3})
+        answers = await _channel_frames(ws, 3)
+    finally:
+        await ws.close()
+    assert answers[0]["type"] == "answer"
+    assert "lease_expires_at" in answers[0]
+    refused, offer = answers[1], answers[2]
+    assert (refused["code"], refused["id"], refused["route_class"]) == ("rate_limited", 2, "queue")
+    assert refused["retry_after"] == pytest.approx(1.0)
+    assert (offer["code"], offer["slots"], offer["route_class"]) == ("rate_limited", 3, "claim")
+
+
+async def test_a_channel_handshake_over_budget_is_refused_429(
+    aiohttp_client: ClientFactory, make_config: Any
+) -> None:
+    client = await _limited(aiohttp_client, make_config, rate_limit_socket_per_second=1.0)
+    first = await client.ws_connect("/v1/queue/channel", headers=auth(WS))
+    await first.close()
+    with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+        await client.ws_connect("/v1/queue/channel", headers=auth(WS))
+    assert refused.value.status == 429

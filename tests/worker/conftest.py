@@ -35,6 +35,15 @@ def fast_client_config() -> ClientConfig:
     return ClientConfig(retry_base_seconds=0.005, retry_cap_seconds=0.05)
 
 
+@pytest.fixture(autouse=True, params=["channel", "http"])
+def worker_transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every worker test runs over both transports: the worker channel and the HTTP verbs
+    (`WorkerConfig.transport` follows `CV_WORKER_TRANSPORT`)."""
+    transport = str(request.param)
+    monkeypatch.setenv("CV_WORKER_TRANSPORT", transport)
+    return transport
+
+
 @pytest.fixture
 def make_server(aiohttp_server: ServerFactory, tmp_path: Path) -> MakeServer:
     """A real server on loopback; keyword arguments override `ServerConfig` fields."""

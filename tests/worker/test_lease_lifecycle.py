@@ -417,7 +417,10 @@ async def test_a_drain_whose_last_completion_hangs_ends_at_its_deadline_unacknow
             worker = Worker(
                 client,
                 {"quick": quick},
-                config=WorkerConfig(idle_initial_seconds=0.01, drain_seconds=drain),
+                # The stall is on the HTTP route of completions.
+                config=WorkerConfig(
+                    idle_initial_seconds=0.01, drain_seconds=drain, transport="http"
+                ),
             )
             run = asyncio.create_task(worker.run())
             answer = await api.enqueue(client, WS, {"stage": "quick", "job_id": "J1"})

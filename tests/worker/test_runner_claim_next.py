@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ async def _all_done(client: WorkspaceClient, ids: list[str]) -> list[api.Request
 
 
 async def test_a_busy_worker_at_concurrency_1_makes_one_call_per_request(
-    client: WorkspaceClient,
+    client: WorkspaceClient, worker_transport: str
 ) -> None:
     ids = await _enqueue(client, 30)
     ran: list[Any] = []
@@ -71,9 +72,19 @@ async def test_a_busy_worker_at_concurrency_1_makes_one_call_per_request(
     assert sorted(ran) == list(range(30))
     reports = sum(_calls(after, r) - _calls(before, r) for r in (BATCH, COMPLETE, FAIL))
     claims = _calls(after, CLAIM, "200") - _calls(before, CLAIM, "200")
-    # One claim to start, then each report carries the next claim (the claims answered 204
-    # once the queue is empty are the idle worker's).
-    assert (claims, reports) == (1, 30)
+    if worker_transport == "channel":
+        # No HTTP call at all: one frame per request, each completion carrying the slot it
+        # frees (the server claims for it in the completion's commit).
+        assert (claims, reports) == (0, 0)
+        frames = after.total("cv_channel_frames_total", direction="in", type="complete")
+        frames -= before.total("cv_channel_frames_total", direction="in", type="complete")
+        assert frames == 30
+        handed = after["cv_channel_claimed_total"] - before["cv_channel_claimed_total"]
+        assert handed == 30
+    else:
+        # One claim to start, then each report carries the next claim (the claims answered 204
+        # once the queue is empty are the idle worker's).
+        assert (claims, reports) == (1, 30)
     claimed = after["cv_queue_claimed_total"] - before["cv_queue_claimed_total"]
     assert claimed == 30  # the claims that rode on reports are counted like the route's
 
@@ -158,7 +169,8 @@ async def test_a_row_claimed_by_a_report_as_the_worker_stops_runs_within_the_dra
                     await asyncio.sleep(0.01)
             return len(ran)
 
-        worker = Worker(client, {"job": job}, config=FAST)
+        # The stop comes from a middleware on the HTTP report routes.
+        worker = Worker(client, {"job": job}, config=replace(FAST, transport="http"))
         worker_box.append(worker)
         stats = await asyncio.wait_for(worker.run(), 30)
         assert server.app is not None

@@ -225,7 +225,8 @@ async def test_stop_during_a_stalled_claim_returns_within_the_drain_deadline(
         worker = Worker(
             client,
             {"echo": _echo},
-            config=WorkerConfig(idle_initial_seconds=0.01, drain_seconds=drain),
+            # The stall is on the HTTP claim route.
+            config=WorkerConfig(idle_initial_seconds=0.01, drain_seconds=drain, transport="http"),
         )
         run = asyncio.create_task(worker.run())
         try:
@@ -251,7 +252,8 @@ async def test_a_claim_answered_just_after_stop_still_runs_what_it_claimed(
     server, entered, release = await _stalling_claims(aiohttp_server, tmp_path)
     async with open_client(server) as client:
         answer = await api.enqueue(client, WS, {"stage": "echo", "job_id": "J1", "input": 7})
-        worker = Worker(client, {"echo": _echo}, config=WorkerConfig(idle_initial_seconds=0.01))
+        http = WorkerConfig(idle_initial_seconds=0.01, transport="http")  # the HTTP claim's stall
+        worker = Worker(client, {"echo": _echo}, config=http)
         run = asyncio.create_task(worker.run())
         try:
             await asyncio.wait_for(entered.wait(), BOUND)

@@ -62,6 +62,7 @@ EXPECTED_SCOPES: dict[tuple[str, str], frozenset[str]] = {
         [
             ("POST", "/v1/queue/claim"),
             ("GET", "/v1/queue/pending"),
+            ("GET", "/v1/queue/channel"),  # the worker channel (a websocket)
             ("POST", "/v1/queue/complete"),
             *[
                 ("POST", f"{_W}/requests/{{id}}/{verb}")
