@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
+import secrets
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final
 
@@ -33,6 +36,7 @@ from cv_server.keys import (
     REVOCATIONS,
     REVOKED_TOKENS,
     ROUTE_SCOPE_TABLE,
+    SCHEDULER,
     STATE,
     STORES,
     TOKEN_SECRET,
@@ -45,7 +49,9 @@ from cv_server.ratelimit import RateLimits
 from cv_server.reaper import reap_forever
 from cv_server.revocation_follow import RevocationFollower
 from cv_server.revocations import RevokedTokens
+from cv_server.schedules.firing import Fired, Scheduler
 from cv_server.secret import TokenSecret
+from cv_server.stores import Stores
 from cv_server.waiters import Waiters, WorkSignals
 
 __all__ = ["create_app"]
@@ -163,6 +169,9 @@ async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
         "Clients waiting on a request's outcome (streams, this process).",
         lambda: waiters.count,
     )
+    scheduler = _scheduler(stores, config, metrics)
+    scheduler.start()
+    app[SCHEDULER] = scheduler
     reaper = asyncio.create_task(reap_forever(stores, config, metrics))
     compactor = asyncio.create_task(compact_forever(stores, config, metrics))
     app[STATE].ready = True
@@ -174,12 +183,44 @@ async def _stores_ctx(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    await scheduler.close()
     await revocations.close()
     await waiters.close()
     signals.close()
     # In-flight commits finished before cleanup (the runner waited for handlers); now flush.
     await stores.close()
     log.info("stores closed", extra={"step": "stores_closed"})
+
+
+def _scheduler(stores: Stores, config: ServerConfig, metrics: Metrics) -> Scheduler:
+    """The loop that fires schedules (docs/queue.md, "Schedules"). An embedded server is the
+    only process serving its file, so it is the scheduler at once, under one fixed owner; an
+    instance on a shared database competes for the lease under an owner of its own."""
+    sole = stores.follow_commits is None
+
+    def on_fired(fired: Fired, now: float) -> None:
+        for slot, enqueued in zip(fired.slots, fired.enqueued, strict=True):
+            if not enqueued.coalesced:
+                metrics.schedule_firings.inc()
+                metrics.schedule_lateness.observe(max(0.0, now - slot))
+        if fired.advanced:
+            metrics.schedule_skips.labels("overlap").inc(fired.overlap_skipped)
+            metrics.schedule_skips.labels("missed").inc(fired.missed_skipped)
+
+    return Scheduler(
+        stores.schedules,
+        stores.queue,
+        owner="embedded"
+        if sole
+        else f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}",
+        lease_seconds=config.scheduler_lease_seconds,
+        heartbeat_seconds=config.scheduler_heartbeat_seconds,
+        recheck_seconds=config.sweep_seconds,
+        catch_up_limit=config.schedule_catch_up_limit,
+        max_dequeues=config.max_dequeues,
+        on_fired=on_fired,
+        sole_instance=sole,
+    )
 
 
 async def _on_shutdown(app: web.Application) -> None:

@@ -124,6 +124,20 @@ class ServerConfig:
     max_result_bytes: int = 32 * 1024 * 1024
     idempotency_retention_seconds: float = 24 * 3600.0
 
+    # -- schedules (docs/configuration.md, docs/queue.md "Schedules") --
+    #: The instance holding the scheduler lease renews it this often; the others try for it
+    #: when it would lapse. Together: with N instances one fires, and a dead holder is replaced
+    #: within one lease of its last renewal.
+    scheduler_heartbeat_seconds: float = 60.0
+    #: How long the scheduler lease lasts unrenewed: at least 3x the heartbeat, so a renewal
+    #: delayed by a slow database or a paused process does not hand the lease over. Five
+    #: minutes: a holder that stopped renewing is replaced after at most that long.
+    scheduler_lease_seconds: float = 300.0
+    #: The most due times one firing of a schedule with missed-run policy `all` enqueues (the
+    #: latest ones kept): the most one batch enqueue may carry (docs/limits.md), so a schedule
+    #: due every second, caught up after an hour down, adds one batch, not 3,600 requests.
+    schedule_catch_up_limit: int = 1000
+
     # -- compute lock (docs/configuration.md, docs/stages.md) --
     compute_lock_ttl_seconds: float = 60.0
 
@@ -166,6 +180,10 @@ class ServerConfig:
         if retention and math.isfinite(retention) and self.minted_at_skew_seconds >= retention:
             raise ValueError(
                 "minted_at_skew_seconds must be below oplog_retention_seconds (or retention 0)"
+            )
+        if self.scheduler_lease_seconds < 3 * self.scheduler_heartbeat_seconds:
+            raise ValueError(
+                "scheduler_lease_seconds must be at least 3x scheduler_heartbeat_seconds"
             )
         for setting in fields(self):
             value = getattr(self, setting.name)

@@ -17,12 +17,16 @@ nothing, so every module can use the root without an import cycle. The tree:
     │   ├── RequestCancelled
     │   ├── NotCancellable
     │   └── NotDiscardable
+    ├── ScheduleError                cv_server.schedules.store: a schedule verb's refusal
+    │   ├── ScheduleExists
+    │   └── ScheduleNotFound
     ├── DatabaseUnusable             cv_server.stores: this process cannot serve the database
     │   ├── MigrationError           (also a PostgresBackendError)
     │   ├── PostgresRefused          (also a PostgresBackendError)
     │   ├── SchemaMissing            (also a PostgresBackendError)
     │   └── NotSetUp                 (also a PostgresBackendError)
     ├── StorageUnavailable           cv_server.storage_faults: a write the storage refused
+    ├── ChannelRefusal               cv_server.channel: a worker-channel frame refused whole
     └── PostgresBackendError         cv_server.pg.errors: the PostgreSQL backend's own
         └── NotifyPayloadTooLarge
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from cv_server.ratelimit import RateLimits
     from cv_server.revocation_follow import RevocationFollower
     from cv_server.revocations import RevokedTokens
+    from cv_server.schedules.firing import Scheduler
     from cv_server.secret import TokenSecret
     from cv_server.stores import Stores
     from cv_server.waiters import Waiters, WorkSignals
@@ -28,6 +29,7 @@ __all__ = [
     "REVOCATIONS",
     "REVOKED_TOKENS",
     "ROUTE_SCOPE_TABLE",
+    "SCHEDULER",
     "STATE",
     "STORES",
     "TOKEN_SECRET",
@@ -56,6 +58,7 @@ TOKEN_SECRET: web.AppKey[TokenSecret] = web.AppKey("token_secret")
 STATE = web.AppKey("state", ServerState)
 WAITERS: web.AppKey[Waiters] = web.AppKey("waiters")
 WORK_SIGNALS: web.AppKey[WorkSignals] = web.AppKey("work_signals")
+SCHEDULER: web.AppKey[Scheduler] = web.AppKey("scheduler")
 CONNECTIONS: web.AppKey[set[Connection]] = web.AppKey("connections")
 #: The token ids this server refuses (`cv_server.revocations.RevokedTokens`), kept current by
 #: `REVOCATIONS` (`cv_server.revocation_follow.RevocationFollower`).

@@ -206,6 +206,21 @@ class Metrics:
             labelnames=("stage",),
             buckets=_SLOW_SECONDS,
         )
+        # -- schedules (`cv_server.schedules.firing`)
+        self.schedule_firings = counter(
+            "cv_schedule_firings_total",
+            "Requests schedules enqueued (a due time another instance had fired not counted).",
+        )
+        self.schedule_skips = counter(
+            "cv_schedule_skips_total",
+            "Due times a schedule enqueued nothing for, by reason (overlap, missed).",
+            labelnames=("reason",),
+        )
+        self.schedule_lateness = histogram(
+            "cv_schedule_lateness_seconds",
+            "From a schedule's due time to the enqueue of its request.",
+            buckets=_SLOW_SECONDS,
+        )
         # -- compute locks
         self.lock_acquired = counter("cv_lock_acquired_total", "Compute locks acquired.")
         self.lock_contended = counter(

@@ -17,6 +17,7 @@ from cv_server.locks.store import ComputeLockStore
 from cv_server.oplog import OpLogStore
 from cv_server.queue import BlobStore, IdempotencyStore, QueueStore
 from cv_server.revocations import RevocationStore
+from cv_server.schedules.store import ScheduleStore
 from cv_server.storage_faults import StorageFaults, StorageUnavailable
 
 __all__ = [
@@ -95,6 +96,7 @@ class Stores:
     blobs: BlobStore
     locks: ComputeLockStore
     revocations: RevocationStore
+    schedules: ScheduleStore
     secret: bytes
     follow_commits: FollowCommits | None = None
     follow_secret: FollowSecret | None = None

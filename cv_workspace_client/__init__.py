@@ -60,6 +60,7 @@ from cv_workspace_client.queue_models import (
     QueuedRequest,
     RequestOutcome,
 )
+from cv_workspace_client.schedule_models import Schedule
 from cv_workspace_client.stream import Subscription
 
 if TYPE_CHECKING:
@@ -121,6 +122,7 @@ __all__ += [
     "QueueClient",
     "QueuedRequest",
     "RequestOutcome",
+    "Schedule",
     "compute_once",
 ]
 # writing a stage (loaded on first use)

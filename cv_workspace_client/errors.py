@@ -346,6 +346,9 @@ _FINAL_BY_CODE: dict[str, type[WorkspaceError]] = {
     "forbidden_sub_doc": ForbiddenError,
     "token_revoked": AuthError,
     "not_found": NotFoundError,
+    "schedule_not_found": NotFoundError,
+    # A schedule added under a wider grant (docs/queue.md, "Schedules").
+    "grant_exceeded": ForbiddenError,
 }
 
 

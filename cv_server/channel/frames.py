@@ -18,6 +18,7 @@ from typing import Any, Final
 import orjson
 
 from cv_server.channel.slots import SLOTS_MAX
+from cv_server.errors import CvServerError
 from cv_server.queue.model import Completion
 
 __all__ = [
@@ -42,7 +43,7 @@ COMPLETIONS_MAX: Final = 1000
 _EXPECTED: Final = ", ".join(f'"{kind}"' for kind in FRAME_TYPES)
 
 
-class ChannelRefusal(Exception):
+class ChannelRefusal(CvServerError):
     """A frame refused whole: answered with an `error` frame carrying `code` (and `id`)."""
 
     def __init__(self, code: str, message: str, frame_id: Any = None, **extra: Any) -> None:

@@ -166,6 +166,8 @@
     finished: new Map(), // request_id -> row that left the live listings while we watched
     locks: [],
     locksFetchedAt: 0,
+    schedules: [],
+    schedulesFetchedAt: 0,
     charts: {
       commitRate: { series: new Map() },
       queueWait: { series: new Map() },
@@ -186,6 +188,8 @@
       "ops-not-allowed": can("read") ? "" : "this token cannot read live ops (scope read)",
       "queue-not-allowed": can("operate") ? "" : "this token cannot operate the queue (scope operate)",
       "locks-not-allowed": can("operate") ? "" : "this token cannot list compute locks (scope operate)",
+      "schedules-not-allowed":
+        can("enqueue") || can("operate") ? "" : "this token cannot list schedules (scope enqueue or operate)",
     };
     for (const [id, text] of Object.entries(notes)) {
       $(id).textContent = text;
@@ -601,6 +605,43 @@
     $("locks").tBodies[0].replaceChildren(...rows);
   }
 
+  // -- schedules (docs/queue.md, "Schedules") ---------------------------------------------------
+
+  async function refreshSchedules() {
+    const page = await api(`${wsPath()}/schedules?limit=${PAGE}`);
+    state.schedules = page.schedules;
+    state.schedulesFetchedAt = Date.now() / 1000;
+    $("schedules-count").textContent = page.next_after ? `${PAGE}+` : String(page.schedules.length);
+    renderSchedules();
+  }
+
+  /** When a schedule fires next, from the page's clock: "in 42s", "due", or "paused". */
+  function nextFiringText(schedule) {
+    if (schedule.paused || schedule.next_fire_at === null) return "paused";
+    const left = schedule.next_fire_at - Date.now() / 1000;
+    return left > 0 ? `in ${formatAge(left)}` : "due";
+  }
+
+  function renderSchedules() {
+    const rows = state.schedules.map((schedule) => {
+      const tr = document.createElement("tr");
+      tr.dataset.schedule = schedule.name;
+      const when = schedule.cron !== null ? schedule.cron : `every ${schedule.interval_seconds}s`;
+      const last =
+        schedule.last_fired_at === null ? "never" : `${formatAge(Date.now() / 1000 - schedule.last_fired_at)} ago`;
+      cells(tr, [
+        schedule.name,
+        when,
+        nextFiringText(schedule),
+        last,
+        schedule.last_request_id || "",
+        String(schedule.skipped),
+      ]);
+      return tr;
+    });
+    $("schedules").tBodies[0].replaceChildren(...rows);
+  }
+
   // -- charts (hand-drawn SVG) ------------------------------------------------------------------
 
   async function refreshMetrics() {
@@ -746,6 +787,7 @@
       await Promise.all([
         can("operate") ? refreshQueue() : null,
         can("operate") ? refreshLocks() : null,
+        can("enqueue") || can("operate") ? refreshSchedules() : null,
         refreshMetrics(),
       ]);
       drawCharts();
@@ -796,6 +838,8 @@
     $("docs").tBodies[0].replaceChildren();
     state.locks = [];
     renderLocks();
+    state.schedules = [];
+    renderSchedules();
     setStatus("connecting", "connecting");
     const generation = state.generation;
     if (can("read")) openSocket(generation);

@@ -17,6 +17,7 @@ from cv_server.http.problems import Problem
 
 __all__ = [
     "BATCH_ITEMS_MAX",
+    "SCHEDULE_NAME_PATTERN",
     "AppliedOp",
     "ApplyBody",
     "ApplyEnqueueAnswer",
@@ -65,6 +66,9 @@ __all__ = [
     "RejectedOp",
     "RequestGrant",
     "RequestList",
+    "ScheduleAnswer",
+    "ScheduleBody",
+    "ScheduleList",
     "StateOut",
     "SubDocHeadOut",
     "TokenRevoked",
@@ -559,3 +563,53 @@ class TokenRevoked(_Answer):
     expires_at: int | None = Field(
         description="When the entry goes (the token expires anyway); null: never"
     )
+
+
+#: A schedule's name: it is a path segment (`/schedules/{name}`).
+SCHEDULE_NAME_PATTERN: Final = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class ScheduleBody(_Closed):
+    """A schedule to add: exactly one of `cron` (five UTC fields) and `interval_seconds`."""
+
+    name: Annotated[
+        str, Field(pattern=SCHEDULE_NAME_PATTERN, description="Unique in the workspace")
+    ]
+    cron: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
+        default=None, description="Five fields, minute hour day month weekday, in UTC"
+    )
+    interval_seconds: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
+    enqueue: EnqueueBody = Field(description="What each firing enqueues (as the enqueue route)")
+    missed: Literal["skip", "one", "all"] = Field(
+        default="one", description="Due times missed while no scheduler ran: none, the latest, all"
+    )
+    overlap: Literal["skip", "queue"] = Field(
+        default="skip", description="While the last firing's request is live: skip, or queue"
+    )
+    paused: bool = False
+
+
+class ScheduleAnswer(_Answer):
+    schedule_id: str
+    workspace_id: str
+    name: str
+    cron: str | None
+    interval_seconds: int | None
+    enqueue: dict[str, JsonValue]
+    missed: Literal["skip", "one", "all"]
+    overlap: Literal["skip", "queue"]
+    paused: bool
+    enqueue_grant: RequestGrant | None = Field(
+        description="The grant of the token that added it (null: every scope and sub-doc);"
+        " each firing's request runs under it"
+    )
+    created_at: float
+    next_fire_at: float | None = Field(description="The next due time (null while paused)")
+    last_fired_at: float | None = Field(description="The due time of the latest firing")
+    last_request_id: str | None = Field(description="The request the latest firing enqueued")
+    skipped: int = Field(description="Due times it enqueued nothing for (overlap, missed runs)")
+
+
+class ScheduleList(_Answer):
+    schedules: list[ScheduleAnswer]
+    next_after: str | None

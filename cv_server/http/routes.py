@@ -18,6 +18,7 @@ from cv_server.http import (
     queue_operators,
     results,
     revocations,
+    schedules,
     socket,
     stage_writes,
     worker_channel,
@@ -45,6 +46,7 @@ ROUTE_TABLES: Final[tuple[web.RouteTableDef, ...]] = (
     dashboard.routes,
     revocations.routes,
     worker_channel.routes,
+    schedules.routes,
 )
 
 #: A route anyone may call, without a token.
@@ -74,6 +76,15 @@ ROUTE_SCOPES: Final[Mapping[tuple[str, str], frozenset[str]]] = {
     ("GET", f"{_WS}/requests/{{id}}/stream"): frozenset({"enqueue", "operate"}),
     ("POST", f"{_WS}/requests/{{id}}/cancel"): frozenset({"enqueue", "operate"}),
     ("GET", f"{_WS}/blobs/{{ref}}"): frozenset({"enqueue", "operate"}),
+    # Schedules: enqueuers add and fire them (under their own grant); operators may also
+    # read, pause, resume and delete them.
+    ("POST", f"{_WS}/schedules"): frozenset({"enqueue"}),
+    ("GET", f"{_WS}/schedules"): frozenset({"enqueue", "operate"}),
+    ("GET", f"{_WS}/schedules/{{name}}"): frozenset({"enqueue", "operate"}),
+    ("DELETE", f"{_WS}/schedules/{{name}}"): frozenset({"enqueue", "operate"}),
+    ("POST", f"{_WS}/schedules/{{name}}/pause"): frozenset({"enqueue", "operate"}),
+    ("POST", f"{_WS}/schedules/{{name}}/resume"): frozenset({"enqueue", "operate"}),
+    ("POST", f"{_WS}/schedules/{{name}}/run"): frozenset({"enqueue"}),
     # Workers.
     ("POST", "/v1/queue/claim"): frozenset({"work"}),
     ("GET", "/v1/queue/pending"): frozenset({"work"}),

@@ -41,6 +41,7 @@ from cv_server.pg.oplog import OPLOG_CHANNEL, PostgresOpLogStore, parse_oplog_pa
 from cv_server.pg.pool import PostgresSettings, close_pool, create_pool
 from cv_server.pg.queue import QUEUE_CHANNEL, PostgresQueueStore
 from cv_server.pg.revocations import REVOCATIONS_CHANNEL, PostgresRevocationStore, revoke_token
+from cv_server.pg.schedules import PostgresScheduleStore
 from cv_server.storage_faults import StorageFaults, StorageUnavailable
 from cv_server.stores import DatabaseUnusable, Stores, translating
 
@@ -352,6 +353,7 @@ async def open_postgres_stores(config: ServerConfig) -> Stores:
         blobs=blobs,
         locks=locks,
         revocations=revocations,
+        schedules=PostgresScheduleStore(pool),
         secret=secret,
         follow_commits=follow_commits,
         follow_secret=follow_secret,

@@ -27,6 +27,7 @@ from cv_server.sqlite import meta
 from cv_server.sqlite import oplog as oplog_sqlite
 from cv_server.sqlite import queue as queue_sqlite
 from cv_server.sqlite import revocations as revocations_sqlite
+from cv_server.sqlite import schedules as schedules_sqlite
 from cv_server.sqlite.engine import SQLiteDatabase
 from cv_server.storage_faults import StorageUnavailable
 from cv_server.stores import DatabaseUnusable, Stores, translating
@@ -64,6 +65,7 @@ def _sqlite_schema(db: sqlite_utils.Database) -> None:
     blobs_sqlite.create_schema(db)
     locks_sqlite.create_schema(db)
     revocations_sqlite.create_schema(db)
+    schedules_sqlite.create_schema(db)
     if version < SQLITE_SCHEMA_VERSION:  # in the schema's transaction: stamped with the tables
         db.execute(f"PRAGMA user_version = {SQLITE_SCHEMA_VERSION}")
 
@@ -187,6 +189,7 @@ async def open_sqlite_stores(config: ServerConfig) -> Stores:
         blobs=blobs,
         locks=locks,
         revocations=revocations_sqlite.SQLiteRevocationStore(db),
+        schedules=schedules_sqlite.SQLiteScheduleStore(db),
         secret=secret,
         reclaim_space=db.incremental_vacuum,
         # Closed in reverse: the stores first (finishing queued writes), the database last.

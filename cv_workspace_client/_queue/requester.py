@@ -27,6 +27,7 @@ from cv_workspace_client._core.url import check_server_url
 from cv_workspace_client._io.auth import TokenRefresher, bearer_of, with_token
 from cv_workspace_client._io.http import exchange
 from cv_workspace_client._io.retry import backoff_for, is_retryable, log_retry, retrying
+from cv_workspace_client._queue.schedules import ScheduleMethods
 from cv_workspace_client._queue.transport import QueueHost, call, config_of, retried, ws_path
 from cv_workspace_client.config import ClientConfig
 from cv_workspace_client.errors import (
@@ -460,10 +461,11 @@ async def enqueue_many(
 # -- the verbs, for every client that talks to the queue -----------------------------------------
 
 
-class QueueMethods(abc.ABC):
-    """The queue's verbs over the module's functions, for a client with a `url`, a `session`
-    and `auth_headers()` (and optionally a `ClientConfig` as `config`, for the retry policy):
-    the base of `WorkspaceClient` and of `QueueClient`, which provide those two."""
+class QueueMethods(ScheduleMethods, abc.ABC):
+    """The queue's verbs (and the schedules', `ScheduleMethods`) over the module's functions,
+    for a client with a `url`, a `session` and `auth_headers()` (and optionally a `ClientConfig`
+    as `config`, for the retry policy): the base of `WorkspaceClient` and of `QueueClient`,
+    which provide those two."""
 
     url: str
     #: Fresh tokens on a refusal (`WorkspaceClient(token_provider=...)`); None: none.

@@ -35,6 +35,7 @@ __all__ = [
     "need_count",
     "need_seconds",
     "package_version",
+    "parse_json_arg",
     "print_error",
     "print_json",
     "reader_gone",
@@ -160,3 +161,26 @@ def print_error(exc: BaseException) -> None:
         if not line.startswith(("cv-worker", "cv-workspace")):
             line = f"{ErrorStyle.prog}: {line}"
     print(line, file=sys.stderr, flush=True)
+
+
+def parse_json_arg(raw: str, flag: str = "--input") -> Any:
+    """`--input` as JSON, strictly: Python's parser also takes NaN, Infinity and numbers past
+    a float (1e999 → inf), which are not JSON — the server refused the body as malformed (exit
+    1, blaming the server for the caller's argument). Nesting past the recursion limit was a
+    RecursionError traceback."""
+
+    def refuse_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON value")
+
+    def finite(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"{text} does not fit in a float")
+        return value
+
+    try:
+        return json.loads(raw, parse_constant=refuse_constant, parse_float=finite)
+    except ValueError as exc:
+        raise UsageError(f"{flag} is not JSON: {exc}") from None
+    except RecursionError:
+        raise UsageError(f"{flag} is nested too deeply") from None

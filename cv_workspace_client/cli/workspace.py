@@ -3,6 +3,7 @@
 
     cv-workspace enqueue --workspace W --stage S [--job-id J] [--input JSON] [--wait]
     cv-workspace requests list|show|wait|replay|discard|rerun|cancel --workspace W ...
+    cv-workspace schedules add|list|show|pause|resume|delete|run-now --workspace W ...
     cv-workspace mcp [--transport stdio | --transport http --host H --port P] [--outbox PATH]
 
 Answers are JSON on stdout; an error is one line on stderr (`--json`: a JSON object `{"error":
@@ -17,7 +18,6 @@ import asyncio
 import functools
 import json
 import logging
-import math
 import signal
 import sys
 import threading
@@ -47,11 +47,13 @@ from cv_workspace_client.cli.conventions import (
     need_count,
     need_seconds,
     package_version,
+    parse_json_arg,
     print_error,
     print_json,
     reader_gone,
 )
 from cv_workspace_client.cli.progress import Progress, watching
+from cv_workspace_client.cli.schedules import add_schedule_commands, run_schedule_command
 from cv_workspace_client.errors import ForbiddenError, WorkspaceError
 from cv_workspace_client.queue_models import (
     STATUSES,
@@ -66,29 +68,6 @@ __all__ = ["workspace_main"]
 #: the README gives the fake provider (the plan: docs/configuration.md#ports, pinned by
 #: tests/test_docs.py).
 MCP_HTTP_PORT = 8765
-
-
-def _parse_input(raw: str) -> Any:
-    """`--input` as JSON, strictly: Python's parser also takes NaN, Infinity and numbers past
-    a float (1e999 → inf), which are not JSON — the server refused the body as malformed (exit
-    1, blaming the server for the caller's argument). Nesting past the recursion limit was a
-    RecursionError traceback."""
-
-    def refuse_constant(name: str) -> Any:
-        raise ValueError(f"{name} is not a JSON value")
-
-    def finite(text: str) -> float:
-        value = float(text)
-        if not math.isfinite(value):
-            raise ValueError(f"{text} does not fit in a float")
-        return value
-
-    try:
-        return json.loads(raw, parse_constant=refuse_constant, parse_float=finite)
-    except ValueError as exc:
-        raise UsageError(f"--input is not JSON: {exc}") from None
-    except RecursionError:
-        raise UsageError("--input is nested too deeply") from None
 
 
 async def _interruptible(main: Coroutine[Any, Any, int]) -> int:
@@ -258,6 +237,8 @@ def _workspace_parser() -> argparse.ArgumentParser:
     add_connection_args(rerun)
     _add_enqueue_args(rerun, rerun_flag=False)
 
+    add_schedule_commands(commands, _add_workspace_arg)
+
     mcp = commands.add_parser(
         "mcp",
         help="serve the workspace tools to agents over MCP (needs the `mcp` extra)",
@@ -313,7 +294,7 @@ async def _enqueue(client: QueueClient, args: argparse.Namespace, *, rerun: bool
     if args.wait:
         need_seconds("--timeout", args.timeout)
     need_count("--max-dequeues", args.max_dequeues)
-    payload = None if args.input is None else _parse_input(args.input)
+    payload = None if args.input is None else parse_json_arg(args.input)
     answer = await client.enqueue(
         args.workspace,
         stage=args.stage,
@@ -432,11 +413,13 @@ async def _workspace(args: argparse.Namespace) -> int:
     if args.command == "mcp":
         return await _mcp(args)
     url, token = need_url(args), need_token(args)
-    if getattr(args, "verb", None) == "list":
+    if getattr(args, "verb", None) == "list" and args.command == "requests":
         need_count("--limit", args.limit)
     async with QueueClient(url, token) as client:
         if args.command == "enqueue":
             return await _enqueue(client, args, rerun=args.rerun)
+        if args.command == "schedules":
+            return await run_schedule_command(client, args)
         if args.verb == "rerun":
             return await _enqueue(client, args, rerun=True)
         if args.verb == "list":

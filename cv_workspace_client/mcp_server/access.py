@@ -28,6 +28,12 @@ TOOL_SCOPES: Final[dict[str, frozenset[str]]] = {
     "list_requests": frozenset({"operate"}),
     "replay_request": frozenset({"operate"}),
     "discard_request": frozenset({"operate"}),
+    "add_schedule": frozenset({"enqueue"}),
+    "list_schedules": frozenset({"enqueue", "operate"}),
+    "pause_schedule": frozenset({"enqueue", "operate"}),
+    "resume_schedule": frozenset({"enqueue", "operate"}),
+    "delete_schedule": frozenset({"enqueue", "operate"}),
+    "run_schedule": frozenset({"enqueue"}),
 }
 
 

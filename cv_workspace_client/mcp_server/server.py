@@ -60,6 +60,11 @@ from cv_workspace_client.mcp_server.answers import (
     workspace_error,
 )
 from cv_workspace_client.mcp_server.feeds import DOC_URI, ResourceFeeds, parse_doc_uri
+from cv_workspace_client.mcp_server.schedule_tools import (
+    SCHEDULE_ANNOTATIONS,
+    SCHEDULE_TOOL_NAMES,
+    ScheduleTools,
+)
 from cv_workspace_client.mcp_server.transports import (
     DRAIN_SECONDS,
     ListenFailed,
@@ -93,6 +98,7 @@ TOOL_NAMES = (
     "cancel_request",
     "replay_request",
     "discard_request",
+    *SCHEDULE_TOOL_NAMES,
 )
 
 #: The longest one `wait_request` call may wait. Agent hosts cut a tool call that runs for
@@ -126,6 +132,7 @@ _ANNOTATIONS: dict[str, ToolAnnotations] = {
     "discard_request": ToolAnnotations(
         destructive_hint=True, idempotent_hint=False, open_world_hint=False
     ),
+    **SCHEDULE_ANNOTATIONS,
 }
 
 WorkspaceId = Annotated[str, Field(description="the workspace's id")]
@@ -161,8 +168,9 @@ class _Server(MCPServer[None]):
 
 
 @dataclass(frozen=True, slots=True)
-class _Tools:
-    """The tools' bodies, over one client. Each raises `WorkspaceError` on a failure."""
+class _Tools(ScheduleTools):
+    """The tools' bodies (the schedules' in `ScheduleTools`), over one client. Each raises
+    `WorkspaceError` on a failure."""
 
     client: WorkspaceClient
 

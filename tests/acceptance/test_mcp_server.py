@@ -159,7 +159,14 @@ async def test_lists_the_tools_with_their_schemas(fleet: Fleet) -> None:
     assert set(tools["wait_request"].input_schema["required"]) == {"workspace_id", "request_id"}
     hints = {name: tool.annotations for name, tool in tools.items()}
     read_only = {name for name, hint in hints.items() if hint is not None and hint.read_only_hint}
-    assert read_only == {"get_state", "read_ops", "get_request", "wait_request", "list_requests"}
+    assert read_only == {
+        "get_state",
+        "read_ops",
+        "get_request",
+        "wait_request",
+        "list_requests",
+        "list_schedules",
+    }
 
 
 async def test_enqueue_evaluate_wait_and_read_the_cells(fleet: Fleet) -> None:

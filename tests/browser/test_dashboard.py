@@ -552,3 +552,26 @@ async def test_replay_asks_for_confirmation_before_it_re_queues(
     assert stored["status"] == "poison"
     await browser.call("click", selector=asking, timeout=10_000)
     await browser.wait(row(request_id, "pending"))
+
+
+async def test_the_schedules_panel_shows_the_next_firing_the_last_and_its_request(
+    browser: Browser, server: TestServer, http: aiohttp.ClientSession
+) -> None:
+    base = f"/v1/workspaces/{WS}/schedules"
+    await call(http, "POST", base, name="nightly", cron="0 3 * * *", enqueue={"stage": "s"})
+    await call(
+        http, "POST", base, name="held", interval_seconds=60, enqueue={"stage": "s"}, paused=True
+    )
+    ran = await call(http, "POST", f"{base}/held/run")
+
+    await open_dashboard(browser, server)
+    await browser.wait('#schedules tr[data-schedule="nightly"]')
+    nightly = await browser.call("text", selector='#schedules tr[data-schedule="nightly"]')
+    assert "0 3 * * *" in nightly
+    assert "in " in nightly  # its next firing, from now
+    assert "never" in nightly
+    held = await browser.call("text", selector='#schedules tr[data-schedule="held"]')
+    assert "every 60s" in held
+    assert "paused" in held
+    assert ran["request_id"] in held  # its last firing's request
+    assert "ago" in held

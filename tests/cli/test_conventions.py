@@ -103,6 +103,7 @@ NOT_FROM_ENVIRONMENT = {
     ("cv-server token", "--workspace"),
     ("cv-workspace enqueue", "--worker-class"),
     ("cv-workspace requests rerun", "--worker-class"),
+    ("cv-workspace schedules add", "--worker-class"),
 }
 
 #: The environment variable named by the help of a flag backed by one (cv_mutations/cli_flags.py).

@@ -177,6 +177,7 @@ async def test_every_tools_successful_result_matches_its_output_schema(server_ur
             "discard_request": await strict.answer(
                 "discard_request", workspace_id=WS, request_id=doomed
             ),
+            **await _schedule_answers(strict),
         }
         schemas = {name: tool.output_schema for name, tool in strict.tools.items()}
 
@@ -192,6 +193,31 @@ async def test_every_tools_successful_result_matches_its_output_schema(server_ur
         doomed,
         "poison",
     )
+
+
+async def _schedule_answers(strict: Any) -> dict[str, Any]:
+    """A successful answer of each schedule tool, in an order that lets each succeed."""
+    named = {"workspace_id": WS, "name": "nightly"}
+    answers = {
+        "add_schedule": await strict.answer(
+            "add_schedule", **named, stage="quick", cron="0 3 * * *", input={"n": 1}
+        ),
+        "list_schedules": await strict.answer("list_schedules", workspace_id=WS),
+        "pause_schedule": await strict.answer("pause_schedule", **named),
+        "resume_schedule": await strict.answer("resume_schedule", **named),
+        "run_schedule": await strict.answer("run_schedule", **named),
+        "delete_schedule": await strict.answer("delete_schedule", **named),
+    }
+    assert answers["add_schedule"]["schedule"]["cron"] == "0 3 * * *"
+    assert [s["name"] for s in answers["list_schedules"]["schedules"]] == ["nightly"]
+    assert answers["pause_schedule"]["schedule"]["next_fire_at"] is None
+    assert answers["run_schedule"]["request_id"].startswith("s_")
+    again = {"stage": "quick", "cron": "0 3 * * *"}
+    await strict.answer("add_schedule", **named, **again)  # the name is free once deleted
+    assert (await strict.error("add_schedule", **named, **again))["code"] == "schedule_exists"
+    gone = await strict.error("pause_schedule", workspace_id=WS, name="nope")
+    assert gone["code"] == "schedule_not_found"
+    return answers
 
 
 async def test_server_info_names_the_installed_package_version(server_url: str) -> None:

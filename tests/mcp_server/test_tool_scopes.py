@@ -40,7 +40,18 @@ async def test_an_enqueue_token_offers_the_request_tools_but_not_the_operator_on
 ) -> None:
     token = mint_token(SECRET, [WS], now=time.time(), scopes=["enqueue"])
     names, _ = await offered(server_url, token)
-    assert names == {"enqueue", "get_request", "wait_request", "cancel_request"}
+    assert names == {
+        "enqueue",
+        "get_request",
+        "wait_request",
+        "cancel_request",
+        "add_schedule",
+        "list_schedules",
+        "pause_schedule",
+        "resume_schedule",
+        "delete_schedule",
+        "run_schedule",
+    }
 
 
 async def test_a_token_with_every_scope_offers_every_tool(server_url: str, token: str) -> None:

@@ -157,9 +157,10 @@ async def test_a_429_the_server_answers_is_the_one_its_route_declares(
     )
     client: TestClient[Any, Any] = await aiohttp_client(create_app(config))
     path = "/v1/workspaces/ws1/docs/tree/ops"
+    headers = auth("ws1")  # one token: the buckets are per token, and a token minted a second
+    # later is another one
     answers = [
-        await client.post(path, json={"ops": [insert(f"n{i}")]}, headers=auth("ws1"))
-        for i in range(2)
+        await client.post(path, json={"ops": [insert(f"n{i}")]}, headers=headers) for i in range(2)
     ]
     assert [answer.status for answer in answers] == [200, 429]
     refused = answers[1]

@@ -59,6 +59,20 @@ EXPECTED_SCOPES: dict[tuple[str, str], frozenset[str]] = {
         frozenset({"enqueue", "operate"}),
     ),
     **dict.fromkeys(
+        [("POST", f"{_W}/schedules"), ("POST", f"{_W}/schedules/{{name}}/run")],
+        frozenset({"enqueue"}),
+    ),
+    **dict.fromkeys(
+        [
+            ("GET", f"{_W}/schedules"),
+            ("GET", f"{_W}/schedules/{{name}}"),
+            ("DELETE", f"{_W}/schedules/{{name}}"),
+            ("POST", f"{_W}/schedules/{{name}}/pause"),
+            ("POST", f"{_W}/schedules/{{name}}/resume"),
+        ],
+        frozenset({"enqueue", "operate"}),
+    ),
+    **dict.fromkeys(
         [
             ("POST", "/v1/queue/claim"),
             ("GET", "/v1/queue/pending"),
