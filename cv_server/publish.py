@@ -11,10 +11,11 @@ from __future__ import annotations
 from aiohttp import web
 
 from cv_server.keys import HUB, METRICS, STORES
-from cv_server.oplog import IncomingOp, LogEntry, Outcome, Rejected
+from cv_server.oplog import AppendEnqueued, IncomingOp, LogEntry, Outcome, Rejected
 from cv_server.oplog.pipeline import VERSION_CONFLICT
+from cv_server.queue.model import EnqueueAsk
 
-__all__ = ["commit_and_publish", "conflict_of", "publish"]
+__all__ = ["commit_and_publish", "commit_enqueue_and_publish", "conflict_of", "publish"]
 
 
 def conflict_of(outcomes: list[Outcome]) -> Rejected | None:
@@ -45,6 +46,25 @@ async def commit_and_publish(
     )
     publish(app, workspace_id, sub_doc, outcomes, entries)
     return outcomes
+
+
+async def commit_enqueue_and_publish(
+    app: web.Application,
+    workspace_id: str,
+    sub_doc: str,
+    ops: list[IncomingOp],
+    enqueue: list[EnqueueAsk],
+    atomic: bool,
+    if_clock: int | None = None,
+) -> AppendEnqueued:
+    """`commit_and_publish` for an apply with `enqueue`: the ops and the requests commit in one
+    transaction (`OpLogStore.append_enqueuing`, which announces the requests to the queue's
+    listeners after it); the ops are broadcast after it too. Shielded by callers, as that."""
+    done = await app[STORES].oplog.append_enqueuing(
+        workspace_id, sub_doc, ops, enqueue, atomic=atomic, if_clock=if_clock
+    )
+    publish(app, workspace_id, sub_doc, done.outcomes, done.entries)
+    return done
 
 
 def publish(

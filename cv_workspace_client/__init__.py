@@ -54,6 +54,7 @@ from cv_workspace_client.errors import (
 from cv_workspace_client.live import LiveDoc
 from cv_workspace_client.models import Commit, Committed, Snapshot, SyncStatus
 from cv_workspace_client.queue_models import (
+    AppliedAndEnqueued,
     EnqueuedRequest,
     EnqueueItem,
     QueuedRequest,
@@ -114,6 +115,7 @@ __all__ += [
 ]
 # the work queue and the compute lock, from an app
 __all__ += [
+    "AppliedAndEnqueued",
     "ComputeResult",
     "EnqueueItem",
     "EnqueuedRequest",

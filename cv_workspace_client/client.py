@@ -56,6 +56,7 @@ from cv_workspace_client.errors import (
     WorkspaceError,
 )
 from cv_workspace_client.models import Commit, Committed, Snapshot, SyncStatus
+from cv_workspace_client.queue_models import AppliedAndEnqueued, EnqueueItem
 from cv_workspace_client.stream import Subscription
 
 __all__ = ["WorkspaceClient"]
@@ -338,6 +339,34 @@ class WorkspaceClient(QueueMethods):
             else:
                 raise outcome
         return results
+
+    async def apply_ops_and_enqueue(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        ops: Sequence[OpLike],
+        enqueue: Sequence[EnqueueItem],
+        *,
+        atomic: bool = False,
+        if_clock: int | None = None,
+    ) -> AppliedAndEnqueued:
+        """Apply ops and queue the stage runs they need in one transaction: the requests are
+        enqueued only if the batch applies an op, each naming the clock of its commit
+        (`QueuedRequest.caused_by_clock`; docs/queue.md, "Start work with the change that needs
+        it"). Needs a token with the `enqueue` scope besides `write`.
+
+        Call it when a change must not be left without its work (a crash between an apply and
+        an enqueue would). It is sent at once over HTTP, not kept in the outbox: a lost answer
+        is retried under the same op_ids, which the server answers with the same requests and
+        enqueues nothing twice. Returns one outcome per op and one answer per item (None: not
+        enqueued, the batch applied nothing). Raises as `apply_ops(if_clock=)` does
+        (`VersionConflictError` with `if_clock`, final 4xx errors such as `ForbiddenError`, or
+        the last retryable error: then send the same ops and items again to learn their fate).
+        """
+        self._check_open()
+        return await self._conditional.apply_and_enqueue(
+            workspace_id, sub_doc, ops, enqueue, atomic=atomic, if_clock=if_clock
+        )
 
     async def read_modify_write(
         self,

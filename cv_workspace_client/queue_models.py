@@ -8,11 +8,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from cv_workspace_client.errors import ProtocolError, WorkspaceError
+from cv_workspace_client.errors import OpRejectedError, ProtocolError, WorkspaceError
+from cv_workspace_client.models import Commit
 
 __all__ = [
     "FINISHED_STATUSES",
     "STATUSES",
+    "AppliedAndEnqueued",
     "Claim",
     "ClaimNext",
     "CompletionOutcome",
@@ -70,6 +72,9 @@ class QueuedRequest:
     unclaimed_seconds: float | None = None
     concurrency_key: str | None = None
     max_running_per_key: int | None = None
+    #: The clock of the op-log commit that enqueued it (`apply_ops_and_enqueue`): the sub-doc is
+    #: at least at this clock when its stage runs. None: enqueued on its own.
+    caused_by_clock: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -108,6 +113,7 @@ class QueuedRequest:
                 unclaimed_seconds=_seconds(data.get("unclaimed_seconds")),
                 concurrency_key=data.get("concurrency_key"),
                 max_running_per_key=data.get("max_running_per_key"),
+                caused_by_clock=data.get("caused_by_clock"),
                 raw=data,
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -182,6 +188,17 @@ class EnqueuedRequest:
             "stream_url": self.stream_url,
             "replayed": self.replayed,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class AppliedAndEnqueued:
+    """The answer to `apply_ops_and_enqueue`: one outcome per op (a `Commit` or the op's
+    `OpRejectedError`), and one answer per enqueue item, in order. An item is None when
+    nothing was enqueued for it: the batch applied no op and no request has its id (docs/queue.md,
+    "Start work with the change that needs it")."""
+
+    results: list[Commit | OpRejectedError]
+    enqueued: list[EnqueuedRequest | None]
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,9 +18,13 @@ from cv_server.http.inputs import (
 from cv_server.http.models import ApplyBody, ApplyResults, DocState, OpsPage
 from cv_server.http.openapi import Doc, Param, documented
 from cv_server.http.problems import Problem
-from cv_server.http.security import authorize
-from cv_server.keys import CONFIG, STORES
-from cv_server.publish import commit_and_publish, conflict_of
+from cv_server.http.queue import apply_enqueue, apply_enqueue_answers, queue_problem
+from cv_server.http.ratelimit import refusal
+from cv_server.http.security import authenticated_token, authorize
+from cv_server.keys import CONFIG, METRICS, RATE_LIMITS, STORES
+from cv_server.oplog.pipeline import op_ids_to_look_up
+from cv_server.publish import commit_and_publish, commit_enqueue_and_publish, conflict_of
+from cv_server.queue import QueueError
 
 __all__ = ["routes"]
 
@@ -35,8 +39,9 @@ routes = web.RouteTableDef()
         {200: ApplyResults},
         body=ApplyBody,
         problems={
-            409: ("version_conflict",),
-            422: ("too_many_ops", "unknown_op_type", "invalid_id"),
+            403: ("missing_scope",),
+            409: ("version_conflict", "request_id_conflict"),
+            422: ("too_many_ops", "unknown_op_type", "invalid_id", "invalid_field"),
         },
         tag="op-log",
     )
@@ -44,15 +49,51 @@ routes = web.RouteTableDef()
 async def post_ops(request: web.Request) -> web.Response:
     workspace_id, sub_doc = request.match_info["ws"], request.match_info["sub_doc"]
     check_ids(workspace_id, sub_doc)
-    authorize(request, workspace_id)
+    claims = authorize(request, workspace_id)
     config = request.app[CONFIG]
     body = decode_json(await read_body(request))
     apply = parse_apply(body, config.max_ops_per_request, latest_minted_at(config))
-    outcomes = await asyncio.shield(
-        commit_and_publish(
-            request.app, workspace_id, sub_doc, apply.ops, apply.atomic, apply.if_clock
+    enqueued: list[dict[str, object]] | None = None
+    if apply.enqueue is None:
+        outcomes = await asyncio.shield(
+            commit_and_publish(
+                request.app, workspace_id, sub_doc, apply.ops, apply.atomic, apply.if_clock
+            )
         )
-    )
+    else:
+        # The ops and the requests commit in one transaction or not at all
+        # (docs/queue.md#start-work-with-the-change-that-needs-it).
+        asks = apply_enqueue(
+            workspace_id,
+            sub_doc,
+            apply.enqueue,
+            op_ids_to_look_up(apply.ops),
+            config.max_dequeues,
+            claims,
+        )
+        # The work an apply enqueues pays as a batch enqueue does: one token of the `enqueue`
+        # bucket besides the `ops` one the middleware took (docs/queue.md).
+        token, _ = authenticated_token(request)
+        wait = request.app[RATE_LIMITS].take("enqueue", token)
+        if wait > 0:
+            request.app[METRICS].count_rate_limited("enqueue")
+            raise refusal("enqueue", wait)
+        try:
+            done = await asyncio.shield(
+                commit_enqueue_and_publish(
+                    request.app,
+                    workspace_id,
+                    sub_doc,
+                    apply.ops,
+                    asks,
+                    apply.atomic,
+                    apply.if_clock,
+                )
+            )
+        except QueueError as exc:
+            raise queue_problem(exc) from None
+        outcomes = done.outcomes
+        enqueued = await apply_enqueue_answers(request, asks, done.enqueued)
     conflict = conflict_of(outcomes)
     if conflict is not None:
         # Nothing of the batch was applied (docs/ops.md#conflicts): the client reads the
@@ -64,8 +105,10 @@ async def post_ops(request: web.Request) -> web.Response:
             clock=conflict.clock,
             results=[outcome.to_json() for outcome in outcomes],
         )
-    body = orjson.dumps({"results": [outcome.to_json() for outcome in outcomes]})
-    return web.Response(body=body, content_type="application/json")
+    answer: dict[str, object] = {"results": [outcome.to_json() for outcome in outcomes]}
+    if enqueued is not None:
+        answer["enqueued"] = enqueued
+    return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
 
 @routes.get("/v1/workspaces/{ws}/docs/{sub_doc}")

@@ -154,13 +154,20 @@ class ApplyRequest:
     ops: list[IncomingOp]
     atomic: bool = False
     if_clock: int | None = None
+    #: `enqueue` as sent (None: absent), read by the route (`cv_server.http.queue.apply_enqueue`).
+    enqueue: object = None
 
 
 def parse_apply(body: object, max_ops: int, latest_minted_at: int | None = None) -> ApplyRequest:
-    """`{"ops": [...], "atomic"?: bool, "if_clock"?: int}` → `ApplyRequest`; `latest_minted_at`
-    as `parse_ops`. Raises `Problem` (nothing applied) on any bad member."""
+    """`{"ops": [...], "atomic"?: bool, "if_clock"?: int, "enqueue"?: [...]}` → `ApplyRequest`;
+    `latest_minted_at` as `parse_ops`. Raises `Problem` (nothing applied) on any bad member."""
     if_clock = body.get("if_clock") if isinstance(body, dict) else None
-    rest = {k: v for k, v in body.items() if k != "if_clock"} if isinstance(body, dict) else body
+    enqueue = body.get("enqueue") if isinstance(body, dict) else None
+    rest = (
+        {k: v for k, v in body.items() if k not in ("if_clock", "enqueue")}
+        if isinstance(body, dict)
+        else body
+    )
     ops, atomic = parse_apply_body(rest, max_ops, latest_minted_at)
     if if_clock is not None and (
         not isinstance(if_clock, int)
@@ -170,7 +177,7 @@ def parse_apply(body: object, max_ops: int, latest_minted_at: int | None = None)
         raise Problem(
             422, "invalid_field", f'"if_clock" must be an integer between 0 and {MAX_CLOCK}'
         )
-    return ApplyRequest(ops, atomic, if_clock)
+    return ApplyRequest(ops, atomic, if_clock, enqueue)
 
 
 def parse_apply_body(

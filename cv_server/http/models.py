@@ -20,6 +20,7 @@ __all__ = [
     "SCHEDULE_NAME_PATTERN",
     "AppliedOp",
     "ApplyBody",
+    "ApplyEnqueueAnswer",
     "ApplyResults",
     "BatchCompleteBody",
     "BatchCompleteClaimed",
@@ -163,6 +164,15 @@ class ApplyBody(_Closed):
         " else nothing is applied and the answer is 409 `version_conflict` carrying the"
         " current `clock` (docs/ops.md#conflicts)",
     )
+    enqueue: (
+        Annotated[list[EnqueueBody], Field(min_length=1, max_length=BATCH_ITEMS_MAX)] | None
+    ) = Field(
+        default=None,
+        description="Stage runs to queue in the same transaction as the ops, each as the"
+        " enqueue route's body: only if the batch newly applies an op, each request naming"
+        " the clock of its last applied op (`caused_by_clock`); needs the `enqueue` scope"
+        " (docs/queue.md#start-work-with-the-change-that-needs-it)",
+    )
 
 
 class AppliedOp(_Answer):
@@ -193,9 +203,13 @@ class RejectedOp(_Answer):
 
 
 class ApplyResults(_Answer):
-    """One result per op, in order."""
+    """One result per op, in order; with `enqueue`, one answer per item too."""
 
     results: list[AppliedOp | RejectedOp]
+    enqueued: list[ApplyEnqueueAnswer] | None = Field(
+        default=None,
+        description="With `enqueue`: one answer per item, in order, as the enqueue route's",
+    )
 
 
 class NodeOut(_Answer):
@@ -291,6 +305,12 @@ class QueueRequest(_Answer):
         description="The grant of the token that enqueued it (null: every scope and sub-doc);"
         " a stage's writes for it stay inside it (docs/queue.md)",
     )
+    caused_by_clock: int | None = Field(
+        default=None,
+        description="The clock of the op-log commit that enqueued it (an apply's `enqueue`):"
+        " the sub-doc is at least at this clock when the stage runs; null: enqueued on its own"
+        " (docs/queue.md#start-work-with-the-change-that-needs-it)",
+    )
     unclaimed_seconds: float | None = Field(
         default=None, description="How long it has waited unclaimed (on some routes)"
     )
@@ -314,6 +334,20 @@ class EnqueueAnswer(_Answer):
         description="Coalesced into a request whose input differs: the input sent was not used"
     )
     stream_url: str
+
+
+class ApplyEnqueueAnswer(_Answer):
+    """An apply's `enqueue` item, answered as the enqueue route answers it. An apply that newly
+    applied no op (a resend of one that committed, a rejected batch) enqueued nothing: the item
+    is answered from the request its id names (`coalesced: true`), or with `status: null`."""
+
+    request_id: str
+    status: RequestStatus | None = Field(description="null: not enqueued (nothing was applied)")
+    coalesced: bool
+    input_differs: bool = Field(
+        description="Coalesced into a request whose input differs: the input sent was not used"
+    )
+    stream_url: str | None
 
 
 class BatchEnqueueBody(_Closed):

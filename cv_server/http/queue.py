@@ -16,6 +16,7 @@ only their differences (the lease granted = `lease_expires_at - claimed_at`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import secrets
@@ -57,7 +58,7 @@ from cv_server.http.models import (
 )
 from cv_server.http.openapi import Doc, Media, Param, documented
 from cv_server.http.problems import Problem
-from cv_server.http.security import authenticate, authorize
+from cv_server.http.security import authenticate, authorize, missing_scope
 from cv_server.keys import CONFIG, METRICS, STORES, WAITERS, WORK_SIGNALS
 from cv_server.observe import log_coalesced
 from cv_server.queue import (
@@ -82,7 +83,7 @@ from cv_server.queue import (
 from cv_server.queue.model import fence, input_differs
 from cv_server.scopes import enqueue_grant, grant_scope_key
 
-__all__ = ["routes"]
+__all__ = ["apply_enqueue", "apply_enqueue_answers", "apply_request_hex", "routes"]
 
 T = TypeVar("T")
 
@@ -189,12 +190,17 @@ def _enqueue_answer(enqueued: Enqueued, req: NewRequest) -> dict[str, Any]:
 
 
 def _new_request(
-    workspace_id: str, body: dict[str, Any], max_dequeues: int, claims: TokenClaims
+    workspace_id: str,
+    body: dict[str, Any],
+    max_dequeues: int,
+    claims: TokenClaims,
+    random_hex: str | None = None,
 ) -> tuple[NewRequest, bool]:
     """The request `body` asks for; `max_dequeues` is the server's setting, used unless the
     body names its own. The request records the grant of the verified `claims`, never of the
     body, and a limited grant is part of its deterministic id (docs/queue.md, "Whose grant a
-    stage runs under")."""
+    stage runs under"). `random_hex`: the 40 hex chars of a non-deterministic id (None: drawn
+    now; an apply's `enqueue` derives them from its op_ids, `apply_enqueue`)."""
     grant = enqueue_grant(claims.scopes, claims.sub_docs)
     asked = parse_body(EnqueueBody, body)
     stage, job_id, branch_path = asked.stage, asked.job_id, asked.branch_path
@@ -204,7 +210,7 @@ def _new_request(
     request_id = (
         deterministic_request_id(workspace_id, job_id, branch_path, stage, grant_scope_key(grant))
         if deterministic
-        else random_request_id(secrets.token_hex(20))
+        else random_request_id(random_hex or secrets.token_hex(20))
     )
     # The poison cutoff is the server's `max_dequeues` (`--set max_dequeues=N`), not
     # `NewRequest`'s default, which is frozen to `ServerConfig()`'s value at import. A body's
@@ -812,6 +818,30 @@ async def fail(request: web.Request) -> web.Response:
 # -- batched enqueue -------------------------------------------------------------------------------
 
 
+def _asks(
+    workspace_id: str,
+    items: list[Any],
+    member: str,
+    max_dequeues: int,
+    claims: TokenClaims,
+    random_hex: Callable[[int], str | None] = lambda _index: None,
+) -> list[EnqueueAsk]:
+    """Each of `items` read as the single route reads its body (`_new_request`); a bad item
+    refuses them all: 422 with the item's own code and `item_index`."""
+    batch: list[EnqueueAsk] = []
+    for index, item in enumerate(items):
+        try:
+            if not isinstance(item, dict):
+                raise Problem(422, "invalid_field", "an item must be a JSON object")
+            req, rerun = _new_request(workspace_id, item, max_dequeues, claims, random_hex(index))
+        except Problem as exc:
+            raise Problem(
+                exc.status, exc.code, f"{member}[{index}]: {exc.detail}", item_index=index
+            ) from None
+        batch.append(EnqueueAsk(req, rerun))
+    return batch
+
+
 def _batch_of(
     workspace_id: str, body: dict[str, Any], max_dequeues: int, claims: TokenClaims
 ) -> list[EnqueueAsk]:
@@ -824,18 +854,7 @@ def _batch_of(
         raise Problem(422, "invalid_field", 'the body is {"requests": [...]}')
     if not 0 < len(items) <= BATCH_ITEMS_MAX:
         raise Problem(422, "invalid_field", f"requests must be a list of 1..{BATCH_ITEMS_MAX}")
-    batch: list[EnqueueAsk] = []
-    for index, item in enumerate(items):
-        try:
-            if not isinstance(item, dict):
-                raise Problem(422, "invalid_field", "an item must be a JSON object")
-            req, rerun = _new_request(workspace_id, item, max_dequeues, claims)
-        except Problem as exc:
-            raise Problem(
-                exc.status, exc.code, f"requests[{index}]: {exc.detail}", item_index=index
-            ) from None
-        batch.append(EnqueueAsk(req, rerun))
-    return batch
+    return _asks(workspace_id, items, "requests", max_dequeues, claims)
 
 
 def _batch_answer(answers: list[Enqueued], batch: list[EnqueueAsk]) -> dict[str, Any]:
@@ -884,3 +903,86 @@ async def enqueue_batch(request: web.Request) -> web.Response:
     for enqueued in answers:
         _count_coalesced(request, enqueued)
     return json_answer(_batch_answer(answers, batch), status=202)
+
+
+# -- enqueue with the commit (an apply's `enqueue`) --------------------------------------------
+
+
+def apply_enqueue(
+    workspace_id: str,
+    sub_doc: str,
+    items: object,
+    op_ids: list[str],
+    max_dequeues: int,
+    claims: TokenClaims,
+) -> list[EnqueueAsk]:
+    """The enqueues an apply's `"enqueue": [item, ...]` asks for (docs/queue.md, "Start work
+    with the change that needs it"), each item read as the single enqueue's body, at most
+    `BATCH_ITEMS_MAX` as the batch route. Needs the `enqueue` scope besides `write`.
+
+    An item that would get a random id (no `job_id`, or `deterministic: false`) gets one derived
+    from the apply instead (`apply_request_hex`): the resend of an apply that committed names
+    the same requests, so it can be answered with them. Raises `Problem` (nothing applied)."""
+    if "enqueue" not in claims.scopes:
+        raise missing_scope(frozenset({"enqueue"}))
+    if not isinstance(items, list) or not 0 < len(items) <= BATCH_ITEMS_MAX:
+        raise Problem(
+            422, "invalid_field", f'"enqueue" must be a list of 1..{BATCH_ITEMS_MAX} requests'
+        )
+    grant_key = grant_scope_key(enqueue_grant(claims.scopes, claims.sub_docs))
+
+    def derived(index: int) -> str | None:
+        if not op_ids:  # no op_id: nothing dedupes the resend either
+            return None
+        return apply_request_hex(workspace_id, sub_doc, op_ids, index, grant_key)
+
+    return _asks(workspace_id, items, "enqueue", max_dequeues, claims, derived)
+
+
+def apply_request_hex(
+    workspace_id: str, sub_doc: str, op_ids: list[str], index: int, grant_key: str | None
+) -> str:
+    """The 40 hex chars of the id of item `index` of an apply's `enqueue` that asks for no
+    deterministic id: sha256 of the canonical JSON of `["cv-apply-enqueue/v1", workspace_id,
+    sub_doc, op_ids, index, grant_key]`. An op_id names one op of one sub-doc for good (a
+    reuse is refused), so no other apply derives the same id."""
+    text = json.dumps(
+        ["cv-apply-enqueue/v1", workspace_id, sub_doc, op_ids, index, grant_key],
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
+async def apply_enqueue_answers(
+    request: web.Request, batch: list[EnqueueAsk], enqueued: list[Enqueued] | None
+) -> list[dict[str, Any]]:
+    """One answer per item of an apply's `enqueue`, as the enqueue route answers it. When the
+    apply newly applied no op (`enqueued` is None: a resend of an apply that committed, or a
+    batch rejected), nothing was enqueued now: each item is answered from the request its id
+    names if there is one (`coalesced: true`), else with `status: null` (not enqueued)."""
+    if enqueued is not None:
+        for answer in enqueued:
+            _count_coalesced(request, answer)
+        return [
+            _enqueue_answer(answer, item.request)
+            for answer, item in zip(enqueued, batch, strict=True)
+        ]
+    ids = [item.request.request_id for item in batch]
+    rows = {row.request_id: row for row in await request.app[STORES].queue.get_many(ids)}
+    answers: list[dict[str, Any]] = []
+    for item in batch:
+        row = rows.get(item.request.request_id)
+        if row is None or row.workspace_id != item.request.workspace_id:
+            answers.append(
+                {
+                    "request_id": item.request.request_id,
+                    "status": None,
+                    "coalesced": False,
+                    "input_differs": False,
+                    "stream_url": None,
+                }
+            )
+        else:
+            answers.append(_enqueue_answer(Enqueued(row, True), item.request))
+    return answers

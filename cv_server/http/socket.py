@@ -200,6 +200,15 @@ class _Session:
                 if old is not None:
                     old.stop()
             elif kind == "apply":
+                if "enqueue" in frame:
+                    # Refused, never dropped: ops applied without the work they asked for would
+                    # be the dual write `enqueue` exists to prevent.
+                    raise Problem(
+                        422,
+                        "invalid_field",
+                        '"enqueue" is taken by the HTTP apply only'
+                        " (docs/queue.md#start-work-with-the-change-that-needs-it)",
+                    )
                 body = {k: v for k, v in frame.items() if k in ("ops", "atomic", "if_clock")}
                 apply = parse_apply(
                     body, self.config.max_ops_per_request, latest_minted_at(self.config)

@@ -1,6 +1,6 @@
 """The op-log: dedupe, commit, read back (docs/concepts.md)."""
 
-from cv_server.oplog.store import OpLogStore
+from cv_server.oplog.store import AppendEnqueued, OpLogStore
 from cv_server.oplog.values import (
     Committed,
     Compaction,
@@ -15,6 +15,7 @@ from cv_server.oplog.values import (
 )
 
 __all__ = [
+    "AppendEnqueued",
     "Committed",
     "Compaction",
     "Forgotten",

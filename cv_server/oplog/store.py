@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from cv_mutations import SubDocState
 from cv_server.oplog.values import (
@@ -29,7 +29,10 @@ from cv_server.oplog.values import (
 if TYPE_CHECKING:  # the seam names the future's type; it never makes one (no asyncio here)
     import asyncio
 
+    from cv_server.queue.model import EnqueueAsk, Enqueued
+
 __all__ = [
+    "AppendEnqueued",
     "Committed",
     "Compaction",
     "Forgotten",
@@ -42,6 +45,17 @@ __all__ = [
     "Rejected",
     "SubDocHead",
 ]
+
+
+class AppendEnqueued(NamedTuple):
+    """What `OpLogStore.append_enqueuing` answers: `append`'s outcomes and newly committed
+    entries, and one queue answer per item asked (`enqueued`), or None when the batch newly
+    applied no op and so enqueued nothing (a retry of a batch that committed, a rejected or
+    conflicting batch)."""
+
+    outcomes: list[Outcome]
+    entries: list[LogEntry]
+    enqueued: list[Enqueued] | None
 
 
 class OpLogStore(abc.ABC):
@@ -58,7 +72,11 @@ class OpLogStore(abc.ABC):
       (the writer on SQLite, the head row lock on PostgreSQL), after dedupe: a head other than
       `if_clock` applies nothing and answers each op not decided before `version_conflict`
       carrying the head (docs/ops.md#conflicts);
-    - `append` returns only after the batch is durable; only then may anyone publish it.
+    - `append` returns only after the batch is durable; only then may anyone publish it;
+    - `append_enqueuing` (a store bound to the queue of its database) commits the requests in
+      the same transaction as the ops, only if the batch newly applied an op, each stamped with
+      the clock of the batch's last applied op (docs/queue.md, "Start work with the change that
+      needs it"); a refused item (`RequestIdConflict`) or a failed write commits neither.
     """
 
     #: Ops between two state snapshots (`pipeline.snapshot_due`), and sub-doc states kept in
@@ -122,6 +140,28 @@ class OpLogStore(abc.ABC):
         return await self.append_nowait(
             workspace_id, sub_doc, ops, atomic=atomic, if_clock=if_clock
         )
+
+    async def append_enqueuing(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        ops: Sequence[IncomingOp],
+        enqueue: Sequence[EnqueueAsk],
+        *,
+        atomic: bool = False,
+        if_clock: int | None = None,
+    ) -> AppendEnqueued:
+        """`append`, and in the same transaction, if the batch newly applied at least one op,
+        `QueueStore.enqueue_many(enqueue)` with each request's `caused_by_clock` set to the
+        clock of the batch's last applied op. The queue's announcements are made after the
+        commit (`QueueStore.announce_committed`), even if the caller was cancelled meanwhile.
+
+        Raises:
+            RequestIdConflict: an item names a request of another workspace (nothing of the
+                batch is committed: neither ops nor requests).
+            NotImplementedError: this store is not bound to a queue.
+        """
+        raise NotImplementedError(f"{type(self).__name__} is not bound to a queue store")
 
     #: True when appends to one sub-doc commit in the order `append_nowait` was called (SQLite's
     #: one writer; PostgreSQL's lane per sub-doc): a caller may then submit the next append of a

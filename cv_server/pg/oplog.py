@@ -52,6 +52,7 @@ from cv_server.oplog.pipeline import (
     snapshot_due,
 )
 from cv_server.oplog.store import (
+    AppendEnqueued,
     Compaction,
     IncomingOp,
     LogEntry,
@@ -65,7 +66,9 @@ from cv_server.pg import oplog_sql as sql
 from cv_server.pg.migrations import migrate
 from cv_server.pg.notifier import check_payload
 from cv_server.pg.pool import PostgresSettings, close_pool, create_pool
+from cv_server.pg.queue import PostgresQueueStore
 from cv_server.pg.retry import SerializationRetryPolicy, run_with_retry
+from cv_server.queue.model import EnqueueAsk, Enqueued, RequestEvent, caused_by
 
 __all__ = [
     "OPLOG_CHANNEL",
@@ -104,6 +107,10 @@ class _Pending:
     atomic: bool
     future: asyncio.Future[AppendResult]
     if_clock: int | None = None
+    #: `append_enqueuing`'s items (None: a plain append), and what its transaction enqueued
+    #: (None: nothing, the batch applied no op), set by each attempt of the commit.
+    enqueue: list[EnqueueAsk] | None = None
+    enqueued: tuple[list[Enqueued], list[RequestEvent]] | None = None
 
 
 @dataclass(slots=True)
@@ -152,6 +159,7 @@ class PostgresOpLogStore(OpLogStore):
         retention_seconds: float = 0.0,
         skew_seconds: float = 0.0,
         now: Callable[[], float] = time.time,
+        queue: PostgresQueueStore | None = None,
     ) -> None:
         self._settings(
             snapshot_every=snapshot_every,
@@ -160,6 +168,8 @@ class PostgresOpLogStore(OpLogStore):
             skew_seconds=skew_seconds,
         )
         self._now = now
+        #: The queue on the same database, which `append_enqueuing` writes into (None: unbound).
+        self._queue = queue
         if max_group_ops < 1:
             raise ValueError("max_group_ops must be at least 1")
         self.pool = pool
@@ -234,17 +244,58 @@ class PostgresOpLogStore(OpLogStore):
     ) -> asyncio.Future[AppendResult]:
         """`append` as the lane's own future: queued now, so appends to one sub-doc queued in
         order commit in order."""
+        return self._submit(workspace_id, sub_doc, ops, atomic, if_clock).future
+
+    async def append_enqueuing(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        ops: Sequence[IncomingOp],
+        enqueue: Sequence[EnqueueAsk],
+        *,
+        atomic: bool = False,
+        if_clock: int | None = None,
+    ) -> AppendEnqueued:
+        """Queued on the lane as an append of its own group (`_take_group`), whose transaction
+        also runs the queue's insert (`PostgresQueueStore.enqueue_in`) when the batch applied
+        an op; the queue's NOTIFY fires at that COMMIT, the local announcement right after."""
+        queue = self._queue
+        if queue is None:
+            raise NotImplementedError("this op-log store is not bound to a queue store")
+        pending = self._submit(workspace_id, sub_doc, ops, atomic, if_clock, list(enqueue))
+
+        def announce(future: asyncio.Future[AppendResult]) -> None:
+            if future.cancelled() or future.exception() is not None:
+                return  # nothing committed, nothing to announce
+            if pending.enqueued is not None:
+                queue.announce_committed(pending.enqueued[1])
+
+        pending.future.add_done_callback(announce)
+        outcomes, entries = await asyncio.shield(pending.future)
+        answers = None if pending.enqueued is None else pending.enqueued[0]
+        return AppendEnqueued(outcomes, entries, answers)
+
+    def _submit(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        ops: Sequence[IncomingOp],
+        atomic: bool,
+        if_clock: int | None,
+        enqueue: list[EnqueueAsk] | None = None,
+    ) -> _Pending:
         self._check_open()
         future: asyncio.Future[AppendResult] = asyncio.get_running_loop().create_future()
+        pending = _Pending(list(ops), atomic, future, if_clock, enqueue)
         if not ops:
             future.set_result(([], []))
-            return future
+            return pending
         key = (workspace_id, sub_doc)
         lane = self._lane(key)
-        lane.pending.append(_Pending(list(ops), atomic, future, if_clock))
+        lane.pending.append(pending)
         if lane.drainer is None:
             lane.drainer = asyncio.create_task(self._drain(key, lane), name=f"oplog-{key}")
-        return future
+        return pending
 
     async def read_since(
         self, workspace_id: str, sub_doc: str, since: int, limit: int
@@ -388,8 +439,16 @@ class PostgresOpLogStore(OpLogStore):
 
     def _take_group(self, lane: _Lane) -> list[_Pending]:
         group = [lane.pending.popleft()]
+        if group[0].enqueue is not None:
+            # An append that enqueues commits in a group of its own: a refused item fails its
+            # transaction, which must not take other appends with it.
+            return group
         size = len(group[0].ops)
-        while lane.pending and size + len(lane.pending[0].ops) <= self.max_group_ops:
+        while (
+            lane.pending
+            and lane.pending[0].enqueue is None
+            and size + len(lane.pending[0].ops) <= self.max_group_ops
+        ):
             pending = lane.pending.popleft()
             group.append(pending)
             size += len(pending.ops)
@@ -574,6 +633,9 @@ class PostgresOpLogStore(OpLogStore):
                 committed_at: float | None = None
                 if writes:
                     committed_at = await sql.write_batches(conn, writes, self.channel)
+                for member, plans in zip(members, all_plans, strict=True):
+                    for pending, plan in zip(member.group, plans, strict=True):
+                        await self._enqueue_for(conn, pending, plan)
                 for member, doc, plans in zip(members, docs, all_plans, strict=True):
                     head, clock = heads[member.key], plans[-1].clock
                     if snapshot_due(head, clock, self.snapshot_every):
@@ -601,6 +663,16 @@ class PostgresOpLogStore(OpLogStore):
             [(plan.outcomes, _stamped(plan.entries, committed_at)) for plan in plans]
             for plans in all_plans
         ]
+
+    async def _enqueue_for(
+        self, conn: asyncpg.Connection, pending: _Pending, plan: CommitPlan
+    ) -> None:
+        """`append_enqueuing`'s enqueues, in its commit's transaction, if it applied an op."""
+        pending.enqueued = None  # a retried attempt starts afresh
+        if pending.enqueue is None or not plan.entries or self._queue is None:
+            return
+        batch = caused_by(pending.enqueue, plan.entries[-1].clock)
+        pending.enqueued = await self._queue.enqueue_in(conn, batch, None)
 
     async def _caught_up(
         self, conn: asyncpg.Connection, key: tuple[str, str], lane: _Lane, head: int

@@ -294,52 +294,65 @@ class PostgresQueueStore(QueueStore):
         batch = list(requests)
         if not batch and idempotency is None:
             return []
+
+        async def attempt() -> tuple[builtins.list[Enqueued], builtins.list[RequestEvent]]:
+            async with self._pool.acquire() as conn, conn.transaction():
+                return await self.enqueue_in(conn, batch, now, idempotency=idempotency)
+
+        return await self._write(attempt)
+
+    async def enqueue_in(
+        self,
+        conn: asyncpg.Connection,
+        batch: Sequence[EnqueueAsk],
+        now: float | None,
+        *,
+        idempotency: KeyCompletion[builtins.list[Enqueued]] | None = None,
+    ) -> tuple[builtins.list[Enqueued], builtins.list[RequestEvent]]:
+        """`enqueue_many`'s writes in the caller's transaction on `conn` (an op-log commit that
+        enqueues, `PostgresOpLogStore`): the answers and the events to announce, with
+        `announce_committed`, once that transaction committed (its NOTIFY fires at COMMIT)."""
         # The row the first item of each id makes if its id is absent (`model.enqueue_batch`),
         # but for its creation time, which the insert stamps (the database's when now is None).
         firsts: dict[str, NewRequest] = {}
         for item in batch:
             firsts.setdefault(item.request.request_id, item.request)
         templates = [model.new_row(req, 0.0 if now is None else now) for req in firsts.values()]
-
-        async def attempt() -> tuple[builtins.list[Enqueued], builtins.list[RequestEvent]]:
-            async with self._pool.acquire() as conn, conn.transaction():
-                # Insert-unless-present first: an absent id then cannot appear (another
-                # instance's enqueue of it waits on ours), and the rows that existed are locked
-                # before the rule reads them. A deadlock with a batch inserting the same ids in
-                # another order is retried as a whole (`run_with_retry`).
-                inserted, locked = await _insert_or_lock_many(conn, templates, now)
-                new_ids = {row["request_id"] for row in inserted}
-                others = sorted(set(firsts) - new_ids)
-                if now is not None:
-                    at = now
-                elif inserted:
-                    at = float(inserted[0]["created_at"])
-                elif locked:
-                    at = _at(None, locked[0])
-                else:  # only an empty batch completing its key
-                    at = 0.0
-                current = {row.request_id: row for row in map(sql.request_from_row, locked)}
-                if len(current) != len(others):
-                    raise RuntimeError("an enqueue conflicted with a row it cannot read")
-                answers, rows, rewritten, events = model.enqueue_batch(current, batch, at)
-                if {row.request_id for row in rows} != new_ids:
-                    raise RuntimeError("the batch inserted other rows than its rule made")
-                for row in rewritten.values():  # a rerun rewrites the whole request
-                    await conn.execute(sql.REWRITE, *sql.row_values(row))
-                if idempotency is not None:
-                    await complete_key(
-                        conn,
-                        idempotency.workspace_id,
-                        idempotency.key,
-                        idempotency.fingerprint,
-                        idempotency.respond(answers),
-                    )
-                payloads = queue_payloads(self.instance_id, events)
-                if payloads:  # fired at COMMIT, never on rollback
-                    await conn.execute(sql.NOTIFY_MANY, self.channel, payloads)
-                return answers, events
-
-        return await self._write(attempt)
+        # Insert-unless-present first: an absent id then cannot appear (another instance's
+        # enqueue of it waits on ours), and the rows that existed are locked before the rule
+        # reads them. A deadlock with a batch inserting the same ids in another order is
+        # retried as a whole (`run_with_retry`).
+        inserted, locked = await _insert_or_lock_many(conn, templates, now)
+        new_ids = {row["request_id"] for row in inserted}
+        others = sorted(set(firsts) - new_ids)
+        if now is not None:
+            at = now
+        elif inserted:
+            at = float(inserted[0]["created_at"])
+        elif locked:
+            at = _at(None, locked[0])
+        else:  # only an empty batch completing its key
+            at = 0.0
+        current = {row.request_id: row for row in map(sql.request_from_row, locked)}
+        if len(current) != len(others):
+            raise RuntimeError("an enqueue conflicted with a row it cannot read")
+        answers, rows, rewritten, events = model.enqueue_batch(current, batch, at)
+        if {row.request_id for row in rows} != new_ids:
+            raise RuntimeError("the batch inserted other rows than its rule made")
+        for row in rewritten.values():  # a rerun rewrites the whole request
+            await conn.execute(sql.REWRITE, *sql.row_values(row))
+        if idempotency is not None:
+            await complete_key(
+                conn,
+                idempotency.workspace_id,
+                idempotency.key,
+                idempotency.fingerprint,
+                idempotency.respond(answers),
+            )
+        payloads = queue_payloads(self.instance_id, events)
+        if payloads:  # fired at COMMIT, never on rollback
+            await conn.execute(sql.NOTIFY_MANY, self.channel, payloads)
+        return answers, events
 
     async def get(self, workspace_id: str, request_id: str) -> ProcessRequest | None:
         async with self._pool.acquire() as conn:

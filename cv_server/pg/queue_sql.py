@@ -56,7 +56,7 @@ _JSON_COLUMNS: Final = frozenset({"input", "result", "error", "telemetry", "enqu
 #: What only a rerun (which rewrites the whole request) may change.
 _REQUEST_COLUMNS: Final = frozenset(
     {"request_id", "workspace_id", "stage", "job_id", "branch_path", "input", "worker_class"}
-    | {"run", "max_dequeues", "created_at", "enqueue_grant"}
+    | {"run", "max_dequeues", "created_at", "enqueue_grant", "caused_by_clock"}
     | {"concurrency_key", "max_running_per_key"}
 )
 #: What every other verb may change.
@@ -172,6 +172,7 @@ _ROW_TYPES: Final = {
     ),
     "input": "text",
     "enqueue_grant": "text",
+    "caused_by_clock": "int8",
     "run": "int4",
     "max_dequeues": "int4",
     "concurrency_key": "text",

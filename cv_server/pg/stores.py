@@ -279,6 +279,7 @@ async def open_postgres_stores(config: ServerConfig) -> Stores:
             cache_limit=config.subdoc_cache_limit,
             retention_seconds=config.oplog_retention_seconds,
             skew_seconds=config.minted_at_skew_seconds,
+            queue=queue,  # an apply's `enqueue` commits with its ops (docs/queue.md)
         )
         await queue.listen(notifier)
         secret = config.token_secret or await postgres_token_secret(pool)

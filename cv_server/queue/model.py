@@ -63,6 +63,7 @@ __all__ = [
     "Transition",
     "TransitionKind",
     "cancel",
+    "caused_by",
     "check_cache",
     "check_concurrency",
     "check_lease",
@@ -188,6 +189,10 @@ class NewRequest:
     #: This request starts only while fewer than this many requests of its key run (None:
     #: unlimited). Each row carries its own limit: it is the one that row is held to.
     max_running_per_key: int | None = None
+    #: The clock of the op-log commit that enqueued it (an apply's `enqueue`, docs/queue.md,
+    #: "Start work with the change that needs it"): the sub-doc is at least at this clock when
+    #: the stage runs. None: enqueued on its own. The store stamps it inside the commit.
+    caused_by_clock: int | None = None
 
     def __post_init__(self) -> None:
         # A row that may be claimed zero times would be pending forever and never poisoned.
@@ -268,6 +273,8 @@ class ProcessRequest:
     #: `NewRequest.concurrency_key` and `NewRequest.max_running_per_key`.
     concurrency_key: str | None = None
     max_running_per_key: int | None = None
+    #: `NewRequest.caused_by_clock`: the clock of the commit that enqueued it (None: on its own).
+    caused_by_clock: int | None = None
 
     @property
     def is_live(self) -> bool:
@@ -319,6 +326,7 @@ class ProcessRequest:
             enqueue_grant=_copy_json(self.enqueue_grant),
             concurrency_key=self.concurrency_key,
             max_running_per_key=self.max_running_per_key,
+            caused_by_clock=self.caused_by_clock,
         )
         if now is not None:
             data["unclaimed_seconds"] = unclaimed_seconds(self, now)
@@ -431,6 +439,7 @@ def new_row(req: NewRequest, now: float) -> ProcessRequest:
         enqueue_grant=_copy_json(req.enqueue_grant),
         concurrency_key=req.concurrency_key,
         max_running_per_key=req.max_running_per_key,
+        caused_by_clock=req.caused_by_clock,
     )
 
 
@@ -476,6 +485,15 @@ class EnqueueAsk:
 
     request: NewRequest
     rerun: bool = False
+
+
+def caused_by(batch: Iterable[EnqueueAsk], clock: int) -> list[EnqueueAsk]:
+    """`batch` with each request's `caused_by_clock` set to `clock`: the enqueues of an op-log
+    commit whose last applied op has that clock (`OpLogStore.append_enqueuing`)."""
+    return [
+        dataclasses.replace(ask, request=dataclasses.replace(ask.request, caused_by_clock=clock))
+        for ask in batch
+    ]
 
 
 class BatchEnqueue(NamedTuple):

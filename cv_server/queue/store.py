@@ -138,6 +138,12 @@ class QueueStore(abc.ABC):
                 except Exception:
                     logger.exception("queue observer failed on %s", event)
 
+    def announce_committed(self, events: Sequence[RequestEvent]) -> None:
+        """Announce `events` that another store's transaction wrote into this queue and has
+        committed (`OpLogStore.append_enqueuing`: the op-log commit that enqueues). Call after
+        that commit, never before, exactly once, as this store's own verbs do."""
+        self._committed(events)
+
     def _announce(self, events: Iterable[RequestEvent]) -> None:
         """Backends call this after the commit that made `events` true."""
         for event in events:

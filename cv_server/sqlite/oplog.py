@@ -52,6 +52,7 @@ from cv_server.oplog.pipeline import (
     snapshot_due,
 )
 from cv_server.oplog.store import (
+    AppendEnqueued,
     Compaction,
     IncomingOp,
     LogEntry,
@@ -61,7 +62,10 @@ from cv_server.oplog.store import (
     Outcome,
     SubDocHead,
 )
+from cv_server.queue.model import EnqueueAsk, RequestEvent, caused_by
+from cv_server.shielded import commit_then_announce
 from cv_server.sqlite.engine import SQLiteDatabase, Transaction
+from cv_server.sqlite.queue import SQLiteQueueStore, enqueue_rows
 
 __all__ = ["OpLogCorrupted", "SQLiteOpLogStore", "create_schema"]
 
@@ -251,6 +255,7 @@ class SQLiteOpLogStore(OpLogStore):
         owns_db: bool = False,
         retention_seconds: float = 0.0,
         skew_seconds: float = 0.0,
+        queue: SQLiteQueueStore | None = None,
     ) -> None:
         self._settings(
             snapshot_every=snapshot_every,
@@ -260,6 +265,8 @@ class SQLiteOpLogStore(OpLogStore):
         )
         self.db = db
         self._now = now
+        #: The queue of the same file, which `append_enqueuing` writes into (None: unbound).
+        self._queue = queue
         self._owns_db = owns_db
         self._closed = False
         # Writer-thread only (see module docstring).
@@ -319,6 +326,37 @@ class SQLiteOpLogStore(OpLogStore):
         return self.db.submit(
             lambda tx: self._append_job(tx, workspace_id, sub_doc, batch, atomic, if_clock)
         )
+
+    async def append_enqueuing(
+        self,
+        workspace_id: str,
+        sub_doc: str,
+        ops: Sequence[IncomingOp],
+        enqueue: Sequence[EnqueueAsk],
+        *,
+        atomic: bool = False,
+        if_clock: int | None = None,
+    ) -> AppendEnqueued:
+        """One writer job: the append, then (if it applied an op) the enqueues; a raise from
+        either rolls back the job's savepoint, so neither is written."""
+        self._check_open()
+        queue = self._queue
+        if queue is None:
+            raise NotImplementedError("this op-log store is not bound to a queue store")
+        batch, asks = list(ops), list(enqueue)
+
+        def job(tx: Transaction) -> tuple[AppendEnqueued, list[RequestEvent]]:
+            outcomes, entries = (
+                self._append_job(tx, workspace_id, sub_doc, batch, atomic, if_clock)
+                if batch
+                else ([], [])
+            )
+            if not entries:
+                return AppendEnqueued(outcomes, entries, None), []
+            answers, events = enqueue_rows(tx, caused_by(asks, entries[-1].clock), self._now())
+            return AppendEnqueued(outcomes, entries, answers), events
+
+        return await commit_then_announce(self.db.submit(job), queue.announce_committed)
 
     async def read_since(
         self, workspace_id: str, sub_doc: str, since: int, limit: int

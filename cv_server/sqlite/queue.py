@@ -48,7 +48,14 @@ from cv_server.sqlite.engine import SQLiteDatabase, Transaction
 from cv_server.sqlite.idempotency import complete_key
 from cv_server.tokens import new_claim_token
 
-__all__ = ["CLAIM_PROBES", "TABLE", "SQLiteQueueStore", "claimable_sql", "create_schema"]
+__all__ = [
+    "CLAIM_PROBES",
+    "TABLE",
+    "SQLiteQueueStore",
+    "claimable_sql",
+    "create_schema",
+    "enqueue_rows",
+]
 
 TABLE: Final = "workspace_process_requests"
 
@@ -57,7 +64,7 @@ _JSON_COLUMNS: Final = frozenset({"input", "result", "error", "telemetry", "enqu
 #: What only a rerun (which rewrites the whole request) may change.
 _REQUEST_COLUMNS: Final = frozenset(
     {"request_id", "workspace_id", "stage", "job_id", "branch_path", "input", "worker_class"}
-    | {"run", "max_dequeues", "created_at", "enqueue_grant"}
+    | {"run", "max_dequeues", "created_at", "enqueue_grant", "caused_by_clock"}
     | {"concurrency_key", "max_running_per_key"}
 )
 #: What every other verb may change: all `_update` compares and writes, so a claim never
@@ -198,6 +205,7 @@ def create_schema(db: sqlite_utils.Database) -> None:
             "enqueue_grant": str,
             "concurrency_key": str,
             "max_running_per_key": int,
+            "caused_by_clock": int,
         },
         pk="request_id",
         not_null={
@@ -226,6 +234,9 @@ def create_schema(db: sqlite_utils.Database) -> None:
     if "concurrency_key" not in db.table(TABLE).columns_dict:
         db.table(TABLE).add_column("concurrency_key", str)
         db.table(TABLE).add_column("max_running_per_key", int)
+    # One made before enqueue-with-commit: every row of it was enqueued on its own (NULL).
+    if "caused_by_clock" not in db.table(TABLE).columns_dict:
+        db.table(TABLE).add_column("caused_by_clock", int)
     # Partial indexes need a WHERE clause, which sqlite-utils' create_index cannot express.
     # Each holds only the rows of one status, so it stays the size of the live backlog, not of
     # the whole history of done rows.
@@ -487,6 +498,15 @@ def _enqueue_rows(
     for request_id, row in rewritten.items():  # a rerun rewrites the whole request
         _update(tx, stored[request_id], row, _COLUMNS)
     return outcomes, events
+
+
+def enqueue_rows(
+    tx: Transaction, batch: Sequence[EnqueueAsk], now: float
+) -> tuple[builtins.list[Enqueued], builtins.list[RequestEvent]]:
+    """`enqueue_many`'s writes inside another store's writer job on the same file (the op-log
+    commit that enqueues, `SQLiteOpLogStore.append_enqueuing`): the answers, and the events to
+    announce with `QueueStore.announce_committed` once the job committed."""
+    return _enqueue_rows(tx, batch, now)
 
 
 def _now(now: float | None) -> float:

@@ -161,14 +161,15 @@ async def open_sqlite_stores(config: ServerConfig) -> Stores:
     if config.db_path is None:
         raise ValueError("ServerConfig.db_path is required for the SQLite backend")
     db = await open_sqlite_database(str(config.db_path))
+    queue = queue_sqlite.SQLiteQueueStore(db)
     oplog = oplog_sqlite.SQLiteOpLogStore(
         db,
         snapshot_every=config.snapshot_every,
         cache_limit=config.subdoc_cache_limit,
         retention_seconds=config.oplog_retention_seconds,
         skew_seconds=config.minted_at_skew_seconds,
+        queue=queue,  # an apply's `enqueue` commits with its ops (docs/queue.md)
     )
-    queue = queue_sqlite.SQLiteQueueStore(db)
     idempotency = idempotency_sqlite.SQLiteIdempotencyStore(
         db, retention=config.idempotency_retention_seconds
     )

@@ -107,6 +107,11 @@ class HttpApi:
 
     async def post_ops(self, workspace_id: str, sub_doc: str, body: str) -> Any:
         """POST a batch (`body` is the JSON text); return its `results` list."""
+        return (await self.post_apply(workspace_id, sub_doc, body))["results"]
+
+    async def post_apply(self, workspace_id: str, sub_doc: str, body: str) -> dict[str, Any]:
+        """POST a batch (`body` is the JSON text); return the whole answer (`results`, and
+        `enqueued` for an apply that enqueues)."""
         answer = await self.request(
             "POST",
             self.doc_path(workspace_id, sub_doc) + "/ops",
@@ -114,7 +119,7 @@ class HttpApi:
         )
         if not isinstance(answer, dict) or "results" not in answer:
             raise ProtocolError("bad_answer", "an ops answer without results")
-        return answer["results"]
+        return answer
 
     async def get_state(self, workspace_id: str, sub_doc: str) -> Any:
         return await self.request("GET", self.doc_path(workspace_id, sub_doc))

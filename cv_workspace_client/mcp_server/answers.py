@@ -22,6 +22,7 @@ from cv_workspace_client.errors import StillPendingError, VersionConflictError, 
 __all__ = [
     "ApplyAnswer",
     "EnqueueAnswer",
+    "EnqueueSpec",
     "ListAnswer",
     "OpOutcome",
     "OpsAnswer",
@@ -71,6 +72,18 @@ class OpOutcome(BaseModel):
     message: str | None = None
 
 
+class EnqueueSpec(BaseModel):
+    """One stage run `apply_ops` queues with its commit (`enqueue`)."""
+
+    stage: str = Field(description="the stage to run (e.g. `evaluate`)")
+    job_id: str | None = Field(
+        default=None, description="the job: with it the request id is deterministic"
+    )
+    branch_path: str | None = Field(default=None, description="the branch of the job")
+    input: JsonValue = Field(default=None, description="the stage's input (JSON)")
+    rerun: bool = Field(default=False, description="run a finished request again")
+
+
 class ApplyAnswer(BaseModel):
     """`apply_ops`: one outcome per op, in the order given. Call again with the same ops and
     these `op_ids` to retry safely: each op is applied once, and a repeat answers `duplicate`."""
@@ -79,6 +92,8 @@ class ApplyAnswer(BaseModel):
     sub_doc: str
     op_ids: list[str]
     results: list[OpOutcome]
+    #: With `enqueue`: one answer per item (null: not enqueued, the ops applied nothing).
+    enqueued: list[EnqueueAnswer | None] | None = None
 
 
 class EnqueueAnswer(BaseModel):

@@ -48,6 +48,7 @@ from cv_workspace_client.mcp_server.answers import (
     ApplyAnswer,
     CommittedOp,
     EnqueueAnswer,
+    EnqueueSpec,
     ListAnswer,
     OpOutcome,
     OpsAnswer,
@@ -70,7 +71,7 @@ from cv_workspace_client.mcp_server.transports import (
     run_http,
     run_stdio,
 )
-from cv_workspace_client.queue_models import QueuedRequest
+from cv_workspace_client.queue_models import EnqueueItem, QueuedRequest
 
 __all__ = [
     "DRAIN_SECONDS",
@@ -232,6 +233,16 @@ class _Tools(ScheduleTools):
                 "with new op_ids",
             ),
         ] = None,
+        enqueue: Annotated[
+            list[EnqueueSpec] | None,
+            Field(
+                min_length=1,
+                max_length=1000,
+                description="stage runs to queue in the same transaction as the ops, only if "
+                "they apply (docs/queue.md#start-work-with-the-change-that-needs-it); needs the "
+                "`enqueue` scope. Retrying with the same op_ids enqueues nothing twice",
+            ),
+        ] = None,
     ) -> ApplyAnswer:
         """Apply ops to the sub-doc, in order. Each op is applied once: a call repeated with the
         `op_ids` of the first answer gets `duplicate: true`, not a second apply. A rejected op
@@ -243,10 +254,43 @@ class _Tools(ScheduleTools):
         mint = self.client.mint_op_id
         minted = [op if op.op_id else op.model_copy(update={"op_id": mint()}) for op in ops]
         op_ids = [str(op.op_id) for op in minted]
+        enqueued: list[EnqueueAnswer | None] | None = None
         try:
-            outcomes = await self.client.apply_ops(
-                workspace_id, sub_doc, minted, atomic=atomic, if_clock=if_clock
-            )
+            if enqueue is None:
+                outcomes = await self.client.apply_ops(
+                    workspace_id, sub_doc, minted, atomic=atomic, if_clock=if_clock
+                )
+            else:
+                done = await self.client.apply_ops_and_enqueue(
+                    workspace_id,
+                    sub_doc,
+                    minted,
+                    [
+                        EnqueueItem(
+                            spec.stage,
+                            job_id=spec.job_id,
+                            branch_path=spec.branch_path,
+                            input=spec.input,
+                            rerun=spec.rerun,
+                        )
+                        for spec in enqueue
+                    ],
+                    atomic=atomic,
+                    if_clock=if_clock,
+                )
+                outcomes = done.results
+                enqueued = [
+                    None
+                    if answer is None
+                    else EnqueueAnswer(
+                        request_id=answer.request_id,
+                        status=answer.status,
+                        coalesced=answer.coalesced,
+                        input_differs=answer.input_differs,
+                        replayed=False,
+                    )
+                    for answer in done.enqueued
+                ]
         except WorkspaceError as exc:
             raise _WithOpIds(exc, op_ids) from exc
         results: list[OpOutcome] = []
@@ -267,7 +311,11 @@ class _Tools(ScheduleTools):
                     )
                 )
         return ApplyAnswer(
-            workspace_id=workspace_id, sub_doc=sub_doc, op_ids=op_ids, results=results
+            workspace_id=workspace_id,
+            sub_doc=sub_doc,
+            op_ids=op_ids,
+            results=results,
+            enqueued=enqueued,
         )
 
     async def enqueue(

@@ -64,8 +64,11 @@ class ServerProcess:
         *,
         database_url: str | None = None,
         settings: tuple[str, ...] = (),
+        entry: tuple[str, ...] = ("-m", "cv_server.cli"),
     ) -> None:
         self.db = db
+        #: What runs `cv-server`'s arguments (a test module wrapping it, say).
+        self.entry = entry
         self.database_url = database_url
         #: `NAME=VALUE` overrides, each passed as `--set NAME=VALUE`.
         self.settings = settings
@@ -87,7 +90,7 @@ class ServerProcess:
         overrides = [arg for setting in self.settings for arg in ("--set", setting)]
         args = ["serve", *backend, "--port", str(self.port), "--log-level", "WARNING", *overrides]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cv_server.cli", *args],
+            [sys.executable, *self.entry, *args],
             stdout=subprocess.PIPE,
             stderr=self._log_file,
             text=True,

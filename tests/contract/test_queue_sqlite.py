@@ -242,6 +242,27 @@ async def test_a_file_made_before_concurrency_keys_gains_the_columns(tmp_path: P
         await db.close()
 
 
+async def test_a_file_made_before_enqueue_with_the_commit_gains_the_column(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "queue.db"
+    db = await SQLiteDatabase.open(path, schema=schema)
+    row, _ = await SQLiteQueueStore(db).enqueue(request(), 1.0)
+    await db.close()
+    with sqlite3.connect(path) as conn:  # the table as an older release made it
+        conn.execute(f"ALTER TABLE {TABLE} DROP COLUMN caused_by_clock")
+    db = await SQLiteDatabase.open(path, schema=schema)
+    try:
+        store = SQLiteQueueStore(db)
+        found = await store.get(WS, row.request_id)
+        assert found == row
+        assert found.caused_by_clock is None  # enqueued on its own, as every older row was
+        other, _ = await store.enqueue(request("job-2"), 2.0)
+        assert other.caused_by_clock is None
+    finally:
+        await db.close()
+
+
 async def test_the_purge_is_an_index_seek(tmp_path: Path) -> None:
     """A purge batch seeks the partial index of finished rows: its cost is the batch, not the
     queue's whole history (`PURGE_BATCH`)."""

@@ -233,3 +233,26 @@ async def test_apply_ops_based_on_a_stale_clock_is_a_version_conflict_naming_the
         assert len(error["op_ids"]) == 1
         state = await call(client, "get_state", workspace_id=WS, sub_doc="tree")
     assert set(state["state"]["nodes"]) == {"root", "a"}
+
+
+async def test_apply_ops_with_enqueue_queues_the_work_with_the_commit_once(
+    server_url: str, token: str
+) -> None:
+    async with in_process(server_url, token) as (client, _):
+        ops = [{"type": "node.insert", "node_id": "job", "parent_id": "root"}]
+        enqueue = [{"stage": "evaluate", "job_id": "job", "input": {"node": "job"}}]
+        first = await call(
+            client, "apply_ops", workspace_id=WS, sub_doc="tree", ops=ops, enqueue=enqueue
+        )
+        (answer,) = first["enqueued"]
+        assert (answer["status"], answer["coalesced"]) == ("pending", False)
+        # The same call with the op_ids of the first answer: nothing applied or enqueued again.
+        again_ops = [{**ops[0], "op_id": first["op_ids"][0]}]
+        again = await call(
+            client, "apply_ops", workspace_id=WS, sub_doc="tree", ops=again_ops, enqueue=enqueue
+        )
+        assert again["results"][0]["duplicate"] is True
+        assert again["enqueued"][0]["request_id"] == answer["request_id"]
+        assert again["enqueued"][0]["coalesced"] is True
+        row = await call(client, "get_request", workspace_id=WS, request_id=answer["request_id"])
+    assert row["status"] == "pending"

@@ -179,6 +179,24 @@ async def test_a_client_over_its_budget_gets_429_with_retry_after_and_nothing_ap
     assert 'cv_rate_limited_total{route_class="ops"} 2' in metrics
 
 
+async def test_an_apply_that_enqueues_pays_the_enqueue_budget_too_and_nothing_applied(
+    aiohttp_client: ClientFactory, make_config: Any
+) -> None:
+    client = await _limited(aiohttp_client, make_config, rate_limit_enqueue_per_second=1.0)
+    path = f"/v1/workspaces/{WS}/docs/d/ops"
+    work = [{"stage": "evaluate"}]
+    first = await client.post(path, json={"ops": [_op(0)], "enqueue": work}, headers=auth(WS))
+    assert first.status == 200
+    refused = await client.post(path, json={"ops": [_op(1)], "enqueue": work}, headers=auth(WS))
+    assert refused.status == 429
+    body = await refused.json()
+    assert (body["code"], body["route_class"]) == ("rate_limited", "enqueue")
+    # An apply that enqueues nothing is not an enqueue.
+    plain = await client.post(path, json={"ops": [_op(2)]}, headers=auth(WS))
+    assert plain.status == 200
+    assert await _ops_log(client) == ["rl-op-0000", "rl-op-0002"]
+
+
 async def test_a_request_without_a_valid_token_is_answered_401_not_counted(
     aiohttp_client: ClientFactory, make_config: Any
 ) -> None:

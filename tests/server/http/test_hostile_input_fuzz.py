@@ -171,12 +171,25 @@ class Context:
     #: The request's claim token: the result upload reads its body only for its holder.
     claim_token: str = ""
     ops_answered: set[str] = field(default_factory=set)
+    #: Requests an apply's `enqueue` was answered with (enqueued now or before).
+    requests_answered: set[str] = field(default_factory=set)
     statuses: dict[int, int] = field(default_factory=dict)
     closes: dict[int, int] = field(default_factory=dict)
 
 
 #: Compare-and-set clocks: some that may match a head, some stale, some not clocks at all.
 _IF_CLOCKS: list[Any] = [0, 1, 2, 5, 10**6, -1, 2**62 + 1, 2**64, "1", 1.0, True, None, [], {}]
+#: An apply's `enqueue` items: job-less (ids derived from the op_ids), deterministic, reruns.
+_ENQUEUE_ITEMS: list[dict[str, Any]] = [
+    {"stage": "e"},
+    {"stage": "e", "job_id": "fz-j", "input": {"n": 1}},
+    {"stage": "e", "job_id": "fz-j", "deterministic": False},
+    {"stage": "e", "job_id": "fz-r", "rerun": True, "max_dequeues": 3},
+]
+
+
+def _enqueue(rng: random.Random) -> list[dict[str, Any]]:
+    return [rng.choice(_ENQUEUE_ITEMS) for _ in range(rng.choice([1, 1, 2, 3]))]
 
 
 def _routes(ctx: Context) -> list[tuple[str, Callable[[random.Random], Any]]]:
@@ -189,6 +202,8 @@ def _routes(ctx: Context) -> list[tuple[str, Callable[[random.Random], Any]]]:
             body["atomic"] = rng.random() < 0.5
         if rng.random() < 0.3:
             body["if_clock"] = rng.choice(_IF_CLOCKS)
+        if rng.random() < 0.3:
+            body["enqueue"] = _enqueue(rng)
         return body
 
     def holder(rng: random.Random) -> Any:
@@ -258,9 +273,13 @@ def _check_http(answer: RawAnswer, where: str, ctx: Context) -> None:
         assert problem["code"] in CODES, (where, problem)
         assert problem["status"] == answer.status, (where, problem)
     elif answer.status == 200 and "/docs/" in where:
-        for result in answer.json()["results"]:
+        applied = answer.json()
+        for result in applied["results"]:
             if "clock" in result:
                 ctx.ops_answered.add(result["op_id"])
+        for item in applied.get("enqueued") or []:
+            if item["status"] is not None:
+                ctx.requests_answered.add(item["request_id"])
 
 
 # -- the websocket -------------------------------------------------------------------------------
@@ -280,6 +299,8 @@ def _ws_message(rng: random.Random) -> tuple[bytes, int]:
             base["ops"] = [_op(rng, "w") for _ in range(rng.choice([1, 2, 3]))]
             if rng.random() < 0.3:
                 base["if_clock"] = rng.choice(_IF_CLOCKS)
+            if rng.random() < 0.1:
+                base["enqueue"] = _enqueue(rng)  # HTTP only: refused on the socket
         if kind == "subscribe":
             base["since"] = rng.choice([0, 0, 1, 10**6])
         return _mutate(rng, base) if rng.random() < 0.7 else base
@@ -425,12 +446,21 @@ async def test_hostile_input_never_breaks_the_server_or_its_promise(
         rows = log.execute(
             "SELECT sub_doc, clock, op_id FROM workspace_sub_doc_ops WHERE workspace_id = 'ws1'"
         ).fetchall()
+        requests = log.execute(
+            "SELECT request_id, caused_by_clock FROM workspace_process_requests"
+            " WHERE workspace_id = 'ws1'"
+        ).fetchall()
     finally:
         log.close()
     logged = {op_id for _, _, op_id in rows}
     answered = ctx.ops_answered | set(good.acked)
     assert logged - answered == set(), "applied without an answer"
     assert answered - logged == set(), "acknowledged and lost"
+    # The same for what applies enqueued: every request a commit made was answered, and every
+    # request an answer named is in the queue.
+    caused = {request_id for request_id, clock in requests if clock is not None}
+    assert caused - ctx.requests_answered == set(), "enqueued without an answer"
+    assert ctx.requests_answered - {r for r, _ in requests} == set(), "answered and lost"
     # The well-behaved client: every apply acked, every broadcast of "tree" once and in order.
     tree = sorted(clock for sub_doc, clock, _ in rows if sub_doc == "tree")
     clocks = [clock for clock, _ in good.broadcast]
@@ -441,6 +471,7 @@ async def test_hostile_input_never_breaks_the_server_or_its_promise(
     assert len(good.acked) > 10
     # The run exercised what it claims to (true of every seed tried; the mix is fixed).
     assert ctx.statuses.get(200, 0) > 5
+    assert len(ctx.requests_answered) > 0
     assert ctx.statuses.get(413, 0) > 0
     assert ctx.statuses.get(415, 0) > 0
     assert ctx.statuses.get(400, 0) > 5
