@@ -4,7 +4,7 @@
                              [--jobs 4000] [--workers 4] [--batches 1,16,64]
                              [--peer-concurrency 1,64] [--rounds 1] [--procrastinate-python PATH]
                              [--peers procrastinate,dbos,pgqueuer,oban,graphile-worker]
-                             [--ours-worker sdk,raw] [--transport channel|http]
+                             [--ours-worker sdk,raw] [--transport channel,http]
 
 cv-workspace: one `cv-server` on PostgreSQL (fresh schema); N no-op requests enqueued through
 `POST /v1/workspaces/{ws}/requests` by 16 concurrent clients; then one of two drains
@@ -12,9 +12,9 @@ cv-workspace: one `cv-server` on PostgreSQL (fresh schema); N no-op requests enq
 
 `sdk` (the default): `--workers` real `cv-worker` processes, each with `--concurrency` set to each
 of `--peer-concurrency` in turn (the peers' figure at the same concurrency is its yardstick), over
-`--transport` (`channel`, the worker's default: one long-lived connection per worker; or `http`:
-a request per claim and report). Drain from first to last stage start, as the new peers'
-(`bench._pg_queue_sdk`).
+`--transport` (`channel`, the worker's default: one long-lived connection per worker; `http`: a
+request per claim and report; `channel,http`: both, one after the other). Drain from first to
+last stage start, as the new peers' (`bench._pg_queue_sdk`).
 
 `raw`: `--workers` processes of the bench's own HTTP drainer, through the HTTP worker routes —
 with batch 1, `POST /v1/queue/claim` and the request's own `.../complete` (one claim and one
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import multiprocessing
 import os
@@ -429,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated: sdk (cv-worker processes), raw (the bench's HTTP drainer)",
     )
     parser.add_argument(
-        "--transport", choices=["channel", "http"], default="channel", help="the sdk side's"
+        "--transport", default="channel", help="the sdk side's: channel, http, or both (comma)"
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -442,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     sides = [w for w in args.ours_worker.split(",") if w]
     if set(sides) - {"sdk", "raw"}:
         parser.error(f"--ours-worker takes sdk and/or raw, not {args.ours_worker!r}")
+    transports = [t for t in args.transport.split(",") if t]
+    if not transports or set(transports) - {"channel", "http"}:
+        parser.error(f"--transport takes channel and/or http, not {args.transport!r}")
     python = peer_python(args.procrastinate_python) if "procrastinate" in peers else None
     dbos = dbos_python(args.dbos_python) if "dbos" in peers else None
     commands = {
@@ -487,9 +491,9 @@ def main(argv: list[str] | None = None) -> int:
         for peer, rows in persisted.items():
             print(f"  rows per job left after the drain, {peer}: {rows}", flush=True)
         if "sdk" in sides:
-            for concurrency in concurrencies:
-                sdk = run_sdk(dsn, jobs, workers, concurrency, args.transport, _enqueue)
-                name = f"cv-worker {args.transport} x {concurrency}"
+            for transport, concurrency in itertools.product(transports, concurrencies):
+                sdk = run_sdk(dsn, jobs, workers, concurrency, transport, _enqueue)
+                name = f"cv-worker {transport} x {concurrency}"
                 print(
                     f"  {name:<29} enqueue {jobs / sdk.enqueue_s:7,.0f} jobs/s   drain"
                     f" {jobs / sdk.drain_s:7,.0f} jobs/s"
