@@ -4,13 +4,23 @@
                              [--jobs 4000] [--workers 4] [--batches 1,16,64]
                              [--peer-concurrency 1,64] [--rounds 1] [--procrastinate-python PATH]
                              [--peers procrastinate,dbos,pgqueuer,oban,graphile-worker]
+                             [--ours-worker sdk,raw] [--transport channel,http]
 
 cv-workspace: one `cv-server` on PostgreSQL (fresh schema); N no-op requests enqueued through
-`POST /v1/workspaces/{ws}/requests` by 16 concurrent clients; then `--workers` worker processes
-drain them through the HTTP worker routes — with batch 1, `POST /v1/queue/claim` and the
-request's own `.../complete` (one claim and one complete per job, as a plain worker does); with
-batch B > 1, `claim` with `limit: B` and `POST /v1/queue/complete` (one commit per batch).
-Each worker stops at its first empty claim (everything was enqueued before the drain began).
+`POST /v1/workspaces/{ws}/requests` by 16 concurrent clients; then one of two drains
+(`--ours-worker`, both if asked):
+
+`sdk` (the default): `--workers` real `cv-worker` processes, each with `--concurrency` set to each
+of `--peer-concurrency` in turn (the peers' figure at the same concurrency is its yardstick), over
+`--transport` (`channel`, the worker's default: one long-lived connection per worker; `http`: a
+request per claim and report; `channel,http`: both, one after the other). Drain from first to
+last stage start, as the new peers' (`bench._pg_queue_sdk`).
+
+`raw`: `--workers` processes of the bench's own HTTP drainer, through the HTTP worker routes —
+with batch 1, `POST /v1/queue/claim` and the request's own `.../complete` (one claim and one
+complete per job, as a plain worker does); with batch B > 1 (`--batches`), `claim` with `limit: B`
+and `POST /v1/queue/complete` (one commit per batch). Each worker stops at its first empty claim
+(everything was enqueued before the drain began).
 
 procrastinate: the same N no-op jobs deferred in batches into its own fresh schema, then as many
 worker processes (`wait=False`: exit once caught up, LISTEN/NOTIFY on) drain them, each running
@@ -31,14 +41,16 @@ job.
 Every side is checked after the drain (every job done exactly once: the new peers log each job's
 start and fail on a job run twice or never) before a figure is printed. All are durable
 (`synchronous_commit` as configured, printed; none uses unlogged tables). The new peers' drain is
-first to last job start, as `bench.queue` measures huey and DBOS; ours and procrastinate's is the
-whole drain from the go signal (ours therefore counts its first claim and last completion too).
+first to last job start, as `bench.queue` measures huey and DBOS, and so is the sdk side's; the
+raw side's and procrastinate's is the whole drain from the go signal (the raw side therefore counts
+its first claim and last completion too).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import multiprocessing
 import os
@@ -52,6 +64,7 @@ from typing import Any, Final
 
 import asyncpg  # type: ignore[import-untyped]
 
+from bench._pg_queue_sdk import run_sdk
 from bench.pg_instances import RawPoster, Server, cli, fresh_schema, pg_setting, with_schema
 
 WORKSPACE: Final = "bench"
@@ -411,6 +424,14 @@ def main(argv: list[str] | None = None) -> int:
         "--no-dbos", action="store_true", help="same as leaving dbos out of --peers"
     )
     parser.add_argument("--oban-base-python", default=None, help="a Python >= 3.12 for Oban's venv")
+    parser.add_argument(
+        "--ours-worker",
+        default="sdk",
+        help="comma-separated: sdk (cv-worker processes), raw (the bench's HTTP drainer)",
+    )
+    parser.add_argument(
+        "--transport", default="channel", help="the sdk side's: channel, http, or both (comma)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.jobs, args.workers, args.batches, args.peer_concurrency = 2000, 1, "1,64", "1,64"
@@ -419,6 +440,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(peers) - set(PEERS)
     if unknown:
         parser.error(f"unknown peers {sorted(unknown)}; known: {', '.join(PEERS)}")
+    sides = [w for w in args.ours_worker.split(",") if w]
+    if set(sides) - {"sdk", "raw"}:
+        parser.error(f"--ours-worker takes sdk and/or raw, not {args.ours_worker!r}")
+    transports = [t for t in args.transport.split(",") if t]
+    if not transports or set(transports) - {"channel", "http"}:
+        parser.error(f"--transport takes channel and/or http, not {args.transport!r}")
     python = peer_python(args.procrastinate_python) if "procrastinate" in peers else None
     dbos = dbos_python(args.dbos_python) if "dbos" in peers else None
     commands = {
@@ -463,23 +490,42 @@ def main(argv: list[str] | None = None) -> int:
                 )
         for peer, rows in persisted.items():
             print(f"  rows per job left after the drain, {peer}: {rows}", flush=True)
-        for batch in (int(b) for b in args.batches.split(",")):
-            enqueue_s, drain_s = run_ours(dsn, jobs, workers, batch)
-            line = (
-                f"  cv-workspace, batch {batch:<4}        enqueue {jobs / enqueue_s:7,.0f} jobs/s"
-                f"   drain {jobs / drain_s:7,.0f} jobs/s"
-            )
-            same = {p: d for (p, c), d in drains.items() if c == batch}
-            if same:
-                best = min(same, key=lambda p: same[p])
-                line += (
-                    f"   {same[best] / drain_s:5.2f}x the best peer at concurrency {batch}"
-                    f" ({best});" + ", ".join(f" {p} {same[p] / drain_s:.2f}x" for p in same)
+        if "sdk" in sides:
+            for transport, concurrency in itertools.product(transports, concurrencies):
+                sdk = run_sdk(dsn, jobs, workers, concurrency, transport, _enqueue)
+                name = f"cv-worker {transport} x {concurrency}"
+                print(
+                    f"  {name:<29} enqueue {jobs / sdk.enqueue_s:7,.0f} jobs/s   drain"
+                    f" {jobs / sdk.drain_s:7,.0f} jobs/s"
+                    + _ratios(sdk.drain_s, drains, concurrency),
+                    flush=True,
                 )
-            elif drains:
-                line += f"   {min(drains.values()) / drain_s:5.2f}x the best peer drain"
-            print(line, flush=True)
+                print(f"      wall {sdk.wall_s:.1f} s; {sdk.cpu()}", flush=True)
+        if "raw" in sides:
+            for batch in (int(b) for b in args.batches.split(",")):
+                enqueue_s, drain_s = run_ours(dsn, jobs, workers, batch)
+                name = f"cv-workspace, batch {batch}"
+                print(
+                    f"  {name:<29} enqueue {jobs / enqueue_s:7,.0f} jobs/s"
+                    f"   drain {jobs / drain_s:7,.0f} jobs/s" + _ratios(drain_s, drains, batch),
+                    flush=True,
+                )
+    print(f"load {os.getloadavg()[0]:.1f} at the end", flush=True)
     return 0
+
+
+def _ratios(drain_s: float, drains: dict[tuple[str, int], float], concurrency: int) -> str:
+    """Ours against the peers at the same concurrency (rates: the inverse of the drain times)."""
+    same = {p: d for (p, c), d in drains.items() if c == concurrency}
+    if same:
+        best = min(same, key=lambda p: same[p])
+        return (
+            f"   {same[best] / drain_s:5.2f}x the best peer at concurrency {concurrency}"
+            f" ({best});" + ", ".join(f" {p} {same[p] / drain_s:.2f}x" for p in same)
+        )
+    if drains:
+        return f"   {min(drains.values()) / drain_s:5.2f}x the best peer drain"
+    return ""
 
 
 if __name__ == "__main__":

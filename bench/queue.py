@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final
@@ -151,9 +152,10 @@ def run_enqueue_only(
     return rates[0], rates[1], "server CPU/enqueue: " + ", ".join(cpu)
 
 
-def _start_worker(
-    url: str, token: str, concurrency: int, name: str, log: IO[str]
+def start_worker(
+    url: str, token: str, concurrency: int, name: str, log: IO[str], extra: Sequence[str] = ()
 ) -> subprocess.Popen[str]:
+    """A `cv-worker` process running the no-op stage (`extra`: more of its flags)."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -172,6 +174,7 @@ def _start_worker(
             name,
             "--log-level",
             "WARNING",
+            *extra,
         ],
         stdout=subprocess.PIPE,
         stderr=log,
@@ -206,7 +209,7 @@ def run_ours(
         load0 = MachineLoad.now()
         started = time.perf_counter()
         procs = [
-            _start_worker(server.url, server.token, concurrency, f"bench-{k}", log)
+            start_worker(server.url, server.token, concurrency, f"bench-{k}", log)
             for k in range(workers)
         ]
         ps = [psutil.Process(p.pid) for p in procs]
