@@ -238,5 +238,11 @@ async def test_an_idle_channel_writes_no_log_line(
     with caplog.at_level("DEBUG"):
         await ws.send_json({"type": "drain", "id": 1})  # a round trip after some idling
         assert (await _frame(ws))["type"] == "answer"
-    assert [r.getMessage() for r in caplog.records if r.name.startswith("cv_server")] == []
+    # The scheduler's one line when it takes its lease at start is its own, not the channel's.
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("cv_server") and r.name != "cv_server.schedules.firing"
+    ]
+    assert lines == []
     await ws.close()
