@@ -28,7 +28,7 @@ from cv_server.http.problems import Problem
 from cv_server.http.security import authenticate, authorize
 from cv_server.keys import CONFIG, STORES
 
-__all__ = ["MAX_PAGE", "routes"]
+__all__ = ["MAX_PAGE", "page_limit", "routes"]
 
 routes = web.RouteTableDef()
 
@@ -39,7 +39,8 @@ _DEFAULT_PAGE: Final = 100
 _MAX_KEY_PART: Final = 256
 
 
-def _limit(request: web.Request) -> int:
+def page_limit(request: web.Request) -> int:
+    """The `limit` query parameter of a listing: 1..MAX_PAGE, 100 when absent (422 otherwise)."""
     raw = request.query.get("limit")
     if raw is None:
         return _DEFAULT_PAGE
@@ -84,7 +85,7 @@ def _workspace(request: web.Request) -> str:
 async def list_docs(request: web.Request) -> web.Response:
     workspace_id = _workspace(request)
     claims = authenticate(request)
-    limit = _limit(request)
+    limit = page_limit(request)
     after = request.query.get("after")
     if after is not None and not is_valid_sub_doc(after):
         raise Problem(422, "invalid_field", "after must be the next_after of a listing page")
@@ -134,7 +135,7 @@ def _lock_cursor(raw: str | None) -> tuple[str, str] | None:
 )
 async def list_locks(request: web.Request) -> web.Response:
     workspace_id = _workspace(request)
-    limit = _limit(request)
+    limit = page_limit(request)
     after = _lock_cursor(request.query.get("after"))
     locks = request.app[STORES].locks
     # The store's clock, as acquire and release judge expiry: what is listed as live is what an

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from cv_server.http.bodies import read_body
 from cv_server.http.inputs import check_ids, decode_json
-from cv_server.http.listings import MAX_PAGE
+from cv_server.http.listings import MAX_PAGE, page_limit
 from cv_server.http.models import (
     SCHEDULE_NAME_PATTERN,
     EnqueueAnswer,
@@ -48,7 +48,6 @@ __all__ = ["grant_covers", "routes"]
 routes = web.RouteTableDef()
 
 _NAME_RE: Final = re.compile(SCHEDULE_NAME_PATTERN)
-_DEFAULT_PAGE: Final = 100
 _BASE: Final = "/v1/workspaces/{ws}/schedules"
 _NOT_FOUND: Final = {404: ("schedule_not_found",)}
 
@@ -81,25 +80,12 @@ def _name(request: web.Request) -> tuple[str, str]:
     workspace_id, name = request.match_info["ws"], request.match_info["name"]
     check_ids(workspace_id)
     if not _NAME_RE.fullmatch(name):
-        raise Problem(404, "schedule_not_found", f"no schedule {name!r}")
+        raise _not_found(name)
     return workspace_id, name
 
 
 def _not_found(name: str) -> Problem:
     return Problem(404, "schedule_not_found", f"no schedule {name!r}")
-
-
-def _limit(request: web.Request) -> int:
-    raw = request.query.get("limit")
-    if raw is None:
-        return _DEFAULT_PAGE
-    try:
-        limit = int(raw)
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= MAX_PAGE:
-        raise Problem(422, "invalid_field", f"limit must be an integer in 1..{MAX_PAGE}")
-    return limit
 
 
 @routes.post(_BASE)
@@ -174,7 +160,7 @@ async def list_schedules(request: web.Request) -> web.Response:
     workspace_id = request.match_info["ws"]
     check_ids(workspace_id)
     authorize(request, workspace_id)
-    limit = _limit(request)
+    limit = page_limit(request)
     after = request.query.get("after")
     if after is not None and not _NAME_RE.fullmatch(after):
         raise Problem(422, "invalid_field", "after must be the next_after of a listing page")

@@ -40,8 +40,7 @@ from cv_server.http.openapi import Doc, Param, documented
 from cv_server.http.problems import Problem
 from cv_server.http.security import (
     BEARER_SUBPROTOCOL_PREFIX,
-    authenticate,
-    bearer_token,
+    authenticated_token,
     missing_scope,
     seconds_left,
     signed_with,
@@ -405,13 +404,11 @@ def _wall() -> float:
 async def worker_channel(request: web.Request) -> web.WebSocketResponse:
     app = request.app
     config = app[CONFIG]
-    claims = authenticate(request, allow_subprotocol=True)
+    token, claims = authenticated_token(request, allow_subprotocol=True)
     if not claims.has_any_scope(frozenset({"work"})):
         raise missing_scope(frozenset({"work"}))
     if app[STATE].shutting_down:
         raise Problem(503, "unavailable", "the server is shutting down")
-    token = bearer_token(request, allow_subprotocol=True)
-    assert token is not None  # `authenticate` took it
     ws = LingeringWebSocketResponse(
         protocols=(CHANNEL_SUBPROTOCOL,),
         max_msg_size=config.max_ws_frame_bytes,
